@@ -1,0 +1,344 @@
+//! `kvtier-bench host`: put/get through the host tier against memcpy, `match_prefix` against a
+//! plain hash-set probe, and metadata bytes per block.
+
+use std::collections::HashSet;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
+
+use anyhow::{ensure, Context, Result};
+use clap::Args;
+use kvstore::{AlignedBuf, BlockKey, Namespace, NsId, Reserve, Store, StoreConfig, TpShard};
+
+use crate::alloc_count;
+use crate::report::{row, Report, Row};
+
+/// Options of `kvtier-bench host`.
+#[derive(Args, Debug)]
+pub struct HostArgs {
+    /// Block sizes in bytes (suffixes K, M, G allowed).
+    #[arg(long, value_delimiter = ',', default_value = "256K,2M,16M", value_parser = crate::parse_size)]
+    pub sizes: Vec<u64>,
+    /// Thread counts.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    pub threads: Vec<usize>,
+    /// Bytes of blocks per round (spread over many slots so copies leave the CPU caches).
+    #[arg(long, default_value = "1G", value_parser = crate::parse_size)]
+    pub working_set: u64,
+    /// Rounds per case; value, baseline and ratio are medians.
+    #[arg(long, default_value_t = 5)]
+    pub rounds: usize,
+    /// Key chain length for match_prefix.
+    #[arg(long, default_value_t = 1000)]
+    pub chain: usize,
+    /// Block counts at which to measure metadata bytes per block (0 skips).
+    #[arg(long, value_delimiter = ',', default_value = "1000000,10000000")]
+    pub metadata_blocks: Vec<u64>,
+    /// Print the JSON report as the last line.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn namespace() -> Namespace {
+    Namespace {
+        model: "bench/llama-3.1-8b".into(),
+        dtype: "bfloat16".into(),
+        layout: "nhd".into(),
+        block_tokens: 16,
+        tp: TpShard::Rank { size: 1, rank: 0 },
+        tenant: String::new(),
+        lora: String::new(),
+    }
+}
+
+fn key(i: u64) -> BlockKey {
+    BlockKey((u128::from(i) + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835) ^ 0x5555)
+}
+
+fn gbps(bytes: u64, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64() / 1e9
+}
+
+/// Runs `f(thread)` on `threads` threads started together; returns the wall time.
+fn timed_threads<F: Fn(usize) + Sync>(threads: usize, f: F) -> Duration {
+    let barrier = Barrier::new(threads + 1);
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            let (f, barrier) = (&f, &barrier);
+            s.spawn(move || {
+                barrier.wait();
+                f(t);
+                barrier.wait();
+            });
+        }
+        barrier.wait();
+        let start = Instant::now();
+        barrier.wait();
+        start.elapsed()
+    })
+}
+
+/// Disjoint `block`-sized pieces of one aligned buffer, as raw addresses (shared across threads).
+struct Ring {
+    buf: AlignedBuf,
+    block: usize,
+}
+
+impl Ring {
+    fn new(bytes: u64, block: usize) -> Result<Self> {
+        let mut buf = AlignedBuf::new(bytes as usize)?;
+        buf.fill_pattern(7);
+        Ok(Self { buf, block })
+    }
+    fn addr(&self, i: usize) -> usize {
+        self.buf.as_ptr() as usize + i * self.block
+    }
+}
+
+fn copy_raw(dst: usize, src: usize, len: usize) {
+    // SAFETY: callers pass addresses of disjoint, live, `len`-byte pieces of aligned buffers
+    // that outlive the copy; each destination piece is written by one thread only.
+    unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len) }
+}
+
+fn bandwidth_cases(args: &HostArgs, rows: &mut Vec<Row>) -> Result<()> {
+    let max_threads = args.threads.iter().copied().max().unwrap_or(1);
+    for &size in &args.sizes {
+        let block = size as usize;
+        let n = (args.working_set / size).max(max_threads as u64 * 2) as usize;
+        let seg: u64 = (64 << 20).max(size.next_power_of_two());
+        let store = StoreConfig {
+            capacity_bytes: (n as u64 * size * 5 / 4).div_ceil(seg) * seg + seg,
+            segment_bytes: seg,
+            size_classes: vec![block],
+            populate: true,
+            ..Default::default()
+        }
+        .build()
+        .context("building the store (lower --working-set?)")?;
+        let ns = store.register_namespace(&namespace())?;
+        // Baseline destinations: as many pieces as the store gets blocks.
+        let ring = Ring::new(n as u64 * size, block)?;
+        let mut srcs = Vec::new();
+        let mut dsts = Vec::new();
+        for t in 0..max_threads {
+            let mut s = AlignedBuf::new(block)?;
+            s.fill_pattern(t as u64);
+            srcs.push(s);
+            dsts.push(AlignedBuf::new(block)?);
+        }
+        let dst_addrs: Vec<usize> = dsts.iter_mut().map(|d| d.as_mut_ptr() as usize).collect();
+        for &threads in &args.threads {
+            let per = n / threads;
+            let total = (per * threads) as u64 * size;
+            let mut put_rounds = Vec::new();
+            let mut get_rounds = Vec::new();
+            // Round 0 warms caches, TLBs and page tables and is not reported.
+            for round in 0..=args.rounds {
+                for i in 0..n as u64 {
+                    store.remove(&key(i));
+                }
+                let base_put = timed_threads(threads, |t| {
+                    let src = srcs[t].as_ptr() as usize;
+                    for i in t * per..(t + 1) * per {
+                        copy_raw(ring.addr(i), src, block);
+                    }
+                });
+                let put = timed_threads(threads, |t| {
+                    for i in t * per..(t + 1) * per {
+                        put_one(&store, ns, key(i as u64), &srcs[t]);
+                    }
+                });
+                let base_get = timed_threads(threads, |t| {
+                    for i in t * per..(t + 1) * per {
+                        copy_raw(dst_addrs[t], ring.addr(i), block);
+                    }
+                });
+                let get = timed_threads(threads, |t| {
+                    // SAFETY: thread t is the only user of dsts[t] during this call.
+                    let dst =
+                        unsafe { std::slice::from_raw_parts_mut(dst_addrs[t] as *mut u8, block) };
+                    for i in t * per..(t + 1) * per {
+                        let got = store.get_into(&key(i as u64), dst);
+                        assert!(matches!(got, Ok(Some(_))), "block {i} missing");
+                    }
+                });
+                if round > 0 {
+                    put_rounds.push((gbps(total, put), gbps(total, base_put)));
+                    get_rounds.push((gbps(total, get), gbps(total, base_get)));
+                }
+            }
+            ensure!(
+                store.stats().evictions == 0,
+                "the bench store evicted: it must hold the working set"
+            );
+            let sz = human(size);
+            rows.push(row(
+                format!("put {sz} x{threads}t"),
+                "GB/s",
+                "memcpy",
+                &put_rounds,
+            ));
+            rows.push(row(
+                format!("get {sz} x{threads}t"),
+                "GB/s",
+                "memcpy",
+                &get_rounds,
+            ));
+        }
+        // Check the bytes once: the last put round stored srcs[0] under thread 0's keys.
+        let b = store.get(&key(0)).context("block 0 missing")?;
+        ensure!(*b == srcs[0][..], "block 0 holds wrong bytes");
+    }
+    Ok(())
+}
+
+fn put_one(store: &Store, ns: NsId, k: BlockKey, src: &[u8]) {
+    match store.reserve(ns, k, src.len()) {
+        Ok(Reserve::Slot(mut r)) => {
+            r.as_mut_slice().copy_from_slice(src);
+            if let Err(e) = r.commit() {
+                panic!("commit: {e}");
+            }
+        }
+        Ok(_) => panic!("block {k} already present"),
+        Err(e) => panic!("reserve: {e}"),
+    }
+}
+
+#[derive(Default)]
+struct Fold(u64);
+impl Hasher for Fold {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, b: &[u8]) {
+        for x in b {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*x);
+        }
+    }
+    fn write_u128(&mut self, x: u128) {
+        self.0 = (x as u64) ^ ((x >> 64) as u64);
+    }
+}
+
+fn match_prefix_case(args: &HostArgs, rows: &mut Vec<Row>) -> Result<()> {
+    let store = StoreConfig {
+        capacity_bytes: (args.chain as u64 * 4096).div_ceil(4 << 20) * (4 << 20),
+        segment_bytes: 4 << 20,
+        size_classes: vec![4096],
+        ..Default::default()
+    }
+    .build()?;
+    let ns = store.register_namespace(&namespace())?;
+    let chain: Vec<BlockKey> = (0..args.chain as u64).map(|i| key((i + 1) << 32)).collect();
+    for k in &chain {
+        store.put(ns, *k, &[1u8; 4096])?;
+    }
+    let set: HashSet<u128, BuildHasherDefault<Fold>> = chain.iter().map(|k| k.0).collect();
+    let mut rounds = Vec::new();
+    let budget = Duration::from_millis(300);
+    for _ in 0..args.rounds {
+        let (mut calls, start) = (0u64, Instant::now());
+        while start.elapsed() < budget {
+            for _ in 0..100 {
+                let n = chain.iter().take_while(|k| set.contains(&k.0)).count();
+                assert_eq!(n, chain.len());
+            }
+            calls += 100;
+        }
+        let base = (calls * chain.len() as u64) as f64 / start.elapsed().as_secs_f64();
+        let (mut calls, start) = (0u64, Instant::now());
+        while start.elapsed() < budget {
+            for _ in 0..100 {
+                assert_eq!(store.match_prefix(&chain).n, chain.len());
+            }
+            calls += 100;
+        }
+        let v = (calls * chain.len() as u64) as f64 / start.elapsed().as_secs_f64();
+        rounds.push((v / 1e6, base / 1e6));
+    }
+    rows.push(row(
+        format!("match_prefix chain {} x1t", args.chain),
+        "Mkeys/s",
+        "unlocked hash-set probe",
+        &rounds,
+    ));
+    Ok(())
+}
+
+fn metadata_case(blocks: u64, rows: &mut Vec<Row>) -> Result<()> {
+    let seg: u64 = 64 << 20;
+    let before = alloc_count::live_bytes();
+    let store = StoreConfig {
+        capacity_bytes: (blocks * 4096).div_ceil(seg) * seg,
+        segment_bytes: seg,
+        size_classes: vec![4096],
+        // The arena is never touched: reserved slots are committed without writing, so the
+        // memfd stays sparse and only metadata costs memory.
+        populate: false,
+        ..Default::default()
+    }
+    .build()?;
+    let ns = store.register_namespace(&namespace())?;
+    for i in 0..blocks {
+        match store.reserve(ns, key(i), 4096)? {
+            Reserve::Slot(r) => r.commit()?,
+            _ => anyhow::bail!("duplicate key {i}"),
+        }
+    }
+    ensure!(store.stats().blocks == blocks, "not every block was stored");
+    let per = (alloc_count::live_bytes() - before) as f64 / blocks as f64;
+    rows.push(Row {
+        case: format!("metadata {} blocks", human_count(blocks)),
+        unit: "bytes/block",
+        value: per,
+        baseline: 128.0,
+        ratio: per / 128.0,
+        ratio_spread: None,
+        baseline_is: "target 128 B/block",
+    });
+    Ok(())
+}
+
+fn human(b: u64) -> String {
+    if b >= 1 << 20 && b % (1 << 20) == 0 {
+        format!("{}MiB", b >> 20)
+    } else if b >= 1 << 10 && b % (1 << 10) == 0 {
+        format!("{}KiB", b >> 10)
+    } else {
+        format!("{b}B")
+    }
+}
+
+fn human_count(n: u64) -> String {
+    if n >= 1_000_000 && n % 1_000_000 == 0 {
+        format!("{}M", n / 1_000_000)
+    } else {
+        n.to_string()
+    }
+}
+
+/// Runs the host benchmark.
+pub fn run(args: HostArgs) -> Result<()> {
+    ensure!(args.rounds > 0, "--rounds must be at least 1");
+    ensure!(
+        args.threads.iter().all(|&t| t > 0),
+        "--threads must be positive"
+    );
+    let mut rows = Vec::new();
+    bandwidth_cases(&args, &mut rows)?;
+    if args.chain > 0 {
+        match_prefix_case(&args, &mut rows)?;
+    }
+    for &n in &args.metadata_blocks {
+        if n > 0 {
+            metadata_case(n, &mut rows)?;
+        }
+    }
+    Report {
+        bench: "host",
+        results: rows,
+    }
+    .print(args.json)
+}

@@ -1,0 +1,69 @@
+//! `kvtier-bench`: kvtier's benchmark harness. Every subcommand measures its baseline in the same
+//! run and, with `--json`, prints one JSON object as its last line:
+//! `{"bench": NAME, "results": [{"case", "unit", "value", "baseline", "ratio"}, ...]}`.
+
+mod alloc_count;
+mod host;
+mod report;
+
+use anyhow::{bail, Result};
+use clap::{Parser, Subcommand};
+
+#[global_allocator]
+static ALLOC: alloc_count::Counting = alloc_count::Counting;
+
+#[derive(Parser)]
+#[command(
+    name = "kvtier-bench",
+    version,
+    about = "kvtier benchmarks, each against its baseline"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Host tier: put/get vs memcpy, match_prefix vs a hash-set probe, metadata bytes per block.
+    Host(host::HostArgs),
+}
+
+/// Parses `123`, `256K`, `2M`, `1G` (binary units).
+pub fn parse_size(s: &str) -> Result<u64> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1u64 << 10),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    let Ok(n) = num.parse::<u64>() else {
+        bail!("{s:?} is not a size: use a number with an optional K, M or G suffix");
+    };
+    match n.checked_mul(mult) {
+        Some(v) if v > 0 => Ok(v),
+        _ => bail!("{s:?} is not a positive size that fits in 64 bits"),
+    }
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().cmd {
+        Cmd::Host(a) => host::run(a),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("256K").unwrap(), 256 << 10);
+        assert_eq!(parse_size("2M").unwrap(), 2 << 20);
+        assert_eq!(parse_size("7").unwrap(), 7);
+        assert!(parse_size("x").is_err());
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("99999999999G").is_err());
+    }
+}

@@ -1,0 +1,33 @@
+//! kvtier's store: block keys and namespaces, a sharded index, the host-memory tier and its
+//! eviction policies.
+//!
+//! ```
+//! use kvstore::{BlockKey, Namespace, StoreConfig, TpShard};
+//! let store = StoreConfig { capacity_bytes: 64 << 20, ..Default::default() }.build()?;
+//! let ns = Namespace {
+//!     model: "meta-llama/Llama-3.1-8B".into(), dtype: "bfloat16".into(), layout: "nhd".into(),
+//!     block_tokens: 256, tp: TpShard::Rank { size: 1, rank: 0 },
+//!     tenant: String::new(), lora: String::new(),
+//! };
+//! let id = store.register_namespace(&ns)?;
+//! let keys = ns.token_keys(&[1; 512], &[]);
+//! store.put(id, keys[0], b"kv bytes")?;
+//! assert_eq!(store.match_prefix(&keys).n, 1);
+//! assert_eq!(&*store.get(&keys[0]).unwrap(), b"kv bytes");
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod arena;
+mod error;
+mod key;
+pub mod policy;
+mod store;
+
+pub use arena::{fill_pattern, AlignedBuf, Arena};
+pub use error::{ConfigError, KeyError, StoreError};
+pub use key::{BlockKey, Fingerprint, Namespace, TpShard};
+pub use policy::{EvictionPolicy, PolicyKind};
+pub use store::{
+    BlockRef, Lease, LeaseId, NsId, PrefixMatch, PutOutcome, Reservation, Reserve, Store,
+    StoreConfig, StoreStats, Tier,
+};

@@ -1,0 +1,434 @@
+//! Eviction policies.
+//!
+//! A policy orders the committed blocks of one size class, identified by dense `u32` slot ids,
+//! and proposes victims. It never decides alone: [`EvictionPolicy::evict`] offers candidates to a
+//! callback that refuses pinned, leased or otherwise busy blocks, and the policy keeps a refused
+//! candidate. The same trait drives trace simulation, so policies can be judged against Belady's
+//! optimum on the same trace.
+
+use std::collections::{HashMap, VecDeque};
+
+const NIL: u32 = u32::MAX;
+
+/// A swappable eviction policy over dense ids.
+pub trait EvictionPolicy: Send {
+    /// Short name for stats and reports.
+    fn name(&self) -> &'static str;
+    /// A block was committed into slot `id`. `key_hash` identifies its content (for ghost
+    /// history); `id` is not currently tracked.
+    fn insert(&mut self, id: u32, key_hash: u64);
+    /// The block in `id` was read.
+    fn access(&mut self, id: u32);
+    /// The block in `id` left for another reason (removed, cleared); a no-op for untracked ids.
+    fn remove(&mut self, id: u32);
+    /// Chooses a victim. Candidates are offered in policy order to `try_evict`, which returns
+    /// `true` if it evicted the candidate (the policy then forgets it) and `false` if the candidate
+    /// must stay (the policy keeps it). Returns `None` when no candidate was accepted.
+    fn evict(&mut self, try_evict: &mut dyn FnMut(u32) -> bool) -> Option<u32>;
+    /// Number of tracked ids.
+    fn len(&self) -> usize;
+    /// Whether no id is tracked.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Which policy to build.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum PolicyKind {
+    /// Least recently used.
+    Lru,
+    /// S3-FIFO (Yang et al., SOSP'23): a small probationary FIFO, a main FIFO with reinsertion
+    /// and a ghost history; resists one-hit scans better than LRU.
+    #[default]
+    S3Fifo,
+}
+
+impl PolicyKind {
+    /// Builds a fresh policy.
+    pub fn build(self) -> Box<dyn EvictionPolicy> {
+        match self {
+            PolicyKind::Lru => Box::new(Lru::default()),
+            PolicyKind::S3Fifo => Box::new(S3Fifo::default()),
+        }
+    }
+
+    /// Parses `lru` or `s3fifo`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.to_ascii_lowercase().replace(['-', '_'], "").as_str() {
+            "lru" => Some(PolicyKind::Lru),
+            "s3fifo" => Some(PolicyKind::S3Fifo),
+            _ => None,
+        }
+    }
+}
+
+/// Least recently used, as an intrusive doubly linked list over a dense id table.
+#[derive(Default)]
+pub struct Lru {
+    /// `links[id] = (prev, next)`; `prev == id` marks an untracked id.
+    links: Vec<(u32, u32)>,
+    /// Most recently used.
+    head: u32,
+    /// Least recently used.
+    tail: u32,
+    len: usize,
+}
+
+impl Lru {
+    fn tracked(&self, id: u32) -> bool {
+        self.links.get(id as usize).is_some_and(|&(p, _)| p != id)
+    }
+
+    fn unlink(&mut self, id: u32) {
+        let (p, n) = self.links[id as usize];
+        if p == NIL {
+            self.head = n;
+        } else {
+            self.links[p as usize].1 = n;
+        }
+        if n == NIL {
+            self.tail = p;
+        } else {
+            self.links[n as usize].0 = p;
+        }
+        self.links[id as usize] = (id, id);
+    }
+
+    fn push_front(&mut self, id: u32) {
+        let old = if self.len == 0 { NIL } else { self.head };
+        self.links[id as usize] = (NIL, old);
+        if old == NIL {
+            self.tail = id;
+        } else {
+            self.links[old as usize].0 = id;
+        }
+        self.head = id;
+    }
+}
+
+impl EvictionPolicy for Lru {
+    fn name(&self) -> &'static str {
+        "lru"
+    }
+
+    fn insert(&mut self, id: u32, _key_hash: u64) {
+        let i = id as usize;
+        if self.links.len() <= i {
+            let start = self.links.len() as u32;
+            self.links.extend((start..=id).map(|x| (x, x)));
+        }
+        if self.tracked(id) {
+            self.unlink(id);
+            self.len -= 1;
+        }
+        self.push_front(id);
+        self.len += 1;
+    }
+
+    fn access(&mut self, id: u32) {
+        if self.tracked(id) && self.head != id {
+            self.unlink(id);
+            self.push_front(id);
+        }
+    }
+
+    fn remove(&mut self, id: u32) {
+        if self.tracked(id) {
+            self.unlink(id);
+            self.len -= 1;
+        }
+    }
+
+    fn evict(&mut self, try_evict: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
+        if self.len == 0 {
+            return None;
+        }
+        let mut cur = self.tail;
+        while cur != NIL {
+            let prev = self.links[cur as usize].0;
+            if try_evict(cur) {
+                self.unlink(cur);
+                self.len -= 1;
+                return Some(cur);
+            }
+            cur = prev;
+        }
+        None
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+#[derive(Clone, Copy, Default)]
+struct S3Meta {
+    /// 0: untracked, 1: small queue, 2: main queue.
+    queue: u8,
+    freq: u8,
+    generation: u32,
+    key_hash: u64,
+}
+
+/// S3-FIFO. Queues hold `(id, generation)`; entries whose generation no longer matches are
+/// stale (the id was removed or re-inserted) and are skipped when popped.
+#[derive(Default)]
+pub struct S3Fifo {
+    meta: Vec<S3Meta>,
+    small: VecDeque<(u32, u32)>,
+    main: VecDeque<(u32, u32)>,
+    n_small: usize,
+    n_main: usize,
+    ghost: VecDeque<u64>,
+    ghost_set: HashMap<u64, u32>,
+}
+
+const SMALL_PERCENT: usize = 10;
+const MAX_FREQ: u8 = 3;
+
+impl S3Fifo {
+    fn live(&self, (id, generation): (u32, u32), queue: u8) -> bool {
+        let m = &self.meta[id as usize];
+        m.generation == generation && m.queue == queue
+    }
+
+    fn promote(&mut self, id: u32) {
+        let m = &mut self.meta[id as usize];
+        m.queue = 2;
+        m.freq = 0;
+        m.generation = m.generation.wrapping_add(1);
+        let generation = m.generation;
+        self.main.push_back((id, generation));
+        self.n_main += 1;
+    }
+
+    fn forget(&mut self, id: u32) {
+        let m = &mut self.meta[id as usize];
+        match m.queue {
+            1 => self.n_small -= 1,
+            2 => self.n_main -= 1,
+            _ => return,
+        }
+        m.queue = 0;
+        m.generation = m.generation.wrapping_add(1);
+    }
+
+    fn remember_ghost(&mut self, key_hash: u64) {
+        let cap = (self.n_small + self.n_main).max(16);
+        self.ghost.push_back(key_hash);
+        *self.ghost_set.entry(key_hash).or_insert(0) += 1;
+        while self.ghost.len() > cap {
+            if let Some(old) = self.ghost.pop_front() {
+                if let Some(c) = self.ghost_set.get_mut(&old) {
+                    *c -= 1;
+                    if *c == 0 {
+                        self.ghost_set.remove(&old);
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl EvictionPolicy for S3Fifo {
+    fn name(&self) -> &'static str {
+        "s3fifo"
+    }
+
+    fn insert(&mut self, id: u32, key_hash: u64) {
+        let i = id as usize;
+        if self.meta.len() <= i {
+            self.meta.resize(i + 1, S3Meta::default());
+        }
+        self.forget(id);
+        self.meta[i].key_hash = key_hash;
+        if self.ghost_set.contains_key(&key_hash) {
+            // Seen recently and evicted too early: straight to main.
+            self.promote(id);
+        } else {
+            let m = &mut self.meta[i];
+            m.queue = 1;
+            m.freq = 0;
+            m.generation = m.generation.wrapping_add(1);
+            let generation = m.generation;
+            self.small.push_back((id, generation));
+            self.n_small += 1;
+        }
+    }
+
+    fn access(&mut self, id: u32) {
+        if let Some(m) = self.meta.get_mut(id as usize) {
+            if m.queue != 0 && m.freq < MAX_FREQ {
+                m.freq += 1;
+            }
+        }
+    }
+
+    fn remove(&mut self, id: u32) {
+        if (id as usize) < self.meta.len() {
+            self.forget(id);
+        }
+    }
+
+    fn evict(&mut self, try_evict: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
+        // Every live entry can be looked at most MAX_FREQ + 2 times before it is evicted or
+        // proven unevictable; stale entries once. This bounds the scan when all are pinned.
+        let mut budget = (self.small.len() + self.main.len()) * (MAX_FREQ as usize + 2) + 8;
+        while budget > 0 && self.n_small + self.n_main > 0 {
+            budget -= 1;
+            let total = self.n_small + self.n_main;
+            if self.n_small > 0 && (self.n_small * 100 >= total * SMALL_PERCENT || self.n_main == 0)
+            {
+                let Some(e) = self.small.pop_front() else {
+                    break;
+                };
+                if !self.live(e, 1) {
+                    continue;
+                }
+                let id = e.0;
+                self.n_small -= 1;
+                self.meta[id as usize].queue = 0;
+                if self.meta[id as usize].freq > 0 {
+                    self.promote(id);
+                } else if try_evict(id) {
+                    let m = &mut self.meta[id as usize];
+                    m.generation = m.generation.wrapping_add(1);
+                    let kh = m.key_hash;
+                    self.remember_ghost(kh);
+                    return Some(id);
+                } else {
+                    self.promote(id);
+                }
+            } else {
+                let Some(e) = self.main.pop_front() else {
+                    break;
+                };
+                if !self.live(e, 2) {
+                    continue;
+                }
+                let id = e.0;
+                let m = &mut self.meta[id as usize];
+                if m.freq > 0 {
+                    m.freq -= 1;
+                    self.main.push_back(e);
+                } else if try_evict(id) {
+                    self.n_main -= 1;
+                    m.queue = 0;
+                    m.generation = m.generation.wrapping_add(1);
+                    return Some(id);
+                } else {
+                    self.main.push_back(e);
+                }
+            }
+        }
+        // The main queue may hold only refused blocks while the small queue is below its share:
+        // offer the small queue's blocks too before giving up.
+        let candidates: Vec<(u32, u32)> = self.small.iter().copied().collect();
+        for e in candidates {
+            if self.live(e, 1) && try_evict(e.0) {
+                let m = &mut self.meta[e.0 as usize];
+                m.queue = 0;
+                m.generation = m.generation.wrapping_add(1);
+                let kh = m.key_hash;
+                self.n_small -= 1;
+                self.remember_ghost(kh);
+                return Some(e.0);
+            }
+        }
+        None
+    }
+
+    fn len(&self) -> usize {
+        self.n_small + self.n_main
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all() -> Vec<Box<dyn EvictionPolicy>> {
+        vec![PolicyKind::Lru.build(), PolicyKind::S3Fifo.build()]
+    }
+
+    #[test]
+    fn lru_order() {
+        let mut p = Lru::default();
+        for i in 0..4 {
+            p.insert(i, i as u64);
+        }
+        p.access(0);
+        assert_eq!(p.evict(&mut |_| true), Some(1));
+        assert_eq!(p.evict(&mut |id| id != 2), Some(3));
+        assert_eq!(p.len(), 2);
+        p.remove(2);
+        assert_eq!(p.evict(&mut |_| true), Some(0));
+        assert_eq!(p.evict(&mut |_| true), None);
+    }
+
+    #[test]
+    fn s3fifo_one_hit_wonders_go_first() {
+        let mut p = S3Fifo::default();
+        for i in 0..10 {
+            p.insert(i, i as u64);
+        }
+        // 0..5 are reused; a scan of one-hit blocks must not push them out.
+        for i in 0..5 {
+            p.access(i);
+        }
+        let mut evicted = Vec::new();
+        for _ in 0..5 {
+            evicted.push(p.evict(&mut |_| true).unwrap());
+        }
+        evicted.sort();
+        assert_eq!(evicted, vec![5, 6, 7, 8, 9]);
+        // A ghost hit re-enters the main queue.
+        p.insert(5, 5);
+        assert_eq!(p.meta[5].queue, 2);
+    }
+
+    #[test]
+    fn policies_respect_refusals_and_terminate() {
+        for mut p in all() {
+            for i in 0..50 {
+                p.insert(i, 1000 + i as u64);
+                p.access(i);
+            }
+            // Everything pinned: None, and nothing lost.
+            assert_eq!(p.evict(&mut |_| false), None, "{}", p.name());
+            assert_eq!(p.len(), 50);
+            // Only odd ids evictable.
+            let mut got = Vec::new();
+            while let Some(v) = p.evict(&mut |id| id % 2 == 1) {
+                got.push(v);
+            }
+            got.sort();
+            assert_eq!(
+                got,
+                (0..50).filter(|i| i % 2 == 1).collect::<Vec<_>>(),
+                "{}",
+                p.name()
+            );
+            assert_eq!(p.len(), 25);
+            for i in 0..50 {
+                p.remove(i);
+            }
+            assert!(p.is_empty());
+            assert_eq!(p.evict(&mut |_| true), None);
+        }
+    }
+
+    #[test]
+    fn reinsert_after_remove_is_tracked_once() {
+        for mut p in all() {
+            p.insert(3, 1);
+            p.remove(3);
+            p.insert(3, 2);
+            p.insert(3, 2);
+            assert_eq!(p.len(), 1, "{}", p.name());
+            assert_eq!(p.evict(&mut |_| true), Some(3));
+            assert_eq!(p.evict(&mut |_| true), None, "{}", p.name());
+        }
+    }
+}
