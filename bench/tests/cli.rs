@@ -23,7 +23,11 @@ fn host_bench_prints_json_last_line() {
         ])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let stdout = String::from_utf8(out.stdout).unwrap();
     let last = stdout.lines().last().unwrap();
     let v: serde_json::Value = serde_json::from_str(last).unwrap();

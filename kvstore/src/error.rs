@@ -46,6 +46,9 @@ pub enum ConfigError {
     /// Shard count must be a power of two.
     #[error("shards = {0} must be a power of two between 1 and 65536")]
     BadShards(usize),
+    /// The disk tier could not be opened.
+    #[error(transparent)]
+    Disk(#[from] crate::disk::DiskError),
     /// The arena could not be created or mapped.
     #[error("cannot create the host arena of {bytes} bytes: {source}{hint}")]
     Arena {

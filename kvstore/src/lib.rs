@@ -1,5 +1,5 @@
-//! kvtier's store: block keys and namespaces, a sharded index, the host-memory tier and its
-//! eviction policies.
+//! kvtier's store: block keys and namespaces, a sharded index, the host-memory tier, the disk
+//! tier (O_DIRECT through io_uring or pread/pwrite, crash-safe journal) and eviction policies.
 //!
 //! ```
 //! use kvstore::{BlockKey, Namespace, StoreConfig, TpShard};
@@ -18,12 +18,15 @@
 //! ```
 
 mod arena;
+mod disk;
 mod error;
+pub mod io;
 mod key;
 pub mod policy;
 mod store;
 
 pub use arena::{fill_pattern, AlignedBuf, Arena};
+pub use disk::{Admission, DiskConfig, DiskError, DiskStats};
 pub use error::{ConfigError, KeyError, StoreError};
 pub use key::{BlockKey, Fingerprint, Namespace, TpShard};
 pub use policy::{EvictionPolicy, PolicyKind};

@@ -1,6 +1,6 @@
-//! The store: a sharded index over the host arena.
+//! The store: a sharded index over the host arena, with an optional disk tier below it.
 //!
-//! # Block lifecycle
+//! # Block lifecycle (host tier)
 //!
 //! ```text
 //!  reserve() ──► Writing ──commit()──► Ready ──evict / remove / clear──► gone (slot freed)
@@ -12,31 +12,47 @@
 //!
 //! * Only `Ready` blocks are visible to `get`, `match_prefix` and `lease`: a reader never sees a
 //!   half-written block.
-//! * A block with pins (borrowed by a [`BlockRef`] or held by a lease) is never evicted; removing
-//!   it makes it invisible at once and frees its slot when the last pin goes.
-//! * Lock order: a size-class lock, then a shard lock, then the segment pool. No code holds two
-//!   class locks or two shard locks at once.
+//! * A block with pins (borrowed by a [`BlockRef`], held by a lease, or being written to disk)
+//!   is never evicted; removing it makes it invisible at once and frees its slot when the last
+//!   pin goes.
+//! * With a disk tier, a Ready block is *dirty* until a copy is durable on disk (*clean*).
+//!   Evicting a clean block just drops the host copy. Evicting a dirty block that the admission
+//!   policy admits first writes it to disk (write-back, in the allocating thread, batched); with
+//!   write-through the write happens at commit. A block whose disk write failed is dropped on
+//!   eviction (a later miss, never wrong data).
+//! * Lock order: a size-class lock, then a shard lock, then leaf locks (segment pool, demotion
+//!   queue, doorkeeper). No code holds two class locks or two shard locks at once, and no
+//!   store lock is held across disk I/O.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
 
 use crate::arena::Arena;
+use crate::disk::{
+    Admission, DiskConfig, DiskStats, DiskTier, ReadOutcome, WriteItem, WriteOutcome,
+};
 use crate::error::{ConfigError, KeyError, StoreError};
+use crate::io::{IoBuf, IoEngine};
 use crate::key::{BlockKey, Fingerprint, Namespace};
 use crate::policy::{EvictionPolicy, PolicyKind};
 
 const PAGE: usize = 4096;
+/// Keys remembered by the seen-twice admission doorkeeper.
+const DOORKEEPER: usize = 1 << 20;
 
-/// Where a block lives. Only the host tier exists so far; lower tiers join this enum.
+/// Where a block lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Tier {
     /// The shared host-memory arena.
     Host,
+    /// The local disk tier.
+    Disk,
 }
 
 /// Configuration of a [`Store`]; `build()` creates it.
@@ -61,6 +77,8 @@ pub struct StoreConfig {
     pub populate: bool,
     /// Most leases outstanding at once.
     pub max_leases: usize,
+    /// The disk tier below the host tier, if any.
+    pub disk: Option<DiskConfig>,
 }
 
 impl Default for StoreConfig {
@@ -74,12 +92,14 @@ impl Default for StoreConfig {
             huge_pages: false,
             populate: true,
             max_leases: 1 << 16,
+            disk: None,
         }
     }
 }
 
 impl StoreConfig {
-    /// Validates the configuration and creates the store (allocating the arena).
+    /// Validates the configuration and creates the store (allocating the arena, opening and
+    /// recovering the disk tier).
     pub fn build(self) -> Result<Store, ConfigError> {
         Store::new(self)
     }
@@ -138,7 +158,7 @@ pub struct NsId(pub u32);
 pub struct PrefixMatch {
     /// How many leading keys are present.
     pub n: usize,
-    /// The tier of each of the `n` leading keys.
+    /// The tier of each of the `n` leading keys (the fastest tier holding it).
     pub tiers: Vec<Tier>,
 }
 
@@ -153,6 +173,8 @@ pub struct Lease {
     pub id: Option<LeaseId>,
     /// Leading keys found and pinned.
     pub n: usize,
+    /// The tier of each pinned key.
+    pub tiers: Vec<Tier>,
     /// When the pins lapse on their own.
     pub expires: Instant,
 }
@@ -181,17 +203,17 @@ pub enum Reserve<'a> {
 /// Counters and gauges of a store.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StoreStats {
-    /// Bytes of block memory (whole segments).
+    /// Bytes of host block memory (whole segments).
     pub capacity_bytes: u64,
-    /// Bytes of committed block payload.
+    /// Bytes of committed block payload in host memory.
     pub used_bytes: u64,
-    /// Committed, visible blocks.
+    /// Committed, visible blocks in host memory.
     pub blocks: u64,
-    /// `get` / `get_into` hits.
+    /// `get` / `get_into` hits (host, or disk then promoted).
     pub hits: u64,
     /// `get` / `get_into` misses.
     pub misses: u64,
-    /// Blocks evicted to make room.
+    /// Blocks dropped from host memory to make room (demoted ones included).
     pub evictions: u64,
     /// Payload bytes committed.
     pub bytes_in: u64,
@@ -203,6 +225,14 @@ pub struct StoreStats {
     pub leases_expired: u64,
     /// Segments in the free pool.
     pub free_segments: u64,
+    /// Blocks copied disk → host on a hit or a prefix load.
+    pub promotions: u64,
+    /// Blocks written host → disk.
+    pub demotions: u64,
+    /// Blocks not written to disk because admission refused them.
+    pub admission_rejects: u64,
+    /// The disk tier's counters.
+    pub disk: Option<DiskStats>,
 }
 
 #[derive(Default)]
@@ -215,14 +245,17 @@ struct Counters {
     bytes_in: AtomicU64,
     bytes_out: AtomicU64,
     leases_expired: AtomicU64,
+    promotions: AtomicU64,
+    demotions: AtomicU64,
+    admission_rejects: AtomicU64,
 }
 
 // ---------------------------------------------------------------------------------------------
 // Index
 
-/// The map key: a `BlockKey` as two words (8-byte aligned, so a map bucket is 40 bytes, not 48).
+/// The map key: a `BlockKey` as two words (8-byte aligned, so a map bucket is 32 bytes).
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
-struct MapKey([u64; 2]);
+pub(crate) struct MapKey([u64; 2]);
 
 impl From<BlockKey> for MapKey {
     fn from(k: BlockKey) -> Self {
@@ -230,9 +263,15 @@ impl From<BlockKey> for MapKey {
     }
 }
 
+impl From<MapKey> for BlockKey {
+    fn from(k: MapKey) -> Self {
+        BlockKey((u128::from(k.0[0]) << 64) | u128::from(k.0[1]))
+    }
+}
+
 /// Keys are already uniform hashes: fold the two words instead of hashing again.
 #[derive(Default)]
-struct FoldHasher(u64);
+pub(crate) struct FoldHasher(u64);
 
 impl Hasher for FoldHasher {
     fn finish(&self) -> u64 {
@@ -251,13 +290,18 @@ impl Hasher for FoldHasher {
     }
 }
 
-type FoldMap<K, V> = HashMap<K, V, BuildHasherDefault<FoldHasher>>;
+pub(crate) type FoldMap<K, V> = HashMap<K, V, BuildHasherDefault<FoldHasher>>;
 
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum State {
-    Writing,
-    Ready,
-}
+/// Entry flags.
+const READY: u8 = 1;
+/// A copy is durable on the disk tier.
+const CLEAN: u8 = 2;
+/// Being written to disk (holds one pin).
+const DEMOTING: u8 = 4;
+/// Read while in host memory (seen twice).
+const ACCESSED: u8 = 8;
+/// A disk write failed: drop on eviction.
+const NO_DEMOTE: u8 = 16;
 
 /// Which slot holds a block: size class and dense slot index within the class. The arena
 /// address follows from the class's chunk table (see `Class::page_of`).
@@ -275,7 +319,7 @@ struct Entry {
     pins: u32,
     ns: u16,
     class: u8,
-    state: State,
+    flags: u8,
 }
 
 const _: () = assert!(std::mem::size_of::<Entry>() == 16);
@@ -287,6 +331,9 @@ impl Entry {
             idx: self.idx,
         }
     }
+    fn ready(&self) -> bool {
+        self.flags & READY != 0
+    }
 }
 
 #[derive(Default)]
@@ -294,6 +341,16 @@ struct Shard {
     map: FoldMap<MapKey, Entry>,
     /// Removed while pinned: slot → pins left. Freed on the last unpin.
     doomed: HashMap<Slot, u32>,
+}
+
+/// A host block queued for writing to disk; it holds one pin until written.
+struct Demote {
+    key: BlockKey,
+    slot: Slot,
+    page: u32,
+    cap: usize,
+    len: u32,
+    ns: u16,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -314,11 +371,21 @@ struct Class {
     policy: Box<dyn EvictionPolicy>,
 }
 
+/// Arena page of slot `idx` of a class with the given chunk table.
+fn page_of(
+    chunks: &[Option<u32>],
+    per_seg: u32,
+    slot_bytes: usize,
+    idx: u32,
+    seg_pages: u32,
+) -> u32 {
+    let seg = chunks[(idx / per_seg) as usize].unwrap_or(0);
+    seg * seg_pages + (idx % per_seg) * (slot_bytes / PAGE) as u32
+}
+
 impl Class {
     fn page_of(&self, idx: u32, seg_pages: u32) -> u32 {
-        let chunk = idx / self.per_seg;
-        let seg = self.chunks[chunk as usize].unwrap_or(0);
-        seg * seg_pages + (idx % self.per_seg) * (self.slot_bytes / PAGE) as u32
+        page_of(&self.chunks, self.per_seg, self.slot_bytes, idx, seg_pages)
     }
 
     fn add_segment(&mut self, seg: u32) {
@@ -360,17 +427,29 @@ impl Class {
 // ---------------------------------------------------------------------------------------------
 // Leases
 
+#[derive(Clone, Copy)]
+enum Pin {
+    Host(BlockKey, Slot),
+    Disk(BlockKey),
+}
+
 #[derive(Default)]
 struct Leases {
     next: u64,
-    live: HashMap<u64, (Instant, Vec<(BlockKey, Slot)>)>,
+    live: HashMap<u64, (Instant, Vec<Pin>)>,
     by_deadline: BTreeMap<(Instant, u64), ()>,
+}
+
+#[derive(Default)]
+struct Doorkeeper {
+    order: VecDeque<u64>,
+    set: HashSet<u64, BuildHasherDefault<FoldHasher>>,
 }
 
 // ---------------------------------------------------------------------------------------------
 // Store
 
-/// The kvtier store: sharded index, host-memory tier, eviction, leases.
+/// The kvtier store: sharded index, host-memory tier, optional disk tier, eviction, leases.
 pub struct Store {
     arena: Arena,
     seg_pages: u32,
@@ -385,6 +464,9 @@ pub struct Store {
     max_leases: usize,
     policy: PolicyKind,
     stats: Counters,
+    disk: Option<DiskTier>,
+    demote: Mutex<Vec<Demote>>,
+    doorkeeper: Mutex<Doorkeeper>,
 }
 
 impl std::fmt::Debug for Store {
@@ -393,12 +475,13 @@ impl std::fmt::Debug for Store {
             .field("capacity_bytes", &self.capacity_bytes())
             .field("classes", &self.class_sizes.len())
             .field("shards", &self.shards.len())
+            .field("disk", &self.disk.is_some())
             .finish()
     }
 }
 
 impl Store {
-    fn new(cfg: StoreConfig) -> Result<Self, ConfigError> {
+    fn new(mut cfg: StoreConfig) -> Result<Self, ConfigError> {
         if cfg.segment_bytes == 0
             || cfg.segment_bytes % PAGE as u64 != 0
             || cfg.segment_bytes > u64::from(u32::MAX)
@@ -421,6 +504,16 @@ impl Store {
             return Err(ConfigError::BadSegment(cfg.segment_bytes));
         }
         let arena = Arena::new(n_segments * cfg.segment_bytes, cfg.huge_pages, cfg.populate)?;
+        let mut namespaces = Vec::new();
+        let disk = match cfg.disk.take() {
+            None => None,
+            Some(mut d) => {
+                d.io.fixed_buffers = vec![(arena.base() as usize, arena.len())];
+                let (tier, ns) = DiskTier::open(d).map_err(ConfigError::Disk)?;
+                namespaces = ns;
+                Some(tier)
+            }
+        };
         let classes = class_sizes
             .iter()
             .map(|&sz| {
@@ -443,7 +536,8 @@ impl Store {
             segments = n_segments,
             classes = class_sizes.len(),
             policy = ?cfg.policy,
-            "host tier ready"
+            disk = disk.is_some(),
+            "store ready"
         );
         Ok(Self {
             arena,
@@ -454,15 +548,18 @@ impl Store {
             n_segments: n_segments as u32,
             shards,
             shard_bits: cfg.shards.trailing_zeros(),
-            namespaces: RwLock::new(Vec::new()),
+            namespaces: RwLock::new(namespaces),
             leases: Mutex::default(),
             max_leases: cfg.max_leases,
             policy: cfg.policy,
             stats: Counters::default(),
+            disk,
+            demote: Mutex::new(Vec::new()),
+            doorkeeper: Mutex::default(),
         })
     }
 
-    /// Total bytes of block memory.
+    /// Total bytes of host block memory.
     pub fn capacity_bytes(&self) -> u64 {
         u64::from(self.n_segments) * u64::from(self.seg_pages) * PAGE as u64
     }
@@ -482,7 +579,20 @@ impl Store {
         &self.arena
     }
 
-    /// Registers a namespace (idempotent) and returns its id in this store.
+    /// Whether a disk tier is configured.
+    pub fn has_disk(&self) -> bool {
+        self.disk.is_some()
+    }
+
+    /// Wraps the disk tier's I/O engine (fault injection in tests). No-op without a disk tier.
+    pub fn wrap_disk_engine(&mut self, f: impl FnOnce(Arc<dyn IoEngine>) -> Arc<dyn IoEngine>) {
+        if let Some(d) = self.disk.as_mut() {
+            d.wrap_engine(f);
+        }
+    }
+
+    /// Registers a namespace (idempotent) and returns its id in this store. With a disk tier
+    /// the id is durable: the same namespace gets the same id after a restart.
     pub fn register_namespace(&self, ns: &Namespace) -> Result<NsId, KeyError> {
         ns.validate()?;
         let fp = ns.fingerprint();
@@ -496,8 +606,14 @@ impl Store {
                 usize::from(u16::MAX) + 1
             )));
         }
+        let id = v.len() as u16;
+        if let Some(d) = &self.disk {
+            d.note_namespace(id, fp).map_err(|e| {
+                KeyError::BadNamespace(format!("cannot record the namespace on disk: {e}"))
+            })?;
+        }
         v.push(fp);
-        Ok(NsId((v.len() - 1) as u32))
+        Ok(NsId(u32::from(id)))
     }
 
     fn shard(&self, key: BlockKey) -> &Mutex<Shard> {
@@ -523,12 +639,38 @@ impl Store {
         unsafe { self.arena.base().add(page as usize * PAGE) }
     }
 
+    // ---- admission -----------------------------------------------------------------------
+
+    fn admitted(&self, key: BlockKey, flags: u8) -> bool {
+        match self.disk.as_ref().map(|d| d.cfg.admission) {
+            None => false,
+            Some(Admission::Always) => true,
+            Some(Admission::SeenTwice) => {
+                flags & ACCESSED != 0 || self.doorkeeper.lock().set.contains(&(key.0 as u64))
+            }
+        }
+    }
+
+    fn remember(&self, key: BlockKey) {
+        let mut d = self.doorkeeper.lock();
+        if d.set.insert(key.0 as u64) {
+            d.order.push_back(key.0 as u64);
+            if d.order.len() > DOORKEEPER {
+                if let Some(old) = d.order.pop_front() {
+                    d.set.remove(&old);
+                }
+            }
+        }
+    }
+
     // ---- allocation ----------------------------------------------------------------------
 
     /// Allocates a slot; returns it and its arena page.
     fn alloc(&self, class: usize, key: BlockKey, len: usize) -> Result<(Slot, u32), StoreError> {
-        for attempt in 0..8 {
-            {
+        let max_batch = self.disk.as_ref().map_or(0, |d| d.cfg.max_batch_bytes);
+        let mut attempts = 0;
+        loop {
+            let found = {
                 let mut c = self.classes[class].lock();
                 let c = &mut *c;
                 let idx = if let Some(idx) = c.free.pop() {
@@ -536,13 +678,25 @@ impl Store {
                 } else if let Some(seg) = self.segments.lock().pop() {
                     c.add_segment(seg);
                     c.free.pop()
-                } else if let Some(seg) = self.reclaim_segment(class, false) {
+                } else if let Some(seg) = self.reclaim_segment(class, false, 0) {
                     // An empty segment of another class costs no eviction: take it first.
                     c.add_segment(seg);
                     c.free.pop()
                 } else {
-                    let Class { policy, keys, .. } = c;
-                    policy.evict(&mut |idx| self.try_evict(keys[idx as usize], class, idx))
+                    let Class {
+                        policy,
+                        keys,
+                        chunks,
+                        per_seg,
+                        slot_bytes,
+                        ..
+                    } = c;
+                    let mut queued = 0u64;
+                    policy.evict(&mut |idx| {
+                        let page = page_of(chunks, *per_seg, *slot_bytes, idx, self.seg_pages);
+                        let victim = (keys[idx as usize], class, idx, page);
+                        self.try_evict(victim, &mut queued, max_batch)
+                    })
                 };
                 if let Some(idx) = idx {
                     if c.used[idx as usize] {
@@ -555,49 +709,132 @@ impl Store {
                         class: class as u8,
                         idx,
                     };
-                    return Ok((slot, c.page_of(idx, self.seg_pages)));
+                    Some((slot, c.page_of(idx, self.seg_pages)))
+                } else {
+                    None
                 }
+            };
+            // Dirty victims met on the way were queued for disk: write them now (outside every
+            // lock), so they become clean and can be dropped by the next allocation.
+            let demoted = self.run_demotions();
+            if let Some(found) = found {
+                return Ok(found);
             }
-            if attempt == 1 {
+            if demoted > 0 {
+                continue;
+            }
+            attempts += 1;
+            if attempts >= 8 {
+                return Err(StoreError::NoSpace { len });
+            }
+            if attempts == 2 {
                 self.reap_expired_leases();
             }
-            if let Some(seg) = self.reclaim_segment(class, true) {
+            if let Some(seg) = self.reclaim_segment(class, true, max_batch) {
                 self.segments.lock().push(seg);
             }
         }
-        Err(StoreError::NoSpace { len })
     }
 
-    /// Under the class lock: evicts the block in slot `idx` if it is committed and unpinned.
-    fn try_evict(&self, key: BlockKey, class: usize, idx: u32) -> bool {
+    /// Under the class lock: evicts the block in slot `idx` if it is committed, unpinned, and
+    /// either clean, refused by admission, or without a disk tier. A dirty admitted block is
+    /// instead queued for writing (pinned), up to `max_batch` bytes per allocation.
+    fn try_evict(
+        &self,
+        (key, class, idx, page): (BlockKey, usize, u32, u32),
+        queued: &mut u64,
+        max_batch: u64,
+    ) -> bool {
         let mut sh = self.shard(key).lock();
         let mk = MapKey::from(key);
-        match sh.map.get(&mk) {
-            Some(e)
-                if e.class as usize == class
-                    && e.idx == idx
-                    && e.pins == 0
-                    && e.state == State::Ready =>
-            {
-                let len = e.len;
-                sh.map.remove(&mk);
-                drop(sh);
-                self.stats.evictions.fetch_add(1, Relaxed);
-                self.stats.blocks.fetch_sub(1, Relaxed);
-                self.stats.used_bytes.fetch_sub(u64::from(len), Relaxed);
-                tracing::trace!(%key, "evicted");
-                true
-            }
-            _ => false,
+        let Some(e) = sh.map.get_mut(&mk) else {
+            return false;
+        };
+        if e.class as usize != class || e.idx != idx || e.pins != 0 || !e.ready() {
+            return false;
         }
+        if self.disk.is_some() && e.flags & (CLEAN | NO_DEMOTE) == 0 {
+            if self.admitted(key, e.flags) {
+                if *queued < max_batch {
+                    *queued += u64::from(e.len);
+                    e.flags |= DEMOTING;
+                    e.pins += 1;
+                    self.demote.lock().push(Demote {
+                        key,
+                        slot: e.slot(),
+                        page,
+                        cap: self.class_sizes[class],
+                        len: e.len,
+                        ns: e.ns,
+                    });
+                }
+                return false;
+            }
+            self.stats.admission_rejects.fetch_add(1, Relaxed);
+            self.remember(key);
+        }
+        let len = e.len;
+        sh.map.remove(&mk);
+        drop(sh);
+        self.stats.evictions.fetch_add(1, Relaxed);
+        self.stats.blocks.fetch_sub(1, Relaxed);
+        self.stats.used_bytes.fetch_sub(u64::from(len), Relaxed);
+        tracing::trace!(%key, "evicted");
+        true
+    }
+
+    /// Writes queued demotions to disk; returns how many were processed.
+    fn run_demotions(&self) -> usize {
+        let items = std::mem::take(&mut *self.demote.lock());
+        let Some(disk) = &self.disk else {
+            return 0;
+        };
+        if items.is_empty() {
+            return 0;
+        }
+        let writes = items
+            .iter()
+            .map(|d| WriteItem {
+                key: d.key,
+                ns: d.ns,
+                // SAFETY: the block is committed and pinned by its DEMOTING pin until the loop
+                // below, so its slot is neither freed nor written while the disk reads it.
+                buf: unsafe { IoBuf::from_raw(self.ptr(d.page), d.cap) },
+                len: d.len,
+            })
+            .collect();
+        let outcomes = disk.write_batch(writes);
+        for (d, o) in items.iter().zip(outcomes) {
+            if o == WriteOutcome::Written {
+                self.stats.demotions.fetch_add(1, Relaxed);
+            }
+            {
+                let mut sh = self.shard(d.key).lock();
+                if let Some(e) = sh.map.get_mut(&MapKey::from(d.key)) {
+                    if e.slot() == d.slot {
+                        e.flags &= !DEMOTING;
+                        e.flags |= if o == WriteOutcome::Failed {
+                            NO_DEMOTE
+                        } else {
+                            CLEAN
+                        };
+                    }
+                }
+            }
+            self.unpin(d.key, d.slot);
+        }
+        items.len()
     }
 
     /// Takes a whole segment away from another class for `for_class`: picks the chunk with the
     /// fewest live slots and, if `evict`, evicts them all (else only empty chunks qualify).
-    /// Gives up on a chunk as soon as one of its blocks is pinned or being written (the evicted
-    /// ones stay free in their class). Called with `for_class`'s lock held when `!evict` (class
-    /// locks are then only tried, never waited for, so two allocators cannot deadlock).
-    fn reclaim_segment(&self, for_class: usize, evict: bool) -> Option<u32> {
+    /// Gives up on a chunk as soon as one of its blocks is pinned or being written; dirty
+    /// blocks get queued for disk, so a later call can take the chunk (the evicted ones stay
+    /// free in their class). Called with `for_class`'s lock held when
+    /// `!evict` (class locks are then only tried, never waited for, so two allocators cannot
+    /// deadlock).
+    fn reclaim_segment(&self, for_class: usize, evict: bool, max_batch: u64) -> Option<u32> {
+        let mut queued = 0u64;
         for (ci, cm) in self.classes.iter().enumerate() {
             if ci == for_class {
                 continue;
@@ -623,7 +860,13 @@ impl Store {
                     if !c.used[idx as usize] {
                         continue;
                     }
-                    if self.try_evict(c.keys[idx as usize], ci, idx) {
+                    let victim = (
+                        c.keys[idx as usize],
+                        ci,
+                        idx,
+                        c.page_of(idx, self.seg_pages),
+                    );
+                    if self.try_evict(victim, &mut queued, max_batch) {
                         c.release(idx);
                     } else {
                         ok = false;
@@ -652,14 +895,17 @@ impl Store {
     /// the slot. Until commit the block is invisible.
     pub fn reserve(&self, ns: NsId, key: BlockKey, len: usize) -> Result<Reserve<'_>, StoreError> {
         let class = self.class_for(len)?;
-        if ns.0 as usize >= self.namespaces.read().len() || ns.0 > u32::from(u16::MAX) {
+        if ns.0 as usize >= self.namespaces.read().len() {
             return Err(StoreError::UnknownNamespace(ns.0));
         }
         let mk = MapKey::from(key);
         let existing = |sh: &Shard| {
-            sh.map.get(&mk).map(|e| match e.state {
-                State::Ready => Reserve::AlreadyPresent,
-                State::Writing => Reserve::InFlight,
+            sh.map.get(&mk).map(|e| {
+                if e.ready() {
+                    Reserve::AlreadyPresent
+                } else {
+                    Reserve::InFlight
+                }
             })
         };
         if let Some(r) = existing(&self.shard(key).lock()) {
@@ -680,7 +926,7 @@ impl Store {
                 ns: ns.0 as u16,
                 pins: 0,
                 class: slot.class,
-                state: State::Writing,
+                flags: 0,
             },
         );
         Ok(Reserve::Slot(Reservation {
@@ -689,6 +935,8 @@ impl Store {
             slot,
             page,
             len,
+            ns: ns.0 as u16,
+            from_disk: false,
             done: false,
         }))
     }
@@ -706,18 +954,50 @@ impl Store {
         }
     }
 
-    fn commit(&self, key: BlockKey, slot: Slot, len: usize) {
+    fn commit(&self, r: &Reservation<'_>) {
+        let (key, slot, len) = (r.key, r.slot, r.len);
+        let round = len.div_ceil(PAGE) * PAGE;
+        if round > len {
+            // Zero the tail of the last page, so a disk copy holds no stale bytes of an earlier
+            // block. SAFETY: the slot is at least `round` bytes (classes are multiples of 4096)
+            // and exclusively ours until commit.
+            unsafe { std::ptr::write_bytes(self.ptr(r.page).add(len), 0, round - len) };
+        }
         // Into the policy first: an evictor that meets the slot before it is Ready skips it.
         self.classes[slot.class as usize]
             .lock()
             .policy
             .insert(slot.idx, key.0 as u64);
-        if let Some(e) = self.shard(key).lock().map.get_mut(&MapKey::from(key)) {
-            e.state = State::Ready;
+        let mut through = None;
+        {
+            let mut sh = self.shard(key).lock();
+            if let Some(e) = sh.map.get_mut(&MapKey::from(key)) {
+                e.flags |= READY;
+                if r.from_disk {
+                    e.flags |= CLEAN;
+                } else if self.disk.as_ref().is_some_and(|d| d.cfg.write_through)
+                    && self.admitted(key, e.flags)
+                {
+                    e.flags |= DEMOTING;
+                    e.pins += 1;
+                    through = Some(Demote {
+                        key,
+                        slot,
+                        page: r.page,
+                        cap: self.class_sizes[slot.class as usize],
+                        len: len as u32,
+                        ns: r.ns,
+                    });
+                }
+            }
         }
         self.stats.blocks.fetch_add(1, Relaxed);
         self.stats.used_bytes.fetch_add(len as u64, Relaxed);
         self.stats.bytes_in.fetch_add(len as u64, Relaxed);
+        if let Some(d) = through {
+            self.demote.lock().push(d);
+            self.run_demotions();
+        }
     }
 
     fn abort(&self, key: BlockKey, slot: Slot) {
@@ -726,7 +1006,7 @@ impl Store {
         if sh
             .map
             .get(&mk)
-            .is_some_and(|e| e.state == State::Writing && e.slot() == slot)
+            .is_some_and(|e| !e.ready() && e.slot() == slot)
         {
             sh.map.remove(&mk);
         }
@@ -736,29 +1016,23 @@ impl Store {
 
     // ---- reads ---------------------------------------------------------------------------
 
-    /// Pins a committed block and borrows its bytes; `None` is a miss.
-    pub fn get(&self, key: &BlockKey) -> Option<BlockRef<'_>> {
-        let pinned = {
+    fn get_host(&self, key: &BlockKey) -> Option<BlockRef<'_>> {
+        let (slot, len) = {
             let mut sh = self.shard(*key).lock();
             match sh.map.get_mut(&MapKey::from(*key)) {
-                Some(e) if e.state == State::Ready => {
+                Some(e) if e.ready() => {
                     e.pins += 1;
-                    Some((e.slot(), e.len as usize))
+                    e.flags |= ACCESSED;
+                    (e.slot(), e.len as usize)
                 }
-                _ => None,
+                _ => return None,
             }
-        };
-        let Some((slot, len)) = pinned else {
-            self.stats.misses.fetch_add(1, Relaxed);
-            return None;
         };
         let page = {
             let mut c = self.classes[slot.class as usize].lock();
             c.policy.access(slot.idx);
             c.page_of(slot.idx, self.seg_pages)
         };
-        self.stats.hits.fetch_add(1, Relaxed);
-        self.stats.bytes_out.fetch_add(len as u64, Relaxed);
         Some(BlockRef {
             store: self,
             key: *key,
@@ -766,6 +1040,37 @@ impl Store {
             page,
             len,
         })
+    }
+
+    /// Pins a committed block and borrows its bytes; `None` is a miss. A block found only on
+    /// disk is first promoted into host memory (checksum verified; a failed check is a miss).
+    pub fn get(&self, key: &BlockKey) -> Option<BlockRef<'_>> {
+        let mut found = self.get_host(key);
+        if found.is_none() && self.disk.is_some() {
+            for _ in 0..100 {
+                match self.promote(key) {
+                    Promote::Done => {
+                        found = self.get_host(key);
+                        if found.is_some() {
+                            break;
+                        }
+                    }
+                    Promote::Busy => std::thread::sleep(Duration::from_micros(200)),
+                    Promote::Miss => break,
+                }
+            }
+        }
+        match found {
+            Some(b) => {
+                self.stats.hits.fetch_add(1, Relaxed);
+                self.stats.bytes_out.fetch_add(b.len as u64, Relaxed);
+                Some(b)
+            }
+            None => {
+                self.stats.misses.fetch_add(1, Relaxed);
+                None
+            }
+        }
     }
 
     /// Copies a committed block into `dst`; `Ok(None)` is a miss, `Ok(Some(len))` a hit.
@@ -783,52 +1088,213 @@ impl Store {
         Ok(Some(b.len()))
     }
 
-    /// Longest run of leading keys that are present, and the tier of each. No side effects: no
-    /// pins, no policy updates, no hit counters.
+    fn host_ready(&self, key: &BlockKey) -> Option<bool> {
+        self.shard(*key)
+            .lock()
+            .map
+            .get(&MapKey::from(*key))
+            .map(|e| e.ready())
+    }
+
+    /// Longest run of leading keys that are present, and the fastest tier of each. No side
+    /// effects: no pins, no policy updates, no hit counters.
     pub fn match_prefix(&self, keys: &[BlockKey]) -> PrefixMatch {
-        let mut n = 0;
+        let mut tiers = Vec::new();
         for k in keys {
-            let ready = self
-                .shard(*k)
-                .lock()
-                .map
-                .get(&MapKey::from(*k))
-                .is_some_and(|e| e.state == State::Ready);
-            if !ready {
+            let tier = if self.host_ready(k) == Some(true) {
+                Tier::Host
+            } else if self.disk.as_ref().is_some_and(|d| d.lookup(k).is_some()) {
+                Tier::Disk
+            } else {
                 break;
-            }
-            n += 1;
+            };
+            tiers.push(tier);
         }
         PrefixMatch {
-            n,
-            tiers: vec![Tier::Host; n],
+            n: tiers.len(),
+            tiers,
         }
     }
 
-    /// Whether a committed block with this key is present (no side effects).
+    /// Whether a committed block with this key is present in any tier (no side effects).
     pub fn contains(&self, key: &BlockKey) -> bool {
         self.match_prefix(std::slice::from_ref(key)).n == 1
     }
 
+    /// Whether a committed block with this key is in host memory (no side effects).
+    pub fn in_host(&self, key: &BlockKey) -> bool {
+        self.host_ready(key) == Some(true)
+    }
+
+    fn promote(&self, key: &BlockKey) -> Promote {
+        let Some(disk) = &self.disk else {
+            return Promote::Miss;
+        };
+        let Some((len, ns)) = disk.lookup(key) else {
+            return Promote::Miss;
+        };
+        match self.reserve(NsId(u32::from(ns)), *key, len as usize) {
+            Ok(Reserve::AlreadyPresent) => Promote::Done,
+            Ok(Reserve::InFlight) => Promote::Busy,
+            Ok(Reserve::Slot(r)) => self.fill_from_disk(vec![r]).pop().unwrap_or(Promote::Miss),
+            Err(e) => {
+                tracing::debug!(%key, error = %e, "no host slot to promote into");
+                Promote::Miss
+            }
+        }
+    }
+
+    /// Reads reserved blocks from disk in one batch and commits the verified ones.
+    fn fill_from_disk(&self, mut rs: Vec<Reservation<'_>>) -> Vec<Promote> {
+        let Some(disk) = &self.disk else {
+            return rs.iter().map(|_| Promote::Miss).collect();
+        };
+        let items = rs
+            .iter_mut()
+            .map(|r| {
+                let cap = self.class_sizes[r.slot.class as usize];
+                // SAFETY: the reservation owns the slot exclusively (invisible, not in any free
+                // list) and outlives the batch, which completes before we return.
+                (r.key, unsafe { IoBuf::from_raw(r.as_mut_ptr(), cap) })
+            })
+            .collect();
+        let outcomes = disk.read_batch(items);
+        rs.into_iter()
+            .zip(outcomes)
+            .map(|(mut r, o)| match o {
+                ReadOutcome::Hit(len) if len as usize == r.len => {
+                    r.from_disk = true;
+                    if r.commit().is_ok() {
+                        self.stats.promotions.fetch_add(1, Relaxed);
+                        Promote::Done
+                    } else {
+                        Promote::Miss
+                    }
+                }
+                _ => Promote::Miss,
+            })
+            .collect()
+    }
+
+    /// Makes the longest present prefix of `keys` resident in host memory, reading the blocks
+    /// that are only on disk in one batch at the engine's queue depth. Returns how many leading
+    /// keys are now in host memory (a block that fails its checksum ends the prefix).
+    pub fn load_prefix(&self, keys: &[BlockKey]) -> usize {
+        let m = self.match_prefix(keys);
+        if let Some(disk) = &self.disk {
+            let mut rs = Vec::new();
+            for (k, t) in keys.iter().zip(&m.tiers) {
+                if *t != Tier::Disk {
+                    continue;
+                }
+                let Some((len, ns)) = disk.lookup(k) else {
+                    break;
+                };
+                match self.reserve(NsId(u32::from(ns)), *k, len as usize) {
+                    Ok(Reserve::Slot(r)) => rs.push(r),
+                    Ok(_) => {}
+                    Err(_) => break,
+                }
+            }
+            if !rs.is_empty() {
+                self.fill_from_disk(rs);
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut n = 0;
+        for k in &keys[..m.n] {
+            loop {
+                match self.host_ready(k) {
+                    Some(true) => break,
+                    // Another thread is promoting it: wait for its commit.
+                    Some(false) if Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_micros(100));
+                    }
+                    _ => return n,
+                }
+            }
+            n += 1;
+        }
+        n
+    }
+
+    /// Writes every dirty, admitted host block to the disk tier and checkpoints the journal
+    /// (clean shutdown). Returns how many blocks were written.
+    pub fn flush(&self) -> usize {
+        let Some(disk) = &self.disk else {
+            return 0;
+        };
+        let before = self.stats.demotions.load(Relaxed);
+        for s in self.shards.iter() {
+            let mut queue = Vec::new();
+            {
+                let mut sh = s.lock();
+                for (k, e) in sh.map.iter_mut() {
+                    let key = BlockKey::from(*k);
+                    if e.ready()
+                        && e.flags & (CLEAN | NO_DEMOTE | DEMOTING) == 0
+                        && self.admitted(key, e.flags)
+                    {
+                        e.flags |= DEMOTING;
+                        e.pins += 1;
+                        queue.push((key, e.slot(), e.len, e.ns));
+                    }
+                }
+            }
+            let mut demote = Vec::new();
+            for (key, slot, len, ns) in queue {
+                let page = self.classes[slot.class as usize]
+                    .lock()
+                    .page_of(slot.idx, self.seg_pages);
+                demote.push(Demote {
+                    key,
+                    slot,
+                    page,
+                    cap: self.class_sizes[slot.class as usize],
+                    len,
+                    ns,
+                });
+            }
+            self.demote.lock().extend(demote);
+            self.run_demotions();
+        }
+        if let Err(e) = disk.checkpoint() {
+            tracing::warn!(error = %e, "journal checkpoint failed (the journal stays valid)");
+        }
+        (self.stats.demotions.load(Relaxed) - before) as usize
+    }
+
     // ---- leases --------------------------------------------------------------------------
 
-    /// Pins the leading present keys until [`Store::release`] or until `ttl` passes.
+    /// Pins the leading present keys (in any tier) until [`Store::release`] or until `ttl`
+    /// passes.
     pub fn lease(&self, keys: &[BlockKey], ttl: Duration) -> Result<Lease, StoreError> {
         self.reap_expired_leases();
-        let now = Instant::now();
-        let expires = now + ttl;
+        let expires = Instant::now() + ttl;
         if self.leases.lock().live.len() >= self.max_leases {
             return Err(StoreError::TooManyLeases(self.max_leases));
         }
         let mut pinned = Vec::new();
+        let mut tiers = Vec::new();
         for k in keys {
-            let mut sh = self.shard(*k).lock();
-            match sh.map.get_mut(&MapKey::from(*k)) {
-                Some(e) if e.state == State::Ready => {
-                    e.pins += 1;
-                    pinned.push((*k, e.slot()));
+            let host = {
+                let mut sh = self.shard(*k).lock();
+                match sh.map.get_mut(&MapKey::from(*k)) {
+                    Some(e) if e.ready() => {
+                        e.pins += 1;
+                        Some(e.slot())
+                    }
+                    _ => None,
                 }
-                _ => break,
+            };
+            if let Some(slot) = host {
+                pinned.push(Pin::Host(*k, slot));
+                tiers.push(Tier::Host);
+            } else if self.disk.as_ref().is_some_and(|d| d.pin(k)) {
+                pinned.push(Pin::Disk(*k));
+                tiers.push(Tier::Disk);
+            } else {
+                break;
             }
         }
         let n = pinned.len();
@@ -836,6 +1302,7 @@ impl Store {
             return Ok(Lease {
                 id: None,
                 n,
+                tiers,
                 expires,
             });
         }
@@ -847,8 +1314,22 @@ impl Store {
         Ok(Lease {
             id: Some(LeaseId(id)),
             n,
+            tiers,
             expires,
         })
+    }
+
+    fn drop_pins(&self, pins: Vec<Pin>) {
+        for p in pins {
+            match p {
+                Pin::Host(k, slot) => self.unpin(k, slot),
+                Pin::Disk(k) => {
+                    if let Some(d) = &self.disk {
+                        d.unpin(&k);
+                    }
+                }
+            }
+        }
     }
 
     /// Releases a lease; `false` if it was unknown (already released or expired).
@@ -863,9 +1344,7 @@ impl Store {
         };
         match rec {
             Some((_, pins)) => {
-                for (k, slot) in pins {
-                    self.unpin(k, slot);
-                }
+                self.drop_pins(pins);
                 true
             }
             None => false,
@@ -879,7 +1358,7 @@ impl Store {
 
     /// Releases every lease whose deadline is at or before `now`; returns how many.
     pub fn reap_expired_leases_at(&self, now: Instant) -> usize {
-        let expired: Vec<Vec<(BlockKey, Slot)>> = {
+        let expired: Vec<Vec<Pin>> = {
             let mut l = self.leases.lock();
             let mut out = Vec::new();
             while let Some((&(deadline, id), _)) = l.by_deadline.first_key_value() {
@@ -895,9 +1374,7 @@ impl Store {
         };
         let n = expired.len();
         for pins in expired {
-            for (k, slot) in pins {
-                self.unpin(k, slot);
-            }
+            self.drop_pins(pins);
         }
         if n > 0 {
             self.stats.leases_expired.fetch_add(n as u64, Relaxed);
@@ -930,13 +1407,11 @@ impl Store {
 
     // ---- removal -------------------------------------------------------------------------
 
-    /// Removes a committed block; `false` if absent. A pinned block becomes invisible now and
-    /// its slot is freed when the last pin goes.
-    pub fn remove(&self, key: &BlockKey) -> bool {
+    fn remove_host(&self, key: &BlockKey) -> bool {
         let mut sh = self.shard(*key).lock();
         let mk = MapKey::from(*key);
         match sh.map.get(&mk).copied() {
-            Some(e) if e.state == State::Ready => {
+            Some(e) if e.ready() => {
                 sh.map.remove(&mk);
                 self.stats.blocks.fetch_sub(1, Relaxed);
                 self.stats.used_bytes.fetch_sub(u64::from(e.len), Relaxed);
@@ -952,15 +1427,24 @@ impl Store {
         }
     }
 
-    /// Removes every committed block of a namespace; returns how many.
+    /// Removes a committed block from every tier; `false` if absent. A pinned block becomes
+    /// invisible now and its space is freed when the last pin goes.
+    pub fn remove(&self, key: &BlockKey) -> bool {
+        let host = self.remove_host(key);
+        let disk = self.disk.as_ref().is_some_and(|d| d.remove(key));
+        host || disk
+    }
+
+    /// Removes every committed block of a namespace from every tier; returns how many distinct
+    /// blocks.
     pub fn clear_namespace(&self, ns: NsId) -> usize {
-        let mut n = 0;
+        let mut removed: HashSet<BlockKey> = HashSet::new();
         for s in self.shards.iter() {
             let mut sh = s.lock();
             let victims: Vec<(MapKey, Entry)> = sh
                 .map
                 .iter()
-                .filter(|(_, e)| u32::from(e.ns) == ns.0 && e.state == State::Ready)
+                .filter(|(_, e)| u32::from(e.ns) == ns.0 && e.ready())
                 .map(|(k, e)| (*k, *e))
                 .collect();
             let mut free = Vec::new();
@@ -973,14 +1457,17 @@ impl Store {
                 } else {
                     free.push(e.slot());
                 }
-                n += 1;
+                removed.insert(BlockKey::from(k));
             }
             drop(sh);
             for slot in free {
                 self.free_slot(slot);
             }
         }
-        n
+        if let (Some(d), Ok(id)) = (&self.disk, u16::try_from(ns.0)) {
+            removed.extend(d.clear_namespace(id));
+        }
+        removed.len()
     }
 
     /// A snapshot of the counters.
@@ -998,8 +1485,18 @@ impl Store {
             leases: self.leases.lock().live.len() as u64,
             leases_expired: s.leases_expired.load(Relaxed),
             free_segments: self.segments.lock().len() as u64,
+            promotions: s.promotions.load(Relaxed),
+            demotions: s.demotions.load(Relaxed),
+            admission_rejects: s.admission_rejects.load(Relaxed),
+            disk: self.disk.as_ref().map(|d| d.stats()),
         }
     }
+}
+
+enum Promote {
+    Done,
+    Busy,
+    Miss,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1013,6 +1510,8 @@ pub struct Reservation<'a> {
     slot: Slot,
     page: u32,
     len: usize,
+    ns: u16,
+    from_disk: bool,
     done: bool,
 }
 
@@ -1027,7 +1526,7 @@ impl Reservation<'_> {
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: the slot lies inside the arena and is at least `len` bytes long (its class is
         // >= len). It is owned exclusively by this reservation: it is not in any free list, its
-        // index entry is `Writing` (invisible to readers and evictors) until commit, and `&mut
+        // index entry is not Ready (invisible to readers and evictors) until commit, and `&mut
         // self` prevents a second mutable borrow. The memory is initialized (zero-filled or
         // earlier block data), so exposing it as `&mut [u8]` is sound.
         unsafe { std::slice::from_raw_parts_mut(self.store.ptr(self.page), self.len) }
@@ -1036,6 +1535,11 @@ impl Reservation<'_> {
     /// Raw pointer to the slot, for a copy engine (DMA, io_uring) that fills it.
     pub fn as_mut_ptr(&mut self) -> *mut u8 {
         self.store.ptr(self.page)
+    }
+
+    /// Byte offset of the slot in the arena (for another process that mapped the arena).
+    pub fn arena_offset(&self) -> u64 {
+        u64::from(self.page) * PAGE as u64
     }
 
     /// Length of the block.
@@ -1048,10 +1552,10 @@ impl Reservation<'_> {
         self.len == 0
     }
 
-    /// Makes the block visible.
+    /// Makes the block visible (and, with write-through, writes it to disk).
     pub fn commit(mut self) -> Result<(), StoreError> {
         self.done = true;
-        self.store.commit(self.key, self.slot, self.len);
+        self.store.commit(&self);
         Ok(())
     }
 }
@@ -1077,6 +1581,11 @@ impl BlockRef<'_> {
     /// The block's key.
     pub fn key(&self) -> BlockKey {
         self.key
+    }
+
+    /// Byte offset of the block in the arena.
+    pub fn arena_offset(&self) -> u64 {
+        u64::from(self.page) * PAGE as u64
     }
 }
 

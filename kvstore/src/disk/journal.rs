@@ -1,0 +1,314 @@
+//! The disk tier's index journal: a 64-byte header, then 64-byte records, each with its own
+//! checksum. Replay stops at the first torn or corrupt record and truncates there. Compaction
+//! (the checkpoint) rewrites only live records into a new file and renames it into place. The
+//! byte layout is drawn in ARCHITECTURE.md ("Disk tier on-disk format").
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::key::BlockKey;
+
+pub(crate) const JOURNAL_MAGIC: &[u8; 8] = b"KVTJRNL\0";
+pub(crate) const VERSION: u32 = 1;
+pub(crate) const REC: usize = 64;
+const REC_MAGIC: u32 = 0x5244_564b; // "KVDR" little-endian
+
+/// Record kinds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// A block is durable at (file, page) with len and checksum.
+    Put = 1,
+    /// A block is gone.
+    Remove = 2,
+    /// Namespace id `page` has fingerprint `key`.
+    Namespace = 3,
+}
+
+/// One journal record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Record {
+    pub kind: Kind,
+    pub ns: u16,
+    pub key: BlockKey,
+    pub page: u64,
+    pub len: u32,
+    pub file: u32,
+    pub checksum: u64,
+    pub seq: u64,
+}
+
+impl Record {
+    pub(crate) fn encode(&self) -> [u8; REC] {
+        let mut b = [0u8; REC];
+        b[0..4].copy_from_slice(&REC_MAGIC.to_le_bytes());
+        b[4] = self.kind as u8;
+        b[5] = VERSION as u8;
+        b[6..8].copy_from_slice(&self.ns.to_le_bytes());
+        b[8..24].copy_from_slice(&self.key.to_bytes());
+        b[24..32].copy_from_slice(&self.page.to_le_bytes());
+        b[32..36].copy_from_slice(&self.len.to_le_bytes());
+        b[36..40].copy_from_slice(&self.file.to_le_bytes());
+        b[40..48].copy_from_slice(&self.checksum.to_le_bytes());
+        b[48..56].copy_from_slice(&self.seq.to_le_bytes());
+        let c = xxh3_64(&b[..56]);
+        b[56..64].copy_from_slice(&c.to_le_bytes());
+        b
+    }
+
+    pub(crate) fn decode(b: &[u8]) -> Option<Self> {
+        let u32at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let u64at = |i: usize| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(&b[i..i + 8]);
+            u64::from_le_bytes(a)
+        };
+        if b.len() < REC || u32at(0) != REC_MAGIC || u64at(56) != xxh3_64(&b[..56]) {
+            return None;
+        }
+        let kind = match b[4] {
+            1 => Kind::Put,
+            2 => Kind::Remove,
+            3 => Kind::Namespace,
+            _ => return None,
+        };
+        if u32::from(b[5]) != VERSION {
+            return None;
+        }
+        Some(Record {
+            kind,
+            ns: u16::from_le_bytes([b[6], b[7]]),
+            key: BlockKey::from_bytes(&b[8..24]).ok()?,
+            page: u64at(24),
+            len: u32at(32),
+            file: u32at(36),
+            checksum: u64at(40),
+            seq: u64at(48),
+        })
+    }
+}
+
+fn header(instance: u64) -> [u8; REC] {
+    let mut h = [0u8; REC];
+    h[0..8].copy_from_slice(JOURNAL_MAGIC);
+    h[8..12].copy_from_slice(&VERSION.to_le_bytes());
+    h[12..16].copy_from_slice(&(REC as u32).to_le_bytes());
+    h[16..24].copy_from_slice(&instance.to_le_bytes());
+    let c = xxh3_64(&h[..56]);
+    h[56..64].copy_from_slice(&c.to_le_bytes());
+    h
+}
+
+/// Errors that stop the tier from opening: the operator must look.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum JournalError {
+    #[error("{path}: not a kvtier journal or an unsupported version ({why})")]
+    Foreign { path: PathBuf, why: &'static str },
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: io::Error },
+}
+
+/// An open journal, appending.
+pub(crate) struct Journal {
+    path: PathBuf,
+    file: File,
+    end: u64,
+    /// Records in the file (live or not).
+    pub(crate) records: u64,
+}
+
+impl Journal {
+    /// Creates a new, empty journal (replacing none: the caller checked it is absent).
+    pub(crate) fn create(path: &Path, instance: u64) -> Result<Self, JournalError> {
+        let io = |source| JournalError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let mut file = OpenOptions::new()
+            .create_new(true)
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(io)?;
+        file.write_all(&header(instance)).map_err(io)?;
+        file.sync_all().map_err(io)?;
+        sync_dir(path).map_err(io)?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            file,
+            end: REC as u64,
+            records: 0,
+        })
+    }
+
+    /// Opens and replays; returns the instance id and the valid records. A torn tail is cut off.
+    pub(crate) fn open(path: &Path) -> Result<(Self, u64, Vec<Record>), JournalError> {
+        let io = |source| JournalError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(io)?;
+        let mut bytes = Vec::new();
+        file.read_to_end(&mut bytes).map_err(io)?;
+        let foreign = |why| JournalError::Foreign {
+            path: path.to_path_buf(),
+            why,
+        };
+        if bytes.len() < REC || &bytes[0..8] != JOURNAL_MAGIC {
+            return Err(foreign("bad magic"));
+        }
+        let h = &bytes[..REC];
+        if u64::from_le_bytes(h[56..64].try_into().unwrap_or_default()) != xxh3_64(&h[..56]) {
+            return Err(foreign("header checksum"));
+        }
+        if u32::from_le_bytes(h[8..12].try_into().unwrap_or_default()) != VERSION {
+            return Err(foreign("version"));
+        }
+        let instance = u64::from_le_bytes(h[16..24].try_into().unwrap_or_default());
+        let mut recs = Vec::new();
+        let mut end = REC;
+        while end + REC <= bytes.len() {
+            match Record::decode(&bytes[end..end + REC]) {
+                Some(r) => recs.push(r),
+                None => break,
+            }
+            end += REC;
+        }
+        if end != bytes.len() {
+            tracing::warn!(
+                path = %path.display(),
+                kept = recs.len(),
+                dropped_bytes = bytes.len() - end,
+                "journal: torn or corrupt tail cut off"
+            );
+            file.set_len(end as u64).map_err(io)?;
+            file.sync_all().map_err(io)?;
+        }
+        let records = recs.len() as u64;
+        Ok((
+            Self {
+                path: path.to_path_buf(),
+                file,
+                end: end as u64,
+                records,
+            },
+            instance,
+            recs,
+        ))
+    }
+
+    /// Appends records (not yet durable: call `sync`).
+    pub(crate) fn append(&mut self, recs: &[Record]) -> io::Result<()> {
+        if recs.is_empty() {
+            return Ok(());
+        }
+        let mut buf = Vec::with_capacity(recs.len() * REC);
+        for r in recs {
+            buf.extend_from_slice(&r.encode());
+        }
+        self.file.write_all_at(&buf, self.end)?;
+        self.end += buf.len() as u64;
+        self.records += recs.len() as u64;
+        Ok(())
+    }
+
+    /// Makes everything appended durable.
+    pub(crate) fn sync(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+
+    /// Checkpoint: writes `live` into a fresh file and atomically replaces the journal with it.
+    pub(crate) fn rewrite(&mut self, instance: u64, live: &[Record]) -> io::Result<()> {
+        let tmp = self.path.with_extension("tmp");
+        let _ = std::fs::remove_file(&tmp);
+        {
+            let mut f = OpenOptions::new().create_new(true).write(true).open(&tmp)?;
+            let mut buf = Vec::with_capacity((live.len() + 1) * REC);
+            buf.extend_from_slice(&header(instance));
+            for r in live {
+                buf.extend_from_slice(&r.encode());
+            }
+            f.write_all(&buf)?;
+            f.sync_all()?;
+        }
+        std::fs::rename(&tmp, &self.path)?;
+        sync_dir(&self.path)?;
+        self.file = OpenOptions::new().read(true).write(true).open(&self.path)?;
+        self.end = ((live.len() + 1) * REC) as u64;
+        self.records = live.len() as u64;
+        Ok(())
+    }
+}
+
+pub(crate) fn sync_dir(path: &Path) -> io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    File::open(dir)?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(i: u64) -> Record {
+        Record {
+            kind: Kind::Put,
+            ns: 3,
+            key: BlockKey(u128::from(i) * 7 + 1),
+            page: i * 10,
+            len: 4096 * i as u32 + 1,
+            file: 0,
+            checksum: i ^ 0xabc,
+            seq: i,
+        }
+    }
+
+    #[test]
+    fn roundtrip_torn_tail_and_rewrite() {
+        let dir = tempdir();
+        let p = dir.join("journal.kvj");
+        let mut j = Journal::create(&p, 42).unwrap();
+        j.append(&[rec(1), rec(2), rec(3)]).unwrap();
+        j.sync().unwrap();
+        drop(j);
+        // Tear the last record.
+        let f = OpenOptions::new().write(true).open(&p).unwrap();
+        f.set_len((REC * 4 - 10) as u64).unwrap();
+        let (mut j, inst, recs) = Journal::open(&p).unwrap();
+        assert_eq!(inst, 42);
+        assert_eq!(recs, vec![rec(1), rec(2)]);
+        j.append(&[rec(4)]).unwrap();
+        j.sync().unwrap();
+        let (_, _, recs) = Journal::open(&p).unwrap();
+        assert_eq!(recs, vec![rec(1), rec(2), rec(4)]);
+        // A flipped bit in a record ends replay there.
+        let mut bytes = std::fs::read(&p).unwrap();
+        bytes[REC * 2 + 30] ^= 1;
+        std::fs::write(&p, &bytes).unwrap();
+        let (mut j, _, recs) = Journal::open(&p).unwrap();
+        assert_eq!(recs, vec![rec(1)]);
+        j.rewrite(42, &[rec(9)]).unwrap();
+        let (_, _, recs) = Journal::open(&p).unwrap();
+        assert_eq!(recs, vec![rec(9)]);
+        std::fs::write(&p, b"garbage").unwrap();
+        assert!(Journal::open(&p).is_err());
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    fn tempdir() -> PathBuf {
+        let d = std::env::temp_dir().join(format!(
+            "kvtier-journal-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+}

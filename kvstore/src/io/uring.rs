@@ -1,0 +1,314 @@
+//! io_uring engine: one dedicated thread owns the ring, keeps up to `queue_depth` requests in
+//! flight, submits in batches, retries short transfers and EINTR/EAGAIN, and uses registered
+//! files and (when the buffer lies in a registered region) fixed buffers.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Receiver, Sender, TryRecvError};
+use io_uring::{opcode, types, IoUring};
+
+use super::{check, IoConfig, IoDone, IoEngine, IoKind, IoReq};
+
+type Batch = (Vec<IoReq>, Sender<IoDone>);
+
+/// The io_uring engine.
+pub struct UringEngine {
+    tx: Option<Sender<Batch>>,
+    thread: Option<JoinHandle<()>>,
+    qd: u32,
+}
+
+impl UringEngine {
+    /// Sets up a ring (fails if the kernel refuses io_uring) and starts its thread.
+    pub fn new(files: Vec<File>, qd: u32, cfg: &IoConfig) -> io::Result<Self> {
+        let entries = qd.next_power_of_two().max(8);
+        let mut builder = IoUring::builder();
+        if cfg.sqpoll {
+            builder.setup_sqpoll(1000);
+        }
+        let ring = builder.build(entries)?;
+        let fds: Vec<i32> = files.iter().map(|f| f.as_raw_fd()).collect();
+        ring.submitter().register_files(&fds)?;
+        // Fixed buffers: at most 1 GiB each, so split large regions.
+        let mut regions = Vec::new();
+        for &(start, len) in &cfg.fixed_buffers {
+            let mut off = 0;
+            while off < len {
+                let l = (len - off).min(1 << 30);
+                regions.push((start + off, l));
+                off += l;
+            }
+        }
+        let iovecs: Vec<libc::iovec> = regions
+            .iter()
+            .map(|&(s, l)| libc::iovec {
+                iov_base: s as *mut libc::c_void,
+                iov_len: l,
+            })
+            .collect();
+        let fixed = if iovecs.is_empty() || iovecs.len() > u16::MAX as usize {
+            Vec::new()
+        } else {
+            // SAFETY: the regions are memory the caller keeps mapped for the engine's life
+            // (the host arena, which outlives the store's engine).
+            match unsafe { ring.submitter().register_buffers(&iovecs) } {
+                Ok(()) => regions,
+                Err(e) => {
+                    tracing::warn!(error = %e, "io_uring: fixed buffers not registered (RLIMIT_MEMLOCK?); using plain reads/writes");
+                    Vec::new()
+                }
+            }
+        };
+        let (tx, rx) = crossbeam_channel::unbounded::<Batch>();
+        let thread = std::thread::Builder::new()
+            .name("kvtier-uring".into())
+            .spawn(move || Worker::new(ring, files, fixed, qd).run(rx))?;
+        tracing::info!(queue_depth = qd, sqpoll = cfg.sqpoll, "io engine: io_uring");
+        Ok(Self {
+            tx: Some(tx),
+            thread: Some(thread),
+            qd,
+        })
+    }
+}
+
+impl IoEngine for UringEngine {
+    fn name(&self) -> &'static str {
+        "io_uring"
+    }
+
+    fn queue_depth(&self) -> u32 {
+        self.qd
+    }
+
+    fn submit(&self, reqs: Vec<IoReq>, done: Sender<IoDone>) {
+        if let Some(tx) = &self.tx {
+            if let Err(crossbeam_channel::SendError((reqs, done))) = tx.send((reqs, done)) {
+                for req in reqs {
+                    let _ = done.send(IoDone {
+                        req,
+                        result: Err(io::Error::other("io_uring engine stopped")),
+                    });
+                }
+            }
+        }
+    }
+}
+
+impl Drop for UringEngine {
+    fn drop(&mut self) {
+        self.tx = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+struct Flight {
+    req: IoReq,
+    done: Sender<IoDone>,
+    /// Bytes transferred so far.
+    moved: u32,
+}
+
+struct Worker {
+    ring: IoUring,
+    /// Kept open for the ring's registered file table.
+    _files: Vec<File>,
+    nfiles: usize,
+    fixed: Vec<(usize, usize)>,
+    qd: usize,
+    slots: Vec<Option<Flight>>,
+    free: Vec<usize>,
+    pending: VecDeque<(IoReq, Sender<IoDone>)>,
+    again: Vec<usize>,
+}
+
+impl Worker {
+    fn new(ring: IoUring, files: Vec<File>, fixed: Vec<(usize, usize)>, qd: u32) -> Self {
+        let qd = qd as usize;
+        Self {
+            ring,
+            nfiles: files.len(),
+            _files: files,
+            fixed,
+            qd,
+            slots: (0..qd).map(|_| None).collect(),
+            free: (0..qd).rev().collect(),
+            pending: VecDeque::new(),
+            again: Vec::new(),
+        }
+    }
+
+    fn inflight(&self) -> usize {
+        self.qd - self.free.len()
+    }
+
+    fn take_batch(&mut self, (reqs, done): Batch) {
+        for req in reqs {
+            if let Err(e) = check(&req, self.nfiles) {
+                let _ = done.send(IoDone {
+                    req,
+                    result: Err(e),
+                });
+            } else {
+                self.pending.push_back((req, done.clone()));
+            }
+        }
+    }
+
+    fn run(mut self, rx: Receiver<Batch>) {
+        let mut open = true;
+        loop {
+            if self.inflight() == 0 && self.pending.is_empty() {
+                if !open {
+                    return;
+                }
+                match rx.recv() {
+                    Ok(b) => self.take_batch(b),
+                    Err(_) => return,
+                }
+            }
+            while open {
+                match rx.try_recv() {
+                    Ok(b) => self.take_batch(b),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => open = false,
+                }
+            }
+            self.fill();
+            let want = usize::from(self.inflight() > 0);
+            if let Err(e) = self.ring.submit_and_wait(want) {
+                if e.raw_os_error() != Some(libc::EINTR) && e.raw_os_error() != Some(libc::EBUSY) {
+                    tracing::error!(error = %e, "io_uring submit failed");
+                    self.fail_all(&e);
+                    continue;
+                }
+            }
+            self.reap();
+        }
+    }
+
+    /// Pushes SQEs for retries, then for new requests, while slots are free.
+    fn fill(&mut self) {
+        while let Some(slot) = self.again.pop() {
+            if !self.push(slot) {
+                self.again.push(slot);
+                return;
+            }
+        }
+        while !self.free.is_empty() {
+            let Some((req, done)) = self.pending.pop_front() else {
+                break;
+            };
+            let Some(slot) = self.free.pop() else { break };
+            self.slots[slot] = Some(Flight {
+                req,
+                done,
+                moved: 0,
+            });
+            if !self.push(slot) {
+                self.again.push(slot);
+                return;
+            }
+        }
+    }
+
+    fn fixed_index(&self, addr: usize, len: usize) -> Option<u16> {
+        self.fixed
+            .iter()
+            .position(|&(s, l)| addr >= s && addr + len <= s + l)
+            .map(|i| i as u16)
+    }
+
+    /// Builds and pushes the SQE for `slot`'s remaining bytes; false if the SQ is full.
+    fn push(&mut self, slot: usize) -> bool {
+        let Some(f) = self.slots[slot].as_ref() else {
+            return true;
+        };
+        let moved = f.moved as usize;
+        // SAFETY: `moved < len <= cap`, so the address stays inside the request's buffer.
+        let addr = unsafe { f.req.buf.as_ptr().add(moved) };
+        let len = f.req.len - f.moved;
+        let off = f.req.offset + moved as u64;
+        let fd = types::Fixed(f.req.file);
+        let fixed = self.fixed_index(addr as usize, len as usize);
+        let sqe = match (f.req.kind, fixed) {
+            (IoKind::Read, Some(i)) => opcode::ReadFixed::new(fd, addr, len, i).offset(off).build(),
+            (IoKind::Write, Some(i)) => opcode::WriteFixed::new(fd, addr, len, i)
+                .offset(off)
+                .build(),
+            (IoKind::Read, None) => opcode::Read::new(fd, addr, len).offset(off).build(),
+            (IoKind::Write, None) => opcode::Write::new(fd, addr, len).offset(off).build(),
+        }
+        .user_data(slot as u64);
+        // SAFETY: the buffer stays owned by the Flight in `slots[slot]` (and so alive and
+        // untouched by anyone else) until its completion is reaped; the fd is registered.
+        unsafe { self.ring.submission().push(&sqe).is_ok() }
+    }
+
+    fn reap(&mut self) {
+        let cqes: Vec<(u64, i32)> = self
+            .ring
+            .completion()
+            .map(|c| (c.user_data(), c.result()))
+            .collect();
+        for (ud, res) in cqes {
+            let slot = ud as usize;
+            let Some(f) = self.slots.get_mut(slot).and_then(|s| s.as_mut()) else {
+                continue;
+            };
+            if res == -libc::EINTR || res == -libc::EAGAIN {
+                self.again.push(slot);
+                continue;
+            }
+            let result = if res < 0 {
+                Err(io::Error::from_raw_os_error(-res))
+            } else if res == 0 {
+                Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!(
+                        "{:?} made no progress at offset {}",
+                        f.req.kind,
+                        f.req.offset + u64::from(f.moved)
+                    ),
+                ))
+            } else {
+                f.moved += res as u32;
+                if f.moved < f.req.len {
+                    self.again.push(slot);
+                    continue;
+                }
+                Ok(())
+            };
+            self.complete(slot, result);
+        }
+    }
+
+    fn complete(&mut self, slot: usize, result: io::Result<()>) {
+        if let Some(f) = self.slots[slot].take() {
+            self.free.push(slot);
+            let _ = f.done.send(IoDone { req: f.req, result });
+        }
+    }
+
+    fn fail_all(&mut self, e: &io::Error) {
+        // Wait for the kernel to finish with every buffer before handing them back.
+        while self.inflight() > self.again.len() {
+            if self.ring.submit_and_wait(1).is_err() {
+                break;
+            }
+            let cqes: Vec<u64> = self.ring.completion().map(|c| c.user_data()).collect();
+            for ud in cqes {
+                self.complete(ud as usize, Err(io::Error::new(e.kind(), e.to_string())));
+            }
+        }
+        for slot in std::mem::take(&mut self.again) {
+            self.complete(slot, Err(io::Error::new(e.kind(), e.to_string())));
+        }
+    }
+}

@@ -1,0 +1,360 @@
+//! The disk tier, each test body run against both I/O engines, on a real ext4 file under the
+//! build directory (never tmpfs).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use kvstore::io::fault::{FaultEngine, FaultPlan};
+use kvstore::io::{IoConfig, IoEngine, IoEngineKind};
+use kvstore::{
+    fill_pattern, Admission, BlockKey, DiskConfig, Namespace, NsId, PolicyKind, Store, StoreConfig,
+    Tier, TpShard,
+};
+
+const ENGINES: [IoEngineKind; 2] = [IoEngineKind::Uring, IoEngineKind::Psync];
+
+fn dir(name: &str, engine: IoEngineKind) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("disk-{name}-{engine:?}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn config(
+    d: &Path,
+    engine: IoEngineKind,
+    admission: Admission,
+    write_through: bool,
+) -> StoreConfig {
+    StoreConfig {
+        capacity_bytes: 4 << 20,
+        segment_bytes: 1 << 20,
+        size_classes: vec![64 << 10, 256 << 10],
+        shards: 4,
+        policy: PolicyKind::S3Fifo,
+        disk: Some(DiskConfig {
+            dir: d.to_path_buf(),
+            capacity_bytes: 32 << 20,
+            files: 2,
+            io: IoConfig {
+                kind: engine,
+                queue_depth: 8,
+                ..Default::default()
+            },
+            admission,
+            write_through,
+            max_batch_bytes: 1 << 20,
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn ns(store: &Store) -> NsId {
+    store
+        .register_namespace(&Namespace {
+            model: "m".into(),
+            dtype: "bf16".into(),
+            layout: "nhd".into(),
+            block_tokens: 16,
+            tp: TpShard::Shared,
+            tenant: String::new(),
+            lora: String::new(),
+        })
+        .unwrap()
+}
+
+fn key(i: u32) -> BlockKey {
+    BlockKey((u128::from(i) + 1).wrapping_mul(0x2545_F491_4F6C_DD1D_9E37_79B9_7F4A_7C15))
+}
+
+/// Lengths that are not page multiples, in the 64 KiB class.
+fn len_of(i: u32) -> usize {
+    40_000 + (i as usize % 17) * 1_237
+}
+
+fn data(i: u32) -> Vec<u8> {
+    let mut v = vec![0u8; len_of(i)];
+    fill_pattern(&mut v, u64::from(i));
+    v
+}
+
+/// Every get is the exact bytes or a miss; returns how many hit.
+fn check_all(store: &Store, n: u32) -> u32 {
+    let mut hits = 0;
+    for i in 0..n {
+        if let Some(b) = store.get(&key(i)) {
+            assert!(*b == data(i)[..], "key {i}: wrong bytes served");
+            hits += 1;
+        }
+    }
+    hits
+}
+
+#[test]
+fn demote_and_promote_roundtrip() {
+    for engine in ENGINES {
+        let d = dir("roundtrip", engine);
+        let store = config(&d, engine, Admission::Always, false)
+            .build()
+            .unwrap();
+        let n = ns(&store);
+        for i in 0..200 {
+            store.put(n, key(i), &data(i)).unwrap();
+        }
+        let st = store.stats();
+        let disk = st.disk.clone().unwrap();
+        assert_eq!(
+            disk.engine,
+            if engine == IoEngineKind::Uring {
+                "io_uring"
+            } else {
+                "psync"
+            }
+        );
+        assert!(st.demotions >= 200 - 64, "{st:?}");
+        let keys: Vec<BlockKey> = (0..200).map(key).collect();
+        let m = store.match_prefix(&keys);
+        assert_eq!(m.n, 200);
+        assert!(m.tiers.contains(&Tier::Disk) && m.tiers.contains(&Tier::Host));
+        assert_eq!(check_all(&store, 200), 200);
+        let st = store.stats();
+        assert!(st.promotions > 0);
+        assert_eq!(st.disk.as_ref().unwrap().checksum_failures, 0);
+        // Prefix load: the first 40 all end up in host memory in one batch.
+        let first: Vec<BlockKey> = (0..40).map(key).collect();
+        for k in &first[..] {
+            store.remove(k);
+        }
+        for i in 0..40 {
+            store.put(n, key(i), &data(i)).unwrap();
+        }
+        for i in 40..140 {
+            store.get(&key(i));
+        }
+        assert_eq!(store.load_prefix(&first), 40);
+        assert!(first.iter().all(|k| store.in_host(k)));
+        drop(store);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}
+
+#[test]
+fn restart_recovers_blocks_and_namespaces() {
+    for engine in ENGINES {
+        let d = dir("restart", engine);
+        {
+            let store = config(&d, engine, Admission::Always, false)
+                .build()
+                .unwrap();
+            let n = ns(&store);
+            assert_eq!(n, NsId(0));
+            for i in 0..100 {
+                store.put(n, key(i), &data(i)).unwrap();
+            }
+            store.remove(&key(7));
+            assert!(store.flush() > 0);
+        }
+        let store = config(&d, engine, Admission::Always, false)
+            .build()
+            .unwrap();
+        let st = store.stats();
+        assert_eq!(st.disk.as_ref().unwrap().recovered_blocks, 99, "{st:?}");
+        assert_eq!(st.blocks, 0, "host memory starts empty");
+        assert_eq!(check_all(&store, 100), 99);
+        assert!(!store.contains(&key(7)));
+        // The namespace keeps its id; clearing it clears the disk too.
+        assert_eq!(ns(&store), NsId(0));
+        assert_eq!(store.clear_namespace(NsId(0)), 99);
+        assert_eq!(check_all(&store, 100), 0);
+        drop(store);
+        // A different capacity is refused with an error that says what to do.
+        let mut cfg = config(&d, engine, Admission::Always, false);
+        cfg.disk.as_mut().unwrap().capacity_bytes = 64 << 20;
+        let e = cfg.build().unwrap_err().to_string();
+        assert!(e.contains("pages") && e.contains("capacity_bytes"), "{e}");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}
+
+#[test]
+fn admission_seen_twice_and_write_through() {
+    for engine in ENGINES {
+        let d = dir("admission", engine);
+        // LRU, so the re-seen blocks are the ones evicted next (S3-FIFO would keep them in
+        // host memory, which is its point).
+        let mut cfg = config(&d, engine, Admission::SeenTwice, false);
+        cfg.policy = PolicyKind::Lru;
+        let store = cfg.build().unwrap();
+        let n = ns(&store);
+        for i in 0..150 {
+            store.put(n, key(i), &data(i)).unwrap();
+        }
+        let st = store.stats();
+        assert_eq!(
+            st.disk.as_ref().unwrap().blocks,
+            0,
+            "one-off blocks went to disk"
+        );
+        assert!(st.admission_rejects > 0);
+        // Seen again: put a second time after being dropped, then evicted again.
+        for i in 0..50 {
+            store.put(n, key(i), &data(i)).unwrap();
+        }
+        for i in 1000..1100 {
+            store.put(n, key(i), &data(i)).unwrap();
+        }
+        let on_disk = store.stats().disk.unwrap().blocks;
+        assert!(
+            on_disk >= 40,
+            "re-seen blocks not admitted: {on_disk} {:?}",
+            store.stats()
+        );
+        assert!(check_all(&store, 50) >= 40);
+        drop(store);
+        std::fs::remove_dir_all(&d).unwrap();
+
+        let d = dir("through", engine);
+        let store = config(&d, engine, Admission::Always, true).build().unwrap();
+        let n = ns(&store);
+        for i in 0..20 {
+            store.put(n, key(i), &data(i)).unwrap();
+        }
+        let st = store.stats();
+        assert_eq!(st.evictions, 0);
+        assert_eq!(st.disk.unwrap().blocks, 20, "write-through wrote at commit");
+        drop(store);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}
+
+fn with_faults(store: &mut Store) -> Arc<FaultEngine> {
+    let mut handle = None;
+    store.wrap_disk_engine(|inner| {
+        let f = Arc::new(FaultEngine::new(inner));
+        handle = Some(f.clone());
+        f as Arc<dyn IoEngine>
+    });
+    handle.unwrap()
+}
+
+#[test]
+fn faults_never_serve_wrong_bytes_nor_leak() {
+    let plans: Vec<(&str, FaultPlan)> = vec![
+        (
+            "eio-writes",
+            FaultPlan {
+                fail_writes: 5,
+                ..Default::default()
+            },
+        ),
+        (
+            "enospc-writes",
+            FaultPlan {
+                fail_writes: 5,
+                errno: libc::ENOSPC,
+                ..Default::default()
+            },
+        ),
+        (
+            "torn-writes",
+            FaultPlan {
+                torn_writes: 5,
+                ..Default::default()
+            },
+        ),
+        (
+            "short-writes",
+            FaultPlan {
+                short_writes: 5,
+                ..Default::default()
+            },
+        ),
+        (
+            "corrupt-reads",
+            FaultPlan {
+                corrupt_reads: 3,
+                ..Default::default()
+            },
+        ),
+        (
+            "eio-reads",
+            FaultPlan {
+                fail_reads: 3,
+                ..Default::default()
+            },
+        ),
+        (
+            "slow",
+            FaultPlan {
+                delay: std::time::Duration::from_millis(3),
+                ..Default::default()
+            },
+        ),
+    ];
+    for engine in ENGINES {
+        for (name, plan) in &plans {
+            let d = dir(name, engine);
+            let mut store = config(&d, engine, Admission::Always, false)
+                .build()
+                .unwrap();
+            let faults = with_faults(&mut store);
+            faults.set_plan(plan.clone());
+            let n = ns(&store);
+            for i in 0..150 {
+                store.put(n, key(i), &data(i)).unwrap();
+            }
+            let hits = check_all(&store, 150);
+            let st = store.stats();
+            let disk = st.disk.clone().unwrap();
+            match *name {
+                "eio-writes" | "enospc-writes" | "short-writes" => {
+                    assert!(disk.write_errors >= 5, "{name}: {disk:?}");
+                    assert!((140..150).contains(&hits), "{name}: {hits}");
+                }
+                "torn-writes" => {
+                    assert!(disk.checksum_failures >= 1, "{name}: {disk:?}");
+                    assert!(hits < 150, "{name}: {hits}");
+                }
+                "corrupt-reads" => {
+                    assert_eq!(disk.checksum_failures, 3, "{name}: {disk:?}");
+                    assert_eq!(hits, 147, "{name}");
+                }
+                "eio-reads" => {
+                    assert_eq!(disk.read_errors, 3, "{name}: {disk:?}");
+                    // A failed read is a miss now, but the block stays and reads later.
+                    assert_eq!(check_all(&store, 150), 150, "{name}");
+                }
+                _ => assert_eq!(hits, 150, "{name}"),
+            }
+            assert!(faults.injected() > 0, "{name}: nothing injected");
+            // No leak: remove everything, then the whole disk fills again.
+            faults.set_plan(FaultPlan::default());
+            for i in 0..150 {
+                store.remove(&key(i));
+            }
+            let st = store.stats();
+            let disk = st.disk.clone().unwrap();
+            assert_eq!((st.blocks, st.used_bytes), (0, 0), "{name}: host leak");
+            assert_eq!((disk.blocks, disk.used_bytes), (0, 0), "{name}: disk leak");
+            drop(store);
+            let store = {
+                let mut c = config(&d, engine, Admission::Always, true);
+                c.capacity_bytes = 32 << 20;
+                c.build().unwrap()
+            };
+            let n = ns(&store);
+            let big = vec![9u8; 200_000];
+            // 32 MiB of disk holds 32 × 49 pages... fill it with 200 kB blocks exactly.
+            let fit = (32u64 << 20) / 2 / (49 * 4096) * 2;
+            for i in 0..fit as u32 {
+                store.put(n, key(10_000 + i), &big).unwrap();
+            }
+            let disk = store.stats().disk.unwrap();
+            assert_eq!(disk.blocks, fit, "{name}: free space was lost");
+            assert_eq!(disk.evictions, 0, "{name}: {disk:?}");
+            drop(store);
+            std::fs::remove_dir_all(&d).unwrap();
+        }
+    }
+}
