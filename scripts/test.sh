@@ -8,6 +8,10 @@ if ! command -v cargo >/dev/null; then
     echo "cargo not found: install the Rust toolchain (https://rustup.rs)" >&2
     exit 1
 fi
+# fio: the disk benchmark's baseline (its smoke test runs here).
+if ! command -v fio >/dev/null; then
+    apt-get install -y -q fio >/dev/null || { echo "could not install fio (apt-get install fio)" >&2; exit 1; }
+fi
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi

@@ -301,7 +301,7 @@ fn metadata_case(blocks: u64, rows: &mut Vec<Row>) -> Result<()> {
     Ok(())
 }
 
-fn human(b: u64) -> String {
+pub(crate) fn human(b: u64) -> String {
     if b >= 1 << 20 && b % (1 << 20) == 0 {
         format!("{}MiB", b >> 20)
     } else if b >= 1 << 10 && b % (1 << 10) == 0 {

@@ -3,6 +3,7 @@
 //! `{"bench": NAME, "results": [{"case", "unit", "value", "baseline", "ratio"}, ...]}`.
 
 mod alloc_count;
+mod disk;
 mod host;
 mod report;
 
@@ -27,6 +28,8 @@ struct Cli {
 enum Cmd {
     /// Host tier: put/get vs memcpy, match_prefix vs a hash-set probe, metadata bytes per block.
     Host(host::HostArgs),
+    /// Disk tier: sequential block writes/reads vs fio, and a long prefix load vs fio's bound.
+    Disk(disk::DiskArgs),
 }
 
 /// Parses `123`, `256K`, `2M`, `1G` (binary units).
@@ -50,6 +53,7 @@ pub fn parse_size(s: &str) -> Result<u64> {
 fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Host(a) => host::run(a),
+        Cmd::Disk(a) => disk::run(a),
     }
 }
 

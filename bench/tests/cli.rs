@@ -62,3 +62,52 @@ fn bad_size_is_a_clear_error() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a size"));
 }
+
+#[test]
+fn disk_bench_prints_json_last_line() {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("bench-disk-{}", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier-bench"))
+        .args(["disk", "--dir"])
+        .arg(&dir)
+        .args([
+            "--sizes",
+            "256K",
+            "--depths",
+            "2",
+            "--bytes",
+            "4M",
+            "--rounds",
+            "1",
+            "--prefix-tokens",
+            "64",
+            "--bytes-per-token",
+            "16K",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let v: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(v["bench"], "disk");
+    let cases: Vec<&str> = v["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["case"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        cases,
+        [
+            "write 256KiB qd2",
+            "read 256KiB qd2",
+            "prefix load 0k tokens (1 MiB)"
+        ]
+    );
+    assert!(!dir.exists(), "the bench must clean up its data directory");
+}

@@ -18,7 +18,7 @@
 //! ```
 
 mod arena;
-mod disk;
+pub mod disk;
 mod error;
 pub mod io;
 mod key;

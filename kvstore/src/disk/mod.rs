@@ -273,7 +273,7 @@ impl State {
 
 /// What happened to one block of a write batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum WriteOutcome {
+pub enum WriteOutcome {
     /// Durable and visible now.
     Written,
     /// Already on disk (or being written by someone else).
@@ -284,7 +284,7 @@ pub(crate) enum WriteOutcome {
 
 /// What happened to one block of a read batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum ReadOutcome {
+pub enum ReadOutcome {
     /// The buffer holds the block's `len` bytes, checksum verified.
     Hit(u32),
     /// Not on disk, or unreadable / corrupt (counted and logged): never served.
@@ -292,15 +292,19 @@ pub(crate) enum ReadOutcome {
 }
 
 /// One block to write: `buf` holds at least `len` rounded up to 4096 bytes.
-pub(crate) struct WriteItem {
+pub struct WriteItem {
+    /// The block's key.
     pub key: BlockKey,
+    /// Its namespace id in the owning store.
     pub ns: u16,
+    /// The bytes (at least `len` rounded up to 4096).
     pub buf: IoBuf,
+    /// Block length.
     pub len: u32,
 }
 
 /// The disk tier.
-pub(crate) struct DiskTier {
+pub struct DiskTier {
     engine: Arc<dyn IoEngine>,
     state: Mutex<State>,
     journal: Mutex<Journal>,
@@ -343,8 +347,9 @@ fn open_direct(path: &Path, create: bool) -> io::Result<File> {
 }
 
 impl DiskTier {
-    /// Opens (recovering) or creates the tier. `fixed` is memory to register with io_uring.
-    pub(crate) fn open(cfg: DiskConfig) -> Result<(Self, Vec<Fingerprint>), DiskError> {
+    /// Opens (recovering) or creates the tier; also returns the namespace fingerprints recorded
+    /// in the journal, by id. `cfg.io.fixed_buffers` is memory to register with io_uring.
+    pub fn open(cfg: DiskConfig) -> Result<(Self, Vec<Fingerprint>), DiskError> {
         if cfg.files == 0 || cfg.files > 64 {
             return Err(DiskError::Config(format!(
                 "files = {} must be 1..=64",
@@ -581,7 +586,7 @@ impl DiskTier {
     }
 
     /// Records a namespace id durably.
-    pub(crate) fn note_namespace(&self, id: u16, fp: Fingerprint) -> io::Result<()> {
+    pub fn note_namespace(&self, id: u16, fp: Fingerprint) -> io::Result<()> {
         let mut ns = self.namespaces.lock();
         if ns.get(id as usize) == Some(&fp) {
             return Ok(());
@@ -606,7 +611,7 @@ impl DiskTier {
     }
 
     /// Length and namespace id of a committed block, if present (no side effects).
-    pub(crate) fn lookup(&self, key: &BlockKey) -> Option<(u32, u16)> {
+    pub fn lookup(&self, key: &BlockKey) -> Option<(u32, u16)> {
         self.state
             .lock()
             .index
@@ -616,7 +621,7 @@ impl DiskTier {
     }
 
     /// Pins a committed block against eviction; false if absent.
-    pub(crate) fn pin(&self, key: &BlockKey) -> bool {
+    pub fn pin(&self, key: &BlockKey) -> bool {
         let mut st = self.state.lock();
         match st.index.get_mut(&MapKey::from(*key)) {
             Some(e) if e.state == DState::Ready => {
@@ -628,12 +633,12 @@ impl DiskTier {
     }
 
     /// Drops a pin taken by `pin` or a read.
-    pub(crate) fn unpin(&self, key: &BlockKey) {
+    pub fn unpin(&self, key: &BlockKey) {
         self.state.lock().unpin(*key);
     }
 
     /// Removes a block; false if absent.
-    pub(crate) fn remove(&self, key: &BlockKey) -> bool {
+    pub fn remove(&self, key: &BlockKey) -> bool {
         let mut st = self.state.lock();
         let present = st
             .index
@@ -646,7 +651,7 @@ impl DiskTier {
     }
 
     /// Removes every block of namespace `ns`; returns their keys.
-    pub(crate) fn clear_namespace(&self, ns: u16) -> Vec<BlockKey> {
+    pub fn clear_namespace(&self, ns: u16) -> Vec<BlockKey> {
         let mut st = self.state.lock();
         let keys: Vec<BlockKey> = st
             .index
@@ -690,7 +695,7 @@ impl DiskTier {
     }
 
     /// Writes blocks durably (see the module docs for the order); one outcome per item, in order.
-    pub(crate) fn write_batch(&self, items: Vec<WriteItem>) -> Vec<WriteOutcome> {
+    pub fn write_batch(&self, items: Vec<WriteItem>) -> Vec<WriteOutcome> {
         let mut out = vec![WriteOutcome::Failed; items.len()];
         let mut reqs = Vec::new();
         let mut meta = Vec::new();
@@ -710,10 +715,9 @@ impl DiskTier {
                     continue;
                 };
                 let id = st.new_id(it.key);
-                // SAFETY: the caller's buffer holds at least `len` bytes and nobody writes it
-                // during the batch.
-                let data = unsafe { std::slice::from_raw_parts(it.buf.as_ptr(), it.len as usize) };
-                let checksum = xxh3_64(data);
+                // Filled in once the write completed (the checksum is computed while the rest
+                // of the batch is in flight).
+                let checksum = 0;
                 st.index.insert(
                     mk,
                     DEntry {
@@ -728,7 +732,7 @@ impl DiskTier {
                     },
                 );
                 let io_len = (u64::from(it.len).div_ceil(PAGE) * PAGE) as u32;
-                meta.push((i, it.key, file, page, it.len, it.ns, checksum));
+                meta.push((i, it.key, file, page, it.len, it.ns));
                 reqs.push(IoReq {
                     kind: IoKind::Write,
                     file: u32::from(file),
@@ -742,7 +746,14 @@ impl DiskTier {
         if reqs.is_empty() {
             return out;
         }
-        let done = self.run(reqs, &self.write_hist);
+        let mut sums = vec![0u64; meta.len()];
+        let done = self.run(reqs, &self.write_hist, |d| {
+            let len = meta[d.req.tag as usize].4 as usize;
+            // SAFETY: the caller's buffer holds at least `len` bytes; it is only read, by the
+            // disk and by us.
+            let data = unsafe { std::slice::from_raw_parts(d.req.buf.as_ptr(), len) };
+            sums[d.req.tag as usize] = xxh3_64(data);
+        });
         let mut ok: Vec<bool> = done.iter().map(|d| d.result.is_ok()).collect();
         for d in &done {
             match &d.result {
@@ -773,8 +784,9 @@ impl DiskTier {
         let mut records = Vec::new();
         {
             let mut st = self.state.lock();
-            for (j, &(_, key, file, page, len, ns, checksum)) in meta.iter().enumerate() {
+            for (j, &(_, key, file, page, len, ns)) in meta.iter().enumerate() {
                 if ok[j] {
+                    let checksum = sums[j];
                     st.seq += 1;
                     records.push(Record {
                         kind: Kind::Put,
@@ -805,6 +817,7 @@ impl DiskTier {
             if ok[j] {
                 if let Some(e) = st.index.get_mut(&mk) {
                     e.state = DState::Ready;
+                    e.checksum = sums[j];
                     let (id, len) = (e.id, e.len);
                     st.policy.insert(id, key.0 as u64);
                     st.used_bytes += u64::from(len);
@@ -829,7 +842,7 @@ impl DiskTier {
 
     /// Reads blocks into the given buffers (each at least `len` rounded up to 4096), verifying
     /// checksums. One outcome per item, in order.
-    pub(crate) fn read_batch(&self, items: Vec<(BlockKey, IoBuf)>) -> Vec<ReadOutcome> {
+    pub fn read_batch(&self, items: Vec<(BlockKey, IoBuf)>) -> Vec<ReadOutcome> {
         let mut out = vec![ReadOutcome::Miss; items.len()];
         let mut reqs = Vec::new();
         let mut meta = Vec::new();
@@ -859,9 +872,8 @@ impl DiskTier {
         if reqs.is_empty() {
             return out;
         }
-        let done = self.run(reqs, &self.read_hist);
         let mut corrupt = Vec::new();
-        for d in &done {
+        self.run(reqs, &self.read_hist, |d| {
             let (i, key, len, checksum) = meta[d.req.tag as usize];
             match &d.result {
                 Ok(()) => {
@@ -886,7 +898,7 @@ impl DiskTier {
                     tracing::warn!(%key, error = %e, "disk read failed: served as a miss");
                 }
             }
-        }
+        });
         let mut st = self.state.lock();
         for k in corrupt {
             st.drop_entry(k, true);
@@ -897,8 +909,14 @@ impl DiskTier {
         out
     }
 
-    /// Runs requests, recording each one's latency; completions sorted by tag.
-    fn run(&self, reqs: Vec<IoReq>, hist: &Mutex<Histogram<u64>>) -> Vec<kio::IoDone> {
+    /// Runs requests, recording each one's latency and calling `each` on every completion as
+    /// it arrives (so CPU work overlaps the I/O still in flight); completions sorted by tag.
+    fn run(
+        &self,
+        reqs: Vec<IoReq>,
+        hist: &Mutex<Histogram<u64>>,
+        mut each: impl FnMut(&kio::IoDone),
+    ) -> Vec<kio::IoDone> {
         let n = reqs.len();
         let (tx, rx) = crossbeam_channel::unbounded();
         let start = Instant::now();
@@ -907,6 +925,7 @@ impl DiskTier {
         let mut lat = Vec::with_capacity(n);
         for d in rx.iter().take(n) {
             lat.push(start.elapsed().as_micros() as u64);
+            each(&d);
             out.push(d);
         }
         {
@@ -920,7 +939,7 @@ impl DiskTier {
     }
 
     /// Rewrites the journal with only live records.
-    pub(crate) fn checkpoint(&self) -> io::Result<()> {
+    pub fn checkpoint(&self) -> io::Result<()> {
         let mut recs = Vec::new();
         {
             let ns = self.namespaces.lock();
@@ -961,7 +980,7 @@ impl DiskTier {
     }
 
     /// Counters.
-    pub(crate) fn stats(&self) -> DiskStats {
+    pub fn stats(&self) -> DiskStats {
         let s = &self.stats;
         let st = self.state.lock();
         let pct = |h: &Mutex<Histogram<u64>>| {

@@ -1,0 +1,357 @@
+//! `kvtier-bench disk`: sequential block writes and reads through the disk tier against `fio`
+//! with the same block size, queue depth, O_DIRECT and io_uring, on the same file system in the
+//! same run; and the time to load a long prefix from disk into host memory against the
+//! fio-derived bound.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, ensure, Context, Result};
+use clap::Args;
+use kvstore::disk::{DiskTier, ReadOutcome, WriteItem, WriteOutcome};
+use kvstore::io::{IoBuf, IoConfig, IoEngineKind};
+use kvstore::{
+    Admission, AlignedBuf, BlockKey, DiskConfig, Namespace, PolicyKind, StoreConfig, TpShard,
+};
+
+use crate::report::{row, Report, Row};
+
+/// Options of `kvtier-bench disk`.
+#[derive(Args, Debug)]
+pub struct DiskArgs {
+    /// Directory for the data files (on the file system to measure; never tmpfs).
+    #[arg(long, default_value = "kvtier-bench-data")]
+    pub dir: PathBuf,
+    /// Block sizes.
+    #[arg(long, value_delimiter = ',', default_value = "256K,2M,16M", value_parser = crate::parse_size)]
+    pub sizes: Vec<u64>,
+    /// Queue depths.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    pub depths: Vec<u32>,
+    /// Bytes written and read per case.
+    #[arg(long, default_value = "1G", value_parser = crate::parse_size)]
+    pub bytes: u64,
+    /// Rounds per case (value, baseline, ratio are medians).
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// I/O engine of the disk tier: io_uring or psync.
+    #[arg(long, default_value = "io_uring")]
+    pub engine: String,
+    /// Tokens of the prefix to load (80000 in the issue; scaled down by default to fit the
+    /// disk and memory of a small box). 0 skips the case.
+    #[arg(long, default_value_t = 20_000)]
+    pub prefix_tokens: u64,
+    /// KV bytes per token of the prefix namespace (Llama-3.1-8B, bf16: 128 KiB).
+    #[arg(long, default_value = "128K", value_parser = crate::parse_size)]
+    pub bytes_per_token: u64,
+    /// Tokens per kvtier block in the prefix case.
+    #[arg(long, default_value_t = 16)]
+    pub block_tokens: u64,
+    /// Print the JSON report as the last line.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Installs fio if it is missing (Debian), or says how to.
+pub fn ensure_fio() -> Result<()> {
+    if Command::new("fio").arg("--version").output().is_ok() {
+        return Ok(());
+    }
+    eprintln!("fio not found: installing it with apt-get");
+    let ok = Command::new("apt-get")
+        .args(["install", "-y", "-q", "fio"])
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    ensure!(
+        ok && Command::new("fio").arg("--version").output().is_ok(),
+        "fio is required for the baseline: install it (apt-get install fio) and rerun"
+    );
+    Ok(())
+}
+
+/// Runs fio once; returns bytes/s.
+fn fio(file: &Path, rw: &str, bs: u64, qd: u32, bytes: u64) -> Result<f64> {
+    let out = Command::new("fio")
+        .args([
+            "--name=kvtier-baseline",
+            &format!("--filename={}", file.display()),
+            &format!("--size={bytes}"),
+            &format!("--bs={bs}"),
+            &format!("--iodepth={qd}"),
+            &format!("--rw={rw}"),
+            "--direct=1",
+            "--ioengine=io_uring",
+            "--output-format=json",
+        ])
+        .output()
+        .context("running fio")?;
+    ensure!(
+        out.status.success(),
+        "fio failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).context("parsing fio's JSON output")?;
+    let key = if rw.contains("write") {
+        "write"
+    } else {
+        "read"
+    };
+    let bw = v["jobs"][0][key]["bw_bytes"]
+        .as_f64()
+        .context("fio output has no bw_bytes")?;
+    ensure!(bw > 0.0, "fio measured no bandwidth");
+    Ok(bw)
+}
+
+fn key(i: u64) -> BlockKey {
+    BlockKey((u128::from(i) + 7).wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835))
+}
+
+fn engine_kind(s: &str) -> Result<IoEngineKind> {
+    match IoEngineKind::parse(s) {
+        Some(IoEngineKind::Auto) | None => bail!("--engine must be io_uring or psync, not {s:?}"),
+        Some(k) => Ok(k),
+    }
+}
+
+/// One disk tier on a fresh directory, with `buf` registered as a fixed buffer.
+fn fresh_tier(
+    dir: &Path,
+    capacity: u64,
+    qd: u32,
+    kind: IoEngineKind,
+    buf: &AlignedBuf,
+) -> Result<DiskTier> {
+    let _ = std::fs::remove_dir_all(dir);
+    let (tier, _) = DiskTier::open(DiskConfig {
+        dir: dir.to_path_buf(),
+        capacity_bytes: capacity,
+        files: 1,
+        io: IoConfig {
+            kind,
+            queue_depth: qd,
+            sqpoll: false,
+            fixed_buffers: vec![(buf.as_ptr() as usize, buf.len())],
+        },
+        policy: PolicyKind::Lru,
+        admission: Admission::Always,
+        write_through: false,
+        max_batch_bytes: 256 << 20,
+    })?;
+    Ok(tier)
+}
+
+/// Writes blocks `0..n` from `buf` (batches of `per_batch`), one journal sync per batch.
+fn write_all(tier: &DiskTier, buf: &AlignedBuf, bs: u64, n: u64, per_batch: u64) -> Result<()> {
+    let mut i = 0;
+    while i < n {
+        let items = (i..(i + per_batch).min(n))
+            .enumerate()
+            .map(|(j, b)| WriteItem {
+                key: key(b),
+                ns: 0,
+                // SAFETY: `buf` outlives the batch and is only read meanwhile.
+                buf: unsafe {
+                    IoBuf::from_raw(buf.as_ptr().add(j * bs as usize) as *mut u8, bs as usize)
+                },
+                len: bs as u32,
+            })
+            .collect::<Vec<_>>();
+        let got = tier.write_batch(items);
+        ensure!(
+            got.iter().all(|o| *o == WriteOutcome::Written),
+            "a block write failed"
+        );
+        i += per_batch;
+    }
+    Ok(())
+}
+
+/// Reads blocks `0..n` into `buf` (batches of `per_batch`), verifying checksums.
+fn read_all(tier: &DiskTier, buf: &AlignedBuf, bs: u64, n: u64, per_batch: u64) -> Result<()> {
+    let mut i = 0;
+    while i < n {
+        let items = (i..(i + per_batch).min(n))
+            .enumerate()
+            .map(|(j, b)| {
+                // SAFETY: `buf` outlives the batch; nothing else touches it meanwhile.
+                (key(b), unsafe {
+                    IoBuf::from_raw(buf.as_ptr().add(j * bs as usize) as *mut u8, bs as usize)
+                })
+            })
+            .collect::<Vec<_>>();
+        let got = tier.read_batch(items);
+        ensure!(
+            got.iter().all(|o| matches!(o, ReadOutcome::Hit(_))),
+            "a block read failed"
+        );
+        i += per_batch;
+    }
+    Ok(())
+}
+
+fn seq_cases(args: &DiskArgs, kind: IoEngineKind, rows: &mut Vec<Row>) -> Result<()> {
+    let fio_file = args.dir.join("fio.dat");
+    for &bs in &args.sizes {
+        let n = (args.bytes / bs).max(1);
+        let total = n * bs;
+        for &qd in &args.depths {
+            // Blocks go in batches of 256 MiB (one journal sync each), as demotion does, and at
+            // least twice the queue depth so a batch can fill the queue.
+            let per_batch = ((256u64 << 20) / bs).max(2 * u64::from(qd)).min(n);
+            let mut buf = AlignedBuf::new((per_batch * bs) as usize)?;
+            buf.fill_pattern(bs);
+            let tier_dir = args.dir.join("tier");
+            let tier = fresh_tier(&tier_dir, total + (64 << 20), qd, kind, &buf)?;
+            // Warm-up pass, unmeasured, for both sides: ext4 converts a preallocated
+            // (unwritten) extent on its first write, which costs ~40% here; a cache disk lives
+            // in the overwrite steady state measured below.
+            write_all(&tier, &buf, bs, n, per_batch)?;
+            fio(&fio_file, "write", bs, qd, total)?;
+            let mut w = Vec::new();
+            let mut r = Vec::new();
+            for _ in 0..args.rounds {
+                for b in 0..n {
+                    tier.remove(&key(b));
+                }
+                let base_w = fio(&fio_file, "write", bs, qd, total)?;
+                let t = Instant::now();
+                write_all(&tier, &buf, bs, n, per_batch)?;
+                w.push((total as f64 / t.elapsed().as_secs_f64() / 1e9, base_w / 1e9));
+                let base_r = fio(&fio_file, "read", bs, qd, total)?;
+                let t = Instant::now();
+                read_all(&tier, &buf, bs, n, per_batch)?;
+                r.push((total as f64 / t.elapsed().as_secs_f64() / 1e9, base_r / 1e9));
+            }
+            drop(tier);
+            let _ = std::fs::remove_dir_all(&tier_dir);
+            let sz = crate::host::human(bs);
+            rows.push(row(
+                format!("write {sz} qd{qd}"),
+                "GB/s",
+                "fio io_uring O_DIRECT",
+                &w,
+            ));
+            rows.push(row(
+                format!("read {sz} qd{qd}"),
+                "GB/s",
+                "fio io_uring O_DIRECT",
+                &r,
+            ));
+        }
+    }
+    let _ = std::fs::remove_file(&fio_file);
+    Ok(())
+}
+
+fn prefix_case(args: &DiskArgs, kind: IoEngineKind, rows: &mut Vec<Row>) -> Result<()> {
+    let block = args.block_tokens * args.bytes_per_token;
+    let blocks = args.prefix_tokens / args.block_tokens;
+    let total = blocks * block;
+    let seg = (64u64 << 20).max(block.next_power_of_two());
+    let dir = args.dir.join("prefix");
+    let cfg = |fresh: bool| -> Result<StoreConfig> {
+        if fresh {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        Ok(StoreConfig {
+            capacity_bytes: (total + total / 8).div_ceil(seg) * seg + seg,
+            segment_bytes: seg,
+            size_classes: vec![block as usize],
+            disk: Some(DiskConfig {
+                dir: dir.clone(),
+                capacity_bytes: total + (256 << 20),
+                io: IoConfig {
+                    kind,
+                    queue_depth: 32,
+                    ..Default::default()
+                },
+                admission: Admission::Always,
+                write_through: true,
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+    };
+    let ns = Namespace {
+        model: "meta-llama/Llama-3.1-8B".into(),
+        dtype: "bfloat16".into(),
+        layout: "nhd".into(),
+        block_tokens: args.block_tokens as u32,
+        tp: TpShard::Rank { size: 1, rank: 0 },
+        tenant: String::new(),
+        lora: String::new(),
+    };
+    let tokens: Vec<u32> = (0..blocks * args.block_tokens)
+        .map(|t| (t * 7919 % 128_000) as u32)
+        .collect();
+    let keys = ns.token_keys(&tokens, &[]);
+    {
+        let store = cfg(true)?.build()?;
+        let id = store.register_namespace(&ns)?;
+        let mut src = AlignedBuf::new(block as usize)?;
+        for (i, k) in keys.iter().enumerate() {
+            src.fill_pattern(i as u64);
+            store.put(id, *k, &src)?;
+        }
+        ensure!(
+            store.stats().disk.map(|d| d.blocks) == Some(blocks),
+            "prefix not on disk"
+        );
+    }
+    let fio_file = args.dir.join("fio-prefix.dat");
+    let fio_bytes = total.clamp(64 << 20, 4 << 30);
+    fio(&fio_file, "write", 2 << 20, 32, fio_bytes)?;
+    let mut rounds = Vec::new();
+    for _ in 0..args.rounds {
+        // Restart: host memory empty, the prefix only on disk.
+        let store = cfg(false)?.build()?;
+        let base = fio(&fio_file, "read", 2 << 20, 32, fio_bytes)?;
+        let t = Instant::now();
+        let n = store.load_prefix(&keys);
+        let secs = t.elapsed().as_secs_f64();
+        ensure!(n == keys.len(), "loaded {n} of {} blocks", keys.len());
+        let b = store.get(&keys[keys.len() / 2]).context("block missing")?;
+        let mut want = vec![0u8; block as usize];
+        kvstore::fill_pattern(&mut want, (keys.len() / 2) as u64);
+        ensure!(*b == want[..], "loaded block holds wrong bytes");
+        rounds.push((total as f64 / secs / 1e9, base / 1e9));
+    }
+    let _ = std::fs::remove_file(&fio_file);
+    let _ = std::fs::remove_dir_all(&dir);
+    rows.push(row(
+        format!(
+            "prefix load {}k tokens ({} MiB)",
+            args.prefix_tokens / 1000,
+            total >> 20
+        ),
+        "GB/s",
+        "fio read bound (2M qd32)",
+        &rounds,
+    ));
+    Ok(())
+}
+
+/// Runs the disk benchmark.
+pub fn run(args: DiskArgs) -> Result<()> {
+    ensure!(args.rounds > 0, "--rounds must be at least 1");
+    ensure!(args.block_tokens > 0, "--block-tokens must be positive");
+    let kind = engine_kind(&args.engine)?;
+    ensure_fio()?;
+    std::fs::create_dir_all(&args.dir)
+        .with_context(|| format!("creating {}", args.dir.display()))?;
+    let mut rows = Vec::new();
+    seq_cases(&args, kind, &mut rows)?;
+    if args.prefix_tokens > 0 {
+        prefix_case(&args, kind, &mut rows)?;
+    }
+    let _ = std::fs::remove_dir_all(&args.dir);
+    Report {
+        bench: "disk",
+        results: rows,
+    }
+    .print(args.json)
+}
