@@ -48,6 +48,9 @@ pub struct DiskArgs {
     /// Tokens per kvtier block in the prefix case.
     #[arg(long, default_value_t = 16)]
     pub block_tokens: u64,
+    /// Write a Markdown summary and a bandwidth plot into this directory.
+    #[arg(long)]
+    pub report: Option<std::path::PathBuf>,
     /// Print the JSON report as the last line.
     #[arg(long)]
     pub json: bool,
@@ -349,9 +352,12 @@ pub fn run(args: DiskArgs) -> Result<()> {
         prefix_case(&args, kind, &mut rows)?;
     }
     let _ = std::fs::remove_dir_all(&args.dir);
-    Report {
+    let report = Report {
         bench: "disk",
         results: rows,
+    };
+    if let Some(dir) = &args.report {
+        crate::plot::bandwidth_report(dir, &report, "Disk tier: sequential block I/O vs fio")?;
     }
-    .print(args.json)
+    report.print(args.json)
 }

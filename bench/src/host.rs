@@ -34,6 +34,9 @@ pub struct HostArgs {
     /// Block counts at which to measure metadata bytes per block (0 skips).
     #[arg(long, value_delimiter = ',', default_value = "1000000,10000000")]
     pub metadata_blocks: Vec<u64>,
+    /// Write a Markdown summary and a bandwidth plot into this directory.
+    #[arg(long)]
+    pub report: Option<std::path::PathBuf>,
     /// Print the JSON report as the last line.
     #[arg(long)]
     pub json: bool,
@@ -336,9 +339,12 @@ pub fn run(args: HostArgs) -> Result<()> {
             metadata_case(n, &mut rows)?;
         }
     }
-    Report {
+    let report = Report {
         bench: "host",
         results: rows,
+    };
+    if let Some(dir) = &args.report {
+        crate::plot::bandwidth_report(dir, &report, "Host tier: put/get vs memcpy")?;
     }
-    .print(args.json)
+    report.print(args.json)
 }

@@ -5,7 +5,11 @@
 mod alloc_count;
 mod disk;
 mod host;
+mod plot;
+mod replay;
 mod report;
+mod sim;
+mod trace;
 
 use anyhow::{bail, Result};
 use clap::{Parser, Subcommand};
@@ -30,6 +34,8 @@ enum Cmd {
     Host(host::HostArgs),
     /// Disk tier: sequential block writes/reads vs fio, and a long prefix load vs fio's bound.
     Disk(disk::DiskArgs),
+    /// Trace replay through the store, and every policy against Belady's optimum.
+    Replay(replay::ReplayArgs),
 }
 
 /// Parses `123`, `256K`, `2M`, `1G` (binary units).
@@ -54,6 +60,7 @@ fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Host(a) => host::run(a),
         Cmd::Disk(a) => disk::run(a),
+        Cmd::Replay(a) => replay::run(a),
     }
 }
 

@@ -1181,6 +1181,19 @@ impl Store {
     /// keys are now in host memory (a block that fails its checksum ends the prefix).
     pub fn load_prefix(&self, keys: &[BlockKey]) -> usize {
         let m = self.match_prefix(keys);
+        // Pin the prefix so that promoting its disk blocks cannot evict its host blocks.
+        let lease = self
+            .lease(&keys[..m.n], Duration::from_secs(60))
+            .ok()
+            .and_then(|l| l.id);
+        let n = self.load_leased(keys, &m);
+        if let Some(id) = lease {
+            self.release(id);
+        }
+        n
+    }
+
+    fn load_leased(&self, keys: &[BlockKey], m: &PrefixMatch) -> usize {
         if let Some(disk) = &self.disk {
             let mut rs = Vec::new();
             for (k, t) in keys.iter().zip(&m.tiers) {

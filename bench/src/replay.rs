@@ -1,0 +1,605 @@
+//! `kvtier-bench replay`: drives the store with a Mooncake-format trace as an engine would
+//! (longest-prefix lookup, load of the hit blocks, save of the missing ones), and sweeps the
+//! eviction policies against Belady's optimum over a range of capacities.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use clap::Args;
+use hdrhistogram::Histogram;
+use indicatif::{ProgressBar, ProgressStyle};
+use kvstore::io::IoConfig;
+use kvstore::{
+    Admission, AlignedBuf, BlockKey, DiskConfig, Namespace, PolicyKind, StoreConfig, Tier, TpShard,
+};
+
+use crate::report::{Report, Row};
+use crate::sim;
+use crate::trace::{self, Request};
+
+/// Tokens per block in Mooncake traces.
+const TRACE_BLOCK_TOKENS: u64 = 512;
+
+/// Options of `kvtier-bench replay`.
+#[derive(Args, Debug)]
+pub struct ReplayArgs {
+    /// The trace (Mooncake JSONL).
+    #[arg(
+        long,
+        default_value = "../shared/traces/mooncake_synthetic_trace.jsonl"
+    )]
+    pub trace: PathBuf,
+    /// Bytes per 512-token block in the replay (scales the trace to this machine; a real
+    /// Llama-3.1-8B block is 64 MiB).
+    #[arg(long, default_value = "32K", value_parser = crate::parse_size)]
+    pub block_bytes: u64,
+    /// Host capacity: a percentage of the trace's distinct blocks ("5%") or bytes ("256M").
+    #[arg(long, default_value = "5%")]
+    pub host: String,
+    /// Disk capacity, same forms; "0" for no disk tier.
+    #[arg(long, default_value = "20%")]
+    pub disk: String,
+    /// Eviction policy: s3fifo or lru.
+    #[arg(long, default_value = "s3fifo")]
+    pub policy: String,
+    /// Disk admission: seen-twice or always.
+    #[arg(long, default_value = "seen-twice")]
+    pub admission: String,
+    /// Write admitted blocks to disk at commit instead of at eviction.
+    #[arg(long)]
+    pub write_through: bool,
+    /// Replay as fast as possible ("fast") or paced by the trace's timestamps ("timestamps").
+    #[arg(long, default_value = "fast")]
+    pub pace: String,
+    /// Speed-up factor for paced replay.
+    #[arg(long, default_value_t = 60.0)]
+    pub speedup: f64,
+    /// Modelled prefill rate, tokens/s, to price recomputation.
+    #[arg(long, default_value_t = 10_000.0)]
+    pub prefill_rate: f64,
+    /// Real KV bytes per token, to project load times to full-size blocks (Llama-3.1-8B bf16).
+    #[arg(long, default_value = "128K", value_parser = crate::parse_size)]
+    pub real_bytes_per_token: u64,
+    /// Capacities (percent of distinct blocks) for the policy-vs-Belady sweep; empty skips it.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,5,10,25,50")]
+    pub sweep: Vec<f64>,
+    /// Replay only the first N requests.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// Directory of the disk tier (created, removed afterwards).
+    #[arg(long, default_value = "kvtier-replay-data")]
+    pub dir: PathBuf,
+    /// "embedded" (the store in this process); "kvtierd" once the daemon exists.
+    #[arg(long, default_value = "embedded")]
+    pub mode: String,
+    /// Write a Markdown summary and PNG plots into this directory.
+    #[arg(long)]
+    pub report: Option<PathBuf>,
+    /// Print the JSON report as the last line.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Parses "12.5%" (fraction of `distinct` blocks, in blocks) or a size (in blocks of
+/// `block_bytes`, rounded down).
+pub fn capacity_blocks(s: &str, distinct: u64, block_bytes: u64) -> Result<u64> {
+    let s = s.trim();
+    if let Some(p) = s.strip_suffix('%') {
+        let p: f64 = p
+            .trim()
+            .parse()
+            .with_context(|| format!("{s:?} is not a percentage"))?;
+        ensure!(
+            (0.0..=1000.0).contains(&p),
+            "{s:?}: percentage out of range"
+        );
+        return Ok((distinct as f64 * p / 100.0).round() as u64);
+    }
+    if s == "0" {
+        return Ok(0);
+    }
+    Ok(crate::parse_size(s)? / block_bytes)
+}
+
+/// Counters of one replay.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct ReplayOutcome {
+    /// Requests replayed.
+    pub requests: u64,
+    /// Block references (sum of prompt blocks).
+    pub blocks: u64,
+    /// Leading blocks found in host memory / on disk.
+    pub host_hits: u64,
+    /// See `host_hits`.
+    pub disk_hits: u64,
+    /// Prompt tokens, and tokens covered by loaded blocks.
+    pub tokens: u64,
+    /// See `tokens`.
+    pub hit_tokens: u64,
+    /// Blocks found by lookup but not loaded (lost between lookup and load).
+    pub load_failures: u64,
+    /// Total time spent loading, seconds.
+    pub load_secs: f64,
+    /// Load latency per request with a hit, microseconds (p50, p99).
+    pub load_us: (u64, u64),
+    /// Bytes written to the host tier, read from / written to disk.
+    pub host_bytes_in: u64,
+    /// See `host_bytes_in`.
+    pub disk_bytes_read: u64,
+    /// See `host_bytes_in`.
+    pub disk_bytes_written: u64,
+}
+
+fn tokens_in_block(r: &Request, i: usize) -> u64 {
+    let start = i as u64 * TRACE_BLOCK_TOKENS;
+    r.input_length.saturating_sub(start).min(TRACE_BLOCK_TOKENS)
+}
+
+/// Prefix hit ratio of an infinite cache (every block ever seen stays).
+pub fn infinite_hits(reqs: &[Request]) -> (u64, u64) {
+    let mut seen: HashSet<u64> = HashSet::new();
+    let (mut hits, mut refs) = (0, 0);
+    for r in reqs {
+        let n = r.hash_ids.iter().take_while(|b| seen.contains(b)).count();
+        hits += n as u64;
+        refs += r.hash_ids.len() as u64;
+        seen.extend(r.hash_ids.iter().copied());
+    }
+    (hits, refs)
+}
+
+/// Configuration of one replay run against an embedded store.
+pub struct RunCfg {
+    /// Host capacity in blocks.
+    pub host_blocks: u64,
+    /// Disk capacity in blocks (0: none).
+    pub disk_blocks: u64,
+    /// Bytes per block.
+    pub block_bytes: u64,
+    /// Eviction policy.
+    pub policy: PolicyKind,
+    /// Disk admission.
+    pub admission: Admission,
+    /// Write-through.
+    pub write_through: bool,
+    /// Pace by timestamps divided by this factor (None: as fast as possible).
+    pub pace: Option<f64>,
+    /// Disk tier directory.
+    pub dir: PathBuf,
+}
+
+/// Replays `reqs` against a fresh embedded store.
+pub fn run_embedded(
+    reqs: &[Request],
+    cfg: &RunCfg,
+    progress: &ProgressBar,
+) -> Result<ReplayOutcome> {
+    let block = cfg.block_bytes.div_ceil(4096) * 4096;
+    // Segments of up to 16 blocks (and 64 MiB), so small host capacities stay exact.
+    let per_seg = cfg
+        .host_blocks
+        .clamp(1, 16)
+        .min(((64u64 << 20) / block).max(1));
+    let seg = block * per_seg;
+    let host_bytes = cfg.host_blocks.max(1).div_ceil(per_seg) * seg;
+    let _ = std::fs::remove_dir_all(&cfg.dir);
+    let store = StoreConfig {
+        capacity_bytes: host_bytes,
+        segment_bytes: seg,
+        size_classes: vec![cfg.block_bytes as usize],
+        policy: cfg.policy,
+        disk: (cfg.disk_blocks > 0).then(|| DiskConfig {
+            dir: cfg.dir.clone(),
+            capacity_bytes: cfg.disk_blocks * block + (1 << 20),
+            io: IoConfig::default(),
+            policy: cfg.policy,
+            admission: cfg.admission,
+            write_through: cfg.write_through,
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+    .build()
+    .context("building the replay store")?;
+    let ns_def = Namespace {
+        model: "trace/mooncake".into(),
+        dtype: "bfloat16".into(),
+        layout: "nhd".into(),
+        block_tokens: TRACE_BLOCK_TOKENS as u32,
+        tp: TpShard::Rank { size: 1, rank: 0 },
+        tenant: String::new(),
+        lora: String::new(),
+    };
+    let fp = ns_def.fingerprint();
+    let ns = store.register_namespace(&ns_def)?;
+    let mut data = AlignedBuf::new(cfg.block_bytes as usize)?;
+    data.fill_pattern(1);
+    let mut hist = Histogram::<u64>::new_with_bounds(1, 600_000_000, 2)?;
+    let mut out = ReplayOutcome::default();
+    let start = Instant::now();
+    for r in reqs {
+        if let Some(speedup) = cfg.pace {
+            let due = Duration::from_secs_f64(r.timestamp as f64 / 1000.0 / speedup);
+            if let Some(wait) = due.checked_sub(start.elapsed()) {
+                std::thread::sleep(wait);
+            }
+        }
+        let keys: Vec<BlockKey> = r
+            .hash_ids
+            .iter()
+            .map(|id| BlockKey::from_engine_hash(&fp, &id.to_le_bytes()))
+            .collect::<Result<_, _>>()?;
+        let m = store.match_prefix(&keys);
+        let t = Instant::now();
+        let n = if m.n > 0 {
+            store.load_prefix(&keys[..m.n])
+        } else {
+            0
+        };
+        if m.n > 0 {
+            let us = t.elapsed().as_micros() as u64;
+            out.load_secs += t.elapsed().as_secs_f64();
+            let _ = hist.record(us.max(1));
+        }
+        out.load_failures += (m.n - n) as u64;
+        for (i, tier) in m.tiers.iter().take(n).enumerate() {
+            match tier {
+                Tier::Host => out.host_hits += 1,
+                _ => out.disk_hits += 1,
+            }
+            out.hit_tokens += tokens_in_block(r, i);
+        }
+        for k in &keys[n..] {
+            data[..16].copy_from_slice(&k.to_bytes());
+            store.put(ns, *k, &data)?;
+        }
+        out.requests += 1;
+        out.blocks += keys.len() as u64;
+        out.tokens += r.input_length;
+        progress.inc(1);
+    }
+    let st = store.stats();
+    out.load_us = (hist.value_at_quantile(0.5), hist.value_at_quantile(0.99));
+    out.host_bytes_in = st.bytes_in;
+    if let Some(d) = st.disk {
+        out.disk_bytes_read = d.bytes_read;
+        out.disk_bytes_written = d.bytes_written;
+        ensure!(
+            d.checksum_failures == 0,
+            "checksum failures during the replay: {d:?}"
+        );
+    }
+    drop(store);
+    let _ = std::fs::remove_dir_all(&cfg.dir);
+    Ok(out)
+}
+
+fn bar(len: u64, msg: &str) -> ProgressBar {
+    let pb = ProgressBar::new(len);
+    pb.set_style(
+        ProgressStyle::with_template("{msg:>28} [{bar:40}] {pos}/{len} {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    pb.set_message(msg.to_string());
+    pb
+}
+
+/// One point of the sweep.
+pub struct SweepPoint {
+    /// Percent of distinct blocks.
+    pub pct: f64,
+    /// Capacity in blocks.
+    pub blocks: usize,
+    /// Belady's hit ratio.
+    pub belady: f64,
+    /// (policy name, hit ratio).
+    pub policies: Vec<(&'static str, f64)>,
+}
+
+/// Simulates every policy and MIN at each capacity.
+pub fn sweep(refs: &[u64], distinct: u64, pcts: &[f64]) -> Vec<SweepPoint> {
+    let pb = bar(pcts.len() as u64 * 3, "policy sweep");
+    let out = pcts
+        .iter()
+        .map(|&pct| {
+            let blocks = ((distinct as f64) * pct / 100.0).round().max(1.0) as usize;
+            let belady = sim::belady(refs, blocks).ratio();
+            pb.inc(1);
+            let policies = [("s3fifo", PolicyKind::S3Fifo), ("lru", PolicyKind::Lru)]
+                .into_iter()
+                .map(|(name, p)| {
+                    let r = sim::simulate(refs, blocks, p).ratio();
+                    pb.inc(1);
+                    (name, r)
+                })
+                .collect();
+            SweepPoint {
+                pct,
+                blocks,
+                belady,
+                policies,
+            }
+        })
+        .collect();
+    pb.finish_and_clear();
+    out
+}
+
+/// Runs the replay benchmark.
+pub fn run(args: ReplayArgs) -> Result<()> {
+    if args.mode != "embedded" {
+        bail!(
+            "--mode {:?}: only \"embedded\" exists until the kvtierd daemon lands",
+            args.mode
+        );
+    }
+    let Some(policy) = PolicyKind::parse(&args.policy) else {
+        bail!("--policy must be s3fifo or lru, not {:?}", args.policy);
+    };
+    let Some(admission) = Admission::parse(&args.admission) else {
+        bail!(
+            "--admission must be seen-twice or always, not {:?}",
+            args.admission
+        );
+    };
+    let pace = match args.pace.as_str() {
+        "fast" => None,
+        "timestamps" => {
+            ensure!(args.speedup > 0.0, "--speedup must be positive");
+            Some(args.speedup)
+        }
+        other => bail!("--pace must be fast or timestamps, not {other:?}"),
+    };
+    ensure!(args.prefill_rate > 0.0, "--prefill-rate must be positive");
+    ensure!(args.block_bytes >= 64, "--block-bytes must be at least 64");
+    let mut reqs = trace::load(&args.trace)?;
+    if let Some(n) = args.limit {
+        reqs.truncate(n);
+    }
+    let refs: Vec<u64> = reqs
+        .iter()
+        .flat_map(|r| r.hash_ids.iter().copied())
+        .collect();
+    let distinct = refs.iter().copied().collect::<HashSet<u64>>().len() as u64;
+    let host_blocks = capacity_blocks(&args.host, distinct, args.block_bytes)?.max(1);
+    let disk_blocks = capacity_blocks(&args.disk, distinct, args.block_bytes)?;
+    let (inf_hits, inf_refs) = infinite_hits(&reqs);
+    let inf = inf_hits as f64 / inf_refs.max(1) as f64;
+
+    let pb = bar(reqs.len() as u64, "replay");
+    let o = run_embedded(
+        &reqs,
+        &RunCfg {
+            host_blocks,
+            disk_blocks,
+            block_bytes: args.block_bytes,
+            policy,
+            admission,
+            write_through: args.write_through,
+            pace,
+            dir: args.dir.clone(),
+        },
+        &pb,
+    )?;
+    pb.finish_and_clear();
+
+    let hit_ratio = (o.host_hits + o.disk_hits) as f64 / o.blocks.max(1) as f64;
+    let recompute_s = o.hit_tokens as f64 / args.prefill_rate;
+    let loaded_bytes = (o.host_hits + o.disk_hits) * args.block_bytes;
+    let bw = if o.load_secs > 0.0 {
+        loaded_bytes as f64 / o.load_secs
+    } else {
+        f64::INFINITY
+    };
+    let projected_s = (o.hit_tokens * args.real_bytes_per_token) as f64 / bw;
+    let one = |case: String, unit: &'static str, value: f64, baseline: f64, is: &'static str| Row {
+        case,
+        unit,
+        value,
+        baseline,
+        ratio: if baseline > 0.0 {
+            value / baseline
+        } else {
+            0.0
+        },
+        ratio_spread: None,
+        baseline_is: is,
+    };
+    let label = format!(
+        "{} host {} disk {}",
+        policy_name(policy),
+        args.host,
+        args.disk
+    );
+    let mut rows = vec![
+        one(
+            format!("block hit ratio ({label})"),
+            "ratio",
+            hit_ratio,
+            inf,
+            "infinite cache",
+        ),
+        one(
+            "host hit ratio".into(),
+            "ratio",
+            o.host_hits as f64 / o.blocks.max(1) as f64,
+            hit_ratio,
+            "all hits",
+        ),
+        one(
+            "disk hit ratio".into(),
+            "ratio",
+            o.disk_hits as f64 / o.blocks.max(1) as f64,
+            hit_ratio,
+            "all hits",
+        ),
+        one(
+            "token hit ratio".into(),
+            "ratio",
+            o.hit_tokens as f64 / o.tokens.max(1) as f64,
+            inf,
+            "infinite cache (blocks)",
+        ),
+        one(
+            "load latency p50".into(),
+            "ms",
+            o.load_us.0 as f64 / 1e3,
+            o.load_us.0 as f64 / 1e3,
+            "itself",
+        ),
+        one(
+            "load latency p99".into(),
+            "ms",
+            o.load_us.1 as f64 / 1e3,
+            o.load_us.0 as f64 / 1e3,
+            "p50",
+        ),
+        one(
+            "load time, projected to full-size KV".into(),
+            "s",
+            projected_s,
+            recompute_s,
+            "recompute at --prefill-rate",
+        ),
+        one(
+            "disk bytes read".into(),
+            "GB",
+            o.disk_bytes_read as f64 / 1e9,
+            loaded_bytes as f64 / 1e9,
+            "bytes loaded",
+        ),
+        one(
+            "disk bytes written".into(),
+            "GB",
+            o.disk_bytes_written as f64 / 1e9,
+            o.host_bytes_in as f64 / 1e9,
+            "bytes saved to host",
+        ),
+    ];
+    let points = if args.sweep.is_empty() {
+        Vec::new()
+    } else {
+        sweep(&refs, distinct, &args.sweep)
+    };
+    for p in &points {
+        for (name, r) in &p.policies {
+            rows.push(one(
+                format!("sim {name} {}% ({} blocks)", p.pct, p.blocks),
+                "hit ratio",
+                *r,
+                p.belady,
+                "Belady MIN",
+            ));
+        }
+    }
+    eprintln!(
+        "replayed {} requests, {} block refs, {distinct} distinct blocks; host {host_blocks} blocks, disk {disk_blocks} blocks of {} bytes; {} hits lost between lookup and load",
+        o.requests,
+        o.blocks,
+        args.block_bytes,
+        o.load_failures
+    );
+    let report = Report {
+        bench: "replay",
+        results: rows,
+    };
+    if let Some(dir) = &args.report {
+        crate::plot::replay_report(dir, &report, &points, &args, &o, distinct)?;
+    }
+    report.print(args.json)
+}
+
+fn policy_name(p: PolicyKind) -> &'static str {
+    match p {
+        PolicyKind::Lru => "lru",
+        PolicyKind::S3Fifo => "s3fifo",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(t: u64, ids: &[u64]) -> Request {
+        Request {
+            timestamp: t,
+            input_length: ids.len() as u64 * 512 - 100,
+            output_length: 1,
+            hash_ids: ids.to_vec(),
+        }
+    }
+
+    #[test]
+    fn capacities() {
+        assert_eq!(capacity_blocks("10%", 1000, 4096).unwrap(), 100);
+        assert_eq!(capacity_blocks("1M", 1000, 4096).unwrap(), 256);
+        assert_eq!(capacity_blocks("0", 1000, 4096).unwrap(), 0);
+        assert!(capacity_blocks("x%", 1000, 4096).is_err());
+    }
+
+    #[test]
+    fn replay_counters_on_a_known_trace() {
+        // r0: 1 2 3 (all miss) · r1: 1 2 4 (hits 1 2) · r2: 1 2 3 (hits 1 2 3) · r3: 5 (miss)
+        let reqs = vec![
+            req(0, &[1, 2, 3]),
+            req(1, &[1, 2, 4]),
+            req(2, &[1, 2, 3]),
+            req(3, &[5]),
+        ];
+        assert_eq!(infinite_hits(&reqs), (5, 10));
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../target/tmp")
+            .join(format!("replay-test-{}", std::process::id()));
+        // Room for everything, no disk: the replay must match the infinite cache exactly.
+        let o = run_embedded(
+            &reqs,
+            &RunCfg {
+                host_blocks: 64,
+                disk_blocks: 0,
+                block_bytes: 8192,
+                policy: PolicyKind::S3Fifo,
+                admission: Admission::Always,
+                write_through: false,
+                pace: None,
+                dir: dir.clone(),
+            },
+            &ProgressBar::hidden(),
+        )
+        .unwrap();
+        assert_eq!(
+            (o.requests, o.blocks, o.host_hits, o.disk_hits),
+            (4, 10, 5, 0)
+        );
+        assert_eq!(o.tokens, 10 * 512 - 400);
+        // Hit tokens: r1 two full blocks, r2 two full + last block 412 tokens.
+        assert_eq!(o.hit_tokens, 512 * 2 + 512 * 2 + 412);
+        assert_eq!(
+            o.host_bytes_in,
+            5 * 8192,
+            "five distinct blocks saved once each"
+        );
+        // Host holds three blocks (one request); with a disk tier (write-through, always)
+        // every hit survives and the old blocks come back from disk.
+        let o = run_embedded(
+            &reqs,
+            &RunCfg {
+                host_blocks: 3,
+                disk_blocks: 64,
+                block_bytes: 1 << 20,
+                policy: PolicyKind::Lru,
+                admission: Admission::Always,
+                write_through: true,
+                pace: Some(1000.0),
+                dir,
+            },
+            &ProgressBar::hidden(),
+        )
+        .unwrap();
+        assert_eq!(o.host_hits + o.disk_hits, 5, "{o:?}");
+        assert!(o.disk_hits > 0 && o.disk_bytes_read > 0, "{o:?}");
+        assert_eq!(o.load_failures, 0);
+    }
+}
