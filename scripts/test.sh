@@ -8,9 +8,13 @@ if ! command -v cargo >/dev/null; then
     echo "cargo not found: install the Rust toolchain (https://rustup.rs)" >&2
     exit 1
 fi
-# fio: the disk benchmark's baseline (its smoke test runs here).
-if ! command -v fio >/dev/null; then
-    apt-get install -y -q fio >/dev/null || { echo "could not install fio (apt-get install fio)" >&2; exit 1; }
+# fio and redis-server: baselines of the disk and peers benchmarks (their smoke tests run here).
+need=()
+command -v fio >/dev/null || need+=(fio)
+command -v redis-server >/dev/null || need+=(redis-server)
+if [ ${#need[@]} -gt 0 ]; then
+    (apt-get install -y -q "${need[@]}" >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q "${need[@]}" >/dev/null; }) \
+        || { echo "could not install ${need[*]} (apt-get install ${need[*]})" >&2; exit 1; }
 fi
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv

@@ -5,6 +5,7 @@
 mod alloc_count;
 mod disk;
 mod host;
+mod peers;
 mod plot;
 mod replay;
 mod report;
@@ -36,6 +37,8 @@ enum Cmd {
     Disk(disk::DiskArgs),
     /// Trace replay through the store, and every policy against Belady's optimum.
     Replay(replay::ReplayArgs),
+    /// The same put/get workload against kvtier, Redis and Mooncake Store on this machine.
+    Peers(peers::PeersArgs),
 }
 
 /// Parses `123`, `256K`, `2M`, `1G` (binary units).
@@ -61,6 +64,7 @@ fn main() -> Result<()> {
         Cmd::Host(a) => host::run(a),
         Cmd::Disk(a) => disk::run(a),
         Cmd::Replay(a) => replay::run(a),
+        Cmd::Peers(a) => peers::run(a),
     }
 }
 

@@ -111,3 +111,119 @@ fn disk_bench_prints_json_last_line() {
     );
     assert!(!dir.exists(), "the bench must clean up its data directory");
 }
+
+fn last_json(out: &std::process::Output) -> serde_json::Value {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout.clone()).unwrap();
+    serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
+}
+
+#[test]
+fn replay_bench_on_a_small_trace_with_report() {
+    let tmp = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("bench-replay-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let trace = tmp.join("trace.jsonl");
+    let mut text = String::new();
+    for i in 0..40u64 {
+        // Two shared prefixes and a unique tail per request.
+        let prefix = if i % 2 == 0 { "1, 2, 3" } else { "10, 11" };
+        text.push_str(&format!(
+            "{{\"timestamp\": {i}, \"input_length\": 2000, \"output_length\": 10, \"hash_ids\": [{prefix}, {}]}}\n",
+            1000 + i
+        ));
+    }
+    std::fs::write(&trace, text).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier-bench"))
+        .args([
+            "replay",
+            "--block-bytes",
+            "16K",
+            "--host",
+            "20%",
+            "--disk",
+            "50%",
+            "--sweep",
+            "10,50",
+        ])
+        .arg("--trace")
+        .arg(&trace)
+        .arg("--dir")
+        .arg(tmp.join("data"))
+        .arg("--report")
+        .arg(tmp.join("report"))
+        .arg("--json")
+        .output()
+        .unwrap();
+    let v = last_json(&out);
+    assert_eq!(v["bench"], "replay");
+    let rows = v["results"].as_array().unwrap();
+    let hit = rows
+        .iter()
+        .find(|r| r["case"].as_str().unwrap().starts_with("block hit ratio"))
+        .unwrap();
+    // Infinite cache: 19 + 19 later requests hit their 3 or 2 prefix blocks, of 80 + 60 refs.
+    let inf = hit["baseline"].as_f64().unwrap();
+    assert!((inf - 95.0 / 140.0).abs() < 1e-9, "{inf}");
+    assert!(hit["value"].as_f64().unwrap() > 0.3);
+    let sims: Vec<&serde_json::Value> = rows
+        .iter()
+        .filter(|r| r["case"].as_str().unwrap().starts_with("sim "))
+        .collect();
+    assert_eq!(sims.len(), 4);
+    for s in sims {
+        assert!(
+            s["ratio"].as_f64().unwrap() <= 1.0 + 1e-12,
+            "a policy beat MIN: {s}"
+        );
+    }
+    assert!(tmp.join("report/replay.md").exists());
+    assert!(tmp.join("report/hit_ratio_vs_capacity.png").exists());
+    // A malformed trace names the line.
+    std::fs::write(&trace, "{\"timestamp\": 0}\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier-bench"))
+        .args(["replay", "--trace"])
+        .arg(&trace)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("line 1"));
+    std::fs::remove_dir_all(&tmp).unwrap();
+}
+
+#[test]
+fn peers_bench_against_redis() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier-bench"))
+        .args([
+            "peers", "--peers", "redis", "--sizes", "256K", "--bytes", "4M", "--rounds", "1",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    let v = last_json(&out);
+    let cases: Vec<&str> = v["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["case"].as_str().unwrap())
+        .collect();
+    assert_eq!(cases, ["put 256KiB vs redis", "get 256KiB vs redis"]);
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier-bench"))
+        .args([
+            "peers",
+            "--peers",
+            "memcached",
+            "--sizes",
+            "256K",
+            "--bytes",
+            "1M",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown peer"));
+}
