@@ -168,6 +168,57 @@ impl Namespace {
         buf
     }
 
+    /// Parses the canonical encoding produced by [`Namespace::encode`].
+    pub fn decode(b: &[u8]) -> Result<Self, KeyError> {
+        let bad = |why: &str| KeyError::BadNamespace(format!("malformed encoding: {why}"));
+        let rest = b
+            .strip_prefix(NS_MAGIC)
+            .ok_or_else(|| bad("missing kvtier/ns/v1"))?;
+        let mut pos = 0usize;
+        let u32_at = |pos: &mut usize| -> Result<u32, KeyError> {
+            let v = rest.get(*pos..*pos + 4).ok_or_else(|| bad("truncated"))?;
+            *pos += 4;
+            Ok(u32::from_le_bytes([v[0], v[1], v[2], v[3]]))
+        };
+        let string = |pos: &mut usize| -> Result<String, KeyError> {
+            let n = u32_at(pos)? as usize;
+            let v = rest
+                .get(*pos..*pos + n)
+                .ok_or_else(|| bad("truncated string"))?;
+            *pos += n;
+            String::from_utf8(v.to_vec()).map_err(|_| bad("string is not UTF-8"))
+        };
+        let model = string(&mut pos)?;
+        let dtype = string(&mut pos)?;
+        let layout = string(&mut pos)?;
+        let block_tokens = u32_at(&mut pos)?;
+        let tag = *rest.get(pos).ok_or_else(|| bad("truncated"))?;
+        pos += 1;
+        let size = u32_at(&mut pos)?;
+        let rank = u32_at(&mut pos)?;
+        let tp = match tag {
+            0 => TpShard::Shared,
+            1 => TpShard::Rank { size, rank },
+            _ => return Err(bad("unknown TP tag")),
+        };
+        let tenant = string(&mut pos)?;
+        let lora = string(&mut pos)?;
+        if pos != rest.len() {
+            return Err(bad("trailing bytes"));
+        }
+        let ns = Namespace {
+            model,
+            dtype,
+            layout,
+            block_tokens,
+            tp,
+            tenant,
+            lora,
+        };
+        ns.validate()?;
+        Ok(ns)
+    }
+
     /// Checks the fields for values no engine can produce.
     pub fn validate(&self) -> Result<(), KeyError> {
         if self.model.is_empty() {
@@ -264,6 +315,17 @@ mod tests {
         assert!(e.to_string().contains("16"), "{e}");
         assert!(BlockKey::from_hex("zz").is_err());
         assert!(BlockKey::from_engine_hash(&ns().fingerprint(), &[]).is_err());
+    }
+
+    #[test]
+    fn decode_inverts_encode() {
+        let n = ns();
+        assert_eq!(Namespace::decode(&n.encode()).unwrap(), n);
+        let mut e = n.encode();
+        e.push(0);
+        assert!(Namespace::decode(&e).is_err());
+        assert!(Namespace::decode(&e[..10]).is_err());
+        assert!(Namespace::decode(b"garbage").is_err());
     }
 
     #[test]

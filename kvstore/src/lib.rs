@@ -20,7 +20,9 @@
 mod arena;
 pub mod disk;
 mod error;
+mod events;
 pub mod io;
+pub mod ipc;
 mod key;
 pub mod policy;
 mod store;
@@ -28,6 +30,7 @@ mod store;
 pub use arena::{fill_pattern, AlignedBuf, Arena};
 pub use disk::{Admission, DiskConfig, DiskError, DiskStats};
 pub use error::{ConfigError, KeyError, StoreError};
+pub use events::{BlockEvent, EventKind};
 pub use key::{BlockKey, Fingerprint, Namespace, TpShard};
 pub use policy::{EvictionPolicy, PolicyKind};
 pub use store::{

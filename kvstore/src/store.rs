@@ -37,6 +37,7 @@ use crate::disk::{
     Admission, DiskConfig, DiskStats, DiskTier, ReadOutcome, WriteItem, WriteOutcome,
 };
 use crate::error::{ConfigError, KeyError, StoreError};
+use crate::events::{BlockEvent, EventKind, Events};
 use crate::io::{IoBuf, IoEngine};
 use crate::key::{BlockKey, Fingerprint, Namespace};
 use crate::policy::{EvictionPolicy, PolicyKind};
@@ -467,6 +468,7 @@ pub struct Store {
     disk: Option<DiskTier>,
     demote: Mutex<Vec<Demote>>,
     doorkeeper: Mutex<Doorkeeper>,
+    events: Arc<Events>,
 }
 
 impl std::fmt::Debug for Store {
@@ -531,6 +533,7 @@ impl Store {
             })
             .collect();
         let shards = (0..cfg.shards).map(|_| Mutex::default()).collect();
+        let events = disk.as_ref().map(|d| d.events.clone()).unwrap_or_default();
         tracing::info!(
             capacity = n_segments * cfg.segment_bytes,
             segments = n_segments,
@@ -556,6 +559,7 @@ impl Store {
             disk,
             demote: Mutex::new(Vec::new()),
             doorkeeper: Mutex::default(),
+            events,
         })
     }
 
@@ -582,6 +586,45 @@ impl Store {
     /// Whether a disk tier is configured.
     pub fn has_disk(&self) -> bool {
         self.disk.is_some()
+    }
+
+    /// The registered namespaces' fingerprints, by id.
+    pub fn namespaces(&self) -> Vec<Fingerprint> {
+        self.namespaces.read().clone()
+    }
+
+    /// Subscribes to block events through a channel of `capacity`; a subscriber that falls
+    /// behind loses events (see [`Store::events_dropped`]). Dropping the receiver unsubscribes.
+    pub fn subscribe(&self, capacity: usize) -> crossbeam_channel::Receiver<BlockEvent> {
+        self.events.subscribe(capacity)
+    }
+
+    /// Events lost because a subscriber's channel was full.
+    pub fn events_dropped(&self) -> u64 {
+        self.events.dropped()
+    }
+
+    /// Blocks and bytes per namespace id: (id, host blocks, host bytes, disk blocks, disk
+    /// bytes). Scans the index: for admin use, not the hot path.
+    pub fn namespace_stats(&self) -> Vec<(u16, u64, u64, u64, u64)> {
+        let mut m: BTreeMap<u16, (u64, u64, u64, u64)> = BTreeMap::new();
+        for s in self.shards.iter() {
+            for e in s.lock().map.values().filter(|e| e.ready()) {
+                let x = m.entry(e.ns).or_default();
+                x.0 += 1;
+                x.1 += u64::from(e.len);
+            }
+        }
+        if let Some(d) = &self.disk {
+            for (ns, b, y) in d.namespace_stats() {
+                let x = m.entry(ns).or_default();
+                x.2 += b;
+                x.3 += y;
+            }
+        }
+        m.into_iter()
+            .map(|(ns, (a, b, c, d))| (ns, a, b, c, d))
+            .collect()
     }
 
     /// Wraps the disk tier's I/O engine (fault injection in tests). No-op without a disk tier.
@@ -773,9 +816,10 @@ impl Store {
             self.stats.admission_rejects.fetch_add(1, Relaxed);
             self.remember(key);
         }
-        let len = e.len;
+        let (len, ns) = (e.len, e.ns);
         sh.map.remove(&mk);
         drop(sh);
+        self.events.emit(EventKind::Removed, key, Tier::Host, ns);
         self.stats.evictions.fetch_add(1, Relaxed);
         self.stats.blocks.fetch_sub(1, Relaxed);
         self.stats.used_bytes.fetch_sub(u64::from(len), Relaxed);
@@ -994,6 +1038,7 @@ impl Store {
         self.stats.blocks.fetch_add(1, Relaxed);
         self.stats.used_bytes.fetch_add(len as u64, Relaxed);
         self.stats.bytes_in.fetch_add(len as u64, Relaxed);
+        self.events.emit(EventKind::Stored, key, Tier::Host, r.ns);
         if let Some(d) = through {
             self.demote.lock().push(d);
             self.run_demotions();
@@ -1310,26 +1355,74 @@ impl Store {
                 break;
             }
         }
+        Ok(self.record_lease(pinned, tiers, expires))
+    }
+
+    /// Makes the longest present prefix resident in host memory (see [`Store::load_prefix`])
+    /// and pins it with a lease; returns the lease and each pinned block's arena offset and
+    /// length, for a process that mapped the arena to copy from.
+    pub fn load_and_lease(
+        &self,
+        keys: &[BlockKey],
+        ttl: Duration,
+    ) -> Result<(Lease, Vec<(u64, u32)>), StoreError> {
+        let n = self.load_prefix(keys);
+        self.reap_expired_leases();
+        let expires = Instant::now() + ttl;
+        if self.leases.lock().live.len() >= self.max_leases {
+            return Err(StoreError::TooManyLeases(self.max_leases));
+        }
+        let mut pinned = Vec::new();
+        let mut locs = Vec::new();
+        for k in &keys[..n] {
+            let found = {
+                let mut sh = self.shard(*k).lock();
+                match sh.map.get_mut(&MapKey::from(*k)) {
+                    Some(e) if e.ready() => {
+                        e.pins += 1;
+                        e.flags |= ACCESSED;
+                        Some((e.slot(), e.len))
+                    }
+                    _ => None,
+                }
+            };
+            let Some((slot, len)) = found else { break };
+            let page = {
+                let mut c = self.classes[slot.class as usize].lock();
+                c.policy.access(slot.idx);
+                c.page_of(slot.idx, self.seg_pages)
+            };
+            pinned.push(Pin::Host(*k, slot));
+            locs.push((u64::from(page) * PAGE as u64, len));
+            self.stats.hits.fetch_add(1, Relaxed);
+            self.stats.bytes_out.fetch_add(u64::from(len), Relaxed);
+        }
+        let tiers = vec![Tier::Host; pinned.len()];
+        Ok((self.record_lease(pinned, tiers, expires), locs))
+    }
+
+    /// Records pins as a lease (none when nothing was pinned).
+    fn record_lease(&self, pinned: Vec<Pin>, tiers: Vec<Tier>, expires: Instant) -> Lease {
         let n = pinned.len();
         if n == 0 {
-            return Ok(Lease {
+            return Lease {
                 id: None,
                 n,
                 tiers,
                 expires,
-            });
+            };
         }
         let mut l = self.leases.lock();
         l.next += 1;
         let id = l.next;
         l.live.insert(id, (expires, pinned));
         l.by_deadline.insert((expires, id), ());
-        Ok(Lease {
+        Lease {
             id: Some(LeaseId(id)),
             n,
             tiers,
             expires,
-        })
+        }
     }
 
     fn drop_pins(&self, pins: Vec<Pin>) {
@@ -1430,10 +1523,12 @@ impl Store {
                 self.stats.used_bytes.fetch_sub(u64::from(e.len), Relaxed);
                 if e.pins > 0 {
                     sh.doomed.insert(e.slot(), e.pins);
+                    drop(sh);
                 } else {
                     drop(sh);
                     self.free_slot(e.slot());
                 }
+                self.events.emit(EventKind::Removed, *key, Tier::Host, e.ns);
                 true
             }
             _ => false,
@@ -1470,6 +1565,8 @@ impl Store {
                 } else {
                     free.push(e.slot());
                 }
+                self.events
+                    .emit(EventKind::Removed, BlockKey::from(k), Tier::Host, e.ns);
                 removed.insert(BlockKey::from(k));
             }
             drop(sh);

@@ -23,9 +23,11 @@ use parking_lot::Mutex;
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::arena::AlignedBuf;
+use crate::events::{EventKind, Events};
 use crate::io::{self as kio, IoBuf, IoConfig, IoEngine, IoKind, IoReq, ALIGN};
 use crate::key::{BlockKey, Fingerprint};
 use crate::policy::{EvictionPolicy, PolicyKind};
+use crate::store::Tier;
 use crate::store::{FoldMap, MapKey};
 
 use extent::Extents;
@@ -315,6 +317,7 @@ pub struct DiskTier {
     stats: Counters,
     read_hist: Mutex<Histogram<u64>>,
     write_hist: Mutex<Histogram<u64>>,
+    pub(crate) events: Arc<Events>,
     pub(crate) cfg: DiskConfig,
 }
 
@@ -572,6 +575,7 @@ impl DiskTier {
             stats: Counters::default(),
             read_hist: hist().map_err(|e| DiskError::Config(e.to_string()))?,
             write_hist: hist().map_err(|e| DiskError::Config(e.to_string()))?,
+            events: Arc::default(),
             cfg,
         };
         tier.stats.recovered.store(recovered, Relaxed);
@@ -640,14 +644,28 @@ impl DiskTier {
     /// Removes a block; false if absent.
     pub fn remove(&self, key: &BlockKey) -> bool {
         let mut st = self.state.lock();
-        let present = st
+        let found = st
             .index
             .get(&MapKey::from(*key))
-            .is_some_and(|e| e.state == DState::Ready);
-        if present {
+            .filter(|e| e.state == DState::Ready)
+            .map(|e| e.ns);
+        if let Some(ns) = found {
             st.drop_entry(*key, true);
+            self.events.emit(EventKind::Removed, *key, Tier::Disk, ns);
         }
-        present
+        found.is_some()
+    }
+
+    /// (namespace id, blocks, bytes) of every namespace with blocks on disk.
+    pub fn namespace_stats(&self) -> Vec<(u16, u64, u64)> {
+        let st = self.state.lock();
+        let mut m: std::collections::BTreeMap<u16, (u64, u64)> = Default::default();
+        for e in st.index.values().filter(|e| e.state == DState::Ready) {
+            let x = m.entry(e.ns).or_default();
+            x.0 += 1;
+            x.1 += u64::from(e.len);
+        }
+        m.into_iter().map(|(ns, (b, y))| (ns, b, y)).collect()
     }
 
     /// Removes every block of namespace `ns`; returns their keys.
@@ -661,6 +679,7 @@ impl DiskTier {
             .collect();
         for k in &keys {
             st.drop_entry(*k, true);
+            self.events.emit(EventKind::Removed, *k, Tier::Disk, ns);
         }
         keys
     }
@@ -688,9 +707,11 @@ impl DiskTier {
                     .is_some_and(|e| e.pins == 0 && e.state == DState::Ready)
             })?;
             let key = st.ids[victim as usize];
+            let ns = st.index.get(&MapKey::from(key)).map_or(0, |e| e.ns);
             // The policy already forgot the id; drop_entry's policy.remove is a no-op.
             st.drop_entry(key, true);
             self.stats.evictions.fetch_add(1, Relaxed);
+            self.events.emit(EventKind::Removed, key, Tier::Disk, ns);
         }
     }
 
@@ -818,6 +839,7 @@ impl DiskTier {
                 if let Some(e) = st.index.get_mut(&mk) {
                     e.state = DState::Ready;
                     e.checksum = sums[j];
+                    self.events.emit(EventKind::Stored, key, Tier::Disk, e.ns);
                     let (id, len) = (e.id, e.len);
                     st.policy.insert(id, key.0 as u64);
                     st.used_bytes += u64::from(len);
@@ -901,7 +923,9 @@ impl DiskTier {
         });
         let mut st = self.state.lock();
         for k in corrupt {
+            let ns = st.index.get(&MapKey::from(k)).map_or(0, |e| e.ns);
             st.drop_entry(k, true);
+            self.events.emit(EventKind::Removed, k, Tier::Disk, ns);
         }
         for &(_, key, ..) in &meta {
             st.unpin(key);

@@ -1,0 +1,284 @@
+//! `kvtier`: the command line of a kvtierd. Human tables by default, `--json` for scripts.
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use kvtier_client::{connect, explain, hex, parse_key, pb, tier_name, DEFAULT_ADDR};
+use serde_json::json;
+use tokio_stream::StreamExt;
+
+#[derive(Parser)]
+#[command(name = "kvtier", version, about = "Talk to a kvtierd")]
+struct Cli {
+    /// kvtierd's admin address.
+    #[arg(long, env = "KVTIER_ADDR", default_value = DEFAULT_ADDR, global = true)]
+    addr: String,
+    /// Bearer token, when kvtierd requires one.
+    #[arg(long, env = "KVTIER_TOKEN", global = true, hide_env_values = true)]
+    token: Option<String>,
+    /// Print JSON instead of tables.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Liveness, version, uptime, I/O engine.
+    Status,
+    /// Counters per tier and per namespace.
+    Stats,
+    /// Longest present prefix of a key chain (32-hex-digit keys, in order).
+    Lookup {
+        /// Keys.
+        keys: Vec<String>,
+    },
+    /// Remove every block of a namespace (by id, see `stats`).
+    Clear {
+        /// Namespace id.
+        namespace: u32,
+    },
+    /// Pin the leading present keys for a while.
+    Pin {
+        /// Keys.
+        keys: Vec<String>,
+        /// How long, in seconds.
+        #[arg(long, default_value_t = 30)]
+        ttl: u64,
+    },
+    /// Release a pin.
+    Unpin {
+        /// Lease id printed by `pin`.
+        lease: u64,
+    },
+    /// Stream block events.
+    Watch {
+        /// Stop after this many events.
+        #[arg(long)]
+        count: Option<usize>,
+    },
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> std::process::ExitCode {
+    match run().await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvtier: {e:#}");
+            std::process::ExitCode::from(1)
+        }
+    }
+}
+
+fn gib(b: u64) -> String {
+    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+async fn run() -> Result<()> {
+    let cli = Cli::parse();
+    let mut c = connect(&cli.addr, cli.token.as_deref()).await?;
+    match cli.cmd {
+        Cmd::Status => {
+            let h = c
+                .health(pb::HealthRequest {})
+                .await
+                .map_err(explain)?
+                .into_inner();
+            if cli.json {
+                println!(
+                    "{}",
+                    json!({"version": h.version, "uptime_ms": h.uptime_ms, "io_engine": h.io_engine})
+                );
+            } else {
+                println!(
+                    "kvtierd {} up {:.1} s, disk engine {}",
+                    h.version,
+                    h.uptime_ms as f64 / 1000.0,
+                    h.io_engine
+                );
+            }
+        }
+        Cmd::Stats => {
+            let s = c
+                .stats(pb::StatsRequest {})
+                .await
+                .map_err(explain)?
+                .into_inner();
+            if cli.json {
+                let tiers: Vec<_> = s
+                    .tiers
+                    .iter()
+                    .map(|t| {
+                        json!({"tier": tier_name(t.tier), "capacity_bytes": t.capacity_bytes,
+                            "used_bytes": t.used_bytes, "blocks": t.blocks, "bytes_read": t.bytes_read,
+                            "bytes_written": t.bytes_written, "evictions": t.evictions,
+                            "checksum_failures": t.checksum_failures, "read_errors": t.read_errors,
+                            "write_errors": t.write_errors})
+                    })
+                    .collect();
+                let ns: Vec<_> = s
+                    .namespaces
+                    .iter()
+                    .map(|n| {
+                        json!({"id": n.id, "fingerprint": hex(&n.fingerprint), "host_blocks": n.host_blocks,
+                            "host_bytes": n.host_bytes, "disk_blocks": n.disk_blocks, "disk_bytes": n.disk_bytes})
+                    })
+                    .collect();
+                println!(
+                    "{}",
+                    json!({"tiers": tiers, "namespaces": ns, "hits": s.hits, "misses": s.misses,
+                        "leases": s.leases, "promotions": s.promotions, "demotions": s.demotions,
+                        "ipc_clients": s.ipc_clients})
+                );
+            } else {
+                println!(
+                    "{:<6} {:>12} {:>12} {:>10} {:>12} {:>12} {:>10} {:>9}",
+                    "tier",
+                    "capacity",
+                    "used",
+                    "blocks",
+                    "read",
+                    "written",
+                    "evictions",
+                    "bad sums"
+                );
+                for t in &s.tiers {
+                    println!(
+                        "{:<6} {:>12} {:>12} {:>10} {:>12} {:>12} {:>10} {:>9}",
+                        tier_name(t.tier),
+                        gib(t.capacity_bytes),
+                        gib(t.used_bytes),
+                        t.blocks,
+                        gib(t.bytes_read),
+                        gib(t.bytes_written),
+                        t.evictions,
+                        t.checksum_failures
+                    );
+                }
+                println!(
+                    "hits {}  misses {}  leases {}  promotions {}  demotions {}  engines {}",
+                    s.hits, s.misses, s.leases, s.promotions, s.demotions, s.ipc_clients
+                );
+                if !s.namespaces.is_empty() {
+                    println!(
+                        "\n{:<4} {:<32} {:>10} {:>12} {:>10} {:>12}",
+                        "ns", "fingerprint", "host", "host bytes", "disk", "disk bytes"
+                    );
+                    for n in &s.namespaces {
+                        println!(
+                            "{:<4} {:<32} {:>10} {:>12} {:>10} {:>12}",
+                            n.id,
+                            hex(&n.fingerprint),
+                            n.host_blocks,
+                            gib(n.host_bytes),
+                            n.disk_blocks,
+                            gib(n.disk_bytes)
+                        );
+                    }
+                }
+            }
+        }
+        Cmd::Lookup { keys } => {
+            let keys = keys
+                .iter()
+                .map(|k| parse_key(k))
+                .collect::<Result<Vec<_>>>()?;
+            let r = c
+                .lookup(pb::LookupRequest { keys })
+                .await
+                .map_err(explain)?
+                .into_inner();
+            let tiers: Vec<&str> = r.tiers.iter().map(|t| tier_name(*t)).collect();
+            if cli.json {
+                println!("{}", json!({"n": r.n, "tiers": tiers}));
+            } else {
+                println!("{} leading keys present: {}", r.n, tiers.join(" "));
+            }
+        }
+        Cmd::Clear { namespace } => {
+            let r = c
+                .clear_namespace(pb::ClearRequest {
+                    namespace_id: namespace,
+                })
+                .await
+                .map_err(explain)?
+                .into_inner();
+            if cli.json {
+                println!("{}", json!({"removed": r.removed}));
+            } else {
+                println!("removed {} blocks of namespace {namespace}", r.removed);
+            }
+        }
+        Cmd::Pin { keys, ttl } => {
+            let keys = keys
+                .iter()
+                .map(|k| parse_key(k))
+                .collect::<Result<Vec<_>>>()?;
+            let r = c
+                .pin(pb::PinRequest {
+                    keys,
+                    ttl_ms: ttl * 1000,
+                })
+                .await
+                .map_err(explain)?
+                .into_inner();
+            if cli.json {
+                println!("{}", json!({"lease_id": r.lease_id, "n": r.n}));
+            } else if r.n == 0 {
+                println!("nothing to pin: the first key is not present");
+            } else {
+                println!("pinned {} blocks for {ttl} s: lease {}", r.n, r.lease_id);
+            }
+        }
+        Cmd::Unpin { lease } => {
+            let r = c
+                .unpin(pb::UnpinRequest { lease_id: lease })
+                .await
+                .map_err(explain)?
+                .into_inner();
+            if cli.json {
+                println!("{}", json!({"released": r.released}));
+            } else if r.released {
+                println!("released lease {lease}");
+            } else {
+                anyhow::bail!("lease {lease} is not held (released or expired)");
+            }
+        }
+        Cmd::Watch { count } => {
+            let mut stream = c
+                .watch(pb::WatchRequest {})
+                .await
+                .map_err(explain)?
+                .into_inner();
+            let mut seen = 0;
+            while let Some(ev) = stream.next().await {
+                let ev = ev.map_err(explain)?;
+                let kind = match pb::block_event::Kind::try_from(ev.kind) {
+                    Ok(pb::block_event::Kind::Stored) => "stored",
+                    Ok(pb::block_event::Kind::Removed) => "removed",
+                    _ => "?",
+                };
+                if cli.json {
+                    println!(
+                        "{}",
+                        json!({"kind": kind, "key": hex(&ev.key), "tier": tier_name(ev.tier),
+                            "namespace": ev.namespace_id, "unix_ms": ev.unix_ms})
+                    );
+                } else {
+                    println!(
+                        "{:<8} {} {:<5} ns {}",
+                        kind,
+                        hex(&ev.key),
+                        tier_name(ev.tier),
+                        ev.namespace_id
+                    );
+                }
+                seen += 1;
+                if count.is_some_and(|c| seen >= c) {
+                    break;
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,246 @@
+//! The admin gRPC service.
+
+// tonic fixes `Status` as the error type of handlers and interceptors.
+#![allow(clippy::result_large_err)]
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use kvstore::{BlockKey, EventKind, LeaseId, NsId, Tier};
+use kvtier_proto::admin::admin_server::Admin;
+use kvtier_proto::admin::{self as pb, block_event};
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+use crate::Daemon;
+
+/// The service.
+pub struct AdminService {
+    pub d: Arc<Daemon>,
+}
+
+fn keys(raw: &[Vec<u8>]) -> Result<Vec<BlockKey>, Status> {
+    raw.iter()
+        .enumerate()
+        .map(|(i, k)| {
+            BlockKey::from_bytes(k).map_err(|e| Status::invalid_argument(format!("key {i}: {e}")))
+        })
+        .collect()
+}
+
+fn tier(t: Tier) -> i32 {
+    match t {
+        Tier::Disk => pb::Tier::Disk as i32,
+        _ => pb::Tier::Host as i32,
+    }
+}
+
+/// Rejects calls without the configured bearer token.
+pub fn check_token(token: String) -> impl Fn(Request<()>) -> Result<Request<()>, Status> + Clone {
+    move |req: Request<()>| {
+        if token.is_empty() {
+            return Ok(req);
+        }
+        let want = format!("Bearer {token}");
+        match req
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+        {
+            Some(got) if got == want => Ok(req),
+            Some(_) => Err(Status::unauthenticated("wrong bearer token")),
+            None => Err(Status::unauthenticated(
+                "this kvtierd requires a bearer token (authorization: Bearer <token>)",
+            )),
+        }
+    }
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<pb::BlockEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Admin for AdminService {
+    async fn health(
+        &self,
+        _: Request<pb::HealthRequest>,
+    ) -> Result<Response<pb::HealthReply>, Status> {
+        let s = self.d.store.stats();
+        Ok(Response::new(pb::HealthReply {
+            version: env!("CARGO_PKG_VERSION").into(),
+            uptime_ms: self.d.started.elapsed().as_millis() as u64,
+            io_engine: s
+                .disk
+                .map(|d| d.engine.to_string())
+                .unwrap_or_else(|| "none".into()),
+        }))
+    }
+
+    async fn stats(
+        &self,
+        _: Request<pb::StatsRequest>,
+    ) -> Result<Response<pb::StatsReply>, Status> {
+        let d = self.d.clone();
+        let (s, ns, fps) = tokio::task::spawn_blocking(move || {
+            (
+                d.store.stats(),
+                d.store.namespace_stats(),
+                d.store.namespaces(),
+            )
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?;
+        let mut tiers = vec![pb::TierStats {
+            tier: pb::Tier::Host as i32,
+            capacity_bytes: s.capacity_bytes,
+            used_bytes: s.used_bytes,
+            blocks: s.blocks,
+            bytes_read: s.bytes_out,
+            bytes_written: s.bytes_in,
+            evictions: s.evictions,
+            ..Default::default()
+        }];
+        if let Some(k) = &s.disk {
+            tiers.push(pb::TierStats {
+                tier: pb::Tier::Disk as i32,
+                capacity_bytes: k.capacity_bytes,
+                used_bytes: k.used_bytes,
+                blocks: k.blocks,
+                bytes_read: k.bytes_read,
+                bytes_written: k.bytes_written,
+                evictions: k.evictions,
+                checksum_failures: k.checksum_failures,
+                read_errors: k.read_errors,
+                write_errors: k.write_errors,
+            });
+        }
+        let namespaces = ns
+            .into_iter()
+            .map(|(id, hb, hy, db, dy)| pb::NamespaceStats {
+                id: u32::from(id),
+                fingerprint: fps
+                    .get(id as usize)
+                    .map(|f| f.0.to_bytes().to_vec())
+                    .unwrap_or_default(),
+                host_blocks: hb,
+                host_bytes: hy,
+                disk_blocks: db,
+                disk_bytes: dy,
+            })
+            .collect();
+        Ok(Response::new(pb::StatsReply {
+            tiers,
+            namespaces,
+            hits: s.hits,
+            misses: s.misses,
+            leases: s.leases,
+            promotions: s.promotions,
+            demotions: s.demotions,
+            ipc_clients: self
+                .d
+                .ipc_clients
+                .load(std::sync::atomic::Ordering::Relaxed),
+        }))
+    }
+
+    async fn lookup(
+        &self,
+        req: Request<pb::LookupRequest>,
+    ) -> Result<Response<pb::LookupReply>, Status> {
+        let ks = keys(&req.get_ref().keys)?;
+        let m = self.d.store.match_prefix(&ks);
+        Ok(Response::new(pb::LookupReply {
+            n: m.n as u32,
+            tiers: m.tiers.into_iter().map(tier).collect(),
+        }))
+    }
+
+    async fn clear_namespace(
+        &self,
+        req: Request<pb::ClearRequest>,
+    ) -> Result<Response<pb::ClearReply>, Status> {
+        let id = req.get_ref().namespace_id;
+        if id as usize >= self.d.store.namespaces().len() {
+            return Err(Status::not_found(format!(
+                "namespace {id} is not registered"
+            )));
+        }
+        let d = self.d.clone();
+        let removed = tokio::task::spawn_blocking(move || d.store.clear_namespace(NsId(id)))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?;
+        tracing::info!(namespace = id, removed, "namespace cleared");
+        Ok(Response::new(pb::ClearReply {
+            removed: removed as u64,
+        }))
+    }
+
+    async fn pin(&self, req: Request<pb::PinRequest>) -> Result<Response<pb::PinReply>, Status> {
+        let r = req.get_ref();
+        let ks = keys(&r.keys)?;
+        let ttl = if r.ttl_ms == 0 {
+            self.d.cfg.lease_ttl()
+        } else {
+            Duration::from_millis(r.ttl_ms)
+        };
+        let lease = self
+            .d
+            .store
+            .lease(&ks, ttl)
+            .map_err(|e| Status::resource_exhausted(e.to_string()))?;
+        Ok(Response::new(pb::PinReply {
+            lease_id: lease.id.map_or(0, |i| i.0),
+            n: lease.n as u32,
+        }))
+    }
+
+    async fn unpin(
+        &self,
+        req: Request<pb::UnpinRequest>,
+    ) -> Result<Response<pb::UnpinReply>, Status> {
+        Ok(Response::new(pb::UnpinReply {
+            released: self.d.store.release(LeaseId(req.get_ref().lease_id)),
+        }))
+    }
+
+    type WatchStream = EventStream;
+
+    async fn watch(&self, _: Request<pb::WatchRequest>) -> Result<Response<EventStream>, Status> {
+        let rx = self.d.store.subscribe(4096);
+        let (tx, out) = tokio::sync::mpsc::channel(1024);
+        let d = self.d.clone();
+        // Bridge the store's channel to the async stream; ends when the watcher goes away.
+        std::thread::spawn(move || {
+            while !d.stopping() {
+                let ev = match rx.recv_timeout(Duration::from_millis(200)) {
+                    Ok(ev) => ev,
+                    Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                        if tx.is_closed() {
+                            return;
+                        }
+                        continue;
+                    }
+                    Err(_) => return,
+                };
+                let msg = pb::BlockEvent {
+                    kind: match ev.kind {
+                        EventKind::Stored => block_event::Kind::Stored as i32,
+                        EventKind::Removed => block_event::Kind::Removed as i32,
+                    },
+                    key: ev.key.to_bytes().to_vec(),
+                    tier: tier(ev.tier),
+                    namespace_id: u32::from(ev.ns),
+                    unix_ms: SystemTime::now()
+                        .duration_since(UNIX_EPOCH)
+                        .map_or(0, |d| d.as_millis() as u64),
+                };
+                if tx.blocking_send(Ok(msg)).is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(out),
+        )))
+    }
+}

@@ -1,0 +1,476 @@
+//! kvtierd's configuration: embedded defaults, then a TOML file, then `KVTIERD_*` environment
+//! variables, then command-line flags. An unknown or invalid key anywhere is a startup error that
+//! names it.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, ensure, Context, Result};
+use kvstore::io::{IoConfig, IoEngineKind};
+use kvstore::{Admission, DiskConfig, PolicyKind, StoreConfig};
+use serde::Deserialize;
+
+/// A byte size: an integer or a string like "4G".
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Size(pub u64);
+
+impl<'de> Deserialize<'de> for Size {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Repr {
+            N(u64),
+            S(String),
+        }
+        match Repr::deserialize(d)? {
+            Repr::N(n) => Ok(Size(n)),
+            Repr::S(s) => parse_size(&s).map(Size).map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+/// Parses `123`, `64K`, `4M`, `2G`, `1T` (binary units).
+pub fn parse_size(s: &str) -> Result<u64> {
+    let t = s.trim();
+    let (num, mult) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&t[..t.len() - 1], 1u64 << 10),
+        Some('M') => (&t[..t.len() - 1], 1 << 20),
+        Some('G') => (&t[..t.len() - 1], 1 << 30),
+        Some('T') => (&t[..t.len() - 1], 1 << 40),
+        _ => (t, 1),
+    };
+    let n: u64 = num
+        .trim()
+        .parse()
+        .with_context(|| format!("{s:?} is not a size (use a number with K, M, G or T)"))?;
+    n.checked_mul(mult)
+        .with_context(|| format!("{s:?} does not fit in 64 bits"))
+}
+
+/// The whole configuration.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Where the disk tier and the engine socket live.
+    pub data_dir: PathBuf,
+    /// tracing filter, e.g. "info" or "kvstore=debug".
+    pub log: String,
+    /// Host memory tier.
+    pub host: HostSection,
+    /// Disk tier.
+    pub disk: DiskSection,
+    /// Listeners.
+    pub server: ServerSection,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            data_dir: PathBuf::from("kvtier-data"),
+            log: "info".into(),
+            host: HostSection::default(),
+            disk: DiskSection::default(),
+            server: ServerSection::default(),
+        }
+    }
+}
+
+/// `[host]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HostSection {
+    /// Bytes of shared host memory for blocks; default min(25% of RAM, 8 GiB).
+    pub capacity: Option<Size>,
+    /// Segment size (each serves one size class at a time).
+    pub segment: Size,
+    /// Slot sizes; empty: 4 per power of two from 64 KiB to the segment size.
+    pub size_classes: Vec<Size>,
+    /// Eviction policy: s3fifo or lru.
+    pub policy: String,
+    /// Explicit huge pages (needs vm.nr_hugepages).
+    pub huge_pages: bool,
+    /// Fault the arena in at start.
+    pub populate: bool,
+    /// Most leases outstanding.
+    pub max_leases: u64,
+}
+
+impl Default for HostSection {
+    fn default() -> Self {
+        Self {
+            capacity: None,
+            segment: Size(64 << 20),
+            size_classes: Vec::new(),
+            policy: "s3fifo".into(),
+            huge_pages: false,
+            populate: true,
+            max_leases: 1 << 16,
+        }
+    }
+}
+
+/// `[disk]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DiskSection {
+    /// Whether the disk tier is on.
+    pub enabled: bool,
+    /// Its directory; default `<data_dir>/disk`.
+    pub dir: Option<PathBuf>,
+    /// Bytes of block space; default min(25% of the free space there, 32 GiB).
+    pub capacity: Option<Size>,
+    /// Data files.
+    pub files: u32,
+    /// auto, io_uring or psync.
+    pub engine: String,
+    /// I/O queue depth.
+    pub queue_depth: u32,
+    /// io_uring submission-queue polling thread.
+    pub sqpoll: bool,
+    /// Eviction policy of the disk tier.
+    pub policy: String,
+    /// seen-twice or always.
+    pub admission: String,
+    /// Write at commit instead of at host eviction.
+    pub write_through: bool,
+    /// Bytes per write-back batch.
+    pub max_batch: Size,
+}
+
+impl Default for DiskSection {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            dir: None,
+            capacity: None,
+            files: 1,
+            engine: "auto".into(),
+            queue_depth: 32,
+            sqpoll: false,
+            policy: "s3fifo".into(),
+            admission: "seen-twice".into(),
+            write_through: false,
+            max_batch: Size(256 << 20),
+        }
+    }
+}
+
+/// `[server]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerSection {
+    /// Engine socket; default `<data_dir>/kvtierd.sock`.
+    pub socket: Option<PathBuf>,
+    /// Admin gRPC address.
+    pub grpc: String,
+    /// Prometheus `/metrics` address.
+    pub metrics: String,
+    /// Bearer token for gRPC and /metrics; required to bind anything but loopback.
+    pub token: String,
+    /// Largest gRPC message accepted.
+    pub max_message_bytes: Size,
+    /// Default lease TTL, milliseconds.
+    pub lease_ttl_ms: u64,
+    /// Most engine connections at once.
+    pub max_clients: u32,
+}
+
+impl Default for ServerSection {
+    fn default() -> Self {
+        Self {
+            socket: None,
+            grpc: "127.0.0.1:50551".into(),
+            metrics: "127.0.0.1:9464".into(),
+            token: String::new(),
+            max_message_bytes: Size(4 << 20),
+            lease_ttl_ms: 30_000,
+            max_clients: 256,
+        }
+    }
+}
+
+/// Sets `path = value` in a TOML table, guessing the value's type like TOML would.
+fn set_path(table: &mut toml::Table, path: &[&str], raw: &str, origin: &str) -> Result<()> {
+    let value = if let Ok(i) = raw.parse::<i64>() {
+        toml::Value::Integer(i)
+    } else if let Ok(b) = raw.parse::<bool>() {
+        toml::Value::Boolean(b)
+    } else if raw.starts_with('[') {
+        let t: toml::Table = toml::from_str(&format!("v = {raw}"))
+            .with_context(|| format!("{origin}: {raw:?} is not a TOML array"))?;
+        t["v"].clone()
+    } else {
+        toml::Value::String(raw.to_string())
+    };
+    let (last, parents) = path.split_last().context("empty key")?;
+    let mut t = table;
+    for p in parents {
+        let entry = t
+            .entry(p.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        t = entry
+            .as_table_mut()
+            .with_context(|| format!("{origin}: {p} is not a section"))?;
+    }
+    t.insert(last.to_string(), value);
+    Ok(())
+}
+
+const SECTIONS: [&str; 3] = ["host", "disk", "server"];
+
+/// Where the configuration comes from.
+pub struct Sources<'a> {
+    /// A TOML file.
+    pub file: Option<&'a Path>,
+    /// Environment variables (all of them; `KVTIERD_*` are used).
+    pub env: Vec<(String, String)>,
+    /// `section.key=value` settings from flags, in order.
+    pub sets: Vec<String>,
+}
+
+/// Loads and validates the configuration.
+pub fn load(src: Sources<'_>) -> Result<Config> {
+    let mut table = match src.file {
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .with_context(|| format!("reading the config file {}", p.display()))?;
+            toml::from_str::<toml::Table>(&text)
+                .with_context(|| format!("config file {}", p.display()))?
+        }
+        None => toml::Table::new(),
+    };
+    for (k, v) in &src.env {
+        let Some(name) = k.strip_prefix("KVTIERD_") else {
+            continue;
+        };
+        let name = name.to_ascii_lowercase();
+        let path: Vec<&str> = match name.split_once('_') {
+            Some((sec, rest)) if SECTIONS.contains(&sec) => vec![sec, rest],
+            _ => vec![name.as_str()],
+        };
+        set_path(&mut table, &path, v, &format!("environment variable {k}"))?;
+    }
+    for s in &src.sets {
+        let (k, v) = s
+            .split_once('=')
+            .with_context(|| format!("--set {s:?}: expected section.key=value"))?;
+        let path: Vec<&str> = k.trim().split('.').collect();
+        set_path(&mut table, &path, v.trim(), &format!("--set {k}"))?;
+    }
+    let cfg = Config::deserialize(toml::Value::Table(table))
+        .map_err(|e| anyhow::anyhow!("invalid configuration: {e}"))?;
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+fn loopback(addr: &SocketAddr) -> bool {
+    addr.ip().is_loopback()
+}
+
+impl Config {
+    fn validate(&self) -> Result<()> {
+        let grpc: SocketAddr =
+            self.server.grpc.parse().with_context(|| {
+                format!("server.grpc = {:?} is not an ip:port", self.server.grpc)
+            })?;
+        let metrics: SocketAddr = self.server.metrics.parse().with_context(|| {
+            format!(
+                "server.metrics = {:?} is not an ip:port",
+                self.server.metrics
+            )
+        })?;
+        for (name, a) in [("server.grpc", grpc), ("server.metrics", metrics)] {
+            if !loopback(&a) && self.server.token.is_empty() {
+                bail!("{name} = {a} is not loopback: set server.token (clients send it as a bearer token) or bind 127.0.0.1");
+            }
+        }
+        ensure!(
+            PolicyKind::parse(&self.host.policy).is_some(),
+            "host.policy = {:?}: use s3fifo or lru",
+            self.host.policy
+        );
+        ensure!(
+            PolicyKind::parse(&self.disk.policy).is_some(),
+            "disk.policy = {:?}: use s3fifo or lru",
+            self.disk.policy
+        );
+        ensure!(
+            IoEngineKind::parse(&self.disk.engine).is_some(),
+            "disk.engine = {:?}: use auto, io_uring or psync",
+            self.disk.engine
+        );
+        ensure!(
+            Admission::parse(&self.disk.admission).is_some(),
+            "disk.admission = {:?}: use seen-twice or always",
+            self.disk.admission
+        );
+        ensure!(
+            self.server.lease_ttl_ms > 0,
+            "server.lease_ttl_ms must be positive"
+        );
+        ensure!(
+            self.server.max_clients > 0,
+            "server.max_clients must be positive"
+        );
+        Ok(())
+    }
+
+    /// The engine socket path.
+    pub fn socket(&self) -> PathBuf {
+        self.server
+            .socket
+            .clone()
+            .unwrap_or_else(|| self.data_dir.join("kvtierd.sock"))
+    }
+
+    /// Default lease TTL.
+    pub fn lease_ttl(&self) -> Duration {
+        Duration::from_millis(self.server.lease_ttl_ms)
+    }
+
+    /// The store configuration, with defaults sized to this machine.
+    pub fn store(&self) -> Result<StoreConfig> {
+        let seg = self.host.segment.0;
+        let host = match self.host.capacity {
+            Some(c) => c.0,
+            None => (mem_total()? / 4).min(8 << 30),
+        };
+        ensure!(
+            host >= seg,
+            "host.capacity = {host} bytes is smaller than one segment ({seg}): raise it or lower host.segment"
+        );
+        let disk = if self.disk.enabled {
+            let dir = self
+                .disk
+                .dir
+                .clone()
+                .unwrap_or_else(|| self.data_dir.join("disk"));
+            std::fs::create_dir_all(&dir)
+                .with_context(|| format!("creating the disk tier directory {}", dir.display()))?;
+            let capacity = match self.disk.capacity {
+                Some(c) => c.0,
+                None => (free_space(&dir)? / 4).min(32 << 30),
+            };
+            Some(DiskConfig {
+                dir,
+                capacity_bytes: capacity,
+                files: self.disk.files,
+                io: IoConfig {
+                    kind: IoEngineKind::parse(&self.disk.engine).unwrap_or_default(),
+                    queue_depth: self.disk.queue_depth,
+                    sqpoll: self.disk.sqpoll,
+                    fixed_buffers: Vec::new(),
+                },
+                policy: PolicyKind::parse(&self.disk.policy).unwrap_or_default(),
+                admission: Admission::parse(&self.disk.admission).unwrap_or_default(),
+                write_through: self.disk.write_through,
+                max_batch_bytes: self.disk.max_batch.0,
+            })
+        } else {
+            None
+        };
+        Ok(StoreConfig {
+            capacity_bytes: host / seg * seg,
+            segment_bytes: seg,
+            size_classes: self
+                .host
+                .size_classes
+                .iter()
+                .map(|s| s.0 as usize)
+                .collect(),
+            policy: PolicyKind::parse(&self.host.policy).unwrap_or_default(),
+            huge_pages: self.host.huge_pages,
+            populate: self.host.populate,
+            max_leases: self.host.max_leases as usize,
+            disk,
+            ..Default::default()
+        })
+    }
+}
+
+fn mem_total() -> Result<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").context("reading /proc/meminfo")?;
+    let kb: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("no MemTotal in /proc/meminfo: set host.capacity")?;
+    Ok(kb * 1024)
+}
+
+fn free_space(dir: &Path) -> Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes())?;
+    // SAFETY: statvfs on a valid NUL-terminated path into a zeroed out-parameter.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let r = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
+    ensure!(
+        r == 0,
+        "statvfs {}: {} (set disk.capacity)",
+        dir.display(),
+        std::io::Error::last_os_error()
+    );
+    Ok(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load_with(toml: &str, env: &[(&str, &str)], sets: &[&str]) -> Result<Config> {
+        let dir = std::env::temp_dir().join(format!("kvtierd-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let f = dir.join(format!("c{}.toml", toml.len()));
+        std::fs::write(&f, toml)?;
+        load(Sources {
+            file: Some(&f),
+            env: env
+                .iter()
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .collect(),
+            sets: sets.iter().map(|s| s.to_string()).collect(),
+        })
+    }
+
+    #[test]
+    fn layers_and_errors() {
+        let c = load_with(
+            "data_dir = \"/x\"\n[host]\ncapacity = \"2G\"\n",
+            &[("KVTIERD_DISK_QUEUE_DEPTH", "8"), ("PATH", "/bin")],
+            &["server.grpc=127.0.0.1:0", "host.capacity=1G"],
+        )
+        .unwrap();
+        assert_eq!(c.data_dir, PathBuf::from("/x"));
+        assert_eq!(c.host.capacity, Some(Size(1 << 30)));
+        assert_eq!(c.disk.queue_depth, 8);
+        assert_eq!(c.server.grpc, "127.0.0.1:0");
+        let e = format!(
+            "{:#}",
+            load_with("[host]\ncapcity = 1\n", &[], &[]).unwrap_err()
+        );
+        assert!(e.contains("capcity"), "{e}");
+        let e = format!(
+            "{:#}",
+            load_with("", &[("KVTIERD_HOST_NOPE", "1")], &[]).unwrap_err()
+        );
+        assert!(e.contains("NOPE") || e.contains("nope"), "{e}");
+        let e = format!(
+            "{:#}",
+            load_with("", &[], &["server.grpc=0.0.0.0:1"]).unwrap_err()
+        );
+        assert!(e.contains("token"), "{e}");
+        load_with("", &[], &["server.grpc=0.0.0.0:1", "server.token=s3cret"]).unwrap();
+        let e = format!(
+            "{:#}",
+            load_with("[host]\ncapacity = \"lots\"\n", &[], &[]).unwrap_err()
+        );
+        assert!(e.contains("lots"), "{e}");
+        let e = format!(
+            "{:#}",
+            load_with("", &[], &["disk.engine=spdk"]).unwrap_err()
+        );
+        assert!(e.contains("disk.engine"), "{e}");
+    }
+}

@@ -1,0 +1,405 @@
+//! The engine socket: one thread per connection (engines are few: one per GPU), blocking I/O.
+//! A connection's reservations and leases die with it.
+
+use std::collections::{HashMap, HashSet};
+use std::io::{self, Read};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvstore::ipc::{send_with_fd, write_frame, MAX_FRAME};
+use kvstore::{BlockKey, LeaseId, Namespace, NsId, Reservation, Reserve, StoreError, Tier};
+use kvtier_proto::ipc::{self as pb, request, response};
+use kvtier_proto::IPC_VERSION;
+use prost::Message;
+
+use crate::Daemon;
+
+/// Most reservations one connection may hold.
+const MAX_RESERVATIONS: usize = 1 << 16;
+
+/// Accepts connections until shutdown.
+pub fn serve(listener: UnixListener, d: Arc<Daemon>) {
+    if let Err(e) = listener.set_nonblocking(true) {
+        tracing::error!(error = %e, "engine socket: cannot poll for shutdown");
+    }
+    let mut workers = Vec::new();
+    while !d.stopping() {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                if d.ipc_clients.load(Relaxed) >= u64::from(d.cfg.server.max_clients) {
+                    tracing::warn!("engine socket: connection refused, max_clients reached");
+                    let _ = stream.set_nonblocking(false);
+                    let _ = write_frame(
+                        &mut &stream,
+                        &error_response(0, "too many clients: raise server.max_clients"),
+                    );
+                    continue;
+                }
+                let d = d.clone();
+                d.ipc_clients.fetch_add(1, Relaxed);
+                workers.push(std::thread::spawn(move || {
+                    if let Err(e) = Conn::new(&d, stream).run() {
+                        tracing::debug!(error = %e, "engine connection ended");
+                    }
+                    d.ipc_clients.fetch_sub(1, Relaxed);
+                }));
+                workers.retain(|w| !w.is_finished());
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "engine socket accept failed");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+    // In-flight requests finish; idle connections notice the shutdown within their poll.
+    for w in workers {
+        let _ = w.join();
+    }
+}
+
+fn error_response(id: u64, msg: &str) -> pb::Response {
+    pb::Response {
+        id,
+        error: msg.to_string(),
+        body: None,
+    }
+}
+
+fn keys(raw: &[Vec<u8>]) -> Result<Vec<BlockKey>, String> {
+    raw.iter()
+        .enumerate()
+        .map(|(i, k)| BlockKey::from_bytes(k).map_err(|e| format!("key {i}: {e}")))
+        .collect()
+}
+
+fn tier(t: &Tier) -> i32 {
+    match t {
+        Tier::Disk => pb::Tier::Disk as i32,
+        _ => pb::Tier::Host as i32,
+    }
+}
+
+struct Conn<'d> {
+    d: &'d Daemon,
+    stream: UnixStream,
+    hello: bool,
+    next_token: u64,
+    reservations: HashMap<u64, Reservation<'static>>,
+    leases: HashSet<u64>,
+}
+
+impl<'d> Conn<'d> {
+    fn new(d: &'d Daemon, stream: UnixStream) -> Self {
+        Self {
+            d,
+            stream,
+            hello: false,
+            next_token: 1,
+            reservations: HashMap::new(),
+            leases: HashSet::new(),
+        }
+    }
+
+    /// Reads exactly `buf.len()` bytes. Before the first byte, a read timeout is a chance to
+    /// notice shutdown (`Ok(false)`); after it, the frame is read to its end.
+    fn read_full(&mut self, buf: &mut [u8], idle_ok: bool) -> io::Result<bool> {
+        let mut got = 0;
+        let start = Instant::now();
+        while got < buf.len() {
+            match self.stream.read(&mut buf[got..]) {
+                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => got += n,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    if got == 0 && idle_ok {
+                        return Ok(false);
+                    }
+                    if start.elapsed() > Duration::from_secs(30) {
+                        return Err(io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            "partial frame stalled",
+                        ));
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(true)
+    }
+
+    fn run(mut self) -> io::Result<()> {
+        self.stream.set_nonblocking(false)?;
+        self.stream
+            .set_read_timeout(Some(Duration::from_millis(200)))?;
+        loop {
+            if self.d.stopping() {
+                return Ok(());
+            }
+            let mut len = [0u8; 4];
+            match self.read_full(&mut len, true) {
+                Ok(false) => continue,
+                Ok(true) => {}
+                Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
+                Err(e) => return Err(e),
+            }
+            let len = u32::from_le_bytes(len) as usize;
+            if len > MAX_FRAME {
+                // The stream cannot be resynchronised: say why, then close.
+                self.d.ipc_errors.fetch_add(1, Relaxed);
+                let msg = format!("frame of {len} bytes exceeds the {MAX_FRAME}-byte limit");
+                tracing::warn!("engine connection: {msg}; closing it");
+                let _ = write_frame(&mut &self.stream, &error_response(0, &msg));
+                return Ok(());
+            }
+            let mut body = vec![0u8; len];
+            self.read_full(&mut body, false)?;
+            let req = match pb::Request::decode(&body[..]) {
+                Ok(r) => r,
+                Err(e) => {
+                    self.d.ipc_errors.fetch_add(1, Relaxed);
+                    write_frame(
+                        &mut &self.stream,
+                        &error_response(0, &format!("malformed request: {e}")),
+                    )?;
+                    continue;
+                }
+            };
+            let id = req.id;
+            let start = Instant::now();
+            let op = op_name(&req.body);
+            let resp = match self.handle(req) {
+                Ok(Some(body)) => pb::Response {
+                    id,
+                    error: String::new(),
+                    body: Some(body),
+                },
+                Ok(None) => continue, // hello: already answered with the fd attached
+                Err(msg) => {
+                    self.d.ipc_errors.fetch_add(1, Relaxed);
+                    error_response(id, &msg)
+                }
+            };
+            write_frame(&mut &self.stream, &resp)?;
+            self.d.record(op, start.elapsed());
+        }
+    }
+
+    fn handle(&mut self, req: pb::Request) -> Result<Option<response::Body>, String> {
+        let store = self.d.store;
+        let Some(body) = req.body else {
+            return Err("request without a body".into());
+        };
+        if !self.hello && !matches!(body, request::Body::Hello(_)) {
+            return Err("send Hello first".into());
+        }
+        Ok(Some(match body {
+            request::Body::Hello(h) => {
+                if h.version != IPC_VERSION {
+                    return Err(format!(
+                        "protocol version {} is not supported (kvtierd speaks {IPC_VERSION})",
+                        h.version
+                    ));
+                }
+                let reply = pb::Response {
+                    id: req.id,
+                    error: String::new(),
+                    body: Some(response::Body::Hello(pb::HelloReply {
+                        version: IPC_VERSION,
+                        arena_bytes: store.arena().len() as u64,
+                    })),
+                };
+                let mut frame = Vec::new();
+                write_frame(&mut frame, &reply).map_err(|e| e.to_string())?;
+                send_with_fd(&self.stream, &frame, store.arena().fd().as_raw_fd())
+                    .map_err(|e| e.to_string())?;
+                self.hello = true;
+                tracing::info!(client = %h.client, "engine connected");
+                return Ok(None);
+            }
+            request::Body::RegisterNamespace(r) => {
+                let ns = Namespace::decode(&r.encoded).map_err(|e| e.to_string())?;
+                let id = store.register_namespace(&ns).map_err(|e| e.to_string())?;
+                response::Body::Namespace(pb::NamespaceReply { id: id.0 })
+            }
+            request::Body::Lookup(l) => {
+                let ks = keys(&l.keys)?;
+                if l.lease {
+                    let lease = store
+                        .lease(&ks, self.ttl(l.ttl_ms))
+                        .map_err(|e| e.to_string())?;
+                    if let Some(id) = lease.id {
+                        self.leases.insert(id.0);
+                    }
+                    response::Body::Lookup(pb::LookupReply {
+                        n: lease.n as u32,
+                        tiers: lease.tiers.iter().map(tier).collect(),
+                        lease_id: lease.id.map_or(0, |i| i.0),
+                    })
+                } else {
+                    let m = store.match_prefix(&ks);
+                    response::Body::Lookup(pb::LookupReply {
+                        n: m.n as u32,
+                        tiers: m.tiers.iter().map(tier).collect(),
+                        lease_id: 0,
+                    })
+                }
+            }
+            request::Body::Load(l) => {
+                let ks = keys(&l.keys)?;
+                let (lease, locs) = store
+                    .load_and_lease(&ks, self.ttl(l.ttl_ms))
+                    .map_err(|e| e.to_string())?;
+                if let Some(id) = lease.id {
+                    self.leases.insert(id.0);
+                }
+                response::Body::Load(pb::LoadReply {
+                    n: lease.n as u32,
+                    blocks: locs
+                        .into_iter()
+                        .map(|(offset, len)| pb::BlockLoc { offset, len })
+                        .collect(),
+                    lease_id: lease.id.map_or(0, |i| i.0),
+                })
+            }
+            request::Body::Reserve(r) => {
+                let ks = keys(&r.keys)?;
+                if ks.len() != r.lens.len() {
+                    return Err(format!("{} keys but {} lengths", ks.len(), r.lens.len()));
+                }
+                if self.reservations.len() + ks.len() > MAX_RESERVATIONS {
+                    return Err(format!(
+                        "more than {MAX_RESERVATIONS} reservations outstanding: commit or abort first"
+                    ));
+                }
+                let mut slots = Vec::with_capacity(ks.len());
+                let mut made = Vec::new();
+                for (k, &len) in ks.iter().zip(&r.lens) {
+                    use pb::reserved_slot::Status;
+                    let slot = match store.reserve(NsId(r.namespace_id), *k, len as usize) {
+                        Ok(Reserve::Slot(res)) => {
+                            let token = self.next_token;
+                            self.next_token += 1;
+                            let offset = res.arena_offset();
+                            self.reservations.insert(token, res);
+                            made.push(token);
+                            pb::ReservedSlot {
+                                status: Status::Slot as i32,
+                                offset,
+                                token,
+                            }
+                        }
+                        Ok(Reserve::AlreadyPresent) => pb::ReservedSlot {
+                            status: Status::Present as i32,
+                            ..Default::default()
+                        },
+                        Ok(Reserve::InFlight) => pb::ReservedSlot {
+                            status: Status::InFlight as i32,
+                            ..Default::default()
+                        },
+                        Err(StoreError::NoSpace { .. }) => pb::ReservedSlot {
+                            status: Status::NoSpace as i32,
+                            ..Default::default()
+                        },
+                        Err(e) => {
+                            for t in made {
+                                self.reservations.remove(&t);
+                            }
+                            return Err(format!("key {k}: {e}"));
+                        }
+                    };
+                    slots.push(slot);
+                }
+                response::Body::Reserve(pb::ReserveReply { slots })
+            }
+            request::Body::Commit(c) => {
+                let mut committed = 0;
+                for t in c.tokens {
+                    if let Some(r) = self.reservations.remove(&t) {
+                        r.commit().map_err(|e| e.to_string())?;
+                        committed += 1;
+                    }
+                }
+                response::Body::Commit(pb::CommitReply { committed })
+            }
+            request::Body::Abort(a) => {
+                for t in a.tokens {
+                    self.reservations.remove(&t);
+                }
+                response::Body::Empty(pb::Empty {})
+            }
+            request::Body::Release(r) => {
+                if !self.leases.remove(&r.lease_id) {
+                    return Err(format!(
+                        "lease {} is not held by this connection",
+                        r.lease_id
+                    ));
+                }
+                store.release(LeaseId(r.lease_id));
+                response::Body::Empty(pb::Empty {})
+            }
+            request::Body::Stats(_) => {
+                let s = store.stats();
+                response::Body::Stats(pb::StatsReply {
+                    capacity_bytes: s.capacity_bytes,
+                    used_bytes: s.used_bytes,
+                    blocks: s.blocks,
+                    hits: s.hits,
+                    misses: s.misses,
+                    leases: s.leases,
+                })
+            }
+        }))
+    }
+
+    fn ttl(&self, ms: u64) -> Duration {
+        if ms == 0 {
+            self.d.cfg.lease_ttl()
+        } else {
+            Duration::from_millis(ms.min(3_600_000))
+        }
+    }
+}
+
+impl Drop for Conn<'_> {
+    fn drop(&mut self) {
+        // Client gone: uncommitted slots are freed (Reservation's drop), leases released.
+        let (r, l) = (self.reservations.len(), self.leases.len());
+        self.reservations.clear();
+        for id in self.leases.drain() {
+            self.d.store.release(LeaseId(id));
+        }
+        if r + l > 0 {
+            tracing::info!(
+                reservations = r,
+                leases = l,
+                "engine disconnected: released what it held"
+            );
+        }
+    }
+}
+
+fn op_name(body: &Option<request::Body>) -> &'static str {
+    match body {
+        Some(request::Body::Hello(_)) => "hello",
+        Some(request::Body::RegisterNamespace(_)) => "register_namespace",
+        Some(request::Body::Lookup(_)) => "lookup",
+        Some(request::Body::Load(_)) => "load",
+        Some(request::Body::Reserve(_)) => "reserve",
+        Some(request::Body::Commit(_)) => "commit",
+        Some(request::Body::Abort(_)) => "abort",
+        Some(request::Body::Release(_)) => "release",
+        Some(request::Body::Stats(_)) => "stats",
+        None => "none",
+    }
+}

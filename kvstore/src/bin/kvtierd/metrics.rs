@@ -1,0 +1,238 @@
+//! Prometheus text exposition on `GET /metrics`, rendered from the store's counters at scrape
+//! time.
+
+use std::fmt::Write as _;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+use crate::Daemon;
+
+/// Renders every metric.
+pub fn render(d: &Daemon) -> String {
+    let s = d.store.stats();
+    let mut o = String::new();
+    let mut metric = |name: &str, kind: &str, help: &str, samples: &[(&str, f64)]| {
+        let _ = writeln!(
+            o,
+            "# HELP kvtier_{name} {help}\n# TYPE kvtier_{name} {kind}"
+        );
+        for (labels, v) in samples {
+            if labels.is_empty() {
+                let _ = writeln!(o, "kvtier_{name} {v}");
+            } else {
+                let _ = writeln!(o, "kvtier_{name}{{{labels}}} {v}");
+            }
+        }
+    };
+    let disk = s.disk.clone().unwrap_or_default();
+    let has_disk = s.disk.is_some();
+    let tiered = |host: u64, dsk: u64| -> Vec<(&'static str, f64)> {
+        let mut v = vec![("tier=\"host\"", host as f64)];
+        if has_disk {
+            v.push(("tier=\"disk\"", dsk as f64));
+        }
+        v
+    };
+    metric(
+        "hits_total",
+        "counter",
+        "Block gets served.",
+        &[("", s.hits as f64)],
+    );
+    metric(
+        "misses_total",
+        "counter",
+        "Block gets not found.",
+        &[("", s.misses as f64)],
+    );
+    metric(
+        "capacity_bytes",
+        "gauge",
+        "Bytes of block space per tier.",
+        &tiered(s.capacity_bytes, disk.capacity_bytes),
+    );
+    metric(
+        "used_bytes",
+        "gauge",
+        "Bytes of committed blocks per tier.",
+        &tiered(s.used_bytes, disk.used_bytes),
+    );
+    metric(
+        "blocks",
+        "gauge",
+        "Committed blocks per tier.",
+        &tiered(s.blocks, disk.blocks),
+    );
+    metric(
+        "evictions_total",
+        "counter",
+        "Blocks evicted per tier.",
+        &tiered(s.evictions, disk.evictions),
+    );
+    metric(
+        "read_bytes_total",
+        "counter",
+        "Bytes read out of each tier.",
+        &tiered(s.bytes_out, disk.bytes_read),
+    );
+    metric(
+        "written_bytes_total",
+        "counter",
+        "Bytes written into each tier.",
+        &tiered(s.bytes_in, disk.bytes_written),
+    );
+    metric(
+        "promotions_total",
+        "counter",
+        "Blocks copied disk to host.",
+        &[("", s.promotions as f64)],
+    );
+    metric(
+        "demotions_total",
+        "counter",
+        "Blocks written host to disk.",
+        &[("", s.demotions as f64)],
+    );
+    metric(
+        "admission_rejects_total",
+        "counter",
+        "Blocks the disk admission policy refused.",
+        &[("", s.admission_rejects as f64)],
+    );
+    metric(
+        "checksum_failures_total",
+        "counter",
+        "Disk blocks that failed their checksum (served as misses).",
+        &[("", disk.checksum_failures as f64)],
+    );
+    metric(
+        "io_errors_total",
+        "counter",
+        "Failed disk reads and writes.",
+        &[
+            ("op=\"read\"", disk.read_errors as f64),
+            ("op=\"write\"", disk.write_errors as f64),
+        ],
+    );
+    metric(
+        "disk_latency_us",
+        "summary",
+        "Disk I/O completion latency within a batch, microseconds.",
+        &[
+            ("op=\"read\",quantile=\"0.5\"", disk.read_us.0 as f64),
+            ("op=\"read\",quantile=\"0.99\"", disk.read_us.1 as f64),
+            ("op=\"write\",quantile=\"0.5\"", disk.write_us.0 as f64),
+            ("op=\"write\",quantile=\"0.99\"", disk.write_us.1 as f64),
+        ],
+    );
+    metric(
+        "leases",
+        "gauge",
+        "Leases outstanding.",
+        &[("", s.leases as f64)],
+    );
+    metric(
+        "leases_expired_total",
+        "counter",
+        "Leases that lapsed without release.",
+        &[("", s.leases_expired as f64)],
+    );
+    metric(
+        "ipc_clients",
+        "gauge",
+        "Engine connections.",
+        &[("", d.ipc_clients.load(Relaxed) as f64)],
+    );
+    metric(
+        "ipc_errors_total",
+        "counter",
+        "Engine requests answered with an error.",
+        &[("", d.ipc_errors.load(Relaxed) as f64)],
+    );
+    let lat = d.latency_quantiles();
+    let samples: Vec<(String, f64)> = lat
+        .iter()
+        .flat_map(|(op, n, p50, p99)| {
+            [
+                (format!("op=\"{op}\",quantile=\"0.5\""), *p50 as f64),
+                (format!("op=\"{op}\",quantile=\"0.99\""), *p99 as f64),
+                (format!("op=\"{op}\",quantile=\"count\""), *n as f64),
+            ]
+        })
+        .collect();
+    let refs: Vec<(&str, f64)> = samples.iter().map(|(l, v)| (l.as_str(), *v)).collect();
+    metric(
+        "ipc_request_us",
+        "summary",
+        "Engine request service time, microseconds.",
+        &refs,
+    );
+    o
+}
+
+/// Serves `/metrics` until shutdown.
+pub async fn serve(
+    listener: TcpListener,
+    d: Arc<Daemon>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    loop {
+        let conn = tokio::select! {
+            c = listener.accept() => c,
+            _ = stop.changed() => return,
+        };
+        let Ok((mut sock, _)) = conn else { continue };
+        let d = d.clone();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 8192];
+            let mut n = 0;
+            // Read the request head (bounded).
+            while n < buf.len() {
+                match tokio::time::timeout(
+                    std::time::Duration::from_secs(5),
+                    sock.read(&mut buf[n..]),
+                )
+                .await
+                {
+                    Ok(Ok(0)) | Err(_) | Ok(Err(_)) => break,
+                    Ok(Ok(k)) => {
+                        n += k;
+                        if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+                            break;
+                        }
+                    }
+                }
+            }
+            let head = String::from_utf8_lossy(&buf[..n]);
+            let authorized = d.cfg.server.token.is_empty()
+                || head.lines().any(|l| {
+                    l.to_ascii_lowercase().starts_with("authorization:")
+                        && l.split_once(':').map(|x| x.1.trim())
+                            == Some(format!("Bearer {}", d.cfg.server.token).as_str())
+                });
+            let (status, body) = if !head.starts_with("GET /metrics") {
+                (
+                    "404 Not Found",
+                    "only GET /metrics is served here\n".to_string(),
+                )
+            } else if !authorized {
+                ("401 Unauthorized", "bearer token required\n".to_string())
+            } else {
+                let d2 = d.clone();
+                let text = tokio::task::spawn_blocking(move || render(&d2))
+                    .await
+                    .unwrap_or_default();
+                ("200 OK", text)
+            };
+            let resp = format!(
+                "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = sock.write_all(resp.as_bytes()).await;
+            let _ = sock.shutdown().await;
+        });
+    }
+}

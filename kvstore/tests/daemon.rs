@@ -1,0 +1,451 @@
+//! The real `kvtierd` binary on temporary directories and ports: engine IPC through the shared
+//! arena, leases of killed clients, SIGTERM and restart, malformed frames, the admin API's
+//! limits and token, metrics and events.
+
+// tonic fixes `Status` as the error type of interceptors.
+#![allow(clippy::result_large_err)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvstore::ipc::{IpcClient, SlotStatus};
+use kvstore::{fill_pattern, BlockKey, Namespace, NsId, Tier, TpShard};
+use kvtier_proto::admin as pb;
+use kvtier_proto::admin::admin_client::AdminClient;
+
+struct Kvtierd {
+    child: Child,
+    dir: PathBuf,
+    socket: PathBuf,
+    grpc: String,
+    metrics: String,
+}
+
+impl Kvtierd {
+    fn start(name: &str, extra: &[&str], fresh: bool) -> Self {
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("kvtierd-{name}-{}", std::process::id()));
+        if fresh {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvtierd"))
+            .arg("--data-dir")
+            .arg(&dir)
+            .args([
+                "--host-capacity",
+                "64M",
+                "--disk-capacity",
+                "128M",
+                "--grpc",
+                "127.0.0.1:0",
+                "--metrics",
+                "127.0.0.1:0",
+            ])
+            .args(["--set", "host.segment=4M", "--set", "log=warn"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert!(
+            line.starts_with("kvtierd ready:"),
+            "unexpected first line: {line:?}"
+        );
+        let field = |k: &str| {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(&format!("{k}=")))
+                .unwrap()
+                .to_string()
+        };
+        Self {
+            socket: PathBuf::from(field("socket")),
+            grpc: field("grpc"),
+            metrics: field("metrics"),
+            child,
+            dir,
+        }
+    }
+
+    fn client(&self) -> IpcClient {
+        IpcClient::connect(&self.socket, "test").unwrap()
+    }
+
+    fn term(mut self) -> std::process::ExitStatus {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let s = self.child.wait().unwrap();
+        std::mem::forget(self);
+        s
+    }
+}
+
+impl Drop for Kvtierd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn namespace() -> Namespace {
+    Namespace {
+        model: "test/model".into(),
+        dtype: "bfloat16".into(),
+        layout: "nhd".into(),
+        block_tokens: 16,
+        tp: TpShard::Rank { size: 1, rank: 0 },
+        tenant: String::new(),
+        lora: String::new(),
+    }
+}
+
+fn key(i: u64) -> BlockKey {
+    BlockKey((u128::from(i) + 3).wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835))
+}
+
+fn data(i: u64) -> Vec<u8> {
+    let mut v = vec![0u8; 100_000 + i as usize * 17];
+    fill_pattern(&mut v, i);
+    v
+}
+
+fn put_all(c: &mut IpcClient, ns: NsId, ids: std::ops::Range<u64>) {
+    let keys: Vec<BlockKey> = ids.clone().map(key).collect();
+    let lens: Vec<u32> = ids.clone().map(|i| data(i).len() as u32).collect();
+    let slots = c.reserve(ns, &keys, &lens).unwrap();
+    let mut tokens = Vec::new();
+    for (i, s) in ids.zip(slots) {
+        let SlotStatus::Slot { offset, token } = s else {
+            panic!("no slot for {i}: {s:?}")
+        };
+        c.write(offset, &data(i)).unwrap();
+        tokens.push(token);
+    }
+    assert_eq!(c.commit(&tokens).unwrap() as usize, tokens.len());
+}
+
+fn get_all(c: &mut IpcClient, ids: std::ops::Range<u64>) -> usize {
+    let keys: Vec<BlockKey> = ids.clone().map(key).collect();
+    let loaded = c.load(&keys, Duration::from_secs(10)).unwrap();
+    for (i, &(off, len)) in ids.zip(&loaded.blocks) {
+        let mut buf = vec![0u8; len as usize];
+        c.read(off, &mut buf).unwrap();
+        assert!(buf == data(i), "block {i}: wrong bytes through the arena");
+    }
+    if let Some(l) = loaded.lease {
+        c.release(l).unwrap();
+    }
+    loaded.n
+}
+
+#[test]
+fn engine_ipc_roundtrip_through_the_shared_arena() {
+    let d = Kvtierd::start("ipc", &[], true);
+    let mut c = d.client();
+    let ns = c.register_namespace(&namespace()).unwrap();
+    put_all(&mut c, ns, 0..20);
+    // A second client (another engine process) sees the same blocks, byte-exact.
+    let mut c2 = d.client();
+    assert_eq!(c2.register_namespace(&namespace()).unwrap(), ns);
+    assert_eq!(get_all(&mut c2, 0..20), 20);
+    let keys: Vec<BlockKey> = (0..25).map(key).collect();
+    let (n, tiers, lease) = c2.lookup(&keys, None).unwrap();
+    assert_eq!((n, lease), (20, None));
+    assert!(tiers.iter().all(|t| *t == Tier::Host));
+    // Re-putting a stored key is "present"; an unknown namespace is a clear error.
+    assert_eq!(
+        c.reserve(ns, &[key(0)], &[10]).unwrap(),
+        vec![SlotStatus::Present]
+    );
+    let e = c
+        .reserve(NsId(77), &[key(99)], &[10])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("namespace"), "{e}");
+    let st = c.stats().unwrap();
+    assert_eq!(st.blocks, 20);
+}
+
+#[test]
+fn killed_client_releases_leases_and_reservations() {
+    if let Ok(sock) = std::env::var("KVTIERD_TEST_VICTIM") {
+        // The victim: hold a lease and a reservation, say so, then wait to be killed.
+        let mut c = IpcClient::connect(sock.as_ref(), "victim").unwrap();
+        let ns = c.register_namespace(&namespace()).unwrap();
+        let (n, _, lease) = c.lookup(&[key(0)], Some(Duration::from_secs(600))).unwrap();
+        assert!(n == 1 && lease.is_some());
+        let s = c.reserve(ns, &[key(500)], &[1000]).unwrap();
+        assert!(matches!(s[0], SlotStatus::Slot { .. }));
+        println!("holding");
+        std::io::stdout().flush().unwrap();
+        std::thread::sleep(Duration::from_secs(600));
+        return;
+    }
+    let d = Kvtierd::start("kill", &[], true);
+    let mut c = d.client();
+    let ns = c.register_namespace(&namespace()).unwrap();
+    put_all(&mut c, ns, 0..1);
+    let mut victim = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "killed_client_releases_leases_and_reservations",
+            "--nocapture",
+        ])
+        .env("KVTIERD_TEST_VICTIM", &d.socket)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(victim.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("holding") {
+        line.clear();
+        assert!(out.read_line(&mut line).unwrap() > 0, "victim exited early");
+    }
+    assert_eq!(c.stats().unwrap().leases, 1);
+    assert_eq!(
+        c.reserve(ns, &[key(500)], &[1000]).unwrap(),
+        vec![SlotStatus::InFlight]
+    );
+    victim.kill().unwrap(); // SIGKILL
+    victim.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while c.stats().unwrap().leases != 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the killed client's lease was not released"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Its reservation was freed too: the key can be written now.
+    assert!(matches!(
+        c.reserve(ns, &[key(500)], &[1000]).unwrap()[0],
+        SlotStatus::Slot { .. }
+    ));
+}
+
+#[test]
+fn sigterm_then_restart_keeps_disk_blocks() {
+    let args = ["--set", "disk.admission=always"];
+    let d = Kvtierd::start("restart", &args, true);
+    let mut c = d.client();
+    let ns = c.register_namespace(&namespace()).unwrap();
+    put_all(&mut c, ns, 0..30);
+    drop(c);
+    assert!(d.term().success(), "kvtierd did not exit 0 on SIGTERM");
+    let d = Kvtierd::start("restart", &args, false);
+    let mut c = d.client();
+    assert_eq!(
+        c.register_namespace(&namespace()).unwrap(),
+        ns,
+        "namespace id changed"
+    );
+    let keys: Vec<BlockKey> = (0..30).map(key).collect();
+    let (n, tiers, _) = c.lookup(&keys, None).unwrap();
+    assert_eq!(n, 30);
+    assert!(tiers.iter().all(|t| *t == Tier::Disk), "{tiers:?}");
+    assert_eq!(get_all(&mut c, 0..30), 30);
+}
+
+fn frame(body: &[u8]) -> Vec<u8> {
+    let mut v = (body.len() as u32).to_le_bytes().to_vec();
+    v.extend_from_slice(body);
+    v
+}
+
+fn read_reply(s: &mut UnixStream) -> String {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).unwrap();
+    let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+    s.read_exact(&mut body).unwrap();
+    use prost::Message;
+    kvtier_proto::ipc::Response::decode(&body[..])
+        .unwrap()
+        .error
+}
+
+#[test]
+fn malformed_frames_are_rejected_while_others_keep_working() {
+    let d = Kvtierd::start("malformed", &[], true);
+    let mut good = d.client();
+    let ns = good.register_namespace(&namespace()).unwrap();
+    let mut bad = UnixStream::connect(&d.socket).unwrap();
+    bad.write_all(&frame(&[0xff, 0xff, 0xff, 0x01, 0x02]))
+        .unwrap();
+    let e = read_reply(&mut bad);
+    assert!(e.contains("malformed"), "{e}");
+    // A well-formed request before Hello.
+    use prost::Message;
+    let stats = kvtier_proto::ipc::Request {
+        id: 5,
+        body: Some(kvtier_proto::ipc::request::Body::Stats(Default::default())),
+    };
+    bad.write_all(&frame(&stats.encode_to_vec())).unwrap();
+    assert!(read_reply(&mut bad).contains("Hello"));
+    // An oversized frame: an error that says why, then the connection closes.
+    bad.write_all(&(u32::MAX).to_le_bytes()).unwrap();
+    assert!(read_reply(&mut bad).contains("exceeds"));
+    let mut rest = Vec::new();
+    assert_eq!(
+        bad.read_to_end(&mut rest).unwrap(),
+        0,
+        "connection still open"
+    );
+    // Keys of the wrong length are named.
+    let e = good
+        .lookup(&[key(1)], None)
+        .map(|_| ())
+        .and_then(|_| good.reserve(ns, &[key(2)], &[0, 1]).map(|_| ()));
+    assert!(e.unwrap_err().to_string().contains("lengths"));
+    // The good client is unaffected.
+    put_all(&mut good, ns, 0..3);
+    assert_eq!(get_all(&mut good, 0..3), 3);
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn admin_api_limits_token_metrics_and_events() {
+    let d = Kvtierd::start(
+        "admin",
+        &[
+            "--set",
+            "server.token=s3cret",
+            "--set",
+            "server.max_message_bytes=64K",
+        ],
+        true,
+    );
+    let rt = rt();
+    rt.block_on(async {
+        let url = format!("http://{}", d.grpc);
+        // No token: refused, with a message that says so.
+        let mut anon = AdminClient::connect(url.clone()).await.unwrap();
+        let e = anon.health(pb::HealthRequest {}).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        assert!(e.message().contains("token"), "{}", e.message());
+        let chan = tonic::transport::Endpoint::from_shared(url)
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let token: tonic::metadata::MetadataValue<_> = "Bearer s3cret".parse().unwrap();
+        let mut c = AdminClient::with_interceptor(chan, move |mut r: tonic::Request<()>| {
+            r.metadata_mut().insert("authorization", token.clone());
+            Ok(r)
+        });
+        let h = c.health(pb::HealthRequest {}).await.unwrap().into_inner();
+        assert!(!h.version.is_empty());
+        // Oversized: 10,000 keys × 18 bytes > 64 KiB.
+        let big = pb::LookupRequest {
+            keys: vec![vec![0u8; 16]; 10_000],
+        };
+        let e = c.lookup(big).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::OutOfRange, "{e:?}");
+        // A key of the wrong length is named.
+        let e = c
+            .lookup(pb::LookupRequest {
+                keys: vec![vec![1u8; 15]],
+            })
+            .await
+            .unwrap_err();
+        assert!(e.message().contains("key 0"), "{}", e.message());
+        // Events: watch, then store a block through the engine socket.
+        let mut events = c.watch(pb::WatchRequest {}).await.unwrap().into_inner();
+        let mut ipc = d.client();
+        let ns = ipc.register_namespace(&namespace()).unwrap();
+        put_all(&mut ipc, ns, 0..2);
+        let ev = tokio::time::timeout(
+            Duration::from_secs(10),
+            tokio_stream::StreamExt::next(&mut events),
+        )
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+        assert_eq!(ev.kind, pb::block_event::Kind::Stored as i32);
+        assert_eq!(ev.key, key(0).to_bytes().to_vec());
+        assert_eq!(ev.tier, pb::Tier::Host as i32);
+        let s = c.stats(pb::StatsRequest {}).await.unwrap().into_inner();
+        assert_eq!(s.namespaces.len(), 1);
+        assert_eq!(s.namespaces[0].host_blocks, 2);
+        let r = c
+            .lookup(pb::LookupRequest {
+                keys: vec![key(0).to_bytes().to_vec(), key(1).to_bytes().to_vec()],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.n, 2);
+        let p = c
+            .pin(pb::PinRequest {
+                keys: vec![key(0).to_bytes().to_vec()],
+                ttl_ms: 60_000,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(p.n, 1);
+        assert!(
+            c.unpin(pb::UnpinRequest {
+                lease_id: p.lease_id
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .released
+        );
+        let r = c
+            .clear_namespace(pb::ClearRequest { namespace_id: ns.0 })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.removed, 2);
+    });
+    // Metrics: refused without the token, served with it.
+    let get = |auth: bool| {
+        let mut s = std::net::TcpStream::connect(&d.metrics).unwrap();
+        let hdr = if auth {
+            "Authorization: Bearer s3cret\r\n"
+        } else {
+            ""
+        };
+        write!(s, "GET /metrics HTTP/1.1\r\nHost: x\r\n{hdr}\r\n").unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out
+    };
+    assert!(get(false).starts_with("HTTP/1.1 401"));
+    let m = get(true);
+    assert!(m.starts_with("HTTP/1.1 200"), "{m}");
+    for name in [
+        "kvtier_hits_total",
+        "kvtier_blocks{tier=\"disk\"}",
+        "kvtier_checksum_failures_total",
+        "kvtier_leases",
+        "kvtier_ipc_request_us",
+    ] {
+        assert!(m.contains(name), "metrics lack {name}:\n{m}");
+    }
+}
+
+#[test]
+fn bad_config_is_a_startup_error_naming_the_key() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtierd"))
+        .args(["--set", "host.capacty=1G", "--grpc", "127.0.0.1:0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(e.contains("capacty"), "{e}");
+}

@@ -1,0 +1,13 @@
+//! Generates the prost/tonic code; protoc comes from `protoc-bin-vendored` (nothing to install).
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    if std::env::var_os("PROTOC").is_none() {
+        std::env::set_var("PROTOC", protoc_bin_vendored::protoc_bin_path()?);
+    }
+    println!("cargo:rerun-if-changed=proto");
+    tonic_build::configure()
+        .build_server(true)
+        .build_client(true)
+        .compile_protos(&["proto/admin.proto", "proto/ipc.proto"], &["proto"])?;
+    Ok(())
+}
