@@ -5,6 +5,7 @@
 mod alloc_count;
 mod disk;
 mod host;
+mod ipc;
 mod peers;
 mod plot;
 mod replay;
@@ -39,6 +40,8 @@ enum Cmd {
     Replay(replay::ReplayArgs),
     /// The same put/get workload against kvtier, Redis and Mooncake Store on this machine.
     Peers(peers::PeersArgs),
+    /// Through the kvtierd sidecar vs embedded: lookup+lease latency, put/get bandwidth.
+    Ipc(ipc::IpcArgs),
 }
 
 /// Parses `123`, `256K`, `2M`, `1G` (binary units).
@@ -65,6 +68,7 @@ fn main() -> Result<()> {
         Cmd::Disk(a) => disk::run(a),
         Cmd::Replay(a) => replay::run(a),
         Cmd::Peers(a) => peers::run(a),
+        Cmd::Ipc(a) => ipc::run(a),
     }
 }
 

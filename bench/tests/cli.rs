@@ -227,3 +227,39 @@ fn peers_bench_against_redis() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown peer"));
 }
+
+#[test]
+fn ipc_bench_against_the_sidecar() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier-bench"))
+        .args([
+            "ipc",
+            "--bytes",
+            "8M",
+            "--rounds",
+            "1",
+            "--lookups",
+            "20",
+            "--batch",
+            "4",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    let v = last_json(&out);
+    let cases: Vec<&str> = v["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["case"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        cases,
+        [
+            "put 2MiB batch 4",
+            "get 2MiB batch 4",
+            "lookup+lease 64 keys p50",
+            "lookup+lease 64 keys p99",
+            "lookup+lease 64 keys overhead p50"
+        ]
+    );
+}

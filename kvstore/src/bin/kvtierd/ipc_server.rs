@@ -41,7 +41,7 @@ pub fn serve(listener: UnixListener, d: Arc<Daemon>) {
                 let d = d.clone();
                 d.ipc_clients.fetch_add(1, Relaxed);
                 workers.push(std::thread::spawn(move || {
-                    if let Err(e) = Conn::new(&d, stream).run() {
+                    if let Err(e) = Conn::new(&d, stream).and_then(Conn::run) {
                         tracing::debug!(error = %e, "engine connection ended");
                     }
                     d.ipc_clients.fetch_sub(1, Relaxed);
@@ -88,6 +88,7 @@ fn tier(t: &Tier) -> i32 {
 struct Conn<'d> {
     d: &'d Daemon,
     stream: UnixStream,
+    reader: io::BufReader<UnixStream>,
     hello: bool,
     next_token: u64,
     reservations: HashMap<u64, Reservation<'static>>,
@@ -95,15 +96,18 @@ struct Conn<'d> {
 }
 
 impl<'d> Conn<'d> {
-    fn new(d: &'d Daemon, stream: UnixStream) -> Self {
-        Self {
+    fn new(d: &'d Daemon, stream: UnixStream) -> io::Result<Self> {
+        stream.set_nonblocking(false)?;
+        stream.set_read_timeout(Some(Duration::from_millis(200)))?;
+        Ok(Self {
             d,
+            reader: io::BufReader::with_capacity(64 << 10, stream.try_clone()?),
             stream,
             hello: false,
             next_token: 1,
             reservations: HashMap::new(),
             leases: HashSet::new(),
-        }
+        })
     }
 
     /// Reads exactly `buf.len()` bytes. Before the first byte, a read timeout is a chance to
@@ -112,7 +116,7 @@ impl<'d> Conn<'d> {
         let mut got = 0;
         let start = Instant::now();
         while got < buf.len() {
-            match self.stream.read(&mut buf[got..]) {
+            match self.reader.read(&mut buf[got..]) {
                 Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
                 Ok(n) => got += n,
                 Err(e)
@@ -139,9 +143,6 @@ impl<'d> Conn<'d> {
     }
 
     fn run(mut self) -> io::Result<()> {
-        self.stream.set_nonblocking(false)?;
-        self.stream
-            .set_read_timeout(Some(Duration::from_millis(200)))?;
         loop {
             if self.d.stopping() {
                 return Ok(());
