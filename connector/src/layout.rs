@@ -1,0 +1,287 @@
+//! Paged KV layouts and the CPU gather/scatter.
+//!
+//! An engine hands over, per layer, a tensor's base address, shape, strides (in elements) and
+//! element size, and names each dimension: [`Dim::Blocks`] (the paged block index),
+//! [`Dim::Kv`] (K and V planes, absent for MLA), [`Dim::Tokens`] (slots in a block) and
+//! [`Dim::Inner`] (heads, head size, or a packed latent). Nothing is hard-coded: KV-first
+//! `(2, blocks, tokens, heads, dim)`, blocks-first `(blocks, 2, tokens, heads, dim)`, HND
+//! `(blocks, 2, heads, tokens, dim)`, MLA `(blocks, tokens, 576)`, vLLM's CPU backend
+//! `(blocks, 2, tokens, heads*dim)`, and non-contiguous views of any of them all follow from
+//! shape and strides.
+//!
+//! One engine block's bytes in a kvtier block, whatever the engine layout (the canonical form):
+//!
+//! ```text
+//! for layer in layers:            (in registration order)
+//!   for kv in 0..planes:          (K then V; one plane for MLA)
+//!     for token in 0..block_size:
+//!       inner elements in the order the engine lists its Inner dims
+//! ```
+//!
+//! A kvtier block of N engine blocks is their canonical forms back to back, in the order given.
+//! The copy finds, per layer, the longest run of trailing dims that is contiguous in the engine
+//! tensor and moves it with one `memcpy`.
+
+use thiserror::Error;
+
+/// What a tensor dimension means.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dim {
+    /// The paged block index.
+    Blocks,
+    /// K and V planes (size 2).
+    Kv,
+    /// Token slots within a block.
+    Tokens,
+    /// Payload (heads, head size, latent).
+    Inner,
+}
+
+/// One layer's KV tensor.
+#[derive(Clone, Debug)]
+pub struct LayerView {
+    /// Address of element 0 (the tensor's data pointer).
+    pub ptr: usize,
+    /// Dimension sizes.
+    pub shape: Vec<usize>,
+    /// Strides in elements.
+    pub strides: Vec<isize>,
+    /// What each dimension is.
+    pub dims: Vec<Dim>,
+    /// Bytes per element.
+    pub elem: usize,
+}
+
+/// Bad layout descriptions.
+#[derive(Debug, Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LayoutError {
+    /// Shape, strides and dims differ in length.
+    #[error("layer {layer}: shape, strides and dims must have the same length")]
+    Rank {
+        /// Layer index.
+        layer: usize,
+    },
+    /// A required dimension is missing or repeated.
+    #[error("layer {layer}: needs exactly one Blocks and one Tokens dim, at most one Kv dim (of size 2)")]
+    Dims {
+        /// Layer index.
+        layer: usize,
+    },
+    /// Layers disagree on block count or bytes per block.
+    #[error("layer {layer} differs from layer 0 in {what}")]
+    Mismatch {
+        /// Layer index.
+        layer: usize,
+        /// What differs.
+        what: &'static str,
+    },
+    /// A block id beyond the tensor.
+    #[error("block id {id} is out of range (the engine has {blocks} blocks)")]
+    BlockId {
+        /// The id.
+        id: usize,
+        /// Block count.
+        blocks: usize,
+    },
+    /// Destination or source of the wrong size.
+    #[error("buffer of {got} bytes, expected {want}")]
+    Size {
+        /// Expected.
+        want: usize,
+        /// Given.
+        got: usize,
+    },
+    /// No layers or zero-sized dims.
+    #[error("empty layout")]
+    Empty,
+}
+
+/// Per layer, the copy plan: loops over outer dims, memcpy of `run` bytes.
+#[derive(Clone, Debug)]
+struct Plan {
+    ptr: usize,
+    block_stride: isize,
+    /// (size, stride in bytes) of the dims iterated, outermost first, in canonical order.
+    outer: Vec<(usize, isize)>,
+    /// Contiguous bytes moved per copy.
+    run: usize,
+    /// Canonical bytes of this layer per engine block.
+    bytes: usize,
+}
+
+/// An engine's paged KV cache: every layer, validated once.
+#[derive(Clone, Debug)]
+pub struct PagedKv {
+    plans: Vec<Plan>,
+    blocks: usize,
+    block_bytes: usize,
+}
+
+impl PagedKv {
+    /// Validates the layers and plans the copies.
+    ///
+    /// # Safety
+    /// Each layer's `ptr`, shape and strides must describe memory that stays valid, and that
+    /// nobody else writes while a gather runs (or reads or writes while a scatter runs), for
+    /// as long as this value is used.
+    pub unsafe fn new(layers: Vec<LayerView>) -> Result<Self, LayoutError> {
+        if layers.is_empty() {
+            return Err(LayoutError::Empty);
+        }
+        let mut plans = Vec::with_capacity(layers.len());
+        let mut blocks = 0;
+        for (i, l) in layers.iter().enumerate() {
+            if l.shape.len() != l.strides.len() || l.shape.len() != l.dims.len() {
+                return Err(LayoutError::Rank { layer: i });
+            }
+            if l.shape.contains(&0) || l.elem == 0 {
+                return Err(LayoutError::Empty);
+            }
+            let count = |d: Dim| l.dims.iter().filter(|x| **x == d).count();
+            let kv_ok = match l.dims.iter().position(|d| *d == Dim::Kv) {
+                None => true,
+                Some(p) => count(Dim::Kv) == 1 && l.shape[p] == 2,
+            };
+            if count(Dim::Blocks) != 1 || count(Dim::Tokens) != 1 || !kv_ok {
+                return Err(LayoutError::Dims { layer: i });
+            }
+            let b = l.dims.iter().position(|d| *d == Dim::Blocks).unwrap_or(0);
+            if i == 0 {
+                blocks = l.shape[b];
+            } else if l.shape[b] != blocks {
+                return Err(LayoutError::Mismatch {
+                    layer: i,
+                    what: "block count",
+                });
+            }
+            // Canonical order: Kv, Tokens, then Inner dims in the engine's order.
+            let mut order: Vec<usize> = Vec::new();
+            order.extend(l.dims.iter().position(|d| *d == Dim::Kv));
+            order.extend(l.dims.iter().position(|d| *d == Dim::Tokens));
+            order.extend((0..l.dims.len()).filter(|&j| l.dims[j] == Dim::Inner));
+            let e = l.elem as isize;
+            let dims: Vec<(usize, isize)> = order
+                .iter()
+                .map(|&j| (l.shape[j], l.strides[j] * e))
+                .collect();
+            // Longest contiguous suffix.
+            let mut run = l.elem;
+            let mut k = dims.len();
+            while k > 0 && dims[k - 1].1 == run as isize {
+                run *= dims[k - 1].0;
+                k -= 1;
+            }
+            let bytes = dims.iter().map(|d| d.0).product::<usize>() * l.elem;
+            plans.push(Plan {
+                ptr: l.ptr,
+                block_stride: l.strides[b] * e,
+                outer: dims[..k].to_vec(),
+                run,
+                bytes,
+            });
+        }
+        let block_bytes = plans.iter().map(|p| p.bytes).sum();
+        Ok(Self {
+            plans,
+            blocks,
+            block_bytes,
+        })
+    }
+
+    /// Canonical bytes of one engine block (all layers, K and V).
+    pub fn block_bytes(&self) -> usize {
+        self.block_bytes
+    }
+
+    /// Engine blocks.
+    pub fn blocks(&self) -> usize {
+        self.blocks
+    }
+
+    fn check(&self, ids: &[usize], len: usize) -> Result<(), LayoutError> {
+        if let Some(&id) = ids.iter().find(|&&id| id >= self.blocks) {
+            return Err(LayoutError::BlockId {
+                id,
+                blocks: self.blocks,
+            });
+        }
+        let want = ids.len() * self.block_bytes;
+        if len != want {
+            return Err(LayoutError::Size { want, got: len });
+        }
+        Ok(())
+    }
+
+    /// Copies engine blocks `ids` into `dst` (canonical form, back to back).
+    pub fn gather(&self, ids: &[usize], dst: &mut [u8]) -> Result<(), LayoutError> {
+        self.check(ids, dst.len())?;
+        let mut at = 0;
+        for &id in ids {
+            for p in &self.plans {
+                let base = p.ptr as isize + id as isize * p.block_stride;
+                walk(p, base, &mut |src, len| {
+                    // SAFETY: `src` lies in the layer tensor (PagedKv::new's contract, indices
+                    // within shape), `dst[at..at+len]` is in bounds (check() sized it), and the
+                    // two do not overlap (dst is a separate buffer).
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            src as *const u8,
+                            dst.as_mut_ptr().add(at),
+                            len,
+                        )
+                    };
+                    at += len;
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies `src` (canonical form of engine blocks `ids`) into the engine's tensors.
+    pub fn scatter(&self, ids: &[usize], src: &[u8]) -> Result<(), LayoutError> {
+        self.check(ids, src.len())?;
+        let mut at = 0;
+        for &id in ids {
+            for p in &self.plans {
+                let base = p.ptr as isize + id as isize * p.block_stride;
+                walk(p, base, &mut |dst, len| {
+                    // SAFETY: as in gather, with roles swapped; the engine tensor is not read or
+                    // written by anyone else during the scatter (PagedKv::new's contract).
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(src.as_ptr().add(at), dst as *mut u8, len)
+                    };
+                    at += len;
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Calls `f(address, run)` for every contiguous run of one layer's block, in canonical order.
+fn walk(p: &Plan, base: isize, f: &mut dyn FnMut(usize, usize)) {
+    let n = p.outer.len();
+    let mut idx = vec![0usize; n];
+    loop {
+        let off: isize = idx
+            .iter()
+            .zip(&p.outer)
+            .map(|(&i, &(_, s))| i as isize * s)
+            .sum();
+        f((base + off) as usize, p.run);
+        // Odometer increment, innermost first.
+        let mut d = n;
+        loop {
+            if d == 0 {
+                return;
+            }
+            d -= 1;
+            idx[d] += 1;
+            if idx[d] < p.outer[d].0 {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+}

@@ -1,0 +1,224 @@
+//! Gather/scatter against a per-element reference on every layout an engine may hand over,
+//! with random data and random block ids.
+
+use kvtier_connector::{Dim, LayerView, LayoutError, PagedKv};
+use rand::{Rng, SeedableRng};
+
+use Dim::{Blocks as B, Inner as I, Kv as K, Tokens as T};
+
+/// A tensor: backing bytes plus a view (shape, strides in elements, dims).
+struct Tensor {
+    mem: Vec<u8>,
+    shape: Vec<usize>,
+    strides: Vec<isize>,
+    dims: Vec<Dim>,
+    elem: usize,
+}
+
+impl Tensor {
+    /// A tensor whose physical (contiguous) order is `phys` (a permutation of the logical dims):
+    /// `phys[0]` is the outermost. `step` multiplies the Blocks stride (a strided view).
+    fn new(
+        shape: &[usize],
+        dims: &[Dim],
+        phys: &[usize],
+        elem: usize,
+        step: usize,
+        rng: &mut impl Rng,
+    ) -> Self {
+        let mut strides = vec![0isize; shape.len()];
+        let mut s = 1isize;
+        for &d in phys.iter().rev() {
+            strides[d] = s;
+            s *= shape[d] as isize;
+        }
+        let b = dims.iter().position(|d| *d == B).unwrap();
+        let total = (s as usize) * step;
+        strides[b] *= step as isize;
+        let mut mem = vec![0u8; total * elem];
+        rng.fill(&mut mem[..]);
+        Tensor {
+            mem,
+            shape: shape.to_vec(),
+            strides,
+            dims: dims.to_vec(),
+            elem,
+        }
+    }
+
+    fn view(&mut self) -> LayerView {
+        LayerView {
+            ptr: self.mem.as_mut_ptr() as usize,
+            shape: self.shape.clone(),
+            strides: self.strides.clone(),
+            dims: self.dims.clone(),
+            elem: self.elem,
+        }
+    }
+
+    /// Canonical bytes of block `id`, element by element.
+    fn reference(&self, id: usize) -> Vec<u8> {
+        let pos = |d: Dim| self.dims.iter().position(|x| *x == d);
+        let inner: Vec<usize> = (0..self.dims.len())
+            .filter(|&j| self.dims[j] == I)
+            .collect();
+        let planes = pos(K).map_or(1, |p| self.shape[p]);
+        let tokens = self.shape[pos(T).unwrap()];
+        let n_inner: usize = inner.iter().map(|&j| self.shape[j]).product();
+        let mut out = Vec::new();
+        for kv in 0..planes {
+            for t in 0..tokens {
+                for flat in 0..n_inner {
+                    // Unflatten in the listed Inner order (last fastest).
+                    let mut rem = flat;
+                    let mut off = id as isize * self.strides[pos(B).unwrap()]
+                        + t as isize * self.strides[pos(T).unwrap()]
+                        + pos(K).map_or(0, |p| kv as isize * self.strides[p]);
+                    for &j in inner.iter().rev() {
+                        off += (rem % self.shape[j]) as isize * self.strides[j];
+                        rem /= self.shape[j];
+                    }
+                    let o = off as usize * self.elem;
+                    out.extend_from_slice(&self.mem[o..o + self.elem]);
+                }
+            }
+        }
+        out
+    }
+}
+
+fn check(name: &str, mut layers: Vec<Tensor>, rng: &mut impl Rng) {
+    let views: Vec<LayerView> = layers.iter_mut().map(|t| t.view()).collect();
+    // SAFETY: the tensors outlive `kv` and nothing else touches them during the copies.
+    let kv = unsafe { PagedKv::new(views) }.unwrap();
+    let nb = kv.blocks();
+    let ids: Vec<usize> = (0..5).map(|_| rng.gen_range(0..nb)).collect();
+    let mut got = vec![0u8; ids.len() * kv.block_bytes()];
+    kv.gather(&ids, &mut got).unwrap();
+    let mut want = Vec::new();
+    for &id in &ids {
+        for l in &layers {
+            want.extend(l.reference(id));
+        }
+    }
+    assert!(got == want, "{name}: gather differs from the reference");
+    // Scatter into other blocks of the same tensors, then gather those back.
+    let targets: Vec<usize> = ids.iter().map(|&i| (i + 1) % nb).collect();
+    let mut dedup = targets.clone();
+    dedup.sort();
+    dedup.dedup();
+    if dedup.len() == targets.len() {
+        kv.scatter(&targets, &got).unwrap();
+        let mut back = vec![0u8; got.len()];
+        kv.gather(&targets, &mut back).unwrap();
+        assert!(
+            back == got,
+            "{name}: scatter then gather is not the identity"
+        );
+        for (t, &id) in targets.iter().enumerate() {
+            let mut one = Vec::new();
+            for l in &layers {
+                one.extend(l.reference(id));
+            }
+            let bb = kv.block_bytes();
+            assert!(
+                one[..] == got[t * bb..(t + 1) * bb],
+                "{name}: scattered bytes not in place"
+            );
+        }
+    }
+}
+
+#[test]
+fn every_layout_matches_the_reference() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let (nb, bs, h, d) = (9, 32, 2, 64);
+    for step in [1, 2] {
+        let cases: Vec<(&str, Vec<usize>, Vec<Dim>, Vec<usize>, usize)> = vec![
+            // FlashAttention: (2, blocks, tokens, heads, dim), NHD.
+            (
+                "kv-first nhd",
+                vec![2, nb, bs, h, d],
+                vec![K, B, T, I, I],
+                vec![0, 1, 2, 3, 4],
+                2,
+            ),
+            // Same logical view over an HND allocation (heads before tokens in memory).
+            (
+                "kv-first hnd",
+                vec![2, nb, bs, h, d],
+                vec![K, B, T, I, I],
+                vec![0, 1, 3, 2, 4],
+                2,
+            ),
+            // FlashInfer / Triton: blocks first.
+            (
+                "blocks-first",
+                vec![nb, 2, bs, h, d],
+                vec![B, K, T, I, I],
+                vec![0, 1, 2, 3, 4],
+                2,
+            ),
+            (
+                "blocks-first hnd",
+                vec![nb, 2, bs, h, d],
+                vec![B, K, T, I, I],
+                vec![0, 1, 3, 2, 4],
+                2,
+            ),
+            // vLLM's CPU backend (float32, heads*dim packed).
+            (
+                "cpu",
+                vec![nb, 2, bs, h * d],
+                vec![B, K, T, I],
+                vec![0, 1, 2, 3],
+                4,
+            ),
+            // MLA latent: no K/V planes.
+            ("mla", vec![nb, bs, 576], vec![B, T, I], vec![0, 1, 2], 2),
+            // K/V plane innermost-but-one, an odd but legal view.
+            (
+                "kv-inner",
+                vec![nb, bs, 2, h, d],
+                vec![B, T, K, I, I],
+                vec![0, 1, 2, 3, 4],
+                1,
+            ),
+        ];
+        for (name, shape, dims, phys, elem) in cases {
+            let layers = (0..3)
+                .map(|_| Tensor::new(&shape, &dims, &phys, elem, step, &mut rng))
+                .collect();
+            check(&format!("{name} step {step}"), layers, &mut rng);
+        }
+    }
+}
+
+#[test]
+fn bad_descriptions_are_clear_errors() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+    let mut t = Tensor::new(&[4, 2, 32, 8], &[B, K, T, I], &[0, 1, 2, 3], 2, 1, &mut rng);
+    let mut v = t.view();
+    v.dims = vec![B, K, I, I];
+    // SAFETY: validation fails before any memory is touched.
+    assert_eq!(
+        unsafe { PagedKv::new(vec![v]) }.unwrap_err(),
+        LayoutError::Dims { layer: 0 }
+    );
+    let v = t.view();
+    let mut other = Tensor::new(&[5, 2, 32, 8], &[B, K, T, I], &[0, 1, 2, 3], 2, 1, &mut rng);
+    // SAFETY: as above.
+    let e = unsafe { PagedKv::new(vec![v, other.view()]) }.unwrap_err();
+    assert!(matches!(e, LayoutError::Mismatch { layer: 1, .. }));
+    // SAFETY: tensors outlive the calls.
+    let kv = unsafe { PagedKv::new(vec![t.view()]) }.unwrap();
+    let mut buf = vec![0u8; kv.block_bytes()];
+    assert_eq!(
+        kv.gather(&[4], &mut buf).unwrap_err(),
+        LayoutError::BlockId { id: 4, blocks: 4 }
+    );
+    assert!(matches!(
+        kv.gather(&[0, 1], &mut buf),
+        Err(LayoutError::Size { .. })
+    ));
+}
