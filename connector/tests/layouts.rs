@@ -129,12 +129,15 @@ fn check(name: &str, mut layers: Vec<Tensor>, rng: &mut impl Rng) {
     }
 }
 
+/// (name, shape, dims, physical order, element size).
+type Case = (&'static str, Vec<usize>, Vec<Dim>, Vec<usize>, usize);
+
 #[test]
 fn every_layout_matches_the_reference() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let (nb, bs, h, d) = (9, 32, 2, 64);
     for step in [1, 2] {
-        let cases: Vec<(&str, Vec<usize>, Vec<Dim>, Vec<usize>, usize)> = vec![
+        let cases: Vec<Case> = vec![
             // FlashAttention: (2, blocks, tokens, heads, dim), NHD.
             (
                 "kv-first nhd",
@@ -201,10 +204,8 @@ fn bad_descriptions_are_clear_errors() {
     let mut v = t.view();
     v.dims = vec![B, K, I, I];
     // SAFETY: validation fails before any memory is touched.
-    assert_eq!(
-        unsafe { PagedKv::new(vec![v]) }.unwrap_err(),
-        LayoutError::Dims { layer: 0 }
-    );
+    let e = unsafe { PagedKv::new(vec![v]) }.unwrap_err();
+    assert_eq!(e, LayoutError::Dims { layer: 0 });
     let v = t.view();
     let mut other = Tensor::new(&[5, 2, 32, 8], &[B, K, T, I], &[0, 1, 2, 3], 2, 1, &mut rng);
     // SAFETY: as above.
