@@ -1,17 +1,16 @@
 //! `kvtier-bench ipc`: the store through the `kvtierd` sidecar (engine socket + shared arena)
 //! against the same store embedded in this process.
 
-use std::io::BufRead;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{ensure, Context, Result};
+use anyhow::{ensure, Result};
 use clap::Args;
 use kvstore::ipc::{IpcClient, SlotStatus};
 use kvstore::{AlignedBuf, BlockKey, Namespace, Reserve, StoreConfig, TpShard};
 
 use crate::report::{row, Report, Row};
+use crate::sidecar::{self, Sidecar};
 
 /// Options of `kvtier-bench ipc`.
 #[derive(Args, Debug)]
@@ -42,51 +41,6 @@ pub struct IpcArgs {
     pub json: bool,
 }
 
-struct Sidecar {
-    child: Child,
-    dir: PathBuf,
-    socket: PathBuf,
-}
-
-impl Drop for Sidecar {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn start(bin: &PathBuf, capacity: u64, seg: u64) -> Result<Sidecar> {
-    let dir = std::env::temp_dir().join(format!("kvtier-bench-ipc-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let mut child = Command::new(bin)
-        .arg("--data-dir")
-        .arg(&dir)
-        .args([
-            "--no-disk",
-            "--grpc",
-            "127.0.0.1:0",
-            "--metrics",
-            "127.0.0.1:0",
-        ])
-        .args(["--host-capacity", &capacity.to_string()])
-        .args(["--set", &format!("host.segment={seg}"), "--set", "log=warn"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("starting {}", bin.display()))?;
-    let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().context("no stdout")?).read_line(&mut line)?;
-    let socket = line
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("socket="))
-        .with_context(|| format!("kvtierd did not start: {line:?}"))?;
-    Ok(Sidecar {
-        socket: PathBuf::from(socket),
-        child,
-        dir,
-    })
-}
-
 fn key(i: u64) -> BlockKey {
     BlockKey((u128::from(i) + 11).wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835))
 }
@@ -114,15 +68,7 @@ pub fn run(args: IpcArgs) -> Result<()> {
         args.rounds > 0 && args.batch > 0 && args.chain > 0,
         "counts must be positive"
     );
-    let bin = match &args.kvtierd {
-        Some(p) => p.clone(),
-        None => std::env::current_exe()?.with_file_name("kvtierd"),
-    };
-    ensure!(
-        bin.exists(),
-        "{} not found: build it (cargo build --release -p kvstore) or pass --kvtierd",
-        bin.display()
-    );
+    let bin = sidecar::binary(args.kvtierd.as_deref())?;
     let count = (args.bytes / args.block).max(args.batch as u64);
     let seg = (64u64 << 20).max(args.block);
     let capacity = (count * args.block * 5 / 4 + (64 << 20)).div_ceil(seg) * seg + seg;
@@ -135,7 +81,17 @@ pub fn run(args: IpcArgs) -> Result<()> {
     let eid = embedded.register_namespace(&ns())?;
     // The sidecar gets fresh keys every round (no remove over the engine socket): room for all.
     let side_capacity = (count * args.block * (args.rounds as u64 + 2)).div_ceil(seg) * seg + seg;
-    let side = start(&bin, side_capacity, seg)?;
+    let side = Sidecar::start(
+        &bin,
+        std::env::temp_dir().join(format!("kvtier-bench-ipc-{}", std::process::id())),
+        &[
+            "--no-disk".into(),
+            "--host-capacity".into(),
+            side_capacity.to_string(),
+            "--set".into(),
+            format!("host.segment={seg}"),
+        ],
+    )?;
     let mut c = IpcClient::connect(&side.socket, "kvtier-bench")?;
     let sid = c.register_namespace(&ns())?;
     let block = args.block as usize;

@@ -10,6 +10,7 @@ mod peers;
 mod plot;
 mod replay;
 mod report;
+mod sidecar;
 mod sim;
 mod trace;
 

@@ -62,18 +62,25 @@ pub struct ReplayArgs {
     /// Real KV bytes per token, to project load times to full-size blocks (Llama-3.1-8B bf16).
     #[arg(long, default_value = "128K", value_parser = crate::parse_size)]
     pub real_bytes_per_token: u64,
-    /// Capacities (percent of distinct blocks) for the policy-vs-Belady sweep; empty skips it.
+    /// Capacities (percent of distinct blocks) for the policy-vs-Belady sweep.
     #[arg(long, value_delimiter = ',', default_value = "1,2,5,10,25,50")]
     pub sweep: Vec<f64>,
+    /// Skip the sweep.
+    #[arg(long)]
+    pub no_sweep: bool,
     /// Replay only the first N requests.
     #[arg(long)]
     pub limit: Option<usize>,
     /// Directory of the disk tier (created, removed afterwards).
     #[arg(long, default_value = "kvtier-replay-data")]
     pub dir: PathBuf,
-    /// "embedded" (the store in this process); "kvtierd" once the daemon exists.
+    /// "embedded" (the store in this process) or "kvtierd" (a daemon started for the run,
+    /// driven through its engine socket and shared arena, as an engine would).
     #[arg(long, default_value = "embedded")]
     pub mode: String,
+    /// The kvtierd binary for --mode kvtierd (default: next to this one).
+    #[arg(long)]
+    pub kvtierd: Option<PathBuf>,
     /// Write a Markdown summary and PNG plots into this directory.
     #[arg(long)]
     pub report: Option<PathBuf>,
@@ -203,15 +210,7 @@ pub fn run_embedded(
     }
     .build()
     .context("building the replay store")?;
-    let ns_def = Namespace {
-        model: "trace/mooncake".into(),
-        dtype: "bfloat16".into(),
-        layout: "nhd".into(),
-        block_tokens: TRACE_BLOCK_TOKENS as u32,
-        tp: TpShard::Rank { size: 1, rank: 0 },
-        tenant: String::new(),
-        lora: String::new(),
-    };
+    let ns_def = namespace();
     let fp = ns_def.fingerprint();
     let ns = store.register_namespace(&ns_def)?;
     let mut data = AlignedBuf::new(cfg.block_bytes as usize)?;
@@ -276,6 +275,156 @@ pub fn run_embedded(
     Ok(out)
 }
 
+fn namespace() -> Namespace {
+    Namespace {
+        model: "trace/mooncake".into(),
+        dtype: "bfloat16".into(),
+        layout: "nhd".into(),
+        block_tokens: TRACE_BLOCK_TOKENS as u32,
+        tp: TpShard::Rank { size: 1, rank: 0 },
+        tenant: String::new(),
+        lora: String::new(),
+    }
+}
+
+/// Replays `reqs` through a fresh kvtierd, as an engine would: lookup, load + copy out of the
+/// arena + release, reserve + copy into the arena + commit.
+pub fn run_sidecar(
+    reqs: &[Request],
+    cfg: &RunCfg,
+    bin: &std::path::Path,
+    progress: &ProgressBar,
+) -> Result<ReplayOutcome> {
+    use kvstore::ipc::{IpcClient, SlotStatus};
+    let block = cfg.block_bytes.div_ceil(4096) * 4096;
+    let per_seg = cfg
+        .host_blocks
+        .clamp(1, 16)
+        .min(((64u64 << 20) / block).max(1));
+    let seg = block * per_seg;
+    let host_bytes = cfg.host_blocks.max(1).div_ceil(per_seg) * seg;
+    let mut args: Vec<String> = vec![
+        "--host-capacity".into(),
+        host_bytes.to_string(),
+        "--set".into(),
+        format!("host.segment={seg}"),
+        "--set".into(),
+        format!("host.size_classes=[{}]", cfg.block_bytes),
+        "--set".into(),
+        format!("host.policy={}", policy_name(cfg.policy)),
+    ];
+    if cfg.disk_blocks > 0 {
+        args.extend([
+            "--disk-capacity".into(),
+            (cfg.disk_blocks * block + (1 << 20)).to_string(),
+            "--set".into(),
+            format!("disk.policy={}", policy_name(cfg.policy)),
+            "--set".into(),
+            format!(
+                "disk.admission={}",
+                if cfg.admission == Admission::Always {
+                    "always"
+                } else {
+                    "seen-twice"
+                }
+            ),
+            "--set".into(),
+            format!("disk.write_through={}", cfg.write_through),
+        ]);
+    } else {
+        args.push("--no-disk".into());
+    }
+    let side = crate::sidecar::Sidecar::start(bin, cfg.dir.clone(), &args)?;
+    let mut c = IpcClient::connect(&side.socket, "kvtier-bench replay")?;
+    let ns_def = namespace();
+    let fp = ns_def.fingerprint();
+    let ns = c.register_namespace(&ns_def)?;
+    let mut data = AlignedBuf::new(cfg.block_bytes as usize)?;
+    data.fill_pattern(1);
+    let mut scratch = AlignedBuf::new(cfg.block_bytes as usize)?;
+    let mut hist = Histogram::<u64>::new_with_bounds(1, 600_000_000, 2)?;
+    let mut out = ReplayOutcome::default();
+    let start = Instant::now();
+    let ttl = Duration::from_secs(60);
+    for r in reqs {
+        if let Some(speedup) = cfg.pace {
+            let due = Duration::from_secs_f64(r.timestamp as f64 / 1000.0 / speedup);
+            if let Some(wait) = due.checked_sub(start.elapsed()) {
+                std::thread::sleep(wait);
+            }
+        }
+        let keys: Vec<BlockKey> = r
+            .hash_ids
+            .iter()
+            .map(|id| BlockKey::from_engine_hash(&fp, &id.to_le_bytes()))
+            .collect::<Result<_, _>>()?;
+        let (found, tiers, _) = c.lookup(&keys, None)?;
+        let mut n = 0;
+        if found > 0 {
+            let t = Instant::now();
+            let l = c.load(&keys[..found], ttl)?;
+            for &(off, len) in &l.blocks {
+                c.read(off, &mut scratch[..len as usize])?;
+            }
+            if let Some(id) = l.lease {
+                c.release(id)?;
+            }
+            out.load_secs += t.elapsed().as_secs_f64();
+            let _ = hist.record((t.elapsed().as_micros() as u64).max(1));
+            n = l.n;
+        }
+        out.load_failures += (found - n) as u64;
+        for (i, tier) in tiers.iter().take(n).enumerate() {
+            match tier {
+                Tier::Host => out.host_hits += 1,
+                _ => out.disk_hits += 1,
+            }
+            out.hit_tokens += tokens_in_block(r, i);
+        }
+        let rest = &keys[n..];
+        if !rest.is_empty() {
+            let slots = c.reserve(ns, rest, &vec![cfg.block_bytes as u32; rest.len()])?;
+            let mut tokens = Vec::new();
+            for (k, s) in rest.iter().zip(slots) {
+                if let SlotStatus::Slot { offset, token } = s {
+                    data[..16].copy_from_slice(&k.to_bytes());
+                    c.write(offset, &data)?;
+                    tokens.push(token);
+                }
+            }
+            c.commit(&tokens)?;
+        }
+        out.requests += 1;
+        out.blocks += keys.len() as u64;
+        out.tokens += r.input_length;
+        progress.inc(1);
+    }
+    out.load_us = (hist.value_at_quantile(0.5), hist.value_at_quantile(0.99));
+    out.host_bytes_in = out.blocks.saturating_sub(out.host_hits + out.disk_hits) * cfg.block_bytes;
+    // Disk counters come from the admin API.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let s = rt.block_on(async {
+        let mut a = kvtier_client::connect(&side.grpc, None).await?;
+        a.stats(kvtier_client::pb::StatsRequest {})
+            .await
+            .map_err(kvtier_client::explain)
+            .map(|r| r.into_inner())
+    })?;
+    for t in &s.tiers {
+        if t.tier == kvtier_client::pb::Tier::Disk as i32 {
+            out.disk_bytes_read = t.bytes_read;
+            out.disk_bytes_written = t.bytes_written;
+            ensure!(
+                t.checksum_failures == 0,
+                "checksum failures during the replay"
+            );
+        }
+    }
+    Ok(out)
+}
+
 fn bar(len: u64, msg: &str) -> ProgressBar {
     let pb = ProgressBar::new(len);
     pb.set_style(
@@ -330,12 +479,11 @@ pub fn sweep(refs: &[u64], distinct: u64, pcts: &[f64]) -> Vec<SweepPoint> {
 
 /// Runs the replay benchmark.
 pub fn run(args: ReplayArgs) -> Result<()> {
-    if args.mode != "embedded" {
-        bail!(
-            "--mode {:?}: only \"embedded\" exists until the kvtierd daemon lands",
-            args.mode
-        );
-    }
+    let sidecar_bin = match args.mode.as_str() {
+        "embedded" => None,
+        "kvtierd" => Some(crate::sidecar::binary(args.kvtierd.as_deref())?),
+        other => bail!("--mode must be embedded or kvtierd, not {other:?}"),
+    };
     let Some(policy) = PolicyKind::parse(&args.policy) else {
         bail!("--policy must be s3fifo or lru, not {:?}", args.policy);
     };
@@ -370,20 +518,20 @@ pub fn run(args: ReplayArgs) -> Result<()> {
     let inf = inf_hits as f64 / inf_refs.max(1) as f64;
 
     let pb = bar(reqs.len() as u64, "replay");
-    let o = run_embedded(
-        &reqs,
-        &RunCfg {
-            host_blocks,
-            disk_blocks,
-            block_bytes: args.block_bytes,
-            policy,
-            admission,
-            write_through: args.write_through,
-            pace,
-            dir: args.dir.clone(),
-        },
-        &pb,
-    )?;
+    let run_cfg = RunCfg {
+        host_blocks,
+        disk_blocks,
+        block_bytes: args.block_bytes,
+        policy,
+        admission,
+        write_through: args.write_through,
+        pace,
+        dir: args.dir.clone(),
+    };
+    let o = match &sidecar_bin {
+        None => run_embedded(&reqs, &run_cfg, &pb)?,
+        Some(bin) => run_sidecar(&reqs, &run_cfg, bin, &pb)?,
+    };
     pb.finish_and_clear();
 
     let hit_ratio = (o.host_hits + o.disk_hits) as f64 / o.blocks.max(1) as f64;
@@ -409,10 +557,15 @@ pub fn run(args: ReplayArgs) -> Result<()> {
         baseline_is: is,
     };
     let label = format!(
-        "{} host {} disk {}",
+        "{} host {} disk {}{}",
         policy_name(policy),
         args.host,
-        args.disk
+        args.disk,
+        if sidecar_bin.is_some() {
+            " kvtierd"
+        } else {
+            ""
+        }
     );
     let mut rows = vec![
         one(
@@ -479,7 +632,7 @@ pub fn run(args: ReplayArgs) -> Result<()> {
             "bytes saved to host",
         ),
     ];
-    let points = if args.sweep.is_empty() {
+    let points = if args.sweep.is_empty() || args.no_sweep {
         Vec::new()
     } else {
         sweep(&refs, distinct, &args.sweep)

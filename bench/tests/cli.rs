@@ -182,6 +182,34 @@ fn replay_bench_on_a_small_trace_with_report() {
         );
     }
     assert!(tmp.join("report/replay.md").exists());
+    // The same trace through a kvtierd gets the same prefix hits while nothing is evicted.
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier-bench"))
+        .args([
+            "replay",
+            "--mode",
+            "kvtierd",
+            "--block-bytes",
+            "16K",
+            "--host",
+            "100%",
+            "--disk",
+            "0",
+            "--no-sweep",
+        ])
+        .arg("--trace")
+        .arg(&trace)
+        .arg("--dir")
+        .arg(tmp.join("data2"))
+        .arg("--json")
+        .output()
+        .unwrap();
+    let v = last_json(&out);
+    let hit = &v["results"][0];
+    assert!(hit["case"].as_str().unwrap().contains("kvtierd"));
+    assert!(
+        (hit["value"].as_f64().unwrap() - 95.0 / 140.0).abs() < 1e-9,
+        "{hit}"
+    );
     assert!(tmp.join("report/hit_ratio_vs_capacity.png").exists());
     // A malformed trace names the line.
     std::fs::write(&trace, "{\"timestamp\": 0}\n").unwrap();

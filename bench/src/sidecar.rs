@@ -1,0 +1,78 @@
+//! Starts a `kvtierd` for a benchmark and stops it (by pid) when dropped.
+
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use anyhow::{ensure, Context, Result};
+
+/// A running kvtierd.
+pub struct Sidecar {
+    child: Child,
+    dir: PathBuf,
+    /// Its engine socket.
+    pub socket: PathBuf,
+    /// Its admin gRPC address.
+    pub grpc: String,
+}
+
+impl Drop for Sidecar {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The kvtierd next to this binary, unless given.
+pub fn binary(given: Option<&Path>) -> Result<PathBuf> {
+    let bin = match given {
+        Some(p) => p.to_path_buf(),
+        None => std::env::current_exe()?.with_file_name("kvtierd"),
+    };
+    ensure!(
+        bin.exists(),
+        "{} not found: build it (cargo build --release -p kvstore) or pass --kvtierd",
+        bin.display()
+    );
+    Ok(bin)
+}
+
+impl Sidecar {
+    /// Starts `bin` on a fresh `dir` (removed afterwards), loopback ports, with `args`.
+    pub fn start(bin: &Path, dir: PathBuf, args: &[String]) -> Result<Self> {
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut child = Command::new(bin)
+            .arg("--data-dir")
+            .arg(&dir)
+            .args([
+                "--grpc",
+                "127.0.0.1:0",
+                "--metrics",
+                "127.0.0.1:0",
+                "--set",
+                "log=warn",
+            ])
+            .args(args)
+            .stdout(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().context("no stdout")?).read_line(&mut line)?;
+        let socket = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("socket="))
+            .with_context(|| format!("kvtierd did not start: {line:?}"))?;
+        let grpc = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("grpc="))
+            .unwrap_or_default()
+            .to_string();
+        Ok(Self {
+            socket: PathBuf::from(socket),
+            grpc,
+            child,
+            dir,
+        })
+    }
+}
