@@ -141,11 +141,11 @@ pub fn run(args: IpcArgs) -> Result<()> {
             let slots = c.reserve(sid, &keys, &vec![block as u32; n as usize])?;
             let mut tokens = Vec::with_capacity(slots.len());
             for (j, s) in slots.iter().enumerate() {
-                let SlotStatus::Slot { offset, token } = *s else {
+                let SlotStatus::Slot { token, .. } = *s else {
                     anyhow::bail!("sidecar gave no slot: {s:?}");
                 };
                 let at = (i as usize + j) * block;
-                c.write(offset, &src[at..at + block])?;
+                c.write(token, &src[at..at + block])?;
                 tokens.push(token);
             }
             c.commit(&tokens)?;
@@ -164,8 +164,8 @@ pub fn run(args: IpcArgs) -> Result<()> {
                 l.n,
                 keys.len()
             );
-            for (j, &(off, len)) in l.blocks.iter().enumerate() {
-                c.read(off, &mut dst[j * block..j * block + len as usize])?;
+            for (j, &(_, len)) in l.blocks.iter().enumerate() {
+                c.read(&l, j, &mut dst[j * block..j * block + len as usize])?;
             }
             if let Some(id) = l.lease {
                 c.release(id)?;

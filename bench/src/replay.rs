@@ -363,8 +363,8 @@ pub fn run_sidecar(
         if found > 0 {
             let t = Instant::now();
             let l = c.load(&keys[..found], ttl)?;
-            for &(off, len) in &l.blocks {
-                c.read(off, &mut scratch[..len as usize])?;
+            for (j, &(_, len)) in l.blocks.iter().enumerate() {
+                c.read(&l, j, &mut scratch[..len as usize])?;
             }
             if let Some(id) = l.lease {
                 c.release(id)?;
@@ -386,9 +386,9 @@ pub fn run_sidecar(
             let slots = c.reserve(ns, rest, &vec![cfg.block_bytes as u32; rest.len()])?;
             let mut tokens = Vec::new();
             for (k, s) in rest.iter().zip(slots) {
-                if let SlotStatus::Slot { offset, token } = s {
+                if let SlotStatus::Slot { token, .. } = s {
                     data[..16].copy_from_slice(&k.to_bytes());
-                    c.write(offset, &data)?;
+                    c.write(token, &data)?;
                     tokens.push(token);
                 }
             }

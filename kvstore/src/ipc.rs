@@ -185,6 +185,11 @@ pub struct IpcClient {
     reader: io::BufReader<UnixStream>,
     arena: MmapRaw,
     next: u64,
+    /// Reserved, uncommitted slots: token → (offset, length).
+    pending: std::collections::HashMap<u64, (u64, u32)>,
+    /// Set when the stream lost sync (timeout, I/O error, mismatched reply): every later call
+    /// fails instead of reading someone else's reply.
+    broken: Option<String>,
 }
 
 fn tier(t: i32) -> Tier {
@@ -265,10 +270,27 @@ impl IpcClient {
             sock,
             arena,
             next: 2,
+            pending: Default::default(),
+            broken: None,
         })
     }
 
     fn call(&mut self, body: request::Body) -> Result<response::Body, IpcError> {
+        if let Some(why) = &self.broken {
+            return Err(IpcError::Protocol(format!(
+                "connection unusable since: {why}; connect again"
+            )));
+        }
+        let r = self.exchange(body);
+        if let Err(e) = &r {
+            if !matches!(e, IpcError::Remote(_)) {
+                self.broken = Some(e.to_string());
+            }
+        }
+        r
+    }
+
+    fn exchange(&mut self, body: request::Body) -> Result<response::Body, IpcError> {
         let id = self.next;
         self.next += 1;
         write_frame(
@@ -280,14 +302,14 @@ impl IpcClient {
         )?;
         self.spin_for_reply();
         let resp = pb::Response::decode(&read_frame_body(&mut self.reader, MAX_FRAME)?[..])?;
-        if !resp.error.is_empty() {
-            return Err(IpcError::Remote(resp.error));
-        }
         if resp.id != id {
             return Err(IpcError::Protocol(format!(
                 "reply {} to request {id}",
                 resp.id
             )));
+        }
+        if !resp.error.is_empty() {
+            return Err(IpcError::Remote(resp.error));
         }
         resp.body
             .ok_or_else(|| IpcError::Protocol("empty reply".into()))
@@ -394,6 +416,7 @@ impl IpcClient {
                         match Status::try_from(s.status).unwrap_or(Status::Unspecified) {
                             Status::Slot => {
                                 self.check(s.offset, len as usize)?;
+                                self.pending.insert(s.token, (s.offset, len));
                                 SlotStatus::Slot {
                                     offset: s.offset,
                                     token: s.token,
@@ -416,6 +439,9 @@ impl IpcClient {
 
     /// Commits reserved slots (their bytes written); returns how many were committed.
     pub fn commit(&mut self, tokens: &[u64]) -> Result<u32, IpcError> {
+        for t in tokens {
+            self.pending.remove(t);
+        }
         match self.call(request::Body::Commit(pb::Commit {
             tokens: tokens.to_vec(),
         }))? {
@@ -426,13 +452,17 @@ impl IpcClient {
 
     /// Gives reserved slots back unwritten.
     pub fn abort(&mut self, tokens: &[u64]) -> Result<(), IpcError> {
+        for t in tokens {
+            self.pending.remove(t);
+        }
         self.call(request::Body::Abort(pb::Abort {
             tokens: tokens.to_vec(),
         }))
         .map(|_| ())
     }
 
-    /// Releases a lease.
+    /// Releases a lease. An error here after a [`IpcClient::load`] means the lease lapsed
+    /// first: bytes copied under it may belong to another block, so discard them.
     pub fn release(&mut self, lease: LeaseId) -> Result<(), IpcError> {
         self.call(request::Body::Release(pb::Release { lease_id: lease.0 }))
             .map(|_| ())
@@ -456,8 +486,17 @@ impl IpcClient {
         }
     }
 
-    /// Copies `data` into the arena at `offset` (a slot this client reserved).
-    pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), IpcError> {
+    /// Copies a block into the slot reserved under `token` (exactly its reserved length).
+    pub fn write(&self, token: u64, data: &[u8]) -> Result<(), IpcError> {
+        let &(offset, len) = self.pending.get(&token).ok_or_else(|| {
+            IpcError::Protocol(format!("token {token} is not a slot this client reserved"))
+        })?;
+        if data.len() != len as usize {
+            return Err(IpcError::Protocol(format!(
+                "slot {token} holds {len} bytes, not {}",
+                data.len()
+            )));
+        }
         self.check(offset, data.len())?;
         // SAFETY: in bounds (checked); the daemon gave this slot to this client alone until it
         // commits or aborts it, so no one else reads or writes these bytes meanwhile.
@@ -471,10 +510,23 @@ impl IpcClient {
         Ok(())
     }
 
-    /// Copies a block out of the arena (a block this client holds a lease on).
-    pub fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), IpcError> {
+    /// Copies block `i` of a load out of the arena into `dst` (exactly its length). Valid
+    /// while the load's lease is held; check [`IpcClient::release`] before trusting the bytes.
+    pub fn read(&self, loaded: &Loaded, i: usize, dst: &mut [u8]) -> Result<(), IpcError> {
+        let &(offset, len) = loaded.blocks.get(i).ok_or_else(|| {
+            IpcError::Protocol(format!(
+                "block {i} is not part of this load ({} blocks)",
+                loaded.n
+            ))
+        })?;
+        if dst.len() != len as usize {
+            return Err(IpcError::Protocol(format!(
+                "block {i} is {len} bytes, the buffer {}",
+                dst.len()
+            )));
+        }
         self.check(offset, dst.len())?;
-        // SAFETY: in bounds (checked); the block is committed and pinned by the caller's lease,
+        // SAFETY: in bounds (checked); the block is committed and pinned by the load's lease,
         // so the daemon does not reuse or write the slot meanwhile.
         unsafe {
             std::ptr::copy_nonoverlapping(

@@ -303,6 +303,8 @@ const DEMOTING: u8 = 4;
 const ACCESSED: u8 = 8;
 /// A disk write failed: drop on eviction.
 const NO_DEMOTE: u8 = 16;
+/// Removed while being written: its commit aborts instead of publishing it.
+const CANCELLED: u8 = 32;
 
 /// Which slot holds a block: size class and dense slot index within the class. The arena
 /// address follows from the class's chunk table (see `Class::page_of`).
@@ -452,6 +454,9 @@ struct Doorkeeper {
 
 /// The kvtier store: sharded index, host-memory tier, optional disk tier, eviction, leases.
 pub struct Store {
+    // Fields drop in order: the disk tier (whose io_uring registered the arena as fixed
+    // buffers) goes before the arena.
+    disk: Option<DiskTier>,
     arena: Arena,
     seg_pages: u32,
     class_sizes: Vec<usize>,
@@ -465,7 +470,7 @@ pub struct Store {
     max_leases: usize,
     policy: PolicyKind,
     stats: Counters,
-    disk: Option<DiskTier>,
+    registering: Mutex<()>,
     demote: Mutex<Vec<Demote>>,
     doorkeeper: Mutex<Doorkeeper>,
     events: Arc<Events>,
@@ -552,6 +557,7 @@ impl Store {
             shards,
             shard_bits: cfg.shards.trailing_zeros(),
             namespaces: RwLock::new(namespaces),
+            registering: Mutex::new(()),
             leases: Mutex::default(),
             max_leases: cfg.max_leases,
             policy: cfg.policy,
@@ -639,7 +645,13 @@ impl Store {
     pub fn register_namespace(&self, ns: &Namespace) -> Result<NsId, KeyError> {
         ns.validate()?;
         let fp = ns.fingerprint();
-        let mut v = self.namespaces.write();
+        if let Some(i) = self.namespaces.read().iter().position(|f| *f == fp) {
+            return Ok(NsId(i as u32));
+        }
+        // Registrations are serialised here; readers of the table are not blocked while the
+        // id is journaled.
+        let _one_at_a_time = self.registering.lock();
+        let v = self.namespaces.read();
         if let Some(i) = v.iter().position(|f| *f == fp) {
             return Ok(NsId(i as u32));
         }
@@ -650,12 +662,13 @@ impl Store {
             )));
         }
         let id = v.len() as u16;
+        drop(v);
         if let Some(d) = &self.disk {
             d.note_namespace(id, fp).map_err(|e| {
                 KeyError::BadNamespace(format!("cannot record the namespace on disk: {e}"))
             })?;
         }
-        v.push(fp);
+        self.namespaces.write().push(fp);
         Ok(NsId(u32::from(id)))
     }
 
@@ -857,10 +870,11 @@ impl Store {
                 if let Some(e) = sh.map.get_mut(&MapKey::from(d.key)) {
                     if e.slot() == d.slot {
                         e.flags &= !DEMOTING;
-                        e.flags |= if o == WriteOutcome::Failed {
-                            NO_DEMOTE
-                        } else {
-                            CLEAN
+                        e.flags |= match o {
+                            WriteOutcome::Written | WriteOutcome::Present => CLEAN,
+                            // Another batch is writing it: stay dirty until a copy is durable.
+                            WriteOutcome::InFlight => 0,
+                            WriteOutcome::Failed => NO_DEMOTE,
                         };
                     }
                 }
@@ -1015,7 +1029,15 @@ impl Store {
         let mut through = None;
         {
             let mut sh = self.shard(key).lock();
-            if let Some(e) = sh.map.get_mut(&MapKey::from(key)) {
+            let mk = MapKey::from(key);
+            if sh.map.get(&mk).is_some_and(|e| e.flags & CANCELLED != 0) {
+                // Removed while it was being written: the removal wins.
+                sh.map.remove(&mk);
+                drop(sh);
+                self.free_slot(slot);
+                return;
+            }
+            if let Some(e) = sh.map.get_mut(&mk) {
                 e.flags |= READY;
                 if r.from_disk {
                     e.flags |= CLEAN;
@@ -1516,6 +1538,11 @@ impl Store {
     fn remove_host(&self, key: &BlockKey) -> bool {
         let mut sh = self.shard(*key).lock();
         let mk = MapKey::from(*key);
+        if let Some(e) = sh.map.get_mut(&mk).filter(|e| !e.ready()) {
+            // Being written (a put or a promotion): its commit will abort.
+            e.flags |= CANCELLED;
+            return true;
+        }
         match sh.map.get(&mk).copied() {
             Some(e) if e.ready() => {
                 sh.map.remove(&mk);
@@ -1549,6 +1576,11 @@ impl Store {
         let mut removed: HashSet<BlockKey> = HashSet::new();
         for s in self.shards.iter() {
             let mut sh = s.lock();
+            for e in sh.map.values_mut() {
+                if u32::from(e.ns) == ns.0 && !e.ready() {
+                    e.flags |= CANCELLED;
+                }
+            }
             let victims: Vec<(MapKey, Entry)> = sh
                 .map
                 .iter()
@@ -1910,6 +1942,37 @@ mod tests {
         drop(g);
         s.put(n, k(1), &[6u8; 4000]).unwrap();
         assert_eq!(&*s.get(&k(1)).unwrap(), &[6u8; 4000][..]);
+    }
+
+    #[test]
+    fn remove_during_write_wins_over_commit() {
+        let (s, n) = small(PolicyKind::Lru);
+        let Reserve::Slot(mut r) = s.reserve(n, k(1), 1000).unwrap() else {
+            panic!("expected slot")
+        };
+        r.as_mut_slice().fill(3);
+        assert!(
+            s.remove(&k(1)),
+            "an in-flight write counts as present for remove"
+        );
+        r.commit().unwrap();
+        assert!(
+            s.get(&k(1)).is_none(),
+            "a removed in-flight block became visible"
+        );
+        assert_eq!(s.stats().blocks, 0);
+        // Its slot came back: the whole capacity is usable.
+        for i in 2..66 {
+            s.put(n, k(i), &[1u8; 60_000]).unwrap();
+        }
+        assert_eq!(s.stats().evictions, 0);
+        // clear_namespace cancels in-flight writes too.
+        let Reserve::Slot(r) = s.reserve(n, k(100), 10).unwrap() else {
+            panic!("expected slot")
+        };
+        s.clear_namespace(n);
+        r.commit().unwrap();
+        assert!(!s.contains(&k(100)));
     }
 
     #[test]

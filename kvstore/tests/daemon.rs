@@ -121,10 +121,10 @@ fn put_all(c: &mut IpcClient, ns: NsId, ids: std::ops::Range<u64>) {
     let slots = c.reserve(ns, &keys, &lens).unwrap();
     let mut tokens = Vec::new();
     for (i, s) in ids.zip(slots) {
-        let SlotStatus::Slot { offset, token } = s else {
+        let SlotStatus::Slot { token, .. } = s else {
             panic!("no slot for {i}: {s:?}")
         };
-        c.write(offset, &data(i)).unwrap();
+        c.write(token, &data(i)).unwrap();
         tokens.push(token);
     }
     assert_eq!(c.commit(&tokens).unwrap() as usize, tokens.len());
@@ -133,9 +133,9 @@ fn put_all(c: &mut IpcClient, ns: NsId, ids: std::ops::Range<u64>) {
 fn get_all(c: &mut IpcClient, ids: std::ops::Range<u64>) -> usize {
     let keys: Vec<BlockKey> = ids.clone().map(key).collect();
     let loaded = c.load(&keys, Duration::from_secs(10)).unwrap();
-    for (i, &(off, len)) in ids.zip(&loaded.blocks) {
+    for (j, (i, &(_, len))) in ids.zip(&loaded.blocks).enumerate() {
         let mut buf = vec![0u8; len as usize];
-        c.read(off, &mut buf).unwrap();
+        c.read(&loaded, j, &mut buf).unwrap();
         assert!(buf == data(i), "block {i}: wrong bytes through the arena");
     }
     if let Some(l) = loaded.lease {
@@ -170,6 +170,14 @@ fn engine_ipc_roundtrip_through_the_shared_arena() {
     assert!(e.contains("namespace"), "{e}");
     let st = c.stats().unwrap();
     assert_eq!(st.blocks, 20);
+    // A lease that lapses before release is reported, so the engine discards what it copied.
+    let l = c2.load(&keys[..2], Duration::from_millis(1)).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    c.lookup(&keys[..1], Some(Duration::from_secs(5))).unwrap(); // reaps expired leases
+    let e = c2.release(l.lease.unwrap()).unwrap_err().to_string();
+    assert!(e.contains("expired"), "{e}");
+    // Writes go only into slots this client reserved, at their exact length.
+    assert!(c2.write(12345, &[0u8; 10]).is_err());
 }
 
 #[test]

@@ -358,3 +358,39 @@ fn faults_never_serve_wrong_bytes_nor_leak() {
         }
     }
 }
+
+#[test]
+fn remove_during_a_disk_write_is_not_undone() {
+    for engine in ENGINES {
+        let d = dir("remove-inflight", engine);
+        let mut store = config(&d, engine, Admission::Always, true).build().unwrap();
+        let faults = with_faults(&mut store);
+        let n = ns(&store);
+        faults.set_plan(FaultPlan {
+            delay: std::time::Duration::from_millis(300),
+            ..Default::default()
+        });
+        std::thread::scope(|s| {
+            let t = s.spawn(|| store.put(n, key(1), &data(1)).unwrap());
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            // The block is committed in host memory and its write-through is in flight.
+            assert!(store.remove(&key(1)));
+            t.join().unwrap();
+        });
+        assert!(
+            !store.contains(&key(1)),
+            "{engine:?}: removed block came back"
+        );
+        assert_eq!(store.stats().disk.unwrap().blocks, 0);
+        faults.set_plan(FaultPlan::default());
+        drop(store);
+        let store = config(&d, engine, Admission::Always, true).build().unwrap();
+        assert!(
+            !store.contains(&key(1)),
+            "{engine:?}: removed block recovered after restart"
+        );
+        assert_eq!(store.stats().disk.unwrap().recovered_blocks, 0);
+        drop(store);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}

@@ -116,6 +116,9 @@ pub(crate) struct Journal {
     path: PathBuf,
     file: File,
     end: u64,
+    /// A checkpoint failed after its rename: `file` may be an unlinked inode, so every later
+    /// write is refused rather than silently lost.
+    poisoned: bool,
     /// Records in the file (live or not).
     pub(crate) records: u64,
 }
@@ -141,6 +144,7 @@ impl Journal {
             file,
             end: REC as u64,
             records: 0,
+            poisoned: false,
         })
     }
 
@@ -198,6 +202,7 @@ impl Journal {
                 file,
                 end: end as u64,
                 records,
+                poisoned: false,
             },
             instance,
             recs,
@@ -206,6 +211,7 @@ impl Journal {
 
     /// Appends records (not yet durable: call `sync`).
     pub(crate) fn append(&mut self, recs: &[Record]) -> io::Result<()> {
+        self.check()?;
         if recs.is_empty() {
             return Ok(());
         }
@@ -221,7 +227,18 @@ impl Journal {
 
     /// Makes everything appended durable.
     pub(crate) fn sync(&self) -> io::Result<()> {
+        self.check()?;
         self.file.sync_data()
+    }
+
+    fn check(&self) -> io::Result<()> {
+        if self.poisoned {
+            return Err(io::Error::other(format!(
+                "{}: a checkpoint failed half-way; restart kvtierd to recover the journal",
+                self.path.display()
+            )));
+        }
+        Ok(())
     }
 
     /// Checkpoint: writes `live` into a fresh file and atomically replaces the journal with it.
@@ -239,10 +256,21 @@ impl Journal {
             f.sync_all()?;
         }
         std::fs::rename(&tmp, &self.path)?;
-        sync_dir(&self.path)?;
-        self.file = OpenOptions::new().read(true).write(true).open(&self.path)?;
+        // From here `self.file` is the old, unlinked inode: switch to the new one or refuse
+        // every later write.
+        match OpenOptions::new().read(true).write(true).open(&self.path) {
+            Ok(f) => self.file = f,
+            Err(e) => {
+                self.poisoned = true;
+                return Err(e);
+            }
+        }
         self.end = ((live.len() + 1) * REC) as u64;
         self.records = live.len() as u64;
+        if let Err(e) = sync_dir(&self.path) {
+            self.poisoned = true;
+            return Err(e);
+        }
         Ok(())
     }
 }

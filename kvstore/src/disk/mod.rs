@@ -168,6 +168,8 @@ struct Counters {
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum DState {
     Writing,
+    /// Removed while being written: the write batch frees it instead of publishing it.
+    Cancelled,
     Ready,
     /// Removed while pinned: invisible, extent freed at the last unpin.
     Doomed,
@@ -278,8 +280,10 @@ impl State {
 pub enum WriteOutcome {
     /// Durable and visible now.
     Written,
-    /// Already on disk (or being written by someone else).
+    /// Already on disk.
     Present,
+    /// Another batch is writing it right now (not durable yet).
+    InFlight,
     /// Not stored (no space, I/O error); counted and logged.
     Failed,
 }
@@ -644,16 +648,19 @@ impl DiskTier {
     /// Removes a block; false if absent.
     pub fn remove(&self, key: &BlockKey) -> bool {
         let mut st = self.state.lock();
-        let found = st
-            .index
-            .get(&MapKey::from(*key))
-            .filter(|e| e.state == DState::Ready)
-            .map(|e| e.ns);
-        if let Some(ns) = found {
-            st.drop_entry(*key, true);
-            self.events.emit(EventKind::Removed, *key, Tier::Disk, ns);
+        match st.index.get_mut(&MapKey::from(*key)) {
+            Some(e) if e.state == DState::Ready => {
+                let ns = e.ns;
+                st.drop_entry(*key, true);
+                self.events.emit(EventKind::Removed, *key, Tier::Disk, ns);
+                true
+            }
+            Some(e) if e.state == DState::Writing => {
+                e.state = DState::Cancelled;
+                true
+            }
+            _ => false,
         }
-        found.is_some()
     }
 
     /// (namespace id, blocks, bytes) of every namespace with blocks on disk.
@@ -671,6 +678,11 @@ impl DiskTier {
     /// Removes every block of namespace `ns`; returns their keys.
     pub fn clear_namespace(&self, ns: u16) -> Vec<BlockKey> {
         let mut st = self.state.lock();
+        for e in st.index.values_mut() {
+            if e.ns == ns && e.state == DState::Writing {
+                e.state = DState::Cancelled;
+            }
+        }
         let keys: Vec<BlockKey> = st
             .index
             .iter()
@@ -725,9 +737,11 @@ impl DiskTier {
             for (i, it) in items.into_iter().enumerate() {
                 let mk = MapKey::from(it.key);
                 if let Some(e) = st.index.get(&mk) {
-                    if e.state != DState::Doomed {
-                        out[i] = WriteOutcome::Present;
-                    }
+                    out[i] = match e.state {
+                        DState::Ready => WriteOutcome::Present,
+                        DState::Writing => WriteOutcome::InFlight,
+                        DState::Cancelled | DState::Doomed => WriteOutcome::Failed,
+                    };
                     continue;
                 }
                 let Some((file, page)) = self.alloc(&mut st, it.len) else {
@@ -802,43 +816,49 @@ impl DiskTier {
                 }
             }
         }
+        // Journal, then state, as checkpoint() does; the journal lock is held from building the
+        // records until the blocks are Ready, so a checkpoint cannot drop records that are
+        // durable but not yet Ready, and records reach the file in sequence order.
+        let mut j = self.journal.lock();
+        let mut st = self.state.lock();
         let mut records = Vec::new();
-        {
-            let mut st = self.state.lock();
-            for (j, &(_, key, file, page, len, ns)) in meta.iter().enumerate() {
-                if ok[j] {
-                    let checksum = sums[j];
-                    st.seq += 1;
-                    records.push(Record {
-                        kind: Kind::Put,
-                        ns,
-                        key,
-                        page,
-                        len,
-                        file: u32::from(file),
-                        checksum,
-                        seq: st.seq,
-                    });
-                }
+        for (k, &(_, key, file, page, len, ns)) in meta.iter().enumerate() {
+            if ok[k] {
+                st.seq += 1;
+                records.push(Record {
+                    kind: Kind::Put,
+                    ns,
+                    key,
+                    page,
+                    len,
+                    file: u32::from(file),
+                    checksum: sums[k],
+                    seq: st.seq,
+                });
             }
-            records.splice(0..0, std::mem::take(&mut st.removes));
         }
-        let journaled = {
-            let mut j = self.journal.lock();
-            j.append(&records).and_then(|()| j.sync())
-        };
-        if let Err(e) = journaled {
+        let removes = std::mem::take(&mut st.removes);
+        records.splice(0..0, removes.iter().copied());
+        drop(st);
+        if let Err(e) = j.append(&records).and_then(|()| j.sync()) {
             tracing::error!(error = %e, "journal write failed: batch not stored");
             self.stats.write_errors.fetch_add(1, Relaxed);
             ok.iter_mut().for_each(|x| *x = false);
+            // The removals still have to reach the journal: keep them for the next batch.
+            let mut st = self.state.lock();
+            let later = std::mem::take(&mut st.removes);
+            st.removes = removes;
+            st.removes.extend(later);
         }
         let mut st = self.state.lock();
-        for (j, &(i, key, ..)) in meta.iter().enumerate() {
+        let mut cancelled = Vec::new();
+        for (k, &(i, key, ..)) in meta.iter().enumerate() {
             let mk = MapKey::from(key);
-            if ok[j] {
+            let state = st.index.get(&mk).map(|e| e.state);
+            if ok[k] && state == Some(DState::Writing) {
                 if let Some(e) = st.index.get_mut(&mk) {
                     e.state = DState::Ready;
-                    e.checksum = sums[j];
+                    e.checksum = sums[k];
                     self.events.emit(EventKind::Stored, key, Tier::Disk, e.ns);
                     let (id, len) = (e.id, e.len);
                     st.policy.insert(id, key.0 as u64);
@@ -847,10 +867,32 @@ impl DiskTier {
                 }
                 out[i] = WriteOutcome::Written;
             } else if let Some(e) = st.index.remove(&mk) {
+                // Failed, or removed while in flight (Cancelled): never visible. A cancelled
+                // block whose Put is already journaled needs its Remove there too.
+                if ok[k] {
+                    st.seq += 1;
+                    cancelled.push(Record {
+                        kind: Kind::Remove,
+                        ns: e.ns,
+                        key,
+                        page: e.page,
+                        len: e.len,
+                        file: u32::from(e.file),
+                        checksum: sums[k],
+                        seq: st.seq,
+                    });
+                }
                 st.extents[e.file as usize].free(e.page, e.pages());
                 st.free_ids.push(e.id);
             }
         }
+        if !cancelled.is_empty() {
+            if let Err(e) = j.append(&cancelled).and_then(|()| j.sync()) {
+                tracing::error!(error = %e, "journal write failed: removal queued again");
+                st.removes.extend(cancelled);
+            }
+        }
+        drop(j);
         let live = st.blocks;
         drop(st);
         let jrecs = self.journal.lock().records;

@@ -183,10 +183,18 @@ impl Worker {
             self.fill();
             let want = usize::from(self.inflight() > 0);
             if let Err(e) = self.ring.submit_and_wait(want) {
-                if e.raw_os_error() != Some(libc::EINTR) && e.raw_os_error() != Some(libc::EBUSY) {
-                    tracing::error!(error = %e, "io_uring submit failed");
-                    self.fail_all(&e);
-                    continue;
+                match e.raw_os_error() {
+                    // Interrupted, or a transient shortage (EBUSY: the completion queue is full;
+                    // EAGAIN: no kernel resources now): reap what completed and go again.
+                    Some(libc::EINTR) => {}
+                    Some(libc::EBUSY) | Some(libc::EAGAIN) => {
+                        std::thread::sleep(std::time::Duration::from_micros(100));
+                    }
+                    _ => {
+                        tracing::error!(error = %e, "io_uring submit failed: failing the requests");
+                        self.fail_all(&e);
+                        continue;
+                    }
                 }
             }
             self.reap();
@@ -297,10 +305,16 @@ impl Worker {
     }
 
     fn fail_all(&mut self, e: &io::Error) {
-        // Wait for the kernel to finish with every buffer before handing them back.
+        // Wait for the kernel to finish with every buffer before handing them back: handing
+        // back a buffer the kernel may still write would be unsound, so never give up here.
+        let mut tries = 0u64;
         while self.inflight() > self.again.len() {
-            if self.ring.submit_and_wait(1).is_err() {
-                break;
+            if let Err(err) = self.ring.submit_and_wait(1) {
+                tries += 1;
+                if tries % 1000 == 1 {
+                    tracing::error!(error = %err, in_flight = self.inflight(), "io_uring: still waiting for the kernel to finish in-flight requests");
+                }
+                std::thread::sleep(std::time::Duration::from_millis(1));
             }
             let cqes: Vec<u64> = self.ring.completion().map(|c| c.user_data()).collect();
             for ud in cqes {

@@ -346,7 +346,13 @@ impl<'d> Conn<'d> {
                         r.lease_id
                     ));
                 }
-                store.release(LeaseId(r.lease_id));
+                if !store.release(LeaseId(r.lease_id)) {
+                    // It lapsed while the client held it: the slots may have been reused.
+                    return Err(format!(
+                        "lease {} expired before release: blocks copied under it may have been overwritten, discard them",
+                        r.lease_id
+                    ));
+                }
                 response::Body::Empty(pb::Empty {})
             }
             request::Body::Stats(_) => {
