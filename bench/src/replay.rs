@@ -425,7 +425,8 @@ pub fn run_sidecar(
     Ok(out)
 }
 
-fn bar(len: u64, msg: &str) -> ProgressBar {
+/// A progress bar on stderr (hidden when stderr is not a terminal).
+pub fn bar(len: u64, msg: &str) -> ProgressBar {
     let pb = ProgressBar::new(len);
     pb.set_style(
         ProgressStyle::with_template("{msg:>28} [{bar:40}] {pos}/{len} {eta}")
