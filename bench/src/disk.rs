@@ -198,6 +198,7 @@ fn read_all(tier: &DiskTier, buf: &AlignedBuf, bs: u64, n: u64, per_batch: u64) 
 
 fn seq_cases(args: &DiskArgs, kind: IoEngineKind, rows: &mut Vec<Row>) -> Result<()> {
     let fio_file = args.dir.join("fio.dat");
+    let pb = crate::replay::bar((args.sizes.len() * args.depths.len()) as u64, "disk cases");
     for &bs in &args.sizes {
         let n = (args.bytes / bs).max(1);
         let total = n * bs;
@@ -244,8 +245,10 @@ fn seq_cases(args: &DiskArgs, kind: IoEngineKind, rows: &mut Vec<Row>) -> Result
                 "fio io_uring O_DIRECT",
                 &r,
             ));
+            pb.inc(1);
         }
     }
+    pb.finish_and_clear();
     let _ = std::fs::remove_file(&fio_file);
     Ok(())
 }
@@ -309,7 +312,9 @@ fn prefix_case(args: &DiskArgs, kind: IoEngineKind, rows: &mut Vec<Row>) -> Resu
     let fio_bytes = total.clamp(64 << 20, 4 << 30);
     fio(&fio_file, "write", 2 << 20, 32, fio_bytes)?;
     let mut rounds = Vec::new();
+    let pb = crate::replay::bar(args.rounds as u64, "prefix loads");
     for _ in 0..args.rounds {
+        pb.inc(1);
         // Restart: host memory empty, the prefix only on disk.
         let store = cfg(false)?.build()?;
         let base = fio(&fio_file, "read", 2 << 20, 32, fio_bytes)?;
@@ -323,6 +328,7 @@ fn prefix_case(args: &DiskArgs, kind: IoEngineKind, rows: &mut Vec<Row>) -> Resu
         ensure!(*b == want[..], "loaded block holds wrong bytes");
         rounds.push((total as f64 / secs / 1e9, base / 1e9));
     }
+    pb.finish_and_clear();
     let _ = std::fs::remove_file(&fio_file);
     let _ = std::fs::remove_dir_all(&dir);
     rows.push(row(

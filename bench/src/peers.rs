@@ -327,12 +327,14 @@ fn mooncake(size: u64, count: u64, rounds: usize, python: &PathBuf) -> Result<Ve
 pub fn run(args: PeersArgs) -> Result<()> {
     ensure!(args.rounds > 0, "--rounds must be at least 1");
     let mut rows: Vec<Row> = Vec::new();
+    let pb = crate::replay::bar((args.sizes.len() * (1 + args.peers.len())) as u64, "peers");
     for &size in &args.sizes {
         let count = (args.bytes / size).max(1);
         let mut src = AlignedBuf::new((count * size) as usize)?;
         src.fill_pattern(size);
         let mut dst = AlignedBuf::new((count * size) as usize)?;
         let ours = kvtier(size, count, args.rounds, &src, &mut dst)?;
+        pb.inc(1);
         let sz = crate::host::human(size);
         for peer in &args.peers {
             dst.fill(0);
@@ -341,6 +343,7 @@ pub fn run(args: PeersArgs) -> Result<()> {
                 "mooncake" => mooncake(size, count, args.rounds, &args.python),
                 other => bail!("unknown peer {other:?}: use redis or mooncake"),
             };
+            pb.inc(1);
             let theirs = match theirs {
                 Ok(t) => t,
                 Err(e) => {
@@ -359,6 +362,7 @@ pub fn run(args: PeersArgs) -> Result<()> {
             rows.push(row(format!("get {sz} vs {peer}"), "GB/s", label, &get));
         }
     }
+    pb.finish_and_clear();
     let report = Report {
         bench: "peers",
         results: rows,
