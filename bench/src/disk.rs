@@ -217,18 +217,39 @@ fn seq_cases(args: &DiskArgs, kind: IoEngineKind, rows: &mut Vec<Row>) -> Result
             fio(&fio_file, "write", bs, qd, total)?;
             let mut w = Vec::new();
             let mut r = Vec::new();
-            for _ in 0..args.rounds {
+            for round in 0..args.rounds {
                 for b in 0..n {
                     tier.remove(&key(b));
                 }
-                let base_w = fio(&fio_file, "write", bs, qd, total)?;
-                let t = Instant::now();
-                write_all(&tier, &buf, bs, n, per_batch)?;
-                w.push((total as f64 / t.elapsed().as_secs_f64() / 1e9, base_w / 1e9));
-                let base_r = fio(&fio_file, "read", bs, qd, total)?;
-                let t = Instant::now();
-                read_all(&tier, &buf, bs, n, per_batch)?;
-                r.push((total as f64 / t.elapsed().as_secs_f64() / 1e9, base_r / 1e9));
+                // Alternate who goes first, so neither side always reads what was just written
+                // on this host-cached device.
+                let ours_first = round % 2 == 1;
+                let ours_w = |tier: &DiskTier| -> Result<f64> {
+                    let t = Instant::now();
+                    write_all(tier, &buf, bs, n, per_batch)?;
+                    Ok(total as f64 / t.elapsed().as_secs_f64() / 1e9)
+                };
+                let ours_r = |tier: &DiskTier| -> Result<f64> {
+                    let t = Instant::now();
+                    read_all(tier, &buf, bs, n, per_batch)?;
+                    Ok(total as f64 / t.elapsed().as_secs_f64() / 1e9)
+                };
+                let (vw, base_w) = if ours_first {
+                    let v = ours_w(&tier)?;
+                    (v, fio(&fio_file, "write", bs, qd, total)?)
+                } else {
+                    let b = fio(&fio_file, "write", bs, qd, total)?;
+                    (ours_w(&tier)?, b)
+                };
+                w.push((vw, base_w / 1e9));
+                let (vr, base_r) = if ours_first {
+                    let v = ours_r(&tier)?;
+                    (v, fio(&fio_file, "read", bs, qd, total)?)
+                } else {
+                    let b = fio(&fio_file, "read", bs, qd, total)?;
+                    (ours_r(&tier)?, b)
+                };
+                r.push((vr, base_r / 1e9));
             }
             drop(tier);
             let _ = std::fs::remove_dir_all(&tier_dir);
@@ -256,6 +277,12 @@ fn seq_cases(args: &DiskArgs, kind: IoEngineKind, rows: &mut Vec<Row>) -> Result
 fn prefix_case(args: &DiskArgs, kind: IoEngineKind, rows: &mut Vec<Row>) -> Result<()> {
     let block = args.block_tokens * args.bytes_per_token;
     let blocks = args.prefix_tokens / args.block_tokens;
+    ensure!(
+        blocks > 0,
+        "--prefix-tokens {} is less than one block of {} tokens",
+        args.prefix_tokens,
+        args.block_tokens
+    );
     let total = blocks * block;
     let seg = (64u64 << 20).max(block.next_power_of_two());
     let dir = args.dir.join("prefix");

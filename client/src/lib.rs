@@ -70,7 +70,10 @@ pub fn explain(s: Status) -> anyhow::Error {
             "kvtierd rejected the call: {} (pass --token or set KVTIER_TOKEN)",
             s.message()
         ),
-        Code::Unavailable => anyhow::anyhow!("kvtierd is unavailable: {}", s.message()),
+        Code::Unavailable => anyhow::anyhow!(
+            "kvtierd is unavailable: {} (is it running and reachable at --addr?)",
+            s.message()
+        ),
         _ => anyhow::anyhow!("kvtierd: {} ({:?})", s.message(), s.code()),
     }
 }

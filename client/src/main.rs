@@ -76,6 +76,12 @@ fn gib(b: u64) -> String {
 
 async fn run() -> Result<()> {
     let cli = Cli::parse();
+    // Bad input is reported before trying to reach the daemon.
+    if let Cmd::Lookup { keys } | Cmd::Pin { keys, .. } = &cli.cmd {
+        for k in keys {
+            parse_key(k)?;
+        }
+    }
     let mut c = connect(&cli.addr, cli.token.as_deref()).await?;
     match cli.cmd {
         Cmd::Status => {
@@ -217,7 +223,7 @@ async fn run() -> Result<()> {
             let r = c
                 .pin(pb::PinRequest {
                     keys,
-                    ttl_ms: ttl * 1000,
+                    ttl_ms: ttl.saturating_mul(1000),
                 })
                 .await
                 .map_err(explain)?

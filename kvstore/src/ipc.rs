@@ -263,7 +263,7 @@ impl IpcClient {
             )
         };
         if r != 0 {
-            tracing::debug!(error = %io::Error::last_os_error(), "MADV_POPULATE_WRITE refused");
+            tracing::warn!(error = %io::Error::last_os_error(), "MADV_POPULATE_WRITE refused: the first write into each arena page will fault");
         }
         Ok(Self {
             reader: io::BufReader::with_capacity(64 << 10, sock.try_clone()?),

@@ -181,7 +181,7 @@ impl Admin for AdminService {
         let ttl = if r.ttl_ms == 0 {
             self.d.cfg.lease_ttl()
         } else {
-            Duration::from_millis(r.ttl_ms)
+            Duration::from_millis(r.ttl_ms.min(3_600_000))
         };
         let lease = self
             .d

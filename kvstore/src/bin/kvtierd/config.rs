@@ -23,7 +23,12 @@ impl<'de> Deserialize<'de> for Size {
             N(u64),
             S(String),
         }
-        match Repr::deserialize(d)? {
+        let r = Repr::deserialize(d).map_err(|_| {
+            serde::de::Error::custom(
+                "expected a size: a non-negative integer or a string like \"4G\"",
+            )
+        })?;
+        match r {
             Repr::N(n) => Ok(Size(n)),
             Repr::S(s) => parse_size(&s).map(Size).map_err(serde::de::Error::custom),
         }
@@ -332,6 +337,10 @@ impl Config {
     /// The store configuration, with defaults sized to this machine.
     pub fn store(&self) -> Result<StoreConfig> {
         let seg = self.host.segment.0;
+        ensure!(
+            seg >= 4096 && seg % 4096 == 0,
+            "host.segment = {seg}: use a multiple of 4096 (default 64M)"
+        );
         let host = match self.host.capacity {
             Some(c) => c.0,
             None => (mem_total()? / 4).min(8 << 30),
@@ -472,5 +481,57 @@ mod tests {
             load_with("", &[], &["disk.engine=spdk"]).unwrap_err()
         );
         assert!(e.contains("disk.engine"), "{e}");
+        let e = format!(
+            "{:#}",
+            load_with("[host]\nsegment = -1\n", &[], &[]).unwrap_err()
+        );
+        assert!(e.contains("expected a size"), "{e}");
+        let c = load_with("", &[], &["host.segment=0", "host.capacity=1G"]).unwrap();
+        let e = format!("{:#}", c.store().unwrap_err());
+        assert!(e.contains("host.segment"), "{e}");
+    }
+
+    #[test]
+    fn the_example_config_is_valid_and_complete() {
+        let example = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/kvtierd.toml");
+        let c = load(Sources {
+            file: Some(Path::new(example)),
+            env: Vec::new(),
+            sets: Vec::new(),
+        })
+        .unwrap();
+        assert_eq!(c.disk.queue_depth, 32);
+        // Every key of every section appears in the example (so it documents them all).
+        let text = std::fs::read_to_string(example).unwrap();
+        for key in [
+            "capacity",
+            "segment",
+            "size_classes",
+            "policy",
+            "huge_pages",
+            "populate",
+            "max_leases",
+            "enabled",
+            "files",
+            "engine",
+            "queue_depth",
+            "sqpoll",
+            "admission",
+            "write_through",
+            "max_batch",
+            "grpc",
+            "metrics",
+            "token",
+            "max_message_bytes",
+            "lease_ttl_ms",
+            "max_clients",
+            "data_dir",
+            "log",
+        ] {
+            assert!(
+                text.contains(&format!("{key} =")),
+                "deploy/kvtierd.toml lacks {key}"
+            );
+        }
     }
 }

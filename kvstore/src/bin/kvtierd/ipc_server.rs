@@ -19,6 +19,8 @@ use crate::Daemon;
 
 /// Most reservations one connection may hold.
 const MAX_RESERVATIONS: usize = 1 << 16;
+/// Most leases one connection may hold (the store's max_leases bounds all of them together).
+const MAX_CONN_LEASES: usize = 1 << 12;
 
 /// Accepts connections until shutdown.
 pub fn serve(listener: UnixListener, d: Arc<Daemon>) {
@@ -99,6 +101,8 @@ impl<'d> Conn<'d> {
     fn new(d: &'d Daemon, stream: UnixStream) -> io::Result<Self> {
         stream.set_nonblocking(false)?;
         stream.set_read_timeout(Some(Duration::from_millis(200)))?;
+        // A client that stops reading its replies cannot hold a worker (or shutdown) forever.
+        stream.set_write_timeout(Some(Duration::from_secs(10)))?;
         Ok(Self {
             d,
             reader: io::BufReader::with_capacity(64 << 10, stream.try_clone()?),
@@ -116,6 +120,14 @@ impl<'d> Conn<'d> {
         let mut got = 0;
         let start = Instant::now();
         while got < buf.len() {
+            // A frame must arrive whole within 30 s (a trickling client cannot hold a worker),
+            // and shutdown does not wait for half-sent frames.
+            if got > 0 && (start.elapsed() > Duration::from_secs(30) || self.d.stopping()) {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "partial frame stalled or shutdown",
+                ));
+            }
             match self.reader.read(&mut buf[got..]) {
                 Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
                 Ok(n) => got += n,
@@ -127,12 +139,6 @@ impl<'d> Conn<'d> {
                 {
                     if got == 0 && idle_ok {
                         return Ok(false);
-                    }
-                    if start.elapsed() > Duration::from_secs(30) {
-                        return Err(io::Error::new(
-                            io::ErrorKind::TimedOut,
-                            "partial frame stalled",
-                        ));
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -236,6 +242,7 @@ impl<'d> Conn<'d> {
             request::Body::Lookup(l) => {
                 let ks = keys(&l.keys)?;
                 if l.lease {
+                    self.lease_room()?;
                     let lease = store
                         .lease(&ks, self.ttl(l.ttl_ms))
                         .map_err(|e| e.to_string())?;
@@ -258,6 +265,7 @@ impl<'d> Conn<'d> {
             }
             request::Body::Load(l) => {
                 let ks = keys(&l.keys)?;
+                self.lease_room()?;
                 let (lease, locs) = store
                     .load_and_lease(&ks, self.ttl(l.ttl_ms))
                     .map_err(|e| e.to_string())?;
@@ -367,6 +375,15 @@ impl<'d> Conn<'d> {
                 })
             }
         }))
+    }
+
+    fn lease_room(&self) -> Result<(), String> {
+        if self.leases.len() >= MAX_CONN_LEASES {
+            return Err(format!(
+                "this connection holds {MAX_CONN_LEASES} leases: release some first"
+            ));
+        }
+        Ok(())
     }
 
     fn ttl(&self, ms: u64) -> Duration {

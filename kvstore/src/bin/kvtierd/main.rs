@@ -159,8 +159,37 @@ fn run() -> Result<()> {
 
     std::fs::create_dir_all(&cfg.data_dir)
         .with_context(|| format!("creating the data directory {}", cfg.data_dir.display()))?;
+    // One daemon per data directory: an exclusive lock held for the process's life.
+    let lock_path = cfg.data_dir.join("kvtierd.lock");
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .with_context(|| format!("opening {}", lock_path.display()))?;
+    // SAFETY: flock on a valid open fd.
+    if unsafe {
+        libc::flock(
+            std::os::fd::AsRawFd::as_raw_fd(&lock),
+            libc::LOCK_EX | libc::LOCK_NB,
+        )
+    } != 0
+    {
+        bail!(
+            "another kvtierd is using {} (it holds {})",
+            cfg.data_dir.display(),
+            lock_path.display()
+        );
+    }
     let socket = cfg.socket();
-    if socket.exists() {
+    if let Ok(meta) = std::fs::symlink_metadata(&socket) {
+        use std::os::unix::fs::FileTypeExt;
+        if !meta.file_type().is_socket() {
+            bail!(
+                "{} exists and is not a socket: refusing to replace it (check server.socket)",
+                socket.display()
+            );
+        }
         if UnixStream::connect(&socket).is_ok() {
             bail!("another kvtierd is serving {}", socket.display());
         }
@@ -171,6 +200,12 @@ fn run() -> Result<()> {
         Box::leak(Box::new(cfg.store()?.build().context("opening the store")?));
     let ipc = UnixListener::bind(&socket)
         .with_context(|| format!("binding the engine socket {}", socket.display()))?;
+    // Whoever connects gets the whole arena: owner and group only.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o660))
+            .with_context(|| format!("restricting {}", socket.display()))?;
+    }
 
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -240,7 +275,14 @@ fn run() -> Result<()> {
         // Stop accepting; let in-flight requests finish.
         d.stop.store(true, Relaxed);
         let _ = stop_tx.send(true);
-        let _ = tokio::task::spawn_blocking(move || ipc_thread.join()).await;
+        // In-flight requests finish; a stuck client is not waited for past the grace period.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !ipc_thread.is_finished() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if !ipc_thread.is_finished() {
+            tracing::warn!("engine connections still busy after 30 s: flushing anyway");
+        }
         let _ = tokio::time::timeout(Duration::from_secs(10), grpc_task).await;
         metrics_task.abort();
         anyhow::Ok(())
@@ -249,5 +291,6 @@ fn run() -> Result<()> {
     let written = store.flush();
     tracing::info!(written, "flushed dirty blocks to disk; bye");
     let _ = std::fs::remove_file(&socket);
+    drop(lock);
     Ok(())
 }

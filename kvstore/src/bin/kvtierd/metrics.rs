@@ -155,11 +155,10 @@ pub fn render(d: &Daemon) -> String {
     let lat = d.latency_quantiles();
     let samples: Vec<(String, f64)> = lat
         .iter()
-        .flat_map(|(op, n, p50, p99)| {
+        .flat_map(|(op, _, p50, p99)| {
             [
                 (format!("op=\"{op}\",quantile=\"0.5\""), *p50 as f64),
                 (format!("op=\"{op}\",quantile=\"0.99\""), *p99 as f64),
-                (format!("op=\"{op}\",quantile=\"count\""), *n as f64),
             ]
         })
         .collect();
@@ -169,6 +168,23 @@ pub fn render(d: &Daemon) -> String {
         "summary",
         "Engine request service time, microseconds.",
         &refs,
+    );
+    let counts: Vec<(String, f64)> = lat
+        .iter()
+        .map(|(op, n, _, _)| (format!("op=\"{op}\""), *n as f64))
+        .collect();
+    let refs: Vec<(&str, f64)> = counts.iter().map(|(l, v)| (l.as_str(), *v)).collect();
+    metric(
+        "ipc_requests_total",
+        "counter",
+        "Engine requests served.",
+        &refs,
+    );
+    metric(
+        "events_dropped_total",
+        "counter",
+        "Block events lost because a watcher fell behind.",
+        &[("", d.store.events_dropped() as f64)],
     );
     o
 }
