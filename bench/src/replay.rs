@@ -143,6 +143,41 @@ pub struct ReplayOutcome {
     pub disk_bytes_written: u64,
 }
 
+impl ReplayOutcome {
+    /// Counts a request's hits: `found` leading blocks were present, `n` of them loaded.
+    fn count_hits(&mut self, r: &Request, tiers: &[Tier], found: usize, n: usize) {
+        self.load_failures += (found - n) as u64;
+        for (i, tier) in tiers.iter().take(n).enumerate() {
+            match tier {
+                Tier::Host => self.host_hits += 1,
+                _ => self.disk_hits += 1,
+            }
+            self.hit_tokens += tokens_in_block(r, i);
+        }
+    }
+}
+
+/// The request's block keys (the trace's hash ids as engine block hashes).
+fn request_keys(fp: &kvstore::Fingerprint, r: &Request) -> Result<Vec<BlockKey>> {
+    Ok(r.hash_ids
+        .iter()
+        .map(|id| BlockKey::from_engine_hash(fp, &id.to_le_bytes()))
+        .collect::<Result<_, _>>()?)
+}
+
+impl RunCfg {
+    /// With pacing, sleeps until the request's (scaled) arrival time.
+    fn wait_for(&self, r: &Request, start: Instant) {
+        if let Some(speedup) = self.pace {
+            let due = Duration::try_from_secs_f64(r.timestamp as f64 / 1000.0 / speedup)
+                .unwrap_or(Duration::MAX);
+            if let Some(wait) = due.checked_sub(start.elapsed()) {
+                std::thread::sleep(wait);
+            }
+        }
+    }
+}
+
 fn tokens_in_block(r: &Request, i: usize) -> u64 {
     let start = i as u64 * TRACE_BLOCK_TOKENS;
     r.input_length.saturating_sub(start).min(TRACE_BLOCK_TOKENS)
@@ -224,18 +259,8 @@ pub fn run_embedded(
     let mut out = ReplayOutcome::default();
     let start = Instant::now();
     for r in reqs {
-        if let Some(speedup) = cfg.pace {
-            let due = Duration::try_from_secs_f64(r.timestamp as f64 / 1000.0 / speedup)
-                .unwrap_or(Duration::MAX);
-            if let Some(wait) = due.checked_sub(start.elapsed()) {
-                std::thread::sleep(wait);
-            }
-        }
-        let keys: Vec<BlockKey> = r
-            .hash_ids
-            .iter()
-            .map(|id| BlockKey::from_engine_hash(&fp, &id.to_le_bytes()))
-            .collect::<Result<_, _>>()?;
+        cfg.wait_for(r, start);
+        let keys = request_keys(&fp, r)?;
         let m = store.match_prefix(&keys);
         let t = Instant::now();
         let mut n = 0;
@@ -252,14 +277,7 @@ pub fn run_embedded(
             out.load_secs += t.elapsed().as_secs_f64();
             let _ = hist.record(us.max(1));
         }
-        out.load_failures += (m.n - n) as u64;
-        for (i, tier) in m.tiers.iter().take(n).enumerate() {
-            match tier {
-                Tier::Host => out.host_hits += 1,
-                _ => out.disk_hits += 1,
-            }
-            out.hit_tokens += tokens_in_block(r, i);
-        }
+        out.count_hits(r, &m.tiers, m.n, n);
         for k in &keys[n..] {
             data[..16].copy_from_slice(&k.to_bytes());
             match store.put(ns, *k, &data) {
@@ -361,18 +379,8 @@ pub fn run_sidecar(
     let start = Instant::now();
     let ttl = Duration::from_secs(60);
     for r in reqs {
-        if let Some(speedup) = cfg.pace {
-            let due = Duration::try_from_secs_f64(r.timestamp as f64 / 1000.0 / speedup)
-                .unwrap_or(Duration::MAX);
-            if let Some(wait) = due.checked_sub(start.elapsed()) {
-                std::thread::sleep(wait);
-            }
-        }
-        let keys: Vec<BlockKey> = r
-            .hash_ids
-            .iter()
-            .map(|id| BlockKey::from_engine_hash(&fp, &id.to_le_bytes()))
-            .collect::<Result<_, _>>()?;
+        cfg.wait_for(r, start);
+        let keys = request_keys(&fp, r)?;
         let (found, tiers, _) = c.lookup(&keys, None)?;
         let mut n = 0;
         if found > 0 {
@@ -388,14 +396,7 @@ pub fn run_sidecar(
             let _ = hist.record((t.elapsed().as_micros() as u64).max(1));
             n = l.n;
         }
-        out.load_failures += (found - n) as u64;
-        for (i, tier) in tiers.iter().take(n).enumerate() {
-            match tier {
-                Tier::Host => out.host_hits += 1,
-                _ => out.disk_hits += 1,
-            }
-            out.hit_tokens += tokens_in_block(r, i);
-        }
+        out.count_hits(r, &tiers, found, n);
         let rest = &keys[n..];
         if !rest.is_empty() {
             let slots = c.reserve(ns, rest, &vec![cfg.block_bytes as u32; rest.len()])?;
