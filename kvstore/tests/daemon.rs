@@ -457,3 +457,34 @@ fn bad_config_is_a_startup_error_naming_the_key() {
     let e = String::from_utf8_lossy(&out.stderr);
     assert!(e.contains("capacty"), "{e}");
 }
+
+#[test]
+fn uncommitted_reservations_expire_and_are_bounded() {
+    let d = Kvtierd::start("resv", &["--set", "server.reservation_ttl_ms=300"], true);
+    let mut c = d.client();
+    let ns = c.register_namespace(&namespace()).unwrap();
+    let s = c.reserve(ns, &[key(1)], &[1000]).unwrap();
+    let SlotStatus::Slot { token, .. } = s[0] else {
+        panic!("no slot: {s:?}")
+    };
+    let mut other = d.client();
+    assert_eq!(
+        other.reserve(ns, &[key(1)], &[1000]).unwrap(),
+        vec![SlotStatus::InFlight]
+    );
+    std::thread::sleep(Duration::from_millis(800));
+    // The idle connection dropped its stale reservation: the key is writable again, and the
+    // late commit commits nothing.
+    assert!(matches!(
+        other.reserve(ns, &[key(1)], &[1000]).unwrap()[0],
+        SlotStatus::Slot { .. }
+    ));
+    assert_eq!(c.commit(&[token]).unwrap(), 0);
+    // One connection may not reserve more than half the host tier (64 MiB here).
+    let keys: Vec<BlockKey> = (100..140).map(key).collect();
+    let e = c
+        .reserve(ns, &keys, &[1 << 20; 40])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("half the host tier"), "{e}");
+}

@@ -177,6 +177,8 @@ pub struct ServerSection {
     pub max_message_bytes: Size,
     /// Default lease TTL, milliseconds.
     pub lease_ttl_ms: u64,
+    /// Uncommitted reservations are dropped after this long, milliseconds.
+    pub reservation_ttl_ms: u64,
     /// Most engine connections at once.
     pub max_clients: u32,
 }
@@ -190,6 +192,7 @@ impl Default for ServerSection {
             token: String::new(),
             max_message_bytes: Size(4 << 20),
             lease_ttl_ms: 30_000,
+            reservation_ttl_ms: 60_000,
             max_clients: 256,
         }
     }
@@ -313,6 +316,10 @@ impl Config {
         ensure!(
             self.server.lease_ttl_ms > 0,
             "server.lease_ttl_ms must be positive"
+        );
+        ensure!(
+            self.server.reservation_ttl_ms > 0,
+            "server.reservation_ttl_ms must be positive"
         );
         ensure!(
             self.server.max_clients > 0,
@@ -525,6 +532,7 @@ mod tests {
             "max_message_bytes",
             "lease_ttl_ms",
             "max_clients",
+            "reservation_ttl_ms",
             "data_dir",
             "log",
         ] {

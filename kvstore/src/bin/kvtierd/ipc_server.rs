@@ -93,7 +93,10 @@ struct Conn<'d> {
     reader: io::BufReader<UnixStream>,
     hello: bool,
     next_token: u64,
-    reservations: HashMap<u64, Reservation<'static>>,
+    /// Uncommitted slots: token → (reservation, when reserved).
+    reservations: HashMap<u64, (Reservation<'static>, Instant)>,
+    /// Their bytes (bounded to half the host tier per connection).
+    reserved_bytes: u64,
     leases: HashSet<u64>,
 }
 
@@ -110,6 +113,7 @@ impl<'d> Conn<'d> {
             hello: false,
             next_token: 1,
             reservations: HashMap::new(),
+            reserved_bytes: 0,
             leases: HashSet::new(),
         })
     }
@@ -148,11 +152,34 @@ impl<'d> Conn<'d> {
         Ok(true)
     }
 
+    /// Drops reservations older than `server.reservation_ttl_ms`: a client that reserves and
+    /// never commits cannot hold host memory forever.
+    fn expire_reservations(&mut self) {
+        let ttl = Duration::from_millis(self.d.cfg.server.reservation_ttl_ms);
+        let before = self.reservations.len();
+        let mut freed = 0u64;
+        self.reservations.retain(|_, (r, at)| {
+            let keep = at.elapsed() < ttl;
+            if !keep {
+                freed += r.len() as u64;
+            }
+            keep
+        });
+        if before != self.reservations.len() {
+            self.reserved_bytes -= freed;
+            tracing::warn!(
+                dropped = before - self.reservations.len(),
+                "engine connection: uncommitted reservations expired"
+            );
+        }
+    }
+
     fn run(mut self) -> io::Result<()> {
         loop {
             if self.d.stopping() {
                 return Ok(());
             }
+            self.expire_reservations();
             let mut len = [0u8; 4];
             match self.read_full(&mut len, true) {
                 Ok(false) => continue,
@@ -286,6 +313,14 @@ impl<'d> Conn<'d> {
                 if ks.len() != r.lens.len() {
                     return Err(format!("{} keys but {} lengths", ks.len(), r.lens.len()));
                 }
+                let want: u64 = r.lens.iter().map(|&l| u64::from(l)).sum();
+                let quota = store.capacity_bytes() / 2;
+                if self.reserved_bytes + want > quota {
+                    return Err(format!(
+                        "this connection has {} bytes reserved and asks for {want} more; the limit is {quota} (half the host tier): commit or abort first",
+                        self.reserved_bytes
+                    ));
+                }
                 if self.reservations.len() + ks.len() > MAX_RESERVATIONS {
                     return Err(format!(
                         "more than {MAX_RESERVATIONS} reservations outstanding: commit or abort first"
@@ -300,7 +335,8 @@ impl<'d> Conn<'d> {
                             let token = self.next_token;
                             self.next_token += 1;
                             let offset = res.arena_offset();
-                            self.reservations.insert(token, res);
+                            self.reserved_bytes += res.len() as u64;
+                            self.reservations.insert(token, (res, Instant::now()));
                             made.push(token);
                             pb::ReservedSlot {
                                 status: Status::Slot as i32,
@@ -322,7 +358,7 @@ impl<'d> Conn<'d> {
                         },
                         Err(e) => {
                             for t in made {
-                                self.reservations.remove(&t);
+                                self.take(t);
                             }
                             return Err(format!("key {k}: {e}"));
                         }
@@ -334,7 +370,7 @@ impl<'d> Conn<'d> {
             request::Body::Commit(c) => {
                 let mut committed = 0;
                 for t in c.tokens {
-                    if let Some(r) = self.reservations.remove(&t) {
+                    if let Some(r) = self.take(t) {
                         r.commit().map_err(|e| e.to_string())?;
                         committed += 1;
                     }
@@ -343,7 +379,7 @@ impl<'d> Conn<'d> {
             }
             request::Body::Abort(a) => {
                 for t in a.tokens {
-                    self.reservations.remove(&t);
+                    self.take(t);
                 }
                 response::Body::Empty(pb::Empty {})
             }
@@ -375,6 +411,13 @@ impl<'d> Conn<'d> {
                 })
             }
         }))
+    }
+
+    /// Removes a reservation from the books (committing or dropping it is the caller's).
+    fn take(&mut self, token: u64) -> Option<Reservation<'static>> {
+        let (r, _) = self.reservations.remove(&token)?;
+        self.reserved_bytes -= r.len() as u64;
+        Some(r)
     }
 
     fn lease_room(&self) -> Result<(), String> {
