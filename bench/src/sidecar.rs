@@ -57,8 +57,21 @@ impl Sidecar {
             .stdout(Stdio::piped())
             .spawn()
             .with_context(|| format!("starting {}", bin.display()))?;
-        let mut line = String::new();
-        std::io::BufReader::new(child.stdout.take().context("no stdout")?).read_line(&mut line)?;
+        // Wait for the ready line, but not forever.
+        let out = child.stdout.take().context("no stdout")?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = std::io::BufReader::new(out).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let line = match rx.recv_timeout(std::time::Duration::from_secs(120)) {
+            Ok(l) => l,
+            Err(_) => {
+                let _ = child.kill();
+                anyhow::bail!("kvtierd printed no ready line within 120 s");
+            }
+        };
         let socket = line
             .split_whitespace()
             .find_map(|w| w.strip_prefix("socket="))
@@ -66,7 +79,7 @@ impl Sidecar {
         let grpc = line
             .split_whitespace()
             .find_map(|w| w.strip_prefix("grpc="))
-            .unwrap_or_default()
+            .with_context(|| format!("kvtierd's ready line has no grpc= address: {line:?}"))?
             .to_string();
         Ok(Self {
             socket: PathBuf::from(socket),

@@ -48,13 +48,18 @@ pub fn check_token(token: String) -> impl Fn(Request<()>) -> Result<Request<()>,
             .get("authorization")
             .and_then(|v| v.to_str().ok())
         {
-            Some(got) if got == want => Ok(req),
+            Some(got) if same(got.as_bytes(), want.as_bytes()) => Ok(req),
             Some(_) => Err(Status::unauthenticated("wrong bearer token")),
             None => Err(Status::unauthenticated(
                 "this kvtierd requires a bearer token (authorization: Bearer <token>)",
             )),
         }
     }
+}
+
+/// Constant-time comparison (the time taken does not tell how much of a guess was right).
+pub fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::BlockEvent, Status>> + Send>>;

@@ -223,11 +223,13 @@ pub async fn serve(
                 }
             }
             let head = String::from_utf8_lossy(&buf[..n]);
+            let want = format!("Bearer {}", d.cfg.server.token);
             let authorized = d.cfg.server.token.is_empty()
                 || head.lines().any(|l| {
                     l.to_ascii_lowercase().starts_with("authorization:")
-                        && l.split_once(':').map(|x| x.1.trim())
-                            == Some(format!("Bearer {}", d.cfg.server.token).as_str())
+                        && l.split_once(':').is_some_and(|x| {
+                            crate::admin::same(x.1.trim().as_bytes(), want.as_bytes())
+                        })
                 });
             let (status, body) = if !head.starts_with("GET /metrics") {
                 (
