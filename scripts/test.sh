@@ -20,6 +20,8 @@ if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -r tests/python/requirements.txt
+# The Python package kvtier (PyO3 extension), installed editable into .venv.
+VIRTUAL_ENV="$PWD/.venv" .venv/bin/maturin develop -q --manifest-path connector/python/Cargo.toml
 
 echo "== cargo test"
 cargo test --workspace --locked

@@ -1,0 +1,328 @@
+//! `kvtier._native`: Python bindings of the store (embedded mode), the key scheme and the
+//! paged-KV gather/scatter. Blocks move between an engine's KV tensors and store slots with one
+//! copy: `save` gathers straight into a reserved slot, `load` scatters straight out of a pinned
+//! block.
+
+use kvstore::io::IoConfig;
+use kvstore::{Admission, BlockKey, DiskConfig, Namespace, NsId, Reserve, StoreConfig};
+use kvtier_connector::{Dim, LayerView};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+fn key(b: &[u8]) -> PyResult<BlockKey> {
+    BlockKey::from_bytes(b).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+fn keys(v: &[Vec<u8>]) -> PyResult<Vec<BlockKey>> {
+    v.iter().map(|k| key(k)).collect()
+}
+
+fn err(e: impl std::fmt::Display) -> PyErr {
+    PyRuntimeError::new_err(e.to_string())
+}
+
+/// An engine's paged KV cache, described layer by layer: `(data_ptr, shape, strides, dims,
+/// element_size)` with dims among "blocks", "kv", "tokens", "inner". The tensors must stay
+/// allocated, and not be resized, for the life of this object.
+#[pyclass(module = "kvtier._native", frozen)]
+struct PagedKv {
+    inner: kvtier_connector::PagedKv,
+}
+
+type LayerSpec = (usize, Vec<usize>, Vec<isize>, Vec<String>, usize);
+
+#[pymethods]
+impl PagedKv {
+    #[new]
+    fn new(layers: Vec<LayerSpec>) -> PyResult<Self> {
+        let mut views = Vec::with_capacity(layers.len());
+        for (i, (ptr, shape, strides, dims, elem)) in layers.into_iter().enumerate() {
+            let dims = dims
+                .iter()
+                .map(|d| match d.as_str() {
+                    "blocks" => Ok(Dim::Blocks),
+                    "kv" => Ok(Dim::Kv),
+                    "tokens" => Ok(Dim::Tokens),
+                    "inner" => Ok(Dim::Inner),
+                    other => Err(PyValueError::new_err(format!(
+                        "layer {i}: dim {other:?} is not blocks, kv, tokens or inner"
+                    ))),
+                })
+                .collect::<PyResult<Vec<Dim>>>()?;
+            if ptr == 0 {
+                return Err(PyValueError::new_err(format!(
+                    "layer {i}: null data pointer"
+                )));
+            }
+            views.push(LayerView {
+                ptr,
+                shape,
+                strides,
+                dims,
+                elem,
+            });
+        }
+        // SAFETY: the caller hands over live tensors' data pointers, shapes and strides and
+        // keeps the tensors alive and unresized while this object exists (documented in the
+        // class docstring, as for any API taking `tensor.data_ptr()`).
+        let inner = unsafe { kvtier_connector::PagedKv::new(views) }
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(Self { inner })
+    }
+
+    /// Canonical bytes of one engine block (all layers, K and V).
+    #[getter]
+    fn block_bytes(&self) -> usize {
+        self.inner.block_bytes()
+    }
+
+    /// Engine blocks.
+    #[getter]
+    fn blocks(&self) -> usize {
+        self.inner.blocks()
+    }
+
+    /// Copies engine blocks out (canonical form), e.g. for tests.
+    fn gather<'py>(&self, py: Python<'py>, ids: Vec<usize>) -> PyResult<Bound<'py, PyBytes>> {
+        let mut out = vec![0u8; ids.len() * self.inner.block_bytes()];
+        self.inner
+            .gather(&ids, &mut out)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(PyBytes::new(py, &out))
+    }
+
+    /// Copies canonical bytes into engine blocks.
+    fn scatter(&self, ids: Vec<usize>, data: &[u8]) -> PyResult<()> {
+        self.inner
+            .scatter(&ids, data)
+            .map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+}
+
+/// The store, embedded in this process (optionally with a disk tier).
+#[pyclass(module = "kvtier._native", frozen)]
+struct Store {
+    inner: kvstore::Store,
+}
+
+#[pymethods]
+impl Store {
+    #[new]
+    #[pyo3(signature = (capacity_bytes, segment_bytes=64 << 20, disk_dir=None, disk_bytes=0, admission="always", write_through=false, populate=true))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        capacity_bytes: u64,
+        segment_bytes: u64,
+        disk_dir: Option<std::path::PathBuf>,
+        disk_bytes: u64,
+        admission: &str,
+        write_through: bool,
+        populate: bool,
+    ) -> PyResult<Self> {
+        let admission = Admission::parse(admission)
+            .ok_or_else(|| PyValueError::new_err("admission must be always or seen-twice"))?;
+        let disk = disk_dir.map(|dir| DiskConfig {
+            dir,
+            capacity_bytes: disk_bytes,
+            io: IoConfig::default(),
+            admission,
+            write_through,
+            ..Default::default()
+        });
+        let inner = StoreConfig {
+            capacity_bytes,
+            segment_bytes,
+            populate,
+            disk,
+            ..Default::default()
+        }
+        .build()
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(Self { inner })
+    }
+
+    /// Registers a namespace from its canonical encoding; returns its id.
+    fn register_namespace(&self, encoded: &[u8]) -> PyResult<u32> {
+        let ns = Namespace::decode(encoded).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        self.inner
+            .register_namespace(&ns)
+            .map(|i| i.0)
+            .map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+
+    /// Stores a block (copying); False if it was already present or being written.
+    fn put(&self, ns: u32, key: &[u8], data: &[u8]) -> PyResult<bool> {
+        let k = self::key(key)?;
+        match self.inner.put(NsId(ns), k, data).map_err(err)? {
+            kvstore::PutOutcome::Stored => Ok(true),
+            _ => Ok(false),
+        }
+    }
+
+    /// A block's bytes, or None.
+    fn get<'py>(&self, py: Python<'py>, key: &[u8]) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let k = self::key(key)?;
+        Ok(self.inner.get(&k).map(|b| PyBytes::new(py, &b)))
+    }
+
+    /// How many leading keys are present (no side effects).
+    fn match_prefix(&self, keys: Vec<Vec<u8>>) -> PyResult<usize> {
+        Ok(self.inner.match_prefix(&self::keys(&keys)?).n)
+    }
+
+    /// Removes every block of a namespace; returns how many.
+    fn clear_namespace(&self, ns: u32) -> usize {
+        self.inner.clear_namespace(NsId(ns))
+    }
+
+    /// Writes dirty admitted blocks to disk; returns how many.
+    fn flush(&self, py: Python<'_>) -> usize {
+        py.allow_threads(|| self.inner.flush())
+    }
+
+    /// Counters.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.stats();
+        let d = PyDict::new(py);
+        d.set_item("capacity_bytes", s.capacity_bytes)?;
+        d.set_item("used_bytes", s.used_bytes)?;
+        d.set_item("blocks", s.blocks)?;
+        d.set_item("hits", s.hits)?;
+        d.set_item("misses", s.misses)?;
+        d.set_item("promotions", s.promotions)?;
+        d.set_item("demotions", s.demotions)?;
+        d.set_item("disk_blocks", s.disk.map_or(0, |k| k.blocks))?;
+        Ok(d)
+    }
+
+    /// Saves engine blocks: `keys[i]` gets the canonical bytes of engine blocks `block_ids[i]`,
+    /// gathered straight into a reserved slot. Returns how many were stored now.
+    fn save(
+        &self,
+        py: Python<'_>,
+        ns: u32,
+        paged: &PagedKv,
+        keys: Vec<Vec<u8>>,
+        block_ids: Vec<Vec<usize>>,
+    ) -> PyResult<usize> {
+        if keys.len() != block_ids.len() {
+            return Err(PyValueError::new_err("keys and block_ids differ in length"));
+        }
+        let ks = self::keys(&keys)?;
+        py.allow_threads(|| {
+            let mut stored = 0;
+            for (k, ids) in ks.iter().zip(&block_ids) {
+                let len = ids.len() * paged.inner.block_bytes();
+                match self.inner.reserve(NsId(ns), *k, len).map_err(err)? {
+                    Reserve::Slot(mut r) => {
+                        paged
+                            .inner
+                            .gather(ids, r.as_mut_slice())
+                            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+                        r.commit().map_err(err)?;
+                        stored += 1;
+                    }
+                    Reserve::AlreadyPresent | Reserve::InFlight => {}
+                }
+            }
+            Ok(stored)
+        })
+    }
+
+    /// Loads the longest present prefix of `keys` into engine blocks `block_ids[i]` (scattered
+    /// straight out of the pinned block). Returns how many leading keys were loaded; a block of
+    /// the wrong size ends the prefix.
+    fn load(
+        &self,
+        py: Python<'_>,
+        paged: &PagedKv,
+        keys: Vec<Vec<u8>>,
+        block_ids: Vec<Vec<usize>>,
+    ) -> PyResult<usize> {
+        if keys.len() != block_ids.len() {
+            return Err(PyValueError::new_err("keys and block_ids differ in length"));
+        }
+        let ks = self::keys(&keys)?;
+        py.allow_threads(|| {
+            let resident = self.inner.load_prefix(&ks);
+            let mut n = 0;
+            while n < resident {
+                let Some(b) = self.inner.get(&ks[n]) else {
+                    break;
+                };
+                if b.len() != block_ids[n].len() * paged.inner.block_bytes() {
+                    break;
+                }
+                paged
+                    .inner
+                    .scatter(&block_ids[n], &b)
+                    .map_err(|e| PyValueError::new_err(e.to_string()))?;
+                n += 1;
+            }
+            Ok(n)
+        })
+    }
+}
+
+/// `(encoding, fingerprint)` of a namespace (tp_size 0: KV shared by all ranks, as MLA).
+#[pyfunction]
+#[pyo3(signature = (model, dtype, layout, block_tokens, tp_size=1, tp_rank=0, tenant="", lora=""))]
+#[allow(clippy::too_many_arguments)]
+fn namespace_fingerprint<'py>(
+    py: Python<'py>,
+    model: &str,
+    dtype: &str,
+    layout: &str,
+    block_tokens: u32,
+    tp_size: u32,
+    tp_rank: u32,
+    tenant: &str,
+    lora: &str,
+) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
+    let ns = Namespace {
+        model: model.into(),
+        dtype: dtype.into(),
+        layout: layout.into(),
+        block_tokens,
+        tp: if tp_size == 0 {
+            kvstore::TpShard::Shared
+        } else {
+            kvstore::TpShard::Rank {
+                size: tp_size,
+                rank: tp_rank,
+            }
+        },
+        tenant: tenant.into(),
+        lora: lora.into(),
+    };
+    ns.validate()
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    Ok((
+        PyBytes::new(py, &ns.encode()),
+        PyBytes::new(py, &ns.fingerprint().0.to_bytes()),
+    ))
+}
+
+/// The kvtier key of a block named by an engine's own block hash.
+#[pyfunction]
+fn engine_key<'py>(
+    py: Python<'py>,
+    fingerprint: &[u8],
+    engine_hash: &[u8],
+) -> PyResult<Bound<'py, PyBytes>> {
+    let fp = kvstore::Fingerprint(key(fingerprint)?);
+    let k = BlockKey::from_engine_hash(&fp, engine_hash)
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    Ok(PyBytes::new(py, &k.to_bytes()))
+}
+
+/// The native module.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Store>()?;
+    m.add_class::<PagedKv>()?;
+    m.add_function(wrap_pyfunction!(namespace_fingerprint, m)?)?;
+    m.add_function(wrap_pyfunction!(engine_key, m)?)?;
+    Ok(())
+}

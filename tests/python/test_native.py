@@ -1,0 +1,107 @@
+"""The Python package `kvtier` (PyO3): keys agree with the reference scheme, the embedded store,
+and gather/scatter between engine-style paged KV tensors through store slots."""
+
+import numpy as np
+import pytest
+
+import keyref
+import kvtier
+
+
+def ns(block_tokens=32, **kw):
+    args = dict(model="tiny/llama", dtype="float32", layout="cpu", block_tokens=block_tokens,
+                tp_size=1, tp_rank=0, tenant="", lora="")
+    args.update(kw)
+    return kvtier.namespace_fingerprint(**args)
+
+
+def test_keys_match_the_reference_scheme():
+    enc, fp = ns()
+    ref = dict(model="tiny/llama", dtype="float32", layout="cpu", block_tokens=32, tp=(1, 0),
+               tenant="", lora="")
+    assert enc == keyref.namespace_bytes(**ref)
+    assert fp == keyref.fingerprint(ref)
+    h = bytes(range(32))
+    assert kvtier.engine_key(fp, h) == keyref.engine_key(fp, h)
+    with pytest.raises(ValueError, match="16"):
+        kvtier.engine_key(fp[:15], h)
+    with pytest.raises(ValueError, match="tp rank"):
+        ns(tp_size=2, tp_rank=2)
+
+
+def layer_spec(t, dims):
+    """(data_ptr, shape, strides in elements, dims, element size) of a numpy array or view."""
+    return (t.__array_interface__["data"][0], list(t.shape),
+            [s // t.itemsize for s in t.strides], dims, t.itemsize)
+
+
+def test_store_put_get_and_prefix():
+    s = kvtier.Store(64 << 20, segment_bytes=4 << 20)
+    enc, fp = ns()
+    n = s.register_namespace(enc)
+    keys = [kvtier.engine_key(fp, bytes([i]) * 32) for i in range(4)]
+    assert s.put(n, keys[0], b"a" * 1000)
+    assert not s.put(n, keys[0], b"a" * 1000)
+    assert s.put(n, keys[1], b"b" * 1000)
+    assert s.match_prefix(keys) == 2
+    assert s.get(keys[1]) == b"b" * 1000
+    assert s.get(keys[3]) is None
+    assert s.stats()["blocks"] == 2
+    with pytest.raises(ValueError):
+        s.get(b"short")
+
+
+@pytest.mark.parametrize("layout", ["cpu", "blocks-first-hnd", "kv-first"])
+def test_save_and_load_move_exact_bytes_between_paged_caches(layout, tmp_path):
+    rng = np.random.default_rng(5)
+    nb, bs, h, d = 12, 32, 2, 64
+
+    def cache():
+        if layout == "cpu":  # vLLM's CPU backend: [blocks, 2, tokens, heads*dim], float32
+            t = np.zeros((nb, 2, bs, h * d), dtype=np.float32)
+            return t, ["blocks", "kv", "tokens", "inner"]
+        if layout == "blocks-first-hnd":  # an HND allocation viewed as NHD
+            base = np.zeros((nb, 2, h, bs, d), dtype=np.float16)
+            return base.transpose(0, 1, 3, 2, 4), ["blocks", "kv", "tokens", "inner", "inner"]
+        t = np.zeros((2, nb, bs, h, d), dtype=np.float16)  # FlashAttention: K/V planes first
+        return t, ["kv", "blocks", "tokens", "inner", "inner"]
+
+    src = [cache() for _ in range(3)]  # three layers
+    for t, _ in src:
+        t[...] = rng.standard_normal(t.shape).astype(t.dtype)
+    dst = [cache() for _ in range(3)]
+    a = kvtier.PagedKv([layer_spec(t, dims) for t, dims in src])
+    b = kvtier.PagedKv([layer_spec(t, dims) for t, dims in dst])
+    assert a.block_bytes == 3 * 2 * bs * h * d * src[0][0].itemsize
+
+    store = kvtier.Store(64 << 20, segment_bytes=4 << 20, disk_dir=str(tmp_path / "disk"),
+                         disk_bytes=64 << 20, admission="always", write_through=True)
+    enc, fp = ns(layout=layout)
+    n = store.register_namespace(enc)
+    keys = [kvtier.engine_key(fp, bytes([i]) * 32) for i in range(3)]
+    # Two engine blocks per kvtier block for the first key, one for the others.
+    assert store.save(n, a, keys, [[3, 4], [5], [9]]) == 3
+    assert store.save(n, a, keys[:1], [[3, 4]]) == 0  # already present
+    assert store.load(b, keys + [kvtier.engine_key(fp, b"x" * 32)], [[7, 8], [1], [0], [2]]) == 3
+    for (ts, _), (td, _) in zip(src, dst):
+        blk = lambda t, i: t[i] if layout != "kv-first" else t[:, i]
+        for s_id, d_id in [(3, 7), (4, 8), (5, 1), (9, 0)]:
+            assert np.array_equal(blk(ts, s_id), blk(td, d_id)), (layout, s_id, d_id)
+        for untouched in [2, 3, 4, 5, 6, 9, 10, 11]:
+            assert not blk(td, untouched).any(), (layout, untouched)
+    assert a.gather([3, 4]) == store.get(keys[0])
+    # A fresh store on the same disk (an engine restart) loads the same bytes.
+    del store
+    again = kvtier.Store(64 << 20, segment_bytes=4 << 20, disk_dir=str(tmp_path / "disk"),
+                         disk_bytes=64 << 20, admission="always")
+    assert again.register_namespace(enc) == n
+    assert again.match_prefix(keys) == 3
+    c = [cache() for _ in range(3)]
+    cc = kvtier.PagedKv([layer_spec(t, dims) for t, dims in c])
+    assert again.load(cc, keys, [[0, 1], [2], [3]]) == 3
+    assert cc.gather([0, 1, 2, 3]) == a.gather([3, 4, 5, 9])
+    # Wrong shapes are clear errors, not crashes.
+    with pytest.raises(ValueError, match="out of range"):
+        a.gather([nb])
+    with pytest.raises(ValueError, match="dim"):
+        kvtier.PagedKv([(1, [2], [1], ["heads"], 2)])
