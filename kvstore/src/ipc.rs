@@ -486,6 +486,50 @@ impl IpcClient {
         }
     }
 
+    /// Lends the slot reserved under `token` to `fill` (a copy engine writes the block in
+    /// place: no staging buffer).
+    pub fn fill_slot<R>(
+        &self,
+        token: u64,
+        fill: impl FnOnce(&mut [u8]) -> R,
+    ) -> Result<R, IpcError> {
+        let &(offset, len) = self.pending.get(&token).ok_or_else(|| {
+            IpcError::Protocol(format!("token {token} is not a slot this client reserved"))
+        })?;
+        self.check(offset, len as usize)?;
+        // SAFETY: in bounds (checked); the daemon gave this slot to this client alone until it
+        // commits or aborts it, and the borrow ends before this call returns.
+        let slot = unsafe {
+            std::slice::from_raw_parts_mut(
+                self.arena.as_mut_ptr().add(offset as usize),
+                len as usize,
+            )
+        };
+        Ok(fill(slot))
+    }
+
+    /// Lends block `i` of a load to `read` (copied out in place; valid while the lease holds).
+    pub fn with_block<R>(
+        &self,
+        loaded: &Loaded,
+        i: usize,
+        read: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R, IpcError> {
+        let &(offset, len) = loaded.blocks.get(i).ok_or_else(|| {
+            IpcError::Protocol(format!(
+                "block {i} is not part of this load ({} blocks)",
+                loaded.n
+            ))
+        })?;
+        self.check(offset, len as usize)?;
+        // SAFETY: in bounds (checked); the block is committed and pinned by the load's lease,
+        // so the daemon neither reuses nor writes the slot during the borrow.
+        let block = unsafe {
+            std::slice::from_raw_parts(self.arena.as_ptr().add(offset as usize), len as usize)
+        };
+        Ok(read(block))
+    }
+
     /// Copies a block into the slot reserved under `token` (exactly its reserved length).
     pub fn write(&self, token: u64, data: &[u8]) -> Result<(), IpcError> {
         let &(offset, len) = self.pending.get(&token).ok_or_else(|| {

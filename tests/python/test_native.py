@@ -105,3 +105,38 @@ def test_save_and_load_move_exact_bytes_between_paged_caches(layout, tmp_path):
         a.gather([nb])
     with pytest.raises(ValueError, match="dim"):
         kvtier.PagedKv([(1, [2], [1], ["heads"], 2)])
+
+
+def test_sidecar_moves_blocks_through_kvtierd(tmp_path):
+    import pathlib
+    import subprocess
+
+    daemon = pathlib.Path(__file__).resolve().parents[2] / "target" / "debug" / "kvtierd"
+    if not daemon.exists():
+        pytest.fail(f"{daemon} is missing: run cargo build -p kvstore first")
+    p = subprocess.Popen(
+        [str(daemon), "--data-dir", str(tmp_path / "d"), "--host-capacity", "64M",
+         "--disk-capacity", "128M", "--grpc", "127.0.0.1:0", "--metrics", "127.0.0.1:0",
+         "--set", "host.segment=4M", "--set", "log=warn"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        socket = next(w[len("socket="):] for w in line.split() if w.startswith("socket="))
+        rng = np.random.default_rng(9)
+        src = rng.standard_normal((8, 2, 32, 128)).astype(np.float32)
+        dst = np.zeros_like(src)
+        dims = ["blocks", "kv", "tokens", "inner"]
+        a = kvtier.PagedKv([layer_spec(src, dims)])
+        b = kvtier.PagedKv([layer_spec(dst, dims)])
+        side = kvtier.Sidecar(socket)
+        enc, fp = ns()
+        n = side.register_namespace(enc)
+        keys = [kvtier.engine_key(fp, bytes([i]) * 32) for i in range(3)]
+        assert side.save(n, a, keys[:2], [[1], [6]]) == 2
+        assert side.match_prefix(keys) == 2
+        assert side.load(b, keys, [[0], [2], [3]], 10_000) == 2
+        assert np.array_equal(dst[0], src[1]) and np.array_equal(dst[2], src[6])
+        assert not dst[3].any()
+    finally:
+        p.terminate()
+        assert p.wait(timeout=30) == 0

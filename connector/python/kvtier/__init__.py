@@ -4,6 +4,6 @@ The native module holds the store (embedded), the engine socket client of ``kvti
 (sidecar) and the paged-KV gather/scatter; engine adapters build on it.
 """
 
-from ._native import PagedKv, Store, engine_key, namespace_fingerprint
+from ._native import PagedKv, Sidecar, Store, engine_key, namespace_fingerprint
 
-__all__ = ["PagedKv", "Store", "engine_key", "namespace_fingerprint"]
+__all__ = ["PagedKv", "Sidecar", "Store", "engine_key", "namespace_fingerprint"]

@@ -265,6 +265,124 @@ impl Store {
     }
 }
 
+/// A connection to a node's `kvtierd` (sidecar mode): blocks move between engine KV tensors
+/// and the daemon's shared arena with one copy, as in the embedded `Store`.
+#[pyclass(module = "kvtier._native")]
+struct Sidecar {
+    inner: std::sync::Mutex<kvstore::ipc::IpcClient>,
+}
+
+fn ipc_err(e: kvstore::ipc::IpcError) -> PyErr {
+    PyRuntimeError::new_err(e.to_string())
+}
+
+impl Sidecar {
+    fn client(&self) -> PyResult<std::sync::MutexGuard<'_, kvstore::ipc::IpcClient>> {
+        self.inner
+            .lock()
+            .map_err(|_| PyRuntimeError::new_err("a previous call panicked"))
+    }
+}
+
+#[pymethods]
+impl Sidecar {
+    #[new]
+    #[pyo3(signature = (socket, client="kvtier-python"))]
+    fn new(socket: std::path::PathBuf, client: &str) -> PyResult<Self> {
+        let c = kvstore::ipc::IpcClient::connect(&socket, client).map_err(ipc_err)?;
+        Ok(Self {
+            inner: std::sync::Mutex::new(c),
+        })
+    }
+
+    /// Registers a namespace from its canonical encoding; returns the daemon's id.
+    fn register_namespace(&self, encoded: &[u8]) -> PyResult<u32> {
+        let ns = Namespace::decode(encoded).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(self.client()?.register_namespace(&ns).map_err(ipc_err)?.0)
+    }
+
+    /// How many leading keys are present in any tier.
+    fn match_prefix(&self, keys: Vec<Vec<u8>>) -> PyResult<usize> {
+        let ks = self::keys(&keys)?;
+        Ok(self.client()?.lookup(&ks, None).map_err(ipc_err)?.0)
+    }
+
+    /// Like `Store.save`, through the shared arena.
+    fn save(
+        &self,
+        py: Python<'_>,
+        ns: u32,
+        paged: &PagedKv,
+        keys: Vec<Vec<u8>>,
+        block_ids: Vec<Vec<usize>>,
+    ) -> PyResult<usize> {
+        if keys.len() != block_ids.len() {
+            return Err(PyValueError::new_err("keys and block_ids differ in length"));
+        }
+        let ks = self::keys(&keys)?;
+        py.allow_threads(|| {
+            let mut c = self.client()?;
+            let bb = paged.inner.block_bytes();
+            let lens: Vec<u32> = block_ids
+                .iter()
+                .map(|ids| (ids.len() * bb) as u32)
+                .collect();
+            let slots = c.reserve(NsId(ns), &ks, &lens).map_err(ipc_err)?;
+            let mut tokens = Vec::new();
+            for (s, ids) in slots.iter().zip(&block_ids) {
+                if let kvstore::ipc::SlotStatus::Slot { token, .. } = *s {
+                    // One copy: gathered straight into the shared arena slot.
+                    c.fill_slot(token, |slot| paged.inner.gather(ids, slot))
+                        .map_err(ipc_err)?
+                        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+                    tokens.push(token);
+                }
+            }
+            Ok(c.commit(&tokens).map_err(ipc_err)? as usize)
+        })
+    }
+
+    /// Like `Store.load`, through the shared arena. Blocks copied under a lease that lapsed
+    /// before release are not counted (the engine recomputes them).
+    fn load(
+        &self,
+        py: Python<'_>,
+        paged: &PagedKv,
+        keys: Vec<Vec<u8>>,
+        block_ids: Vec<Vec<usize>>,
+        ttl_ms: u64,
+    ) -> PyResult<usize> {
+        if keys.len() != block_ids.len() {
+            return Err(PyValueError::new_err("keys and block_ids differ in length"));
+        }
+        let ks = self::keys(&keys)?;
+        py.allow_threads(|| {
+            let mut c = self.client()?;
+            let l = c
+                .load(&ks, std::time::Duration::from_millis(ttl_ms.max(1)))
+                .map_err(ipc_err)?;
+            let bb = paged.inner.block_bytes();
+            let mut n = 0;
+            for (i, &(_, len)) in l.blocks.iter().enumerate() {
+                if len as usize != block_ids[i].len() * bb {
+                    break;
+                }
+                c.with_block(&l, i, |b| paged.inner.scatter(&block_ids[i], b))
+                    .map_err(ipc_err)?
+                    .map_err(|e| PyValueError::new_err(e.to_string()))?;
+                n += 1;
+            }
+            if let Some(id) = l.lease {
+                if c.release(id).is_err() {
+                    // The lease lapsed: what was copied may be another block's bytes.
+                    return Ok(0);
+                }
+            }
+            Ok(n)
+        })
+    }
+}
+
 /// `(encoding, fingerprint)` of a namespace (tp_size 0: KV shared by all ranks, as MLA).
 #[pyfunction]
 #[pyo3(signature = (model, dtype, layout, block_tokens, tp_size=1, tp_rank=0, tenant="", lora=""))]
@@ -322,6 +440,7 @@ fn engine_key<'py>(
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Store>()?;
     m.add_class::<PagedKv>()?;
+    m.add_class::<Sidecar>()?;
     m.add_function(wrap_pyfunction!(namespace_fingerprint, m)?)?;
     m.add_function(wrap_pyfunction!(engine_key, m)?)?;
     Ok(())
