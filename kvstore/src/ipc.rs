@@ -66,21 +66,47 @@ pub fn read_frame_body(r: &mut impl Read, max: usize) -> Result<Vec<u8>, IpcErro
     Ok(body)
 }
 
+/// A control buffer with room for one fd.
+fn fd_cmsg_buf() -> Vec<u8> {
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    vec![0u8; space]
+}
+
+/// A one-iovec message header over `iov` and the control buffer `cbuf` (both must outlive its
+/// use).
+fn fd_msghdr(iov: &mut libc::iovec, cbuf: &mut [u8]) -> libc::msghdr {
+    // SAFETY: msghdr is plain data; all-zero is a valid starting value.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
+    msg.msg_controllen = cbuf.len() as _;
+    msg
+}
+
+/// Runs a syscall returning a byte count, retrying on EINTR.
+fn retry_eintr(mut call: impl FnMut() -> isize) -> io::Result<usize> {
+    loop {
+        let n = call();
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
 /// Sends `bytes` with `fd` attached as SCM_RIGHTS.
 pub fn send_with_fd(sock: &UnixStream, bytes: &[u8], fd: RawFd) -> io::Result<()> {
     let mut iov = libc::iovec {
         iov_base: bytes.as_ptr() as *mut libc::c_void,
         iov_len: bytes.len(),
     };
-    // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-    let mut cbuf = vec![0u8; space];
-    // SAFETY: msghdr is plain data; all-zero is a valid starting value.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
-    msg.msg_controllen = space as _;
+    let mut cbuf = fd_cmsg_buf();
+    let msg = fd_msghdr(&mut iov, &mut cbuf);
     // SAFETY: msg_control points to `space` bytes, enough for one cmsg holding one fd, so
     // CMSG_FIRSTHDR is non-null and CMSG_DATA has room for the fd.
     unsafe {
@@ -90,17 +116,8 @@ pub fn send_with_fd(sock: &UnixStream, bytes: &[u8], fd: RawFd) -> io::Result<()
         (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
         std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut RawFd, fd);
     }
-    let n = loop {
-        // SAFETY: msg and its buffers are valid for the call.
-        let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
-        if n >= 0 {
-            break n as usize;
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    };
+    // SAFETY: msg and its buffers are valid for the call.
+    let n = retry_eintr(|| unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) })?;
     // The fd went with the first chunk; the rest (if any) goes plainly.
     if n < bytes.len() {
         (&mut &*sock).write_all(&bytes[n..])?;
@@ -114,27 +131,13 @@ pub fn recv_with_fd(sock: &UnixStream, buf: &mut [u8]) -> io::Result<(usize, Opt
         iov_base: buf.as_mut_ptr() as *mut libc::c_void,
         iov_len: buf.len(),
     };
-    // SAFETY: pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-    let mut cbuf = vec![0u8; space];
-    // SAFETY: all-zero msghdr is valid.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
-    msg.msg_controllen = space as _;
-    let n = loop {
-        // SAFETY: msg points to valid buffers for the call; MSG_CMSG_CLOEXEC marks received fds
-        // close-on-exec.
-        let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-        if n >= 0 {
-            break n as usize;
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    };
+    let mut cbuf = fd_cmsg_buf();
+    let mut msg = fd_msghdr(&mut iov, &mut cbuf);
+    // SAFETY: msg points to valid buffers for the call; MSG_CMSG_CLOEXEC marks received fds
+    // close-on-exec.
+    let n = retry_eintr(|| unsafe {
+        libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC)
+    })?;
     let mut fd = None;
     // SAFETY: the kernel filled msg_control/msg_controllen; CMSG_* walk only within it.
     unsafe {

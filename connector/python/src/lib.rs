@@ -18,6 +18,14 @@ fn keys(v: &[Vec<u8>]) -> PyResult<Vec<BlockKey>> {
     v.iter().map(|k| key(k)).collect()
 }
 
+/// Keys for a save or load, checked against their engine block id lists.
+fn paired_keys(keys: &[Vec<u8>], block_ids: &[Vec<usize>]) -> PyResult<Vec<BlockKey>> {
+    if keys.len() != block_ids.len() {
+        return Err(PyValueError::new_err("keys and block_ids differ in length"));
+    }
+    self::keys(keys)
+}
+
 fn err(e: impl std::fmt::Display) -> PyErr {
     PyRuntimeError::new_err(e.to_string())
 }
@@ -206,10 +214,7 @@ impl Store {
         keys: Vec<Vec<u8>>,
         block_ids: Vec<Vec<usize>>,
     ) -> PyResult<usize> {
-        if keys.len() != block_ids.len() {
-            return Err(PyValueError::new_err("keys and block_ids differ in length"));
-        }
-        let ks = self::keys(&keys)?;
+        let ks = paired_keys(&keys, &block_ids)?;
         py.allow_threads(|| {
             let mut stored = 0;
             for (k, ids) in ks.iter().zip(&block_ids) {
@@ -240,10 +245,7 @@ impl Store {
         keys: Vec<Vec<u8>>,
         block_ids: Vec<Vec<usize>>,
     ) -> PyResult<usize> {
-        if keys.len() != block_ids.len() {
-            return Err(PyValueError::new_err("keys and block_ids differ in length"));
-        }
-        let ks = self::keys(&keys)?;
+        let ks = paired_keys(&keys, &block_ids)?;
         py.allow_threads(|| {
             let resident = self.inner.load_prefix(&ks);
             let mut n = 0;
@@ -316,10 +318,7 @@ impl Sidecar {
         keys: Vec<Vec<u8>>,
         block_ids: Vec<Vec<usize>>,
     ) -> PyResult<usize> {
-        if keys.len() != block_ids.len() {
-            return Err(PyValueError::new_err("keys and block_ids differ in length"));
-        }
-        let ks = self::keys(&keys)?;
+        let ks = paired_keys(&keys, &block_ids)?;
         py.allow_threads(|| {
             let mut c = self.client()?;
             let bb = paged.inner.block_bytes();
@@ -352,10 +351,7 @@ impl Sidecar {
         block_ids: Vec<Vec<usize>>,
         ttl_ms: u64,
     ) -> PyResult<usize> {
-        if keys.len() != block_ids.len() {
-            return Err(PyValueError::new_err("keys and block_ids differ in length"));
-        }
-        let ks = self::keys(&keys)?;
+        let ks = paired_keys(&keys, &block_ids)?;
         py.allow_threads(|| {
             let mut c = self.client()?;
             let l = c

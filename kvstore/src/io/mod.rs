@@ -118,16 +118,6 @@ pub trait IoEngine: Send + Sync {
     fn submit(&self, reqs: Vec<IoReq>, done: Sender<IoDone>);
 }
 
-/// Submits `reqs` and waits for all of them; completions sorted by tag.
-pub fn run_batch(engine: &dyn IoEngine, reqs: Vec<IoReq>) -> Vec<IoDone> {
-    let n = reqs.len();
-    let (tx, rx) = crossbeam_channel::unbounded();
-    engine.submit(reqs, tx);
-    let mut out: Vec<IoDone> = rx.iter().take(n).collect();
-    out.sort_by_key(|d| d.req.tag);
-    out
-}
-
 /// Checks O_DIRECT alignment rules; engines complete a bad request with this error unsent.
 pub(crate) fn check(req: &IoReq, files: usize) -> io::Result<()> {
     let bad = |what: String| Err(io::Error::new(io::ErrorKind::InvalidInput, what));
