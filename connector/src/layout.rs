@@ -257,6 +257,60 @@ impl PagedKv {
         }
         Ok(())
     }
+
+    /// The copies a gather (or scatter) of `ids` is made of, as strided pieces for a copy
+    /// engine that moves 2D regions (cuMemcpy2DAsync): in canonical order, each piece lands at
+    /// `at` in the destination, right after the previous one.
+    pub fn pieces(&self, ids: &[usize]) -> Result<Vec<Piece>, LayoutError> {
+        self.check(ids, ids.len() * self.block_bytes)?;
+        let mut out = Vec::new();
+        let mut at = 0;
+        for &id in ids {
+            for p in &self.plans {
+                let base = p.ptr as isize + id as isize * p.block_stride;
+                // The innermost outer dim becomes the rows of a 2D piece when its stride is a
+                // forward pitch at least one run wide; anything else is one row per run.
+                let (rows, pitch, outer) = match p.outer.split_last() {
+                    Some((&(n, s), rest)) if s >= p.run as isize => (n, s, rest),
+                    _ => (1, p.run as isize, &p.outer[..]),
+                };
+                let sub = Plan {
+                    ptr: 0,
+                    block_stride: 0,
+                    outer: outer.to_vec(),
+                    run: p.run,
+                    bytes: 0,
+                };
+                walk(&sub, base, &mut |addr, run| {
+                    out.push(Piece {
+                        src: addr,
+                        pitch: pitch as usize,
+                        width: run,
+                        rows,
+                        at,
+                    });
+                    at += run * rows;
+                });
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// A strided piece of a block in an engine tensor: `rows` runs of `width` bytes starting at
+/// address `src`, `pitch` bytes apart; back to back at offset `at` of the canonical bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Piece {
+    /// Address of the first run in the engine tensor.
+    pub src: usize,
+    /// Bytes between the starts of consecutive runs (≥ `width`).
+    pub pitch: usize,
+    /// Bytes per run.
+    pub width: usize,
+    /// Runs.
+    pub rows: usize,
+    /// Offset in the canonical bytes of the whole transfer.
+    pub at: usize,
 }
 
 /// Calls `f(address, run)` for every contiguous run of one layer's block, in canonical order.

@@ -1,6 +1,13 @@
-//! What an engine links to use kvtier. So far: the KV layout description and the CPU
-//! gather/scatter between an engine's paged KV tensors and kvtier's contiguous blocks.
+//! What an engine links to use kvtier: the KV layout description, the CPU gather/scatter
+//! between an engine's paged KV tensors and kvtier's contiguous blocks, and the transfers of
+//! those blocks to and from the store, embedded or through `kvtierd` (one API, two modes).
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod layout;
+mod transfer;
 
-pub use layout::{Dim, LayerView, LayoutError, PagedKv};
+pub use layout::{Dim, LayerView, LayoutError, PagedKv, Piece};
+pub use transfer::{
+    load_embedded, load_sidecar, save_embedded, save_sidecar, Backend, TransferError,
+};

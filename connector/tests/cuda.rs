@@ -1,0 +1,162 @@
+//! GPU gather/scatter (feature `cuda`) against the CPU path on the same bytes, for the layouts
+//! engines hand over. Without a CUDA driver and GPU each test says so and passes: the default
+//! build and CI have none; `scripts/gpu-check.sh` runs these on a GPU machine.
+#![cfg(feature = "cuda")]
+
+use kvtier_connector::cuda::{driver_present, CudaCopier};
+use kvtier_connector::{Dim, LayerView, PagedKv};
+use rand::{Rng, SeedableRng};
+
+use Dim::{Blocks as B, Inner as I, Kv as K, Tokens as T};
+
+fn copier() -> Option<CudaCopier> {
+    if !driver_present() {
+        eprintln!("SKIPPED: no CUDA driver on this machine");
+        return None;
+    }
+    match CudaCopier::new(0) {
+        Ok(c) => Some(c),
+        Err(e) => {
+            eprintln!("SKIPPED: no usable GPU: {e}");
+            None
+        }
+    }
+}
+
+/// Contiguous strides for `shape` laid out in `phys` order (outermost first), in elements.
+fn strides(shape: &[usize], phys: &[usize]) -> (Vec<isize>, usize) {
+    let mut st = vec![0isize; shape.len()];
+    let mut s = 1isize;
+    for &d in phys.iter().rev() {
+        st[d] = s;
+        s *= shape[d] as isize;
+    }
+    (st, s as usize)
+}
+
+fn views(ptrs: &[usize], shape: &[usize], st: &[isize], dims: &[Dim], elem: usize) -> PagedKv {
+    let v = ptrs
+        .iter()
+        .map(|&ptr| LayerView {
+            ptr,
+            shape: shape.to_vec(),
+            strides: st.to_vec(),
+            dims: dims.to_vec(),
+            elem,
+        })
+        .collect();
+    // SAFETY: every pointer is a live allocation (host Vec or device slice) of the size the
+    // shape and strides describe, kept alive by the caller across all copies.
+    unsafe { PagedKv::new(v).expect("valid layout") }
+}
+
+/// (name, shape, dims, physical order, element size).
+type Case = (&'static str, Vec<usize>, Vec<Dim>, Vec<usize>, usize);
+
+#[test]
+fn gpu_gather_and_scatter_match_the_cpu_path() {
+    let Some(c) = copier() else { return };
+    let stream = c.stream().clone();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    let (nb, bs, h, d) = (24, 16, 4, 64);
+    let cases: Vec<Case> = vec![
+        (
+            "kv-first nhd",
+            vec![2, nb, bs, h, d],
+            vec![K, B, T, I, I],
+            vec![0, 1, 2, 3, 4],
+            2,
+        ),
+        (
+            "kv-first hnd",
+            vec![2, nb, bs, h, d],
+            vec![K, B, T, I, I],
+            vec![0, 1, 3, 2, 4],
+            2,
+        ),
+        (
+            "blocks-first",
+            vec![nb, 2, bs, h, d],
+            vec![B, K, T, I, I],
+            vec![0, 1, 2, 3, 4],
+            2,
+        ),
+        ("mla", vec![nb, bs, 576], vec![B, T, I], vec![0, 1, 2], 2),
+    ];
+    for (name, shape, dims, phys, elem) in cases {
+        let (st, n) = strides(&shape, &phys);
+        let host: Vec<Vec<u8>> = (0..3)
+            .map(|_| {
+                let mut v = vec![0u8; n * elem];
+                rng.fill(&mut v[..]);
+                v
+            })
+            .collect();
+        let dev: Vec<_> = host.iter().map(|h| stream.clone_htod(h).unwrap()).collect();
+        let dptrs: Vec<usize> = dev
+            .iter()
+            .map(|s| {
+                let (p, _sync) = cudarc::driver::DevicePtr::device_ptr(s, &stream);
+                p as usize
+            })
+            .collect();
+        let hptrs: Vec<usize> = host.iter().map(|h| h.as_ptr() as usize).collect();
+        let gpu = views(&dptrs, &shape, &st, &dims, elem);
+        let cpu = views(&hptrs, &shape, &st, &dims, elem);
+        let ids = vec![3, 0, 17, 5, 23, 9];
+        let mut want = vec![0u8; ids.len() * cpu.block_bytes()];
+        cpu.gather(&ids, &mut want).unwrap();
+        let mut got = vec![0u8; want.len()];
+        // SAFETY: `dev` and `got` stay alive and untouched until synchronize() below.
+        unsafe { c.gather(&gpu, &ids, &mut got) }.unwrap();
+        c.synchronize().unwrap();
+        assert!(
+            got == want,
+            "{name}: GPU gather differs from the CPU gather"
+        );
+        // Scatter into other blocks on the GPU, copy the tensors back, gather on the CPU.
+        let targets = vec![1, 2, 4, 6, 7, 8];
+        // SAFETY: as above; `want` is only read.
+        unsafe { c.scatter(&gpu, &targets, &want) }.unwrap();
+        c.synchronize().unwrap();
+        let back: Vec<Vec<u8>> = dev.iter().map(|s| stream.clone_dtoh(s).unwrap()).collect();
+        let bptrs: Vec<usize> = back.iter().map(|h| h.as_ptr() as usize).collect();
+        let after = views(&bptrs, &shape, &st, &dims, elem);
+        let mut again = vec![0u8; want.len()];
+        after.gather(&targets, &mut again).unwrap();
+        assert!(
+            again == want,
+            "{name}: GPU scatter did not land where the CPU path says"
+        );
+        // Blocks not scattered into are untouched.
+        let mut untouched = vec![0u8; after.block_bytes()];
+        let mut orig = vec![0u8; after.block_bytes()];
+        after.gather(&[10], &mut untouched).unwrap();
+        cpu.gather(&[10], &mut orig).unwrap();
+        assert!(
+            untouched == orig,
+            "{name}: a block outside the scatter changed"
+        );
+        eprintln!(
+            "{name}: GPU gather/scatter byte-exact ({} pieces)",
+            gpu.pieces(&ids).unwrap().len()
+        );
+    }
+}
+
+#[test]
+fn wrong_sizes_are_refused_before_any_copy() {
+    let Some(c) = copier() else { return };
+    let stream = c.stream().clone();
+    let shape = vec![2, 4, 16, 2, 64];
+    let (st, n) = strides(&shape, &[0, 1, 2, 3, 4]);
+    let dev = stream.alloc_zeros::<u8>(n * 2).unwrap();
+    let (p, _sync) = cudarc::driver::DevicePtr::device_ptr(&dev, &stream);
+    let gpu = views(&[p as usize], &shape, &st, &[K, B, T, I, I], 2);
+    let mut small = vec![0u8; 10];
+    // SAFETY: nothing is queued: the size check fails first.
+    assert!(unsafe { c.gather(&gpu, &[0], &mut small) }.is_err());
+    let mut ok = vec![0u8; gpu.block_bytes()];
+    // SAFETY: as above; block 4 does not exist.
+    assert!(unsafe { c.gather(&gpu, &[4], &mut ok) }.is_err());
+}
