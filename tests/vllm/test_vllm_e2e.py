@@ -1,11 +1,20 @@
-"""End to end with the real vLLM engine (CPU build 0.32.0) and a tiny random Llama: a fresh
-engine, with nothing in its own prefix cache, loads a prompt's KV from kvtierd and produces the
-same greedy tokens and log-probabilities as an engine without any connector; a prompt sharing
-only a prefix hits that prefix; after a daemon restart the blocks come from the disk tier; after
-clearing the namespace it is a miss with the same output.
+"""End to end with the real vLLM engine (CPU build 0.32.0) and a tiny random Llama, through
+kvtierd (sidecar mode).
 
-Each engine runs in its own process (tests/vllm/run_engine.py). vLLM's CPU platform always runs
-its worker in a separate process, so the connector runs in sidecar mode here."""
+One story, each engine a fresh process (tests/vllm/run_engine.py), every output compared with an
+engine without any connector (greedy tokens equal, log-probabilities within 1e-3):
+- an engine with too few KV blocks saves prompts while requests are preempted;
+- a fresh engine loads them asynchronously (WAITING_FOR_REMOTE_KVS) and reports the hits; a
+  prompt sharing one block hits that block; a request aborted during its load leaks no lease;
+- blocks corrupted inside the store (zeroed, K/V swapped, one layer from another block) move
+  the log-probabilities: the comparison can fail;
+- after a daemon restart the blocks come from its disk tier (synchronous loads);
+- after clearing the namespace it is a miss;
+- data files corrupted on disk: the checksum turns the load into a reported failure, which
+  vLLM recomputes (kv_load_failure_policy "recompute") or fails ("fail") — never served.
+
+vLLM's CPU platform always runs its worker in a separate process, so the connector runs in
+sidecar mode here (embedded mode needs distributed_executor_backend="uni")."""
 
 import json
 import os
@@ -18,17 +27,22 @@ import pytest
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 BS = 32
-A = list(range(1, 71))                      # 70 tokens: 2 full blocks + 6
-B = list(range(1, 33)) + list(range(500, 540))  # shares only the first block with A
+LAYERS = 2                                       # make_tiny_llama.py
+A = list(range(1, 71))                           # 70 tokens: 2 full blocks + 6
+B = list(range(1, 33)) + list(range(500, 540))   # shares only the first block with A
+P = [list(range(300 + 94 * i, 394 + 94 * i)) for i in range(3)]  # 94 tokens: cross a block
+C = list(range(600, 694))                        # while decoding (preemption in a tight cache)
+D = list(range(700, 794))
+E = list(range(800, 894))
+ENV = dict(os.environ, PYTHONHASHSEED="0", VLLM_CPU_KVCACHE_SPACE="1")
 
 
-def engine(model, prompts, connector=None):
-    args = {"model": str(model), "prompts": prompts, "executor": "mp"}
+def engine(model, prompts, connector=None, **kw):
+    args = {"model": str(model), "prompts": prompts, "executor": "mp", **kw}
     if connector:
         args["connector"] = connector
-    env = dict(os.environ, PYTHONHASHSEED="0", VLLM_CPU_KVCACHE_SPACE="1")
     p = subprocess.run([sys.executable, str(HERE / "run_engine.py"), json.dumps(args)],
-                       capture_output=True, text=True, env=env, timeout=900)
+                       capture_output=True, text=True, env=ENV, timeout=900)
     lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
     assert p.returncode == 0 and lines, p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT "):])
@@ -51,7 +65,8 @@ class Daemon:
         self.socket, self.grpc = f["socket"], f["grpc"]
 
     def stop(self):
-        self.p.terminate()
+        if self.p.poll() is None:
+            self.p.terminate()
         assert self.p.wait(timeout=120) == 0
 
     def cli(self, *args):
@@ -59,11 +74,21 @@ class Daemon:
                               "--json", *args], capture_output=True, text=True, check=True)
         return json.loads(out.stdout)
 
+    def conn(self, **kw):
+        return {"mode": "sidecar", "socket": self.socket, **kw}
+
 
 def same(a, b):
+    assert "error" not in a, a
     assert a["tokens"] == b["tokens"]
     for x, y in zip(a["logprobs"], b["logprobs"]):
         assert abs(x - y) < 1e-3, (a["logprobs"], b["logprobs"])
+
+
+def moved(a, b):
+    """The output differs from the reference beyond the comparison's tolerance."""
+    return a["tokens"] != b["tokens"] or max(
+        abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) > 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -73,35 +98,112 @@ def model(tmp_path_factory):
     return d
 
 
-def test_fresh_engine_loads_prompt_kv_from_kvtierd(model, tmp_path):
-    base = engine(model, [A, B])
+def corrupt(block: bytes, other: bytes, how: str) -> bytes:
+    """One engine block in kvtier's canonical form: per layer, K then V, tokens, heads."""
+    layer = len(block) // LAYERS
+    half = layer // 2
+    b = bytearray(block)
+    if how == "zero":
+        b[:] = bytes(len(b))
+    elif how == "swap_kv":
+        for l in range(LAYERS):
+            o = l * layer
+            b[o:o + half], b[o + half:o + layer] = block[o + half:o + layer], block[o:o + half]
+    elif how == "layer_from_other_block":
+        b[layer:2 * layer] = other[layer:2 * layer]
+    return bytes(b)
+
+
+def test_vllm_engines_share_kv_through_kvtierd(model, tmp_path):
+    from kvtier import Sidecar
+    from kvtier.vllm import namespace, prompt_keys
+
+    def keys(prompt):
+        return prompt_keys(prompt, model=str(model), block_size=BS, hash_seed=ENV["PYTHONHASHSEED"])
+
+    base = engine(model, [A, B, *P, C, D, E])["outputs"]
+    ref = dict(zip(["A", "B", "P0", "P1", "P2", "C", "D", "E"], base))
     d = Daemon(tmp_path / "kvtierd")
     try:
-        conn = {"mode": "sidecar", "socket": d.socket}
-        first = engine(model, [A], conn)
-        same(first[0], base[0])
-        assert first[0]["num_cached_tokens"] == 0
-        # A fresh engine: the whole prompt but the last block comes from kvtier.
-        again = engine(model, [A, B], conn)
-        assert again[0]["num_cached_tokens"] >= len(A) - BS
-        same(again[0], base[0])
-        # B shares one block with A: that block is a hit, the rest is computed.
-        assert again[1]["num_cached_tokens"] >= BS
-        same(again[1], base[1])
+        # Saves under preemption: 7 usable blocks, prompts that grow into a 4th block.
+        first = engine(model, [A, *P, C, D, E], d.conn(), batch=True, gpu_blocks=8)
+        assert first["preemptions"] > 0, first
+        for out, name in zip(first["outputs"], ["A", "P0", "P1", "P2", "C", "D", "E"]):
+            assert out["num_cached_tokens"] == 0
+            same(out, ref[name])
+        side = Sidecar(d.socket, "e2e-test")
+        for prompt in (A, *P, C, D, E):
+            assert side.match_prefix(keys(prompt)) == len(prompt) // BS
+
+        # A fresh engine: asynchronous loads, all but the last block from kvtier.
+        again = engine(model, [A, B, *P], d.conn(), abort=[E])
+        outs = again["outputs"]
+        assert again["aborted"] == ["abort-0"]
+        assert outs[0]["num_cached_tokens"] >= len(A) - BS
+        same(outs[0], ref["A"])
+        assert outs[1]["num_cached_tokens"] >= BS  # B shares one block with A
+        same(outs[1], ref["B"])
+        for i in range(3):  # saved while requests were being preempted
+            assert outs[2 + i]["num_cached_tokens"] >= 2 * BS
+            same(outs[2 + i], ref[f"P{i}"])
         stats = d.cli("stats")
         assert stats["hits"] > 0
-        # Restart the daemon: the blocks come back from its disk tier.
+        assert stats["leases"] == 0, "a lease outlived its load (aborted request)"
+
+        # Corrupted inside the store (valid checksums, wrong KV): the output must move.
+        ns_enc, _ = namespace(str(model), None, "auto", BS)
+        ns = side.register_namespace(ns_enc)
+        saved = {k: side.get(k) for prompt in (A, *P, C, D, E) for k in keys(prompt)}
+        assert all(v is not None for v in saved.values())
+        assert d.cli("clear", str(ns))["removed"] >= len(saved)
+        for i, how in enumerate(["zero", "swap_kv", "layer_from_other_block"]):
+            k0, k1 = keys(P[i])
+            saved[k1] = corrupt(saved[k1], saved[k0], how)
+        for k, v in saved.items():
+            assert side.put(ns, k, v)
+        bad = engine(model, [*P, A], d.conn())["outputs"]
+        for i in range(3):
+            assert bad[i]["num_cached_tokens"] >= 2 * BS
+            assert moved(bad[i], ref[f"P{i}"]), f"corruption {i} went unnoticed"
+        same(bad[3], ref["A"])
+
+        # Restart the daemon: the blocks come back from its disk tier (synchronous loads).
+        del side
         d.stop()
         d.start()
-        conn = {"mode": "sidecar", "socket": d.socket}
-        after = engine(model, [A], conn)
+        after = engine(model, [A], d.conn(async_load=False))["outputs"]
         assert after[0]["num_cached_tokens"] >= len(A) - BS
-        same(after[0], base[0])
-        # Cleared: a miss, and still the same output.
+        same(after[0], ref["A"])
+
+        # Cleared: a miss, and still the same output (C and D are stored again here).
         ns = d.cli("stats")["namespaces"][0]["id"]
         assert d.cli("clear", str(ns))["removed"] > 0
-        cleared = engine(model, [A], conn)
-        assert cleared[0]["num_cached_tokens"] == 0
-        same(cleared[0], base[0])
+        cleared = engine(model, [A, C, D], d.conn())["outputs"]
+        for out, name in zip(cleared, "ACD"):
+            assert out["num_cached_tokens"] == 0
+            same(out, ref[name])
+
+        # Data files corrupted on disk: the index says present, the checksum says no.
+        d.stop()
+        files = list(d.data_dir.glob("**/data-*.kvd"))
+        assert files
+        for f in files:  # every block's bytes; the 4 KiB file header stays valid
+            size = f.stat().st_size
+            with open(f, "r+b") as fh:
+                fh.seek(4096)
+                for off in range(4096, size, 1 << 24):
+                    fh.write(os.urandom(min(1 << 24, size - off)))
+        d.start()
+        side = Sidecar(d.socket, "e2e-test")
+        assert side.match_prefix(keys(C)) == 2 and side.match_prefix(keys(D)) == 2
+        rec = engine(model, [C], d.conn(), policy="recompute")["outputs"]
+        same(rec[0], ref["C"])
+        stats = d.cli("stats")
+        disk = next(t for t in stats["tiers"] if t["tier"] == "disk")
+        assert disk["checksum_failures"] > 0
+        fail = engine(model, [D], d.conn(), policy="fail")["outputs"]
+        assert "error" in fail[0], fail
+        assert d.cli("stats")["leases"] == 0
+        del side
     finally:
         d.stop()

@@ -6,22 +6,34 @@
                            "kv_connector_extra_config": {...}}'
 
 Extra config keys:
-  mode: "embedded" (default; the store lives in the engine process) or "sidecar"
+  mode: "sidecar" (kvtierd on this node) or "embedded" (the store lives in the engine process;
+        only with distributed_executor_backend="uni")
   socket: kvtierd's engine socket (sidecar mode)
   host_bytes, disk_dir, disk_bytes, admission, write_through: the embedded store
+  async_load: true (default): loads run on the worker's transfer thread while other requests
+        compute (the request waits in WAITING_FOR_REMOTE_KVS); false: loads finish in
+        ``start_load_kv`` before the forward pass
   lease_ms: lease TTL for sidecar loads (default 30000)
 
 Keys are vLLM's own ``request.block_hashes`` (one kvtier block per vLLM block) mixed with a
 namespace fingerprint (model, KV dtype, layout, block size, TP rank), so engines only share
 blocks they can use. Hashes agree across processes only with a fixed PYTHONHASHSEED (use
-``--prefix-caching-hash-algo sha256_cbor``). Loads are synchronous (done in ``start_load_kv``
-before the forward pass); saves of newly computed full prompt blocks happen in ``wait_for_save``.
-A block that fails to load is reported through ``get_block_ids_with_load_errors``.
+``--prefix-caching-hash-algo sha256_cbor``); :func:`prompt_keys` computes them outside an engine.
+
+Saves of newly computed full prompt blocks are queued after each step's forward pass and
+written by the transfer thread; a finished request's blocks stay allocated (``delay_free``)
+until its saves are written, and a preempted request's saves finish before its blocks can be
+reused (``handle_preemptions``). A block that fails to load (missing, failed checksum, lapsed
+lease) is reported through ``get_block_ids_with_load_errors``, so vLLM's
+``kv_load_failure_policy`` ("fail" or "recompute") applies; it is never used.
 """
 
 from __future__ import annotations
 
+import atexit
+import logging
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,39 +43,46 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from . import PagedKv, Sidecar, Store, engine_key, namespace_fingerprint
+from . import PagedKv, engine_key, namespace_fingerprint
+from ._open import open_store
 
-_STORES: dict[tuple, Any] = {}
-_LOCK = threading.Lock()
+log = logging.getLogger("kvtier.vllm")
+
+def namespace(model: str, revision: str | None, cache_dtype: str, block_size: int,
+              tp_size: int = 1, tp_rank: int = 0) -> tuple[bytes, bytes]:
+    """``(encoding, fingerprint)`` of the namespace an engine with this configuration uses."""
+    return namespace_fingerprint(
+        model=f"{model}@{revision or ''}",
+        dtype=str(cache_dtype),
+        layout="vllm-v1",
+        block_tokens=block_size,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+    )
 
 
-def _open(extra: dict) -> Any:
-    """One store (or sidecar connection) per process and configuration, shared by roles."""
-    mode = extra.get("mode", "embedded")
-    if mode == "sidecar":
-        key = ("sidecar", extra["socket"])
-    elif mode == "embedded":
-        key = ("embedded", extra.get("disk_dir"), int(extra.get("host_bytes", 1 << 30)))
-    else:
-        raise ValueError(f"kvtier: mode must be embedded or sidecar, not {mode!r}")
-    with _LOCK:
-        if key not in _STORES:
-            if mode == "sidecar":
-                _STORES[key] = Sidecar(extra["socket"], "vllm")
-            else:
-                _STORES[key] = Store(
-                    int(extra.get("host_bytes", 1 << 30)),
-                    segment_bytes=int(extra.get("segment_bytes", 16 << 20)),
-                    disk_dir=extra.get("disk_dir"),
-                    disk_bytes=int(extra.get("disk_bytes", 1 << 30)),
-                    admission=extra.get("admission", "always"),
-                    write_through=bool(extra.get("write_through", True)),
-                )
-        return _STORES[key]
+def prompt_keys(token_ids: list[int], *, model: str, block_size: int, revision: str | None = None,
+                cache_dtype: str = "auto", tp_size: int = 1, tp_rank: int = 0,
+                hash_algo: str = "sha256_cbor", hash_seed: str | None = None) -> list[bytes]:
+    """The kvtier keys the connector uses for a plain token prompt (no LoRA, multimodal input
+    or cache_salt), one per full block: for tools that inspect or pre-warm the store.
+    ``hash_seed`` is the engine's PYTHONHASHSEED (default: this process's, as vLLM does)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils as kcu
+
+    fn = get_hash_fn_by_name(hash_algo)
+    seed = hash_seed if hash_seed is not None else kcu.resolve_none_hash_seed(fn)
+    _, fp = namespace(model, revision, cache_dtype, block_size, tp_size, tp_rank)
+    keys, parent = [], kcu.BlockHash(fn(seed))  # vLLM's NONE_HASH for that seed
+    for i in range(len(token_ids) // block_size):
+        parent = kcu.hash_block_tokens(fn, parent, token_ids[i * block_size:(i + 1) * block_size])
+        keys.append(engine_key(fp, bytes(parent)))
+    return keys
 
 
 @dataclass
 class _Transfer:
+    req_id: str
     keys: list[bytes]
     block_ids: list[int]
 
@@ -72,6 +91,82 @@ class _Transfer:
 class KvtierMetadata(KVConnectorMetadata):
     loads: list[_Transfer] = field(default_factory=list)
     saves: list[_Transfer] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    async_load: bool = True
+
+
+class _Mover:
+    """The worker's transfer thread. Loads go before saves; each kind in order. Tracks which
+    async loads finished (with their failed blocks) and which requests still have saves queued."""
+
+    def __init__(self, load, save):
+        self._load, self._save = load, save
+        self._cv = threading.Condition()
+        self._loads: deque[_Transfer] = deque()
+        self._saves: deque[_Transfer] = deque()
+        self._saving: dict[str, int] = {}
+        self._loaded: list[tuple[str, list[int]]] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="kvtier-mover", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+
+    def submit_load(self, t: _Transfer) -> None:
+        with self._cv:
+            self._loads.append(t)
+            self._cv.notify_all()
+
+    def submit_save(self, t: _Transfer) -> None:
+        with self._cv:
+            self._saves.append(t)
+            self._saving[t.req_id] = self._saving.get(t.req_id, 0) + 1
+            self._cv.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._loads or self._saves or self._stop)
+                if self._loads:
+                    job, is_load = self._loads.popleft(), True
+                elif self._saves:
+                    job, is_load = self._saves.popleft(), False
+                else:
+                    return
+            if is_load:
+                failed = self._load(job)
+                with self._cv:
+                    self._loaded.append((job.req_id, failed))
+                    self._cv.notify_all()
+            else:
+                self._save(job)
+                with self._cv:
+                    left = self._saving[job.req_id] - 1
+                    if left:
+                        self._saving[job.req_id] = left
+                    else:
+                        del self._saving[job.req_id]
+                    self._cv.notify_all()
+
+    def take_loaded(self) -> list[tuple[str, list[int]]]:
+        with self._cv:
+            out, self._loaded = self._loaded, []
+            return out
+
+    def saving(self, req_id: str) -> bool:
+        with self._cv:
+            return req_id in self._saving
+
+    def wait_saves(self, req_ids) -> None:
+        with self._cv:
+            self._cv.wait_for(lambda: not any(r in self._saving for r in req_ids))
+
+    def close(self, timeout: float = 120.0) -> None:
+        """Finishes what is queued (saves included), then stops."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
 
 class KvtierConnector(KVConnectorBase_V1):
@@ -81,19 +176,15 @@ class KvtierConnector(KVConnectorBase_V1):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self._extra = extra
         self._sidecar = extra.get("mode", "embedded") == "sidecar"
+        self._async = bool(extra.get("async_load", True))
         self._lease_ms = int(extra.get("lease_ms", 30_000))
         par = vllm_config.parallel_config
         tp_size = getattr(par, "tensor_parallel_size", 1) or 1
         tp_rank = getattr(par, "rank", 0) % tp_size if tp_size > 1 else 0
         model = vllm_config.model_config
-        self._ns_enc, self._fp = namespace_fingerprint(
-            model=f"{model.model}@{getattr(model, 'revision', None) or ''}",
-            dtype=str(vllm_config.cache_config.cache_dtype),
-            layout="vllm-v1",
-            block_tokens=self._block_size,
-            tp_size=tp_size,
-            tp_rank=tp_rank,
-        )
+        self._ns_enc, self._fp = namespace(
+            model.model, getattr(model, "revision", None), vllm_config.cache_config.cache_dtype,
+            self._block_size, tp_size, tp_rank)
         backend = getattr(vllm_config.parallel_config, "distributed_executor_backend", None)
         if not self._sidecar and backend not in (None, "uni"):
             raise ValueError(
@@ -101,17 +192,22 @@ class KvtierConnector(KVConnectorBase_V1):
                 "distributed_executor_backend='uni'; with worker processes use mode='sidecar' "
                 f"(kvtierd), not {backend!r}"
             )
-        self._store = _open(extra)
+        self._store = open_store(extra, "embedded", "vllm")
         self._ns = self._store.register_namespace(self._ns_enc)
         self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
         # Scheduler side.
         self._reqs: dict[str, Any] = {}
-        self._pending_loads: dict[str, tuple[list[bytes], int]] = {}
+        self._lookup_start: dict[str, int] = {}
+        self._loads: list[_Transfer] = []
         self._saved: dict[str, int] = {}
+        self._saving: set[str] = set()
         self._block_ids: dict[str, list[int]] = {}
         # Worker side.
         self._paged: PagedKv | None = None
+        self._mover: _Mover | None = None
         self._failed: set[int] = set()
+        self._save_reqs: set[str] = set()
+        self._finishing: set[str] = set()
 
     # ---- keys ------------------------------------------------------------------------------
 
@@ -128,28 +224,32 @@ class KvtierConnector(KVConnectorBase_V1):
         if hit >= prompt:
             # The engine must compute at least the last token to get logits.
             hit = ((prompt - 1) // self._block_size) * self._block_size
-        return max(0, hit - num_computed_tokens), False
+        ext = max(0, hit - num_computed_tokens)
+        # Where the external range starts, for update_state_after_alloc (not a store change).
+        self._lookup_start[request.request_id] = num_computed_tokens
+        return ext, self._async and ext > 0
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
-        self._reqs[request.request_id] = request
-        if num_external_tokens > 0:
-            self._pending_loads[request.request_id] = (self._keys(request), num_external_tokens)
+        rid = request.request_id
+        self._reqs[rid] = request
+        start = self._lookup_start.pop(rid, None)
+        if num_external_tokens <= 0 or start is None:
+            return
+        bs = self._block_size
+        first, last = start // bs, (start + num_external_tokens) // bs
+        ids = list(blocks.get_block_ids()[0])
+        keys = self._keys(request)
+        self._loads.append(_Transfer(rid, keys[first:last], ids[first:last]))
+        self._saved[rid] = max(self._saved.get(rid, 0), last)
 
     def build_connector_meta(self, scheduler_output):
-        meta = KvtierMetadata()
-        bs = self._block_size
+        meta = KvtierMetadata(loads=self._loads, async_load=self._async,
+                              preempted=list(getattr(scheduler_output, "preempted_req_ids", None) or ()))
+        self._loads = []
         for new in scheduler_output.scheduled_new_reqs:
-            ids = list(new.block_ids[0])
-            self._block_ids[new.req_id] = ids
-            req = self._reqs.get(new.req_id)
-            computed = new.num_computed_tokens
-            if new.req_id in self._pending_loads:
-                keys, ext = self._pending_loads.pop(new.req_id)
-                first = (computed - ext) // bs
-                last = computed // bs
-                meta.loads.append(_Transfer(keys[first:last], ids[first:last]))
-                self._saved[new.req_id] = last
-            self._add_saves(meta, new.req_id, req, computed + scheduler_output.num_scheduled_tokens[new.req_id])
+            self._block_ids[new.req_id] = list(new.block_ids[0])
+            done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
+            self._add_saves(meta, new.req_id, done)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
@@ -159,11 +259,12 @@ class KvtierConnector(KVConnectorBase_V1):
                 else:
                     self._block_ids.setdefault(req_id, []).extend(new_ids[0])
             done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
-            self._add_saves(meta, req_id, self._reqs.get(req_id), done)
+            self._add_saves(meta, req_id, done)
         return meta
 
-    def _add_saves(self, meta, req_id, req, computed_after_step):
+    def _add_saves(self, meta, req_id, computed_after_step):
         """Full prompt blocks computed by the end of this step and not stored yet."""
+        req = self._reqs.get(req_id)
         if req is None:
             return
         keys = self._keys(req)
@@ -172,14 +273,18 @@ class KvtierConnector(KVConnectorBase_V1):
         start = self._saved.get(req_id, 0)
         ids = self._block_ids.get(req_id, [])
         if upto > start and len(ids) >= upto:
-            meta.saves.append(_Transfer(keys[start:upto], ids[start:upto]))
+            meta.saves.append(_Transfer(req_id, keys[start:upto], ids[start:upto]))
             self._saved[req_id] = upto
+            self._saving.add(req_id)
 
     def request_finished(self, request, block_ids):
-        for d in (self._reqs, self._saved, self._block_ids, self._pending_loads):
-            d.pop(request.request_id, None)
-        # Saves are done synchronously in the step that computed the blocks.
-        return False, None
+        rid = request.request_id
+        for d in (self._reqs, self._saved, self._block_ids, self._lookup_start):
+            d.pop(rid, None)
+        # Blocks with queued saves stay allocated until the worker reports them written.
+        delay = rid in self._saving
+        self._saving.discard(rid)
+        return delay, None
 
     # ---- worker side -----------------------------------------------------------------------
 
@@ -201,19 +306,44 @@ class KvtierConnector(KVConnectorBase_V1):
             layers.append((t.data_ptr(), shape, list(t.stride()), dims, t.element_size()))
         self._kv_caches = kv_caches  # keep the tensors alive
         self._paged = PagedKv(layers)
+        self._mover = _Mover(self._load, self._save)
 
-    def start_load_kv(self, forward_context, **kwargs):
-        meta = self._get_connector_metadata()
-        for t in meta.loads:
-            if not t.keys:
-                continue
-            ids = [[b] for b in t.block_ids]
+    def _load(self, t: _Transfer) -> list[int]:
+        """Loads one transfer; returns the engine blocks that were not loaded."""
+        if not t.keys:
+            return list(t.block_ids)
+        ids = [[b] for b in t.block_ids]
+        try:
             if self._sidecar:
                 n = self._store.load(self._paged, t.keys, ids, self._lease_ms)
             else:
                 n = self._store.load(self._paged, t.keys, ids)
-            if n < len(t.keys):
-                self._failed.update(t.block_ids[n:])
+        except Exception:
+            log.exception("kvtier: load of %d blocks for %s failed", len(t.keys), t.req_id)
+            n = 0
+        if n < len(t.keys):
+            log.warning("kvtier: %d of %d blocks for %s could not be loaded",
+                        len(t.keys) - n, len(t.keys), t.req_id)
+        return list(t.block_ids[n:])
+
+    def _save(self, t: _Transfer) -> None:
+        try:
+            self._store.save(self._ns, self._paged, t.keys, [[b] for b in t.block_ids])
+        except Exception:
+            log.exception("kvtier: save of %d blocks for %s failed", len(t.keys), t.req_id)
+
+    def handle_preemptions(self, kv_connector_metadata):
+        # A preempted request's blocks are freed at once: its queued saves must read them first.
+        if self._mover is not None and kv_connector_metadata.preempted:
+            self._mover.wait_saves(kv_connector_metadata.preempted)
+
+    def start_load_kv(self, forward_context, **kwargs):
+        meta = self._get_connector_metadata()
+        for t in meta.loads:
+            if meta.async_load:
+                self._mover.submit_load(t)
+            else:
+                self._failed.update(self._load(t))
 
     def wait_for_layer_load(self, layer_name):
         return
@@ -225,8 +355,27 @@ class KvtierConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         for t in meta.saves:
             if t.keys:
-                self._store.save(self._ns, self._paged, t.keys, [[b] for b in t.block_ids])
+                self._save_reqs.add(t.req_id)
+                self._mover.submit_save(t)
+
+    def get_finished(self, finished_req_ids):
+        if self._mover is None:
+            return None, None
+        recving = set()
+        for rid, failed in self._mover.take_loaded():
+            recving.add(rid)
+            # Reported in this step's get_block_ids_with_load_errors, before the request runs.
+            self._failed.update(failed)
+        self._finishing |= set(finished_req_ids) & self._save_reqs
+        sending = {r for r in self._finishing if not self._mover.saving(r)}
+        self._finishing -= sending
+        self._save_reqs -= sending
+        return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self):
         failed, self._failed = self._failed, set()
         return failed
+
+    def shutdown(self):
+        if self._mover is not None:
+            self._mover.close()

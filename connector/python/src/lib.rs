@@ -4,7 +4,7 @@
 //! block.
 
 use kvstore::io::IoConfig;
-use kvstore::{Admission, BlockKey, DiskConfig, Namespace, NsId, Reserve, StoreConfig};
+use kvstore::{Admission, BlockKey, DiskConfig, Namespace, NsId, StoreConfig};
 use kvtier_connector::{Dim, LayerView};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -24,6 +24,30 @@ fn paired_keys(keys: &[Vec<u8>], block_ids: &[Vec<usize>]) -> PyResult<Vec<Block
         return Err(PyValueError::new_err("keys and block_ids differ in length"));
     }
     self::keys(keys)
+}
+
+/// Input errors are ValueError, everything else RuntimeError.
+fn transfer_err(e: kvtier_connector::TransferError) -> PyErr {
+    use kvtier_connector::TransferError as E;
+    match e {
+        E::Layout(_) | E::Input(_) => PyValueError::new_err(e.to_string()),
+        _ => PyRuntimeError::new_err(e.to_string()),
+    }
+}
+
+/// A caller's buffer given as `(address, length)`.
+///
+/// # Safety
+/// `ptr..ptr+len` must be live memory that nobody else touches during the call (the Python
+/// adapters pass a contiguous CPU tensor's `data_ptr()` and byte size, and keep the tensor alive).
+unsafe fn raw_buf<'a>(ptr: usize, len: usize) -> PyResult<&'a mut [u8]> {
+    if ptr == 0 || len == 0 || len > isize::MAX as usize {
+        return Err(PyValueError::new_err(format!(
+            "not a buffer: address {ptr:#x}, {len} bytes"
+        )));
+    }
+    // SAFETY: the caller's contract above.
+    Ok(unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) })
 }
 
 fn err(e: impl std::fmt::Display) -> PyErr {
@@ -204,6 +228,45 @@ impl Store {
         Ok(d)
     }
 
+    /// Copies the block under `key` into the buffer at `ptr` (`len` bytes, a tensor's memory).
+    /// True only when a block of exactly `len` bytes was there (promoted from disk if needed).
+    fn _read_into(&self, py: Python<'_>, key: &[u8], ptr: usize, len: usize) -> PyResult<bool> {
+        let k = self::key(key)?;
+        // SAFETY: the Python adapter passes a live contiguous tensor it keeps alive, and no
+        // other thread touches it during this call.
+        let dst = unsafe { raw_buf(ptr, len)? };
+        py.allow_threads(|| {
+            if self.inner.load_prefix(&[k]) == 0 {
+                return Ok(false);
+            }
+            match self.inner.get(&k) {
+                Some(b) if b.len() == dst.len() => {
+                    dst.copy_from_slice(&b);
+                    Ok(true)
+                }
+                _ => Ok(false),
+            }
+        })
+    }
+
+    /// Stores the `len` bytes at `ptr` under `key`. True if stored now or already present.
+    fn _write_from(
+        &self,
+        py: Python<'_>,
+        ns: u32,
+        key: &[u8],
+        ptr: usize,
+        len: usize,
+    ) -> PyResult<bool> {
+        let k = self::key(key)?;
+        // SAFETY: as in _read_into; the buffer is only read.
+        let src: &[u8] = unsafe { raw_buf(ptr, len)? };
+        py.allow_threads(|| match self.inner.put(NsId(ns), k, src).map_err(err)? {
+            kvstore::PutOutcome::Stored | kvstore::PutOutcome::AlreadyPresent => Ok(true),
+            kvstore::PutOutcome::InFlight => Ok(false),
+        })
+    }
+
     /// Saves engine blocks: `keys[i]` gets the canonical bytes of engine blocks `block_ids[i]`,
     /// gathered straight into a reserved slot. Returns how many were stored now.
     fn save(
@@ -216,23 +279,9 @@ impl Store {
     ) -> PyResult<usize> {
         let ks = paired_keys(&keys, &block_ids)?;
         py.allow_threads(|| {
-            let mut stored = 0;
-            for (k, ids) in ks.iter().zip(&block_ids) {
-                let len = ids.len() * paged.inner.block_bytes();
-                match self.inner.reserve(NsId(ns), *k, len).map_err(err)? {
-                    Reserve::Slot(mut r) => {
-                        paged
-                            .inner
-                            .gather(ids, r.as_mut_slice())
-                            .map_err(|e| PyValueError::new_err(e.to_string()))?;
-                        r.commit().map_err(err)?;
-                        stored += 1;
-                    }
-                    Reserve::AlreadyPresent | Reserve::InFlight => {}
-                }
-            }
-            Ok(stored)
+            kvtier_connector::save_embedded(&self.inner, NsId(ns), &paged.inner, &ks, &block_ids)
         })
+        .map_err(transfer_err)
     }
 
     /// Loads the longest present prefix of `keys` into engine blocks `block_ids[i]` (scattered
@@ -247,23 +296,9 @@ impl Store {
     ) -> PyResult<usize> {
         let ks = paired_keys(&keys, &block_ids)?;
         py.allow_threads(|| {
-            let resident = self.inner.load_prefix(&ks);
-            let mut n = 0;
-            while n < resident {
-                let Some(b) = self.inner.get(&ks[n]) else {
-                    break;
-                };
-                if b.len() != block_ids[n].len() * paged.inner.block_bytes() {
-                    break;
-                }
-                paged
-                    .inner
-                    .scatter(&block_ids[n], &b)
-                    .map_err(|e| PyValueError::new_err(e.to_string()))?;
-                n += 1;
-            }
-            Ok(n)
+            kvtier_connector::load_embedded(&self.inner, &paged.inner, &ks, &block_ids)
         })
+        .map_err(transfer_err)
     }
 }
 
@@ -309,6 +344,106 @@ impl Sidecar {
         Ok(self.client()?.lookup(&ks, None).map_err(ipc_err)?.0)
     }
 
+    /// Like `Store._read_into`, through the shared arena (under a short lease).
+    fn _read_into(&self, py: Python<'_>, key: &[u8], ptr: usize, len: usize) -> PyResult<bool> {
+        let k = self::key(key)?;
+        // SAFETY: the Python adapter passes a live contiguous tensor it keeps alive, and no
+        // other thread touches it during this call.
+        let dst = unsafe { raw_buf(ptr, len)? };
+        py.allow_threads(|| {
+            let mut c = self.client()?;
+            let l = c
+                .load(&[k], std::time::Duration::from_secs(10))
+                .map_err(ipc_err)?;
+            let mut ok = false;
+            if let Some(&(_, n)) = l.blocks.first() {
+                if n as usize == dst.len() {
+                    c.read(&l, 0, dst).map_err(ipc_err)?;
+                    ok = true;
+                }
+            }
+            if let Some(id) = l.lease {
+                if c.release(id).is_err() {
+                    return Ok(false); // lapsed: the copy may be another block's bytes
+                }
+            }
+            Ok(ok)
+        })
+    }
+
+    /// Like `Store._write_from`, through the shared arena.
+    fn _write_from(
+        &self,
+        py: Python<'_>,
+        ns: u32,
+        key: &[u8],
+        ptr: usize,
+        len: usize,
+    ) -> PyResult<bool> {
+        let k = self::key(key)?;
+        // SAFETY: as in _read_into; the buffer is only read.
+        let src: &[u8] = unsafe { raw_buf(ptr, len)? };
+        let n = u32::try_from(len)
+            .map_err(|_| PyValueError::new_err(format!("a block of {len} bytes is too large")))?;
+        py.allow_threads(|| {
+            let mut c = self.client()?;
+            let slots = c.reserve(NsId(ns), &[k], &[n]).map_err(ipc_err)?;
+            match slots.first() {
+                Some(&kvstore::ipc::SlotStatus::Slot { token, .. }) => {
+                    c.write(token, src).map_err(ipc_err)?;
+                    Ok(c.commit(&[token]).map_err(ipc_err)? == 1)
+                }
+                Some(kvstore::ipc::SlotStatus::Present) => Ok(true),
+                _ => Ok(false),
+            }
+        })
+    }
+
+    /// Stores one block's bytes under `key` (copied into a reserved arena slot). False when
+    /// the key is already present or being written.
+    fn put(&self, py: Python<'_>, ns: u32, key: &[u8], data: &[u8]) -> PyResult<bool> {
+        let k = self::key(key)?;
+        let len = u32::try_from(data.len()).map_err(|_| {
+            PyValueError::new_err(format!("a block of {} bytes is too large", data.len()))
+        })?;
+        py.allow_threads(|| {
+            let mut c = self.client()?;
+            let slots = c.reserve(NsId(ns), &[k], &[len]).map_err(ipc_err)?;
+            match slots.first() {
+                Some(&kvstore::ipc::SlotStatus::Slot { token, .. }) => {
+                    c.write(token, data).map_err(ipc_err)?;
+                    Ok(c.commit(&[token]).map_err(ipc_err)? == 1)
+                }
+                _ => Ok(false),
+            }
+        })
+    }
+
+    /// A copy of the block stored under `key`, or None (taken under a short lease; None if
+    /// the lease lapsed before the copy was done).
+    fn get<'py>(&self, py: Python<'py>, key: &[u8]) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let k = self::key(key)?;
+        let bytes = py.allow_threads(|| -> PyResult<Option<Vec<u8>>> {
+            let mut c = self.client()?;
+            let l = c
+                .load(&[k], std::time::Duration::from_secs(10))
+                .map_err(ipc_err)?;
+            let mut out = None;
+            if let Some(&(_, len)) = l.blocks.first() {
+                let mut v = vec![0u8; len as usize];
+                c.read(&l, 0, &mut v).map_err(ipc_err)?;
+                out = Some(v);
+            }
+            if let Some(id) = l.lease {
+                if c.release(id).is_err() {
+                    return Ok(None);
+                }
+            }
+            Ok(out)
+        })?;
+        Ok(bytes.map(|b| PyBytes::new(py, &b)))
+    }
+
     /// Like `Store.save`, through the shared arena.
     fn save(
         &self,
@@ -321,23 +456,8 @@ impl Sidecar {
         let ks = paired_keys(&keys, &block_ids)?;
         py.allow_threads(|| {
             let mut c = self.client()?;
-            let bb = paged.inner.block_bytes();
-            let lens: Vec<u32> = block_ids
-                .iter()
-                .map(|ids| (ids.len() * bb) as u32)
-                .collect();
-            let slots = c.reserve(NsId(ns), &ks, &lens).map_err(ipc_err)?;
-            let mut tokens = Vec::new();
-            for (s, ids) in slots.iter().zip(&block_ids) {
-                if let kvstore::ipc::SlotStatus::Slot { token, .. } = *s {
-                    // One copy: gathered straight into the shared arena slot.
-                    c.fill_slot(token, |slot| paged.inner.gather(ids, slot))
-                        .map_err(ipc_err)?
-                        .map_err(|e| PyValueError::new_err(e.to_string()))?;
-                    tokens.push(token);
-                }
-            }
-            Ok(c.commit(&tokens).map_err(ipc_err)? as usize)
+            kvtier_connector::save_sidecar(&mut c, NsId(ns), &paged.inner, &ks, &block_ids)
+                .map_err(transfer_err)
         })
     }
 
@@ -354,27 +474,9 @@ impl Sidecar {
         let ks = paired_keys(&keys, &block_ids)?;
         py.allow_threads(|| {
             let mut c = self.client()?;
-            let l = c
-                .load(&ks, std::time::Duration::from_millis(ttl_ms.max(1)))
-                .map_err(ipc_err)?;
-            let bb = paged.inner.block_bytes();
-            let mut n = 0;
-            for (i, &(_, len)) in l.blocks.iter().enumerate() {
-                if len as usize != block_ids[i].len() * bb {
-                    break;
-                }
-                c.with_block(&l, i, |b| paged.inner.scatter(&block_ids[i], b))
-                    .map_err(ipc_err)?
-                    .map_err(|e| PyValueError::new_err(e.to_string()))?;
-                n += 1;
-            }
-            if let Some(id) = l.lease {
-                if c.release(id).is_err() {
-                    // The lease lapsed: what was copied may be another block's bytes.
-                    return Ok(0);
-                }
-            }
-            Ok(n)
+            let ttl = std::time::Duration::from_millis(ttl_ms);
+            kvtier_connector::load_sidecar(&mut c, &paged.inner, &ks, &block_ids, ttl)
+                .map_err(transfer_err)
         })
     }
 }
