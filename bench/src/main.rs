@@ -3,6 +3,7 @@
 //! `{"bench": NAME, "results": [{"case", "unit", "value", "baseline", "ratio"}, ...]}`.
 
 mod alloc_count;
+mod connector;
 mod disk;
 mod host;
 mod ipc;
@@ -43,6 +44,8 @@ enum Cmd {
     Peers(peers::PeersArgs),
     /// Through the kvtierd sidecar vs embedded: lookup+lease latency, put/get bandwidth.
     Ipc(ipc::IpcArgs),
+    /// Save/load of a long prefix through the connector's CPU path vs memcpy, embedded and kvtierd.
+    Connector(connector::ConnectorArgs),
 }
 
 /// Parses `123`, `256K`, `2M`, `1G` (binary units).
@@ -70,6 +73,7 @@ fn main() -> Result<()> {
         Cmd::Replay(a) => replay::run(a),
         Cmd::Peers(a) => peers::run(a),
         Cmd::Ipc(a) => ipc::run(a),
+        Cmd::Connector(a) => connector::run(a),
     }
 }
 
