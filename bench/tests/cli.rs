@@ -291,3 +291,49 @@ fn ipc_bench_against_the_sidecar() {
         ]
     );
 }
+
+#[test]
+fn connector_bench_both_modes() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier-bench"))
+        .args([
+            "connector",
+            "--tokens",
+            "256",
+            "--layers",
+            "4",
+            "--layout",
+            "blocks-first",
+            "--rounds",
+            "1",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    let v = last_json(&out);
+    assert_eq!(v["bench"], "connector");
+    let rows = v["results"].as_array().unwrap();
+    let cases: Vec<&str> = rows.iter().map(|r| r["case"].as_str().unwrap()).collect();
+    assert_eq!(
+        cases,
+        [
+            "save 256 tokens, embedded",
+            "load 256 tokens, embedded",
+            "save 256 tokens, kvtierd",
+            "load 256 tokens, kvtierd"
+        ]
+    );
+    for r in rows {
+        assert!(r["ratio"].as_f64().unwrap() > 0.0, "{r}");
+    }
+}
+
+#[test]
+fn connector_bench_refuses_a_prefix_shorter_than_a_block() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier-bench"))
+        .args(["connector", "--tokens", "8", "--embedded-only"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--tokens"), "{err}");
+}

@@ -1,5 +1,5 @@
 """End to end with the real vLLM engine (CPU build 0.32.0) and a tiny random Llama, through
-kvtierd (sidecar mode).
+kvtierd (sidecar mode, the worker in its own process) and embedded.
 
 One story, each engine a fresh process (tests/vllm/run_engine.py), every output compared with an
 engine without any connector (greedy tokens equal, log-probabilities within 1e-3):
@@ -12,9 +12,8 @@ engine without any connector (greedy tokens equal, log-probabilities within 1e-3
 - after clearing the namespace it is a miss;
 - data files corrupted on disk: the checksum turns the load into a reported failure, which
   vLLM recomputes (kv_load_failure_policy "recompute") or fails ("fail") — never served.
-
-vLLM's CPU platform always runs its worker in a separate process, so the connector runs in
-sidecar mode here (embedded mode needs distributed_executor_backend="uni")."""
+And embedded mode (the store in the engine process, engine core and worker in one process:
+VLLM_ENABLE_V1_MULTIPROCESSING=0, uni executor) with a disk tier that a fresh engine reads."""
 
 import json
 import os
@@ -37,12 +36,16 @@ E = list(range(800, 894))
 ENV = dict(os.environ, PYTHONHASHSEED="0", VLLM_CPU_KVCACHE_SPACE="1")
 
 
-def engine(model, prompts, connector=None, **kw):
-    args = {"model": str(model), "prompts": prompts, "executor": "mp", **kw}
+def engine(model, prompts, connector=None, in_process=False, **kw):
+    """Runs prompts on a fresh engine. in_process: the engine core and its worker in this one
+    process (uni executor), which embedded mode needs; otherwise a worker process (mp)."""
+    args = {"model": str(model), "prompts": prompts, "executor": "uni" if in_process else "mp",
+            **kw}
     if connector:
         args["connector"] = connector
+    env = dict(ENV, VLLM_ENABLE_V1_MULTIPROCESSING="0") if in_process else ENV
     p = subprocess.run([sys.executable, str(HERE / "run_engine.py"), json.dumps(args)],
-                       capture_output=True, text=True, env=ENV, timeout=900)
+                       capture_output=True, text=True, env=env, timeout=900)
     lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
     assert p.returncode == 0 and lines, p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT "):])
@@ -98,6 +101,15 @@ def model(tmp_path_factory):
     return d
 
 
+NAMES = ["A", "B", "P0", "P1", "P2", "C", "D", "E"]
+
+
+@pytest.fixture(scope="module")
+def ref(model):
+    """Every prompt's output from an engine without any connector."""
+    return dict(zip(NAMES, engine(model, [A, B, *P, C, D, E])["outputs"]))
+
+
 def corrupt(block: bytes, other: bytes, how: str) -> bytes:
     """One engine block in kvtier's canonical form: per layer, K then V, tokens, heads."""
     layer = len(block) // LAYERS
@@ -114,15 +126,37 @@ def corrupt(block: bytes, other: bytes, how: str) -> bytes:
     return bytes(b)
 
 
-def test_vllm_engines_share_kv_through_kvtierd(model, tmp_path):
+def test_embedded_store_with_a_disk_tier_outlives_the_engine(model, ref, tmp_path):
+    """Embedded mode: the store inside the engine process, its disk tier in a directory; a
+    fresh engine process finds the blocks there."""
+    conn = {"mode": "embedded", "disk_dir": str(tmp_path / "store"), "host_bytes": 64 << 20,
+            "disk_bytes": 256 << 20, "segment_bytes": 16 << 20}
+    first = engine(model, [A, C], conn, in_process=True)["outputs"]
+    for out, name in zip(first, "AC"):
+        assert out["num_cached_tokens"] == 0
+        same(out, ref[name])
+    again = engine(model, [A, B, C], conn, in_process=True)["outputs"]
+    assert again[0]["num_cached_tokens"] >= len(A) - BS
+    same(again[0], ref["A"])
+    assert again[1]["num_cached_tokens"] >= BS
+    same(again[1], ref["B"])
+    assert again[2]["num_cached_tokens"] >= 2 * BS
+    same(again[2], ref["C"])
+    # Embedded mode with a worker process is refused with a message naming the fix.
+    p = subprocess.run(
+        [sys.executable, str(HERE / "run_engine.py"),
+         json.dumps({"model": str(model), "prompts": [A], "executor": "mp", "connector": conn})],
+        capture_output=True, text=True, env=ENV, timeout=900)
+    assert p.returncode != 0 and "mode='sidecar'" in p.stdout + p.stderr
+
+
+def test_vllm_engines_share_kv_through_kvtierd(model, ref, tmp_path):
     from kvtier import Sidecar
     from kvtier.vllm import namespace, prompt_keys
 
     def keys(prompt):
         return prompt_keys(prompt, model=str(model), block_size=BS, hash_seed=ENV["PYTHONHASHSEED"])
 
-    base = engine(model, [A, B, *P, C, D, E])["outputs"]
-    ref = dict(zip(["A", "B", "P0", "P1", "P2", "C", "D", "E"], base))
     d = Daemon(tmp_path / "kvtierd")
     try:
         # Saves under preemption: 7 usable blocks, prompts that grow into a 4th block.

@@ -7,7 +7,8 @@
 
 Extra config keys:
   mode: "sidecar" (kvtierd on this node) or "embedded" (the store lives in the engine process;
-        only with distributed_executor_backend="uni")
+        only with distributed_executor_backend="uni"; vLLM's CPU build also needs
+        VLLM_ENABLE_V1_MULTIPROCESSING=0)
   socket: kvtierd's engine socket (sidecar mode)
   host_bytes, disk_dir, disk_bytes, admission, write_through: the embedded store
   async_load: true (default): loads run on the worker's transfer thread while other requests
@@ -189,8 +190,9 @@ class KvtierConnector(KVConnectorBase_V1):
         if not self._sidecar and backend not in (None, "uni"):
             raise ValueError(
                 "kvtier: embedded mode keeps the store in the engine-core process, so it needs "
-                "distributed_executor_backend='uni'; with worker processes use mode='sidecar' "
-                f"(kvtierd), not {backend!r}"
+                "distributed_executor_backend='uni' (vLLM's CPU build also needs "
+                "VLLM_ENABLE_V1_MULTIPROCESSING=0 for that); with worker processes use "
+                f"mode='sidecar' (kvtierd), not {backend!r}"
             )
         self._store = open_store(extra, "embedded", "vllm")
         self._ns = self._store.register_namespace(self._ns_enc)
