@@ -36,6 +36,8 @@ pub fn driver_present() -> bool {
 pub struct CudaCopier {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    /// The device's largest 2D-copy pitch: rows farther apart go one by one.
+    max_pitch: usize,
 }
 
 enum Dir {
@@ -51,7 +53,13 @@ impl CudaCopier {
         }
         let ctx = CudaContext::new(ordinal)?;
         let stream = ctx.new_stream()?;
-        Ok(Self { ctx, stream })
+        let max_pitch =
+            ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_PITCH)? as usize;
+        Ok(Self {
+            ctx,
+            stream,
+            max_pitch,
+        })
     }
 
     /// The copy stream (e.g. for tests that allocate on it).
@@ -75,6 +83,46 @@ impl CudaCopier {
 
     fn submit(&self, pieces: &[Piece], dir: Dir) -> Result<(), CudaCopyError> {
         self.ctx.bind_to_thread()?;
+        let r = self.submit_all(pieces, dir);
+        if r.is_err() {
+            // Copies already queued still target the caller's buffers: let them finish before
+            // the caller reuses or frees them.
+            let _ = self.stream.synchronize();
+        }
+        r
+    }
+
+    fn submit_all(&self, pieces: &[Piece], dir: Dir) -> Result<(), CudaCopyError> {
+        // Rows farther apart than the device allows in one 2D copy go one by one.
+        let split: Vec<Piece>;
+        let pieces = if pieces
+            .iter()
+            .any(|p| p.rows > 1 && p.pitch > self.max_pitch)
+        {
+            split = pieces
+                .iter()
+                .flat_map(|p| {
+                    let one_by_one = p.rows > 1 && p.pitch > self.max_pitch;
+                    let n = if one_by_one { p.rows } else { 1 };
+                    (0..n).map(move |r| {
+                        if one_by_one {
+                            Piece {
+                                src: p.src + r * p.pitch,
+                                pitch: p.width,
+                                width: p.width,
+                                rows: 1,
+                                at: p.at + r * p.width,
+                            }
+                        } else {
+                            *p
+                        }
+                    })
+                })
+                .collect();
+            &split[..]
+        } else {
+            pieces
+        };
         for p in pieces {
             // SAFETY: an all-zero CUDA_MEMCPY2D is a valid (empty) descriptor: plain integers
             // and null pointers; every field used is set below.

@@ -33,6 +33,7 @@ P = [list(range(300 + 94 * i, 394 + 94 * i)) for i in range(3)]  # 94 tokens: cr
 C = list(range(600, 694))                        # while decoding (preemption in a tight cache)
 D = list(range(700, 794))
 E = list(range(800, 894))
+F = list(range(900, 964))                        # exactly 2 blocks: a full-prompt hit
 ENV = dict(os.environ, PYTHONHASHSEED="0", VLLM_CPU_KVCACHE_SPACE="1")
 
 
@@ -101,13 +102,13 @@ def model(tmp_path_factory):
     return d
 
 
-NAMES = ["A", "B", "P0", "P1", "P2", "C", "D", "E"]
+NAMES = ["A", "B", "P0", "P1", "P2", "C", "D", "E", "F"]
 
 
 @pytest.fixture(scope="module")
 def ref(model):
     """Every prompt's output from an engine without any connector."""
-    return dict(zip(NAMES, engine(model, [A, B, *P, C, D, E])["outputs"]))
+    return dict(zip(NAMES, engine(model, [A, B, *P, C, D, E, F])["outputs"]))
 
 
 def corrupt(block: bytes, other: bytes, how: str) -> bytes:
@@ -131,17 +132,20 @@ def test_embedded_store_with_a_disk_tier_outlives_the_engine(model, ref, tmp_pat
     fresh engine process finds the blocks there."""
     conn = {"mode": "embedded", "disk_dir": str(tmp_path / "store"), "host_bytes": 64 << 20,
             "disk_bytes": 256 << 20, "segment_bytes": 16 << 20}
-    first = engine(model, [A, C], conn, in_process=True)["outputs"]
-    for out, name in zip(first, "AC"):
+    first = engine(model, [A, C, F], conn, in_process=True)["outputs"]
+    for out, name in zip(first, "ACF"):
         assert out["num_cached_tokens"] == 0
         same(out, ref[name])
-    again = engine(model, [A, B, C], conn, in_process=True)["outputs"]
+    again = engine(model, [A, B, C, F], conn, in_process=True)["outputs"]
     assert again[0]["num_cached_tokens"] >= len(A) - BS
     same(again[0], ref["A"])
     assert again[1]["num_cached_tokens"] >= BS
     same(again[1], ref["B"])
     assert again[2]["num_cached_tokens"] >= 2 * BS
     same(again[2], ref["C"])
+    # The whole prompt is stored: all but its last token come from kvtier.
+    assert again[3]["num_cached_tokens"] == len(F) - 1
+    same(again[3], ref["F"])
     # Embedded mode with a worker process is refused with a message naming the fix.
     p = subprocess.run(
         [sys.executable, str(HERE / "run_engine.py"),

@@ -16,7 +16,9 @@ Extra config keys (besides the three the factory needs):
 Keys are SGLang's page hashes (chained SHA-256 per page) mixed with a namespace fingerprint
 (model, dtype, layout, page size, TP rank and size; MLA models share one copy across ranks),
 so engines only ever read pages they can use. A page whose size differs from the buffer it is
-read into is a miss, never a partial copy; ``batch_exists`` counts leading pages only.
+read into is a miss, never a partial copy; ``batch_exists`` counts leading pages only; a store
+or daemon failure is a logged miss (get) or a False (set), never an exception into SGLang's
+cache controller.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class KvtierHiCache(HiCacheStorage):
             layout += f"-pp{c.pp_rank}of{c.pp_size}"
         if c.attn_cp_size > 1:
             layout += f"-cp{c.attn_cp_rank}of{c.attn_cp_size}"
+        if getattr(c, "dcp_size", 1) > 1:  # MLA shards under decode context parallelism
+            layout += f"-dcp{c.dcp_rank}of{c.dcp_size}"
         self._ns_enc, self._fp = namespace_fingerprint(
             model=c.model_name or "",
             dtype=str(extra.get("dtype", "unspecified")),
@@ -82,7 +86,12 @@ class KvtierHiCache(HiCacheStorage):
         if target_location is None:
             raise ValueError("kvtier: get needs target_location (the page buffer to fill)")
         ptr, n = _bytes_of(target_location)
-        return target_location if self._store._read_into(self._key(key), ptr, n) else None
+        try:
+            ok = self._store._read_into(self._key(key), ptr, n)
+        except RuntimeError:  # store or daemon failure: a miss, logged
+            log.exception("kvtier: get %s failed", key)
+            ok = False
+        return target_location if ok else None
 
     def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
@@ -98,7 +107,11 @@ class KvtierHiCache(HiCacheStorage):
             raise ValueError("kvtier: set needs a value tensor")
         v = value.contiguous()  # keep the contiguous copy alive during the call
         ptr, n = _bytes_of(v)
-        return self._store._write_from(self._ns, self._key(key), ptr, n)
+        try:
+            return self._store._write_from(self._ns, self._key(key), ptr, n)
+        except RuntimeError:  # no room, daemon gone: not stored, logged
+            log.exception("kvtier: set %s failed", key)
+            return False
 
     def batch_set(self, keys: List[str], values: Optional[Any] = None,
                   target_locations: Optional[Any] = None,

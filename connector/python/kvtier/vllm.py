@@ -83,8 +83,10 @@ def prompt_keys(token_ids: list[int], *, model: str, block_size: int, revision: 
 
 @dataclass
 class _Transfer:
+    """Engine blocks and their vLLM block hashes (each worker keys them in its own namespace:
+    TP ranks hold different shards)."""
     req_id: str
-    keys: list[bytes]
+    hashes: list[bytes]
     block_ids: list[int]
 
 
@@ -159,7 +161,10 @@ class _Mover:
 
     def wait_saves(self, req_ids) -> None:
         with self._cv:
-            self._cv.wait_for(lambda: not any(r in self._saving for r in req_ids))
+            while any(r in self._saving for r in req_ids):
+                if not self._thread.is_alive():
+                    raise RuntimeError("kvtier: the transfer thread died with saves queued")
+                self._cv.wait(timeout=1.0)
 
     def close(self, timeout: float = 120.0) -> None:
         """Finishes what is queued (saves included), then stops."""
@@ -181,11 +186,21 @@ class KvtierConnector(KVConnectorBase_V1):
         self._lease_ms = int(extra.get("lease_ms", 30_000))
         par = vllm_config.parallel_config
         tp_size = getattr(par, "tensor_parallel_size", 1) or 1
-        tp_rank = getattr(par, "rank", 0) % tp_size if tp_size > 1 else 0
+        tp_rank = 0
+        if tp_size > 1 and role == KVConnectorRole.WORKER:
+            try:
+                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+                tp_rank = get_tensor_model_parallel_rank()
+            except Exception:  # noqa: BLE001 - TP group not up: fall back to the global rank
+                tp_rank = getattr(par, "rank", 0) % tp_size
         model = vllm_config.model_config
+        # MLA: one latent KV, the same on every TP rank: one shared copy, written by rank 0.
+        mla = bool(getattr(model, "use_mla", False))
+        self._writer = not mla or tp_rank == 0
+        # The scheduler looks up rank 0's blocks (or the shared MLA copy).
         self._ns_enc, self._fp = namespace(
             model.model, getattr(model, "revision", None), vllm_config.cache_config.cache_dtype,
-            self._block_size, tp_size, tp_rank)
+            self._block_size, 0 if mla else tp_size, 0 if mla else tp_rank)
         backend = getattr(vllm_config.parallel_config, "distributed_executor_backend", None)
         if not self._sidecar and backend not in (None, "uni"):
             raise ValueError(
@@ -216,16 +231,18 @@ class KvtierConnector(KVConnectorBase_V1):
     def _keys(self, request) -> list[bytes]:
         return [engine_key(self._fp, bytes(h)) for h in request.block_hashes]
 
+    def _hashes(self, request) -> list[bytes]:
+        return [bytes(h) for h in request.block_hashes]
+
     # ---- scheduler side --------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         keys = self._keys(request)
         n = self._store.match_prefix(keys) if keys else 0
         prompt = len(request.prompt_token_ids or [])
-        hit = n * self._block_size
-        if hit >= prompt:
-            # The engine must compute at least the last token to get logits.
-            hit = ((prompt - 1) // self._block_size) * self._block_size
+        # A hit covering the whole prompt reports one token fewer: the engine must compute the
+        # last token to get logits (it rewrites that token's KV in the loaded block).
+        hit = min(n * self._block_size, prompt - 1)
         ext = max(0, hit - num_computed_tokens)
         # Where the external range starts, for update_state_after_alloc (not a store change).
         self._lookup_start[request.request_id] = num_computed_tokens
@@ -238,16 +255,19 @@ class KvtierConnector(KVConnectorBase_V1):
         if num_external_tokens <= 0 or start is None:
             return
         bs = self._block_size
-        first, last = start // bs, (start + num_external_tokens) // bs
+        first, last = start // bs, -(-(start + num_external_tokens) // bs)  # whole blocks
         ids = list(blocks.get_block_ids()[0])
-        keys = self._keys(request)
-        self._loads.append(_Transfer(rid, keys[first:last], ids[first:last]))
+        hashes = self._hashes(request)
+        self._loads.append(_Transfer(rid, hashes[first:last], ids[first:last]))
         self._saved[rid] = max(self._saved.get(rid, 0), last)
 
     def build_connector_meta(self, scheduler_output):
         meta = KvtierMetadata(loads=self._loads, async_load=self._async,
                               preempted=list(getattr(scheduler_output, "preempted_req_ids", None) or ()))
         self._loads = []
+        # A preempted request's blocks are freed now: its queued saves are flushed by the
+        # workers (handle_preemptions), so it no longer needs delay_free for them.
+        self._saving.difference_update(meta.preempted)
         for new in scheduler_output.scheduled_new_reqs:
             self._block_ids[new.req_id] = list(new.block_ids[0])
             done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
@@ -269,13 +289,13 @@ class KvtierConnector(KVConnectorBase_V1):
         req = self._reqs.get(req_id)
         if req is None:
             return
-        keys = self._keys(req)
+        hashes = self._hashes(req)
         prompt_blocks = len(req.prompt_token_ids or []) // self._block_size
-        upto = min(computed_after_step // self._block_size, prompt_blocks, len(keys))
+        upto = min(computed_after_step // self._block_size, prompt_blocks, len(hashes))
         start = self._saved.get(req_id, 0)
         ids = self._block_ids.get(req_id, [])
         if upto > start and len(ids) >= upto:
-            meta.saves.append(_Transfer(req_id, keys[start:upto], ids[start:upto]))
+            meta.saves.append(_Transfer(req_id, hashes[start:upto], ids[start:upto]))
             self._saved[req_id] = upto
             self._saving.add(req_id)
 
@@ -290,9 +310,17 @@ class KvtierConnector(KVConnectorBase_V1):
 
     # ---- worker side -----------------------------------------------------------------------
 
+    def requires_kv_delivery(self) -> bool:
+        # A cache: a save dropped at preemption is a later miss, not a lost hand-off.
+        return False
+
     def register_kv_caches(self, kv_caches):
         layers = []
         for name, t in kv_caches.items():
+            if t.device.type != "cpu":
+                raise ValueError(
+                    f"kvtier: KV cache {name} is on {t.device}; the Python connector copies "
+                    "with the CPU path only (GPU copies: kvtier-connector's cuda feature)")
             dims = ["inner"] * t.dim()
             shape = list(t.shape)
             taken = set()
@@ -312,32 +340,38 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def _load(self, t: _Transfer) -> list[int]:
         """Loads one transfer; returns the engine blocks that were not loaded."""
-        if not t.keys:
+        if not t.hashes:
             return list(t.block_ids)
+        keys = [engine_key(self._fp, h) for h in t.hashes]
         ids = [[b] for b in t.block_ids]
         try:
             if self._sidecar:
-                n = self._store.load(self._paged, t.keys, ids, self._lease_ms)
+                n = self._store.load(self._paged, keys, ids, self._lease_ms)
             else:
-                n = self._store.load(self._paged, t.keys, ids)
+                n = self._store.load(self._paged, keys, ids)
         except Exception:
-            log.exception("kvtier: load of %d blocks for %s failed", len(t.keys), t.req_id)
+            log.exception("kvtier: load of %d blocks for %s failed", len(keys), t.req_id)
             n = 0
-        if n < len(t.keys):
+        if n < len(keys):
             log.warning("kvtier: %d of %d blocks for %s could not be loaded",
-                        len(t.keys) - n, len(t.keys), t.req_id)
+                        len(keys) - n, len(keys), t.req_id)
         return list(t.block_ids[n:])
 
     def _save(self, t: _Transfer) -> None:
+        keys = [engine_key(self._fp, h) for h in t.hashes]
         try:
-            self._store.save(self._ns, self._paged, t.keys, [[b] for b in t.block_ids])
+            self._store.save(self._ns, self._paged, keys, [[b] for b in t.block_ids])
         except Exception:
-            log.exception("kvtier: save of %d blocks for %s failed", len(t.keys), t.req_id)
+            log.exception("kvtier: save of %d blocks for %s failed", len(keys), t.req_id)
 
     def handle_preemptions(self, kv_connector_metadata):
-        # A preempted request's blocks are freed at once: its queued saves must read them first.
-        if self._mover is not None and kv_connector_metadata.preempted:
-            self._mover.wait_saves(kv_connector_metadata.preempted)
+        # A preempted request's blocks are freed at once: its queued saves must read them
+        # first; after that it has nothing in flight (the scheduler stopped delaying its free).
+        preempted = kv_connector_metadata.preempted
+        if self._mover is not None and preempted:
+            self._mover.wait_saves(preempted)
+            self._save_reqs.difference_update(preempted)
+            self._finishing.difference_update(preempted)
 
     def start_load_kv(self, forward_context, **kwargs):
         meta = self._get_connector_metadata()
@@ -356,9 +390,12 @@ class KvtierConnector(KVConnectorBase_V1):
     def wait_for_save(self):
         meta = self._get_connector_metadata()
         for t in meta.saves:
-            if t.keys:
+            # Every rank reports the save done (the scheduler waits for all of them); a rank
+            # that does not write (MLA, rank > 0) has nothing to queue.
+            if t.hashes:
                 self._save_reqs.add(t.req_id)
-                self._mover.submit_save(t)
+                if self._writer:
+                    self._mover.submit_save(t)
 
     def get_finished(self, finished_req_ids):
         if self._mover is None:

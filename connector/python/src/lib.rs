@@ -249,7 +249,8 @@ impl Store {
         })
     }
 
-    /// Stores the `len` bytes at `ptr` under `key`. True if stored now or already present.
+    /// Stores the `len` bytes at `ptr` under `key`. True if stored now, already present or
+    /// being written by another writer; an error if it cannot be stored.
     fn _write_from(
         &self,
         py: Python<'_>,
@@ -261,9 +262,10 @@ impl Store {
         let k = self::key(key)?;
         // SAFETY: as in _read_into; the buffer is only read.
         let src: &[u8] = unsafe { raw_buf(ptr, len)? };
-        py.allow_threads(|| match self.inner.put(NsId(ns), k, src).map_err(err)? {
-            kvstore::PutOutcome::Stored | kvstore::PutOutcome::AlreadyPresent => Ok(true),
-            kvstore::PutOutcome::InFlight => Ok(false),
+        // Being written by someone else counts as stored (the same key is the same bytes).
+        py.allow_threads(|| {
+            self.inner.put(NsId(ns), k, src).map_err(err)?;
+            Ok(true)
         })
     }
 
@@ -393,8 +395,10 @@ impl Sidecar {
                     c.write(token, src).map_err(ipc_err)?;
                     Ok(c.commit(&[token]).map_err(ipc_err)? == 1)
                 }
-                Some(kvstore::ipc::SlotStatus::Present) => Ok(true),
-                _ => Ok(false),
+                Some(kvstore::ipc::SlotStatus::Present | kvstore::ipc::SlotStatus::InFlight) => {
+                    Ok(true)
+                }
+                _ => Ok(false), // no room: everything pinned
             }
         })
     }
