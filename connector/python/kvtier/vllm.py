@@ -219,6 +219,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self._saved: dict[str, int] = {}
         self._saving: set[str] = set()
         self._block_ids: dict[str, list[int]] = {}
+        self._loading: dict[str, tuple[int, list[int]]] = {}  # first block index, engine blocks
         # Worker side.
         self._paged: PagedKv | None = None
         self._mover: _Mover | None = None
@@ -259,6 +260,7 @@ class KvtierConnector(KVConnectorBase_V1):
         ids = list(blocks.get_block_ids()[0])
         hashes = self._hashes(request)
         self._loads.append(_Transfer(rid, hashes[first:last], ids[first:last]))
+        self._loading[rid] = (first, ids[first:last])
         self._saved[rid] = max(self._saved.get(rid, 0), last)
 
     def build_connector_meta(self, scheduler_output):
@@ -299,9 +301,19 @@ class KvtierConnector(KVConnectorBase_V1):
             self._saved[req_id] = upto
             self._saving.add(req_id)
 
+    def update_connector_output(self, connector_output):
+        """Blocks that failed to load are recomputed by the engine: save them again then."""
+        bad = getattr(connector_output, "invalid_block_ids", None)
+        if not bad:
+            return
+        for rid, (first, ids) in self._loading.items():
+            failed = [i for i, b in enumerate(ids) if b in bad]
+            if failed and rid in self._saved:
+                self._saved[rid] = min(self._saved[rid], first + failed[0])
+
     def request_finished(self, request, block_ids):
         rid = request.request_id
-        for d in (self._reqs, self._saved, self._block_ids, self._lookup_start):
+        for d in (self._reqs, self._saved, self._block_ids, self._lookup_start, self._loading):
             d.pop(rid, None)
         # Blocks with queued saves stay allocated until the worker reports them written.
         delay = rid in self._saving

@@ -316,6 +316,35 @@ fn ipc_err(e: kvstore::ipc::IpcError) -> PyErr {
 }
 
 impl Sidecar {
+    /// Reserves, fills and commits one block: Some(true) stored now, Some(false) already
+    /// present or being written by someone else, None not stored (no room: everything
+    /// pinned; or the reservation lapsed before the commit).
+    fn store_block(
+        &self,
+        py: Python<'_>,
+        ns: u32,
+        k: BlockKey,
+        data: &[u8],
+    ) -> PyResult<Option<bool>> {
+        let len = u32::try_from(data.len()).map_err(|_| {
+            PyValueError::new_err(format!("a block of {} bytes is too large", data.len()))
+        })?;
+        py.allow_threads(|| {
+            let mut c = self.client()?;
+            let slots = c.reserve(NsId(ns), &[k], &[len]).map_err(ipc_err)?;
+            Ok(match slots.first() {
+                Some(&kvstore::ipc::SlotStatus::Slot { token, .. }) => {
+                    c.write(token, data).map_err(ipc_err)?;
+                    (c.commit(&[token]).map_err(ipc_err)? == 1).then_some(true)
+                }
+                Some(kvstore::ipc::SlotStatus::Present | kvstore::ipc::SlotStatus::InFlight) => {
+                    Some(false)
+                }
+                _ => None,
+            })
+        })
+    }
+
     fn client(&self) -> PyResult<std::sync::MutexGuard<'_, kvstore::ipc::IpcClient>> {
         self.inner
             .lock()
@@ -385,42 +414,13 @@ impl Sidecar {
         let k = self::key(key)?;
         // SAFETY: as in _read_into; the buffer is only read.
         let src: &[u8] = unsafe { raw_buf(ptr, len)? };
-        let n = u32::try_from(len)
-            .map_err(|_| PyValueError::new_err(format!("a block of {len} bytes is too large")))?;
-        py.allow_threads(|| {
-            let mut c = self.client()?;
-            let slots = c.reserve(NsId(ns), &[k], &[n]).map_err(ipc_err)?;
-            match slots.first() {
-                Some(&kvstore::ipc::SlotStatus::Slot { token, .. }) => {
-                    c.write(token, src).map_err(ipc_err)?;
-                    Ok(c.commit(&[token]).map_err(ipc_err)? == 1)
-                }
-                Some(kvstore::ipc::SlotStatus::Present | kvstore::ipc::SlotStatus::InFlight) => {
-                    Ok(true)
-                }
-                _ => Ok(false), // no room: everything pinned
-            }
-        })
+        Ok(self.store_block(py, ns, k, src)?.is_some())
     }
-
     /// Stores one block's bytes under `key` (copied into a reserved arena slot). False when
     /// the key is already present or being written.
     fn put(&self, py: Python<'_>, ns: u32, key: &[u8], data: &[u8]) -> PyResult<bool> {
         let k = self::key(key)?;
-        let len = u32::try_from(data.len()).map_err(|_| {
-            PyValueError::new_err(format!("a block of {} bytes is too large", data.len()))
-        })?;
-        py.allow_threads(|| {
-            let mut c = self.client()?;
-            let slots = c.reserve(NsId(ns), &[k], &[len]).map_err(ipc_err)?;
-            match slots.first() {
-                Some(&kvstore::ipc::SlotStatus::Slot { token, .. }) => {
-                    c.write(token, data).map_err(ipc_err)?;
-                    Ok(c.commit(&[token]).map_err(ipc_err)? == 1)
-                }
-                _ => Ok(false),
-            }
-        })
+        Ok(self.store_block(py, ns, k, data)? == Some(true))
     }
 
     /// A copy of the block stored under `key`, or None (taken under a short lease; None if
