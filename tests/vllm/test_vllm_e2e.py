@@ -8,7 +8,8 @@ engine without any connector (greedy tokens equal, log-probabilities within 1e-3
   prompt sharing one block hits that block; a request aborted during its load leaks no lease;
 - blocks corrupted inside the store (zeroed, K/V swapped, one layer from another block) move
   the log-probabilities: the comparison can fail;
-- after a daemon restart the blocks come from its disk tier (synchronous loads);
+- after a daemon restart the blocks come from its disk tier (synchronous loads, scheduler and
+  worker in one process);
 - after clearing the namespace it is a miss;
 - data files corrupted on disk: the checksum turns the load into a reported failure, which
   vLLM recomputes (kv_load_failure_policy "recompute") or fails ("fail") — never served.
@@ -205,11 +206,12 @@ def test_vllm_engines_share_kv_through_kvtierd(model, ref, tmp_path):
             assert moved(bad[i], ref[f"P{i}"]), f"corruption {i} went unnoticed"
         same(bad[3], ref["A"])
 
-        # Restart the daemon: the blocks come back from its disk tier (synchronous loads).
+        # Restart the daemon: the blocks come back from its disk tier (synchronous loads, the
+        # engine core and its worker in one process, each side on its own connection).
         del side
         d.stop()
         d.start()
-        after = engine(model, [A], d.conn(async_load=False))["outputs"]
+        after = engine(model, [A], d.conn(async_load=False), in_process=True)["outputs"]
         assert after[0]["num_cached_tokens"] >= len(A) - BS
         same(after[0], ref["A"])
 

@@ -1,5 +1,6 @@
-"""One store (or kvtierd connection) per process and configuration, shared by every adapter
-instance in the process (an engine's scheduler and worker sides, several HiCache backends)."""
+"""One store per process and configuration, shared by every adapter instance in the process (an
+engine's scheduler and worker sides, several HiCache backends); one kvtierd connection per
+client name (so a scheduler's lookups never queue behind a worker's background saves)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def open_store(extra: dict, default_mode: str, client: str) -> Any:
     if mode == "sidecar":
         if "socket" not in extra:
             raise ValueError("kvtier: mode 'sidecar' needs 'socket' (kvtierd's engine socket)")
-        key = ("sidecar", extra["socket"])
+        key = ("sidecar", extra["socket"], client)
     elif mode == "embedded":
         key = ("embedded", extra.get("disk_dir"), int(extra.get("host_bytes", 1 << 30)))
     else:

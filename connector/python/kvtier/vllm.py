@@ -209,7 +209,10 @@ class KvtierConnector(KVConnectorBase_V1):
                 "VLLM_ENABLE_V1_MULTIPROCESSING=0 for that); with worker processes use "
                 f"mode='sidecar' (kvtierd), not {backend!r}"
             )
-        self._store = open_store(extra, "embedded", "vllm")
+        # Sidecar: the scheduler and the worker each get a connection (with the uni executor
+        # they share a process, and lookups must not wait behind a background save).
+        side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
+        self._store = open_store(extra, "embedded", f"vllm-{side}")
         self._ns = self._store.register_namespace(self._ns_enc)
         self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
         # Scheduler side.
