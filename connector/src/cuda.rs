@@ -36,7 +36,7 @@ pub fn driver_present() -> bool {
 pub struct CudaCopier {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    /// The device's largest 2D-copy pitch: rows farther apart go one by one.
+    /// The device's largest 2D-copy pitch: pieces never have rows farther apart.
     max_pitch: usize,
 }
 
@@ -93,36 +93,6 @@ impl CudaCopier {
     }
 
     fn submit_all(&self, pieces: &[Piece], dir: Dir) -> Result<(), CudaCopyError> {
-        // Rows farther apart than the device allows in one 2D copy go one by one.
-        let split: Vec<Piece>;
-        let pieces = if pieces
-            .iter()
-            .any(|p| p.rows > 1 && p.pitch > self.max_pitch)
-        {
-            split = pieces
-                .iter()
-                .flat_map(|p| {
-                    let one_by_one = p.rows > 1 && p.pitch > self.max_pitch;
-                    let n = if one_by_one { p.rows } else { 1 };
-                    (0..n).map(move |r| {
-                        if one_by_one {
-                            Piece {
-                                src: p.src + r * p.pitch,
-                                pitch: p.width,
-                                width: p.width,
-                                rows: 1,
-                                at: p.at + r * p.width,
-                            }
-                        } else {
-                            *p
-                        }
-                    })
-                })
-                .collect();
-            &split[..]
-        } else {
-            pieces
-        };
         for p in pieces {
             // SAFETY: an all-zero CUDA_MEMCPY2D is a valid (empty) descriptor: plain integers
             // and null pointers; every field used is set below.
@@ -175,7 +145,10 @@ impl CudaCopier {
             }
             .into());
         }
-        self.submit(&paged.pieces(ids)?, Dir::DeviceToHost(dst.as_mut_ptr()))
+        self.submit(
+            &paged.pieces(ids, self.max_pitch)?,
+            Dir::DeviceToHost(dst.as_mut_ptr()),
+        )
     }
 
     /// Queues the copy of `src` (host, canonical form) into engine blocks `ids` (device).
@@ -195,7 +168,10 @@ impl CudaCopier {
             }
             .into());
         }
-        self.submit(&paged.pieces(ids)?, Dir::HostToDevice(src.as_ptr()))
+        self.submit(
+            &paged.pieces(ids, self.max_pitch)?,
+            Dir::HostToDevice(src.as_ptr()),
+        )
     }
 
     /// Waits for every queued copy.

@@ -259,9 +259,10 @@ impl PagedKv {
     }
 
     /// The copies a gather (or scatter) of `ids` is made of, as strided pieces for a copy
-    /// engine that moves 2D regions (cuMemcpy2DAsync): in canonical order, each piece lands at
-    /// `at` in the destination, right after the previous one.
-    pub fn pieces(&self, ids: &[usize]) -> Result<Vec<Piece>, LayoutError> {
+    /// engine that moves 2D regions (cuMemcpy2DAsync) with rows at most `max_pitch` bytes
+    /// apart: in canonical order, each piece lands at `at` in the destination, right after the
+    /// previous one.
+    pub fn pieces(&self, ids: &[usize], max_pitch: usize) -> Result<Vec<Piece>, LayoutError> {
         self.check(ids, ids.len() * self.block_bytes)?;
         let mut out = Vec::new();
         let mut at = 0;
@@ -269,9 +270,12 @@ impl PagedKv {
             for p in &self.plans {
                 let base = p.ptr as isize + id as isize * p.block_stride;
                 // The innermost outer dim becomes the rows of a 2D piece when its stride is a
-                // forward pitch at least one run wide; anything else is one row per run.
+                // forward pitch at least one run wide and within the engine's limit; anything
+                // else is one row per run.
                 let (rows, pitch, outer) = match p.outer.split_last() {
-                    Some((&(n, s), rest)) if s >= p.run as isize => (n, s, rest),
+                    Some((&(n, s), rest)) if s >= p.run as isize && s as usize <= max_pitch => {
+                        (n, s, rest)
+                    }
                     _ => (1, p.run as isize, &p.outer[..]),
                 };
                 let sub = Plan {

@@ -102,26 +102,30 @@ fn check(name: &str, mut layers: Vec<Tensor>, rng: &mut impl Rng) {
         }
     }
     assert!(got == want, "{name}: gather differs from the reference");
-    // The 2D pieces a GPU copy engine is given describe the same bytes, in order.
-    let pieces = kv.pieces(&ids).unwrap();
-    let mut emulated = vec![0u8; got.len()];
-    let mut next = 0;
-    for p in &pieces {
-        assert_eq!(p.at, next, "{name}: pieces out of order");
-        assert!(
-            p.rows == 1 || p.pitch >= p.width,
-            "{name}: overlapping rows"
-        );
-        for r in 0..p.rows {
-            let src = p.src + r * p.pitch;
-            // SAFETY: the piece lies within a live tensor (the gather above read the same bytes).
-            let row = unsafe { std::slice::from_raw_parts(src as *const u8, p.width) };
-            emulated[p.at + r * p.width..p.at + (r + 1) * p.width].copy_from_slice(row);
+    // The 2D pieces a GPU copy engine is given describe the same bytes, in order, with no
+    // rows farther apart than its limit (none: one row per run).
+    for max_pitch in [usize::MAX, 0] {
+        let pieces = kv.pieces(&ids, max_pitch).unwrap();
+        let mut emulated = vec![0u8; got.len()];
+        let mut next = 0;
+        for p in &pieces {
+            assert_eq!(p.at, next, "{name}: pieces out of order");
+            assert!(
+                p.rows == 1 || (p.pitch >= p.width && p.pitch <= max_pitch),
+                "{name}: overlapping rows or a pitch over {max_pitch}"
+            );
+            for r in 0..p.rows {
+                let src = p.src + r * p.pitch;
+                // SAFETY: the piece lies within a live tensor (the gather above read the same
+                // bytes).
+                let row = unsafe { std::slice::from_raw_parts(src as *const u8, p.width) };
+                emulated[p.at + r * p.width..p.at + (r + 1) * p.width].copy_from_slice(row);
+            }
+            next += p.rows * p.width;
         }
-        next += p.rows * p.width;
+        assert_eq!(next, got.len(), "{name}: pieces do not cover the blocks");
+        assert!(emulated == got, "{name}: pieces differ from gather");
     }
-    assert_eq!(next, got.len(), "{name}: pieces do not cover the blocks");
-    assert!(emulated == got, "{name}: pieces differ from gather");
     // Scatter into other blocks of the same tensors, then gather those back.
     let targets: Vec<usize> = ids.iter().map(|&i| (i + 1) % nb).collect();
     let mut dedup = targets.clone();

@@ -1,7 +1,8 @@
 """kvtier.sglang.KvtierHiCache against the real sglang package (0.5.23): built by SGLang's own
 backend factory from `--hicache-storage-backend dynamic`, subclass of its HiCacheStorage, and
 exercised with CPU tensors through set, get, batch_set, batch_get, exists, batch_exists and the
-index-addressed v1 variants, embedded and through kvtierd."""
+index-addressed v1 variants (each page copied once, between the host pool's buffers and the
+store), embedded and through kvtierd."""
 
 import subprocess
 from pathlib import Path
@@ -105,30 +106,42 @@ def test_namespaces_keep_ranks_and_models_apart(extra, request):
 
 
 class HostPages:
-    """The three page accessors of SGLang's host KV pool the v1 calls use, over one real host
-    tensor (SGLang's own pool needs a device pool's pointer tables to be built)."""
+    """SGLang's host KV pool as the v1 calls see it: `get_page_buffer_meta(indices)` gives each
+    page's memory as segments (here K and V in two separate real host tensors, as the
+    layer_first pool's per-layer K/V pointers), `page_size` token slots per page. SGLang's own
+    pool needs a device pool's pointer tables to be built."""
 
     page_size = 64
 
     def __init__(self, pages):
-        self.buf = torch.zeros((pages, page(0).numel()), dtype=DT)
+        half = page(0).numel() // 2
+        self.k = torch.zeros((pages, half), dtype=DT)
+        self.v = torch.zeros((pages, half), dtype=DT)
 
-    def get_data_page(self, index, flat=True):
-        return self.buf[index // self.page_size]
+    def page(self, i):
+        return torch.cat([self.k[i], self.v[i]])
 
-    def get_dummy_flat_data_page(self):
-        return torch.zeros(self.buf.shape[1], dtype=DT)
+    def put(self, i, data):
+        half = self.k.shape[1]
+        self.k[i], self.v[i] = data[:half], data[half:]
 
-    def set_from_flat_data_page(self, index, data_page):
-        self.buf[index // self.page_size].copy_(data_page)
+    def get_page_buffer_meta(self, indices):
+        ptrs, sizes = [], []
+        for p in indices.tolist()[:: self.page_size]:
+            for t in (self.k, self.v):
+                row = t[p // self.page_size]
+                ptrs.append(row.data_ptr())
+                sizes.append(row.numel() * row.element_size())
+        return ptrs, sizes
 
 
-def test_v1_by_host_indices(extra, request):
-    b = make(extra, model=f"m/{request.node.name}")
+def test_v1_by_host_indices_one_copy_into_the_pool(extra, request):
+    name = f"m/{request.node.name}"
+    b = make(dict(extra, interface_v1=1), model=name)
     pool = HostPages(8)
     b.register_mem_pool_host(pool)
     for i in range(3):
-        pool.buf[i] = page(10 + i)
+        pool.put(i, page(10 + i))
     keys = [f"{i:064x}" for i in range(100, 103)]
     idx = torch.arange(0, 3 * 64, dtype=torch.int64)  # token slots of pages 0..2
     assert b.batch_set_v1(keys, idx) == [True, True, True]
@@ -136,8 +149,16 @@ def test_v1_by_host_indices(extra, request):
     idx2 = torch.arange(4 * 64, 8 * 64, dtype=torch.int64)
     assert b.batch_get_v1(keys + ["ff" * 32], idx2) == [True, True, True, False]
     for i in range(3):
-        assert torch.equal(pool.buf[4 + i], page(10 + i))
-    assert not pool.buf[7].any()
+        assert torch.equal(pool.page(4 + i), page(10 + i))
+    assert not pool.page(7).any()
+    # The generic path lays pages out otherwise: it does not see v1 pages.
+    assert make(extra, model=name).batch_exists(keys) == 0
+    # A page whose segments add up to another size is a miss, and nothing is written.
+    small = HostPages(8)
+    small.k, small.v = small.k[:, :64].contiguous(), small.v[:, :64].contiguous()
+    b.register_mem_pool_host(small)
+    assert b.batch_get_v1(keys[:1], idx[:64]) == [False]
+    assert not small.page(0).any()
 
 
 def test_bad_input_is_a_clear_error(extra):
@@ -146,6 +167,11 @@ def test_bad_input_is_a_clear_error(extra):
         b.get("00" * 32)
     with pytest.raises(ValueError, match="one value per key"):
         b.batch_set(["a", "b"], [page(0)])
+    t = torch.zeros(64, dtype=torch.uint8)
+    for segs, why in [([], "none given"), ([(t.data_ptr(), 64), (t.data_ptr() + 32, 8)],
+                                            "overlaps"), ([(0, 8)], "address")]:
+        with pytest.raises(ValueError, match=why):
+            b._store._read_into(b._key("00" * 32), segs)
     if extra["mode"] == "sidecar":
         with pytest.raises(ValueError, match="socket"):
             make({"mode": "sidecar"})

@@ -12,6 +12,10 @@ Extra config keys (besides the three the factory needs):
          are processes, so only kvtierd lets them share, e.g. an MLA model's single copy)
   dtype: the KV dtype, part of the namespace (default "unspecified": set it when engines with
          different KV dtypes share one store)
+  interface_v1: 1 makes SGLang call batch_get_v1/batch_set_v1, which copy each page once,
+         straight between the host pool and the store (recommended); without it SGLang copies
+         pages through a temporary tensor (its generic path). The two lay a page's bytes out
+         differently, so they use different namespaces.
 
 Keys are SGLang's page hashes (chained SHA-256 per page) mixed with a namespace fingerprint
 (model, dtype, layout, page size, TP rank and size; MLA models share one copy across ranks),
@@ -63,6 +67,8 @@ class KvtierHiCache(HiCacheStorage):
             layout += f"-cp{c.attn_cp_rank}of{c.attn_cp_size}"
         if getattr(c, "dcp_size", 1) > 1:  # MLA shards under decode context parallelism
             layout += f"-dcp{c.dcp_rank}of{c.dcp_size}"
+        if extra.get("interface_v1"):  # pages as the pool's buffer segments, in their order
+            layout += "-v1"
         self._ns_enc, self._fp = namespace_fingerprint(
             model=c.model_name or "",
             dtype=str(extra.get("dtype", "unspecified")),
@@ -81,17 +87,29 @@ class KvtierHiCache(HiCacheStorage):
 
     # ---- the generic interface (copies through the tensors SGLang hands over) ---------------
 
+    def _read(self, key: str, segs: list[tuple[int, int]]) -> bool:
+        """One page into memory segments; a store or daemon failure is a logged miss."""
+        try:
+            return self._store._read_into(self._key(key), segs)
+        except RuntimeError:
+            log.exception("kvtier: get %s failed", key)
+            return False
+
+    def _write(self, key: str, segs: list[tuple[int, int]]) -> bool:
+        """One page from memory segments; no room or no daemon is a logged False."""
+        if not self._writer:
+            return True  # another rank writes the shared (MLA) copy
+        try:
+            return self._store._write_from(self._ns, self._key(key), segs)
+        except RuntimeError:
+            log.exception("kvtier: set %s failed", key)
+            return False
+
     def get(self, key: str, target_location: Optional[Any] = None,
             target_sizes: Optional[Any] = None) -> torch.Tensor | None:
         if target_location is None:
             raise ValueError("kvtier: get needs target_location (the page buffer to fill)")
-        ptr, n = _bytes_of(target_location)
-        try:
-            ok = self._store._read_into(self._key(key), ptr, n)
-        except RuntimeError:  # store or daemon failure: a miss, logged
-            log.exception("kvtier: get %s failed", key)
-            ok = False
-        return target_location if ok else None
+        return target_location if self._read(key, [_bytes_of(target_location)]) else None
 
     def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
@@ -101,17 +119,10 @@ class KvtierHiCache(HiCacheStorage):
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
             target_sizes: Optional[Any] = None) -> bool:
-        if not self._writer:
-            return True  # another rank writes the shared (MLA) copy
         if value is None:
             raise ValueError("kvtier: set needs a value tensor")
         v = value.contiguous()  # keep the contiguous copy alive during the call
-        ptr, n = _bytes_of(v)
-        try:
-            return self._store._write_from(self._ns, self._key(key), ptr, n)
-        except RuntimeError:  # no room, daemon gone: not stored, logged
-            log.exception("kvtier: set %s failed", key)
-            return False
+        return self._write(key, [_bytes_of(v)])
 
     def batch_set(self, keys: List[str], values: Optional[Any] = None,
                   target_locations: Optional[Any] = None,
@@ -132,23 +143,22 @@ class KvtierHiCache(HiCacheStorage):
 
     # ---- zero-copy variants: pages addressed by host-pool indices ---------------------------
 
+    def _pages(self, keys: List[str], host_indices: torch.Tensor) -> list[list[tuple[int, int]]]:
+        """Each page's memory segments in the host pool (`get_page_buffer_meta`), in order."""
+        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        if not keys or len(ptrs) % len(keys) or len(ptrs) != len(sizes):
+            raise ValueError(f"kvtier: {len(ptrs)} buffer segments for {len(keys)} pages")
+        per = len(ptrs) // len(keys)
+        return [list(zip(ptrs[i * per:(i + 1) * per], sizes[i * per:(i + 1) * per]))
+                for i in range(len(keys))]
+
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
-        pool = self.mem_pool_host
-        out = []
-        for i, k in enumerate(keys):
-            page = pool.get_dummy_flat_data_page()
-            ok = self.get(k, page) is not None
-            if ok:
-                pool.set_from_flat_data_page(int(host_indices[i * pool.page_size]), page)
-            out.append(ok)
-        return out
+        return [self._read(k, segs) for k, segs in zip(keys, self._pages(keys, host_indices))]
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
-        pool = self.mem_pool_host
-        return [self.set(k, pool.get_data_page(int(host_indices[i * pool.page_size]), flat=True))
-                for i, k in enumerate(keys)]
+        return [self._write(k, segs) for k, segs in zip(keys, self._pages(keys, host_indices))]
 
     def clear(self) -> None:
         if self._embedded:

@@ -4,7 +4,7 @@
 //! block.
 
 use kvstore::io::IoConfig;
-use kvstore::{Admission, BlockKey, DiskConfig, Namespace, NsId, StoreConfig};
+use kvstore::{Admission, BlockKey, DiskConfig, Namespace, NsId, Reserve, StoreConfig};
 use kvtier_connector::{Dim, LayerView};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -35,19 +35,63 @@ fn transfer_err(e: kvtier_connector::TransferError) -> PyErr {
     }
 }
 
-/// A caller's buffer given as `(address, length)`.
+/// One block's bytes as the caller's memory segments `(address, length)`, in order: a
+/// contiguous tensor, or a host-pool page spread over several buffers (SGLang's
+/// `get_page_buffer_meta`). Refuses null, empty, oversized and overlapping segments.
 ///
 /// # Safety
-/// `ptr..ptr+len` must be live memory that nobody else touches during the call (the Python
-/// adapters pass a contiguous CPU tensor's `data_ptr()` and byte size, and keep the tensor alive).
-unsafe fn raw_buf<'a>(ptr: usize, len: usize) -> PyResult<&'a mut [u8]> {
-    if ptr == 0 || len == 0 || len > isize::MAX as usize {
-        return Err(PyValueError::new_err(format!(
-            "not a buffer: address {ptr:#x}, {len} bytes"
-        )));
+/// Every segment must be live memory that nobody else touches during the call (the Python
+/// adapters pass tensors' `data_ptr()`s and byte sizes and keep the tensors alive).
+unsafe fn raw_segments<'a>(segs: &[(usize, usize)]) -> PyResult<Vec<&'a mut [u8]>> {
+    let bad = |why: &str| PyValueError::new_err(format!("bad buffer segments: {why}"));
+    if segs.is_empty() {
+        return Err(bad("none given"));
     }
-    // SAFETY: the caller's contract above.
-    Ok(unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) })
+    let mut sorted = segs.to_vec();
+    sorted.sort_unstable();
+    let mut end = 0usize;
+    for &(ptr, len) in &sorted {
+        if ptr == 0 || len == 0 || len > isize::MAX as usize {
+            return Err(bad(&format!("address {ptr:#x}, {len} bytes")));
+        }
+        if ptr < end {
+            return Err(bad(&format!("{ptr:#x} overlaps the previous segment")));
+        }
+        end = ptr
+            .checked_add(len)
+            .ok_or_else(|| bad(&format!("{ptr:#x} + {len} wraps")))?;
+    }
+    Ok(segs
+        .iter()
+        // SAFETY: the caller's contract above; the segments are disjoint (checked).
+        .map(|&(ptr, len)| unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) })
+        .collect())
+}
+
+/// Copies `block` into the segments, in order; false (nothing copied) unless the sizes match.
+fn fill_segments(block: &[u8], segs: &mut [&mut [u8]]) -> bool {
+    if segs.iter().map(|s| s.len()).sum::<usize>() != block.len() {
+        return false;
+    }
+    let mut at = 0;
+    for s in segs.iter_mut() {
+        s.copy_from_slice(&block[at..at + s.len()]);
+        at += s.len();
+    }
+    true
+}
+
+/// Copies the segments, in order, into `slot` (exactly their total length).
+fn gather_segments(segs: &[&mut [u8]], slot: &mut [u8]) {
+    let mut at = 0;
+    for s in segs {
+        slot[at..at + s.len()].copy_from_slice(s);
+        at += s.len();
+    }
+}
+
+fn segments_len(segs: &[&mut [u8]]) -> usize {
+    segs.iter().map(|s| s.len()).sum()
 }
 
 fn err(e: impl std::fmt::Display) -> PyErr {
@@ -228,43 +272,50 @@ impl Store {
         Ok(d)
     }
 
-    /// Copies the block under `key` into the buffer at `ptr` (`len` bytes, a tensor's memory).
-    /// True only when a block of exactly `len` bytes was there (promoted from disk if needed).
-    fn _read_into(&self, py: Python<'_>, key: &[u8], ptr: usize, len: usize) -> PyResult<bool> {
+    /// Copies the block under `key` into the caller's memory segments (in order: one tensor,
+    /// or a host-pool page's pieces). True only when a block of exactly their total size was
+    /// there (promoted from disk if needed); nothing is copied otherwise.
+    fn _read_into(&self, py: Python<'_>, key: &[u8], segs: Vec<(usize, usize)>) -> PyResult<bool> {
         let k = self::key(key)?;
-        // SAFETY: the Python adapter passes a live contiguous tensor it keeps alive, and no
-        // other thread touches it during this call.
-        let dst = unsafe { raw_buf(ptr, len)? };
+        // SAFETY: the Python adapters pass live tensors' memory they keep alive, and no other
+        // thread touches it during this call.
+        let mut dst = unsafe { raw_segments(&segs)? };
         py.allow_threads(|| {
             if self.inner.load_prefix(&[k]) == 0 {
                 return Ok(false);
             }
-            match self.inner.get(&k) {
-                Some(b) if b.len() == dst.len() => {
-                    dst.copy_from_slice(&b);
-                    Ok(true)
-                }
-                _ => Ok(false),
-            }
+            Ok(self
+                .inner
+                .get(&k)
+                .is_some_and(|b| fill_segments(&b, &mut dst)))
         })
     }
 
-    /// Stores the `len` bytes at `ptr` under `key`. True if stored now, already present or
-    /// being written by another writer; an error if it cannot be stored.
+    /// Stores the segments' bytes (in order) under `key`, gathered straight into a reserved
+    /// slot. True if stored now, already present or being written by another writer (the same
+    /// key is the same bytes); an error if it cannot be stored.
     fn _write_from(
         &self,
         py: Python<'_>,
         ns: u32,
         key: &[u8],
-        ptr: usize,
-        len: usize,
+        segs: Vec<(usize, usize)>,
     ) -> PyResult<bool> {
         let k = self::key(key)?;
-        // SAFETY: as in _read_into; the buffer is only read.
-        let src: &[u8] = unsafe { raw_buf(ptr, len)? };
-        // Being written by someone else counts as stored (the same key is the same bytes).
+        // SAFETY: as in _read_into; the memory is only read.
+        let src = unsafe { raw_segments(&segs)? };
         py.allow_threads(|| {
-            self.inner.put(NsId(ns), k, src).map_err(err)?;
+            match self
+                .inner
+                .reserve(NsId(ns), k, segments_len(&src))
+                .map_err(err)?
+            {
+                Reserve::Slot(mut r) => {
+                    gather_segments(&src, r.as_mut_slice());
+                    r.commit().map_err(err)?;
+                }
+                Reserve::AlreadyPresent | Reserve::InFlight => {}
+            }
             Ok(true)
         })
     }
@@ -324,17 +375,17 @@ impl Sidecar {
         py: Python<'_>,
         ns: u32,
         k: BlockKey,
-        data: &[u8],
+        len: usize,
+        fill: impl FnOnce(&mut [u8]) + Send,
     ) -> PyResult<Option<bool>> {
-        let len = u32::try_from(data.len()).map_err(|_| {
-            PyValueError::new_err(format!("a block of {} bytes is too large", data.len()))
-        })?;
+        let len = u32::try_from(len)
+            .map_err(|_| PyValueError::new_err(format!("a block of {len} bytes is too large")))?;
         py.allow_threads(|| {
             let mut c = self.client()?;
             let slots = c.reserve(NsId(ns), &[k], &[len]).map_err(ipc_err)?;
             Ok(match slots.first() {
                 Some(&kvstore::ipc::SlotStatus::Slot { token, .. }) => {
-                    c.write(token, data).map_err(ipc_err)?;
+                    c.fill_slot(token, fill).map_err(ipc_err)?;
                     (c.commit(&[token]).map_err(ipc_err)? == 1).then_some(true)
                 }
                 Some(kvstore::ipc::SlotStatus::Present | kvstore::ipc::SlotStatus::InFlight) => {
@@ -376,23 +427,22 @@ impl Sidecar {
     }
 
     /// Like `Store._read_into`, through the shared arena (under a short lease).
-    fn _read_into(&self, py: Python<'_>, key: &[u8], ptr: usize, len: usize) -> PyResult<bool> {
+    fn _read_into(&self, py: Python<'_>, key: &[u8], segs: Vec<(usize, usize)>) -> PyResult<bool> {
         let k = self::key(key)?;
-        // SAFETY: the Python adapter passes a live contiguous tensor it keeps alive, and no
-        // other thread touches it during this call.
-        let dst = unsafe { raw_buf(ptr, len)? };
+        // SAFETY: the Python adapters pass live tensors' memory they keep alive, and no other
+        // thread touches it during this call.
+        let mut dst = unsafe { raw_segments(&segs)? };
         py.allow_threads(|| {
             let mut c = self.client()?;
             let l = c
                 .load(&[k], std::time::Duration::from_secs(10))
                 .map_err(ipc_err)?;
-            let mut ok = false;
-            if let Some(&(_, n)) = l.blocks.first() {
-                if n as usize == dst.len() {
-                    c.read(&l, 0, dst).map_err(ipc_err)?;
-                    ok = true;
-                }
-            }
+            let ok = if l.blocks.is_empty() {
+                false
+            } else {
+                c.with_block(&l, 0, |b| fill_segments(b, &mut dst))
+                    .map_err(ipc_err)?
+            };
             if let Some(id) = l.lease {
                 if c.release(id).is_err() {
                     return Ok(false); // lapsed: the copy may be another block's bytes
@@ -408,44 +458,50 @@ impl Sidecar {
         py: Python<'_>,
         ns: u32,
         key: &[u8],
-        ptr: usize,
-        len: usize,
+        segs: Vec<(usize, usize)>,
     ) -> PyResult<bool> {
         let k = self::key(key)?;
-        // SAFETY: as in _read_into; the buffer is only read.
-        let src: &[u8] = unsafe { raw_buf(ptr, len)? };
-        Ok(self.store_block(py, ns, k, src)?.is_some())
+        // SAFETY: as in _read_into; the memory is only read.
+        let src = unsafe { raw_segments(&segs)? };
+        let len = segments_len(&src);
+        Ok(self
+            .store_block(py, ns, k, len, |slot| gather_segments(&src, slot))?
+            .is_some())
     }
+
     /// Stores one block's bytes under `key` (copied into a reserved arena slot). False when
     /// the key is already present or being written.
     fn put(&self, py: Python<'_>, ns: u32, key: &[u8], data: &[u8]) -> PyResult<bool> {
         let k = self::key(key)?;
-        Ok(self.store_block(py, ns, k, data)? == Some(true))
+        Ok(
+            self.store_block(py, ns, k, data.len(), |slot| slot.copy_from_slice(data))?
+                == Some(true),
+        )
     }
 
-    /// A copy of the block stored under `key`, or None (taken under a short lease; None if
-    /// the lease lapsed before the copy was done).
+    /// A copy of the block stored under `key`, or None (copied straight out of the arena into
+    /// the new bytes object under a short lease; None if the lease lapsed before the copy was
+    /// done).
     fn get<'py>(&self, py: Python<'py>, key: &[u8]) -> PyResult<Option<Bound<'py, PyBytes>>> {
         let k = self::key(key)?;
-        let bytes = py.allow_threads(|| -> PyResult<Option<Vec<u8>>> {
-            let mut c = self.client()?;
-            let l = c
-                .load(&[k], std::time::Duration::from_secs(10))
-                .map_err(ipc_err)?;
-            let mut out = None;
-            if let Some(&(_, len)) = l.blocks.first() {
-                let mut v = vec![0u8; len as usize];
-                c.read(&l, 0, &mut v).map_err(ipc_err)?;
-                out = Some(v);
+        // The GIL stays held: the bytes object is built from the pinned block in one copy.
+        let mut c = self.client()?;
+        let l = c
+            .load(&[k], std::time::Duration::from_secs(10))
+            .map_err(ipc_err)?;
+        let out = match l.blocks.first() {
+            Some(_) => Some(
+                c.with_block(&l, 0, |b| PyBytes::new(py, b))
+                    .map_err(ipc_err)?,
+            ),
+            None => None,
+        };
+        if let Some(id) = l.lease {
+            if c.release(id).is_err() {
+                return Ok(None);
             }
-            if let Some(id) = l.lease {
-                if c.release(id).is_err() {
-                    return Ok(None);
-                }
-            }
-            Ok(out)
-        })?;
-        Ok(bytes.map(|b| PyBytes::new(py, &b)))
+        }
+        Ok(out)
     }
 
     /// Like `Store.save`, through the shared arena.
