@@ -3,7 +3,7 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, FromRawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd};
 
 use memmap2::{MmapMut, MmapOptions};
 
@@ -28,7 +28,9 @@ impl Arena {
             source,
             hint,
         };
-        let mut flags = libc::MFD_CLOEXEC;
+        // Sealing: the fd is handed to engine processes, which must not be able to shrink the
+        // memfd under our mapping (the daemon's next access would die with SIGBUS).
+        let mut flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
         if huge_pages {
             flags |= libc::MFD_HUGETLB;
         }
@@ -48,6 +50,22 @@ impl Arena {
         let file = unsafe { File::from_raw_fd(fd) };
         file.set_len(bytes)
             .map_err(|e| err(e, " (is the memory cgroup or RLIMIT_FSIZE too small?)"))?;
+        // Fix the size for good before anyone else sees the fd: no shrinking (SIGBUS in every
+        // mapping), no growing, and no removing these seals.
+        // SAFETY: fcntl on the memfd we own; F_ADD_SEALS takes an int of seal flags.
+        let r = unsafe {
+            libc::fcntl(
+                file.as_raw_fd(),
+                libc::F_ADD_SEALS,
+                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
+            )
+        };
+        if r != 0 {
+            return Err(err(
+                io::Error::last_os_error(),
+                " (sealing the memfd against resizing failed: Linux 3.17+, 4.16+ for huge pages)",
+            ));
+        }
         let mut opts = MmapOptions::new();
         opts.len(bytes as usize);
         if populate {
@@ -173,6 +191,23 @@ mod tests {
         // SAFETY: in bounds of the arena; no other reference to this byte exists.
         unsafe { a.base().add(5000).write(42) };
         assert_eq!(m2[5000], 42);
+    }
+
+    #[test]
+    fn arena_memfd_cannot_be_resized() {
+        let a = Arena::new(1 << 20, false, true).unwrap();
+        let f = File::from(a.fd().try_clone_to_owned().unwrap());
+        let e = f.set_len(0).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
+        let e = f.set_len(2 << 20).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
+        // SAFETY: fcntl on a valid fd.
+        let seals = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_GET_SEALS) };
+        let want = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        assert_eq!(seals & want, want);
+        // Still fully usable.
+        // SAFETY: in bounds of the arena.
+        unsafe { a.base().add(a.len() - 1).write(1) };
     }
 
     #[test]

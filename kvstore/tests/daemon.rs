@@ -488,3 +488,47 @@ fn uncommitted_reservations_expire_and_are_bounded() {
         .to_string();
     assert!(e.contains("half the host tier"), "{e}");
 }
+
+/// Hello by hand, keeping the arena fd a well-behaved client would only map.
+fn raw_hello(socket: &std::path::Path) -> (UnixStream, std::os::fd::OwnedFd) {
+    use prost::Message;
+    let s = UnixStream::connect(socket).unwrap();
+    let hello = kvtier_proto::ipc::Request {
+        id: 1,
+        body: Some(kvtier_proto::ipc::request::Body::Hello(
+            kvtier_proto::ipc::Hello {
+                version: kvtier_proto::IPC_VERSION,
+                client: "hostile".into(),
+            },
+        )),
+    };
+    (&s).write_all(&frame(&hello.encode_to_vec())).unwrap();
+    let mut buf = vec![0u8; 4096];
+    let (n, fd) = kvstore::ipc::recv_with_fd(&s, &mut buf).unwrap();
+    assert!(n > 4);
+    (s, fd.expect("hello reply carries the arena fd"))
+}
+
+#[test]
+fn a_client_cannot_resize_the_arena_under_the_daemon() {
+    let d = Kvtierd::start("seal", &[], true);
+    let mut good = d.client();
+    let ns = good.register_namespace(&namespace()).unwrap();
+    put_all(&mut good, ns, 0..4);
+    let (_s, fd) = raw_hello(&d.socket);
+    let f = std::fs::File::from(fd);
+    // Shrinking it would SIGBUS the daemon's next access to the arena; growing is refused too.
+    for len in [0, 4096, 1 << 40] {
+        let e = f.set_len(len).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EPERM), "set_len({len}): {e}");
+    }
+    // The seals cannot be lifted.
+    // SAFETY: fcntl on a valid fd.
+    let r = unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&f), libc::F_ADD_SEALS, 0) };
+    assert_eq!(r, -1);
+    // The daemon still serves every block, and more.
+    assert_eq!(get_all(&mut good, 0..4), 4);
+    put_all(&mut good, ns, 4..8);
+    assert_eq!(get_all(&mut good, 0..8), 8);
+    assert!(d.term().success());
+}
