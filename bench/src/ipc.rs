@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Result};
 use clap::Args;
-use kvstore::ipc::{IpcClient, SlotStatus};
 use kvstore::{AlignedBuf, BlockKey, Namespace, Reserve, StoreConfig, TpShard};
+use kvtier_ipc::{IpcClient, SlotStatus};
 
 use crate::report::{row, Report, Row};
 use crate::sidecar::{self, Sidecar};

@@ -327,7 +327,7 @@ pub fn run_sidecar(
     bin: &std::path::Path,
     progress: &ProgressBar,
 ) -> Result<ReplayOutcome> {
-    use kvstore::ipc::{IpcClient, SlotStatus};
+    use kvtier_ipc::{IpcClient, SlotStatus};
     let block = cfg.block_bytes.div_ceil(4096) * 4096;
     let per_seg = cfg
         .host_blocks

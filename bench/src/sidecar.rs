@@ -32,7 +32,7 @@ pub fn binary(given: Option<&Path>) -> Result<PathBuf> {
     };
     ensure!(
         bin.exists(),
-        "{} not found: build it (cargo build --release -p kvstore) or pass --kvtierd",
+        "{} not found: build it (cargo build --release -p kvtierd) or pass --kvtierd",
         bin.display()
     );
     Ok(bin)

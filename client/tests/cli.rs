@@ -22,7 +22,7 @@ fn kvtierd() -> PathBuf {
     let p = PathBuf::from(env!("CARGO_BIN_EXE_kvtier")).with_file_name("kvtierd");
     assert!(
         p.exists(),
-        "{} is missing: build it first (cargo build -p kvstore --bin kvtierd)",
+        "{} is missing: build it first (cargo build -p kvtierd)",
         p.display()
     );
     p

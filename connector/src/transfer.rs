@@ -6,8 +6,8 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use kvstore::ipc::{IpcClient, IpcError, SlotStatus};
 use kvstore::{BlockKey, Namespace, NsId, Reserve, Store, StoreError};
+use kvtier_ipc::{IpcClient, IpcError, SlotStatus};
 
 use crate::layout::{LayoutError, PagedKv};
 

@@ -22,7 +22,6 @@ pub mod disk;
 mod error;
 mod events;
 pub mod io;
-pub mod ipc;
 mod key;
 pub mod policy;
 mod store;

@@ -359,10 +359,10 @@ impl Store {
 /// and the daemon's shared arena with one copy, as in the embedded `Store`.
 #[pyclass(module = "kvtier._native")]
 struct Sidecar {
-    inner: std::sync::Mutex<kvstore::ipc::IpcClient>,
+    inner: std::sync::Mutex<kvtier_ipc::IpcClient>,
 }
 
-fn ipc_err(e: kvstore::ipc::IpcError) -> PyErr {
+fn ipc_err(e: kvtier_ipc::IpcError) -> PyErr {
     PyRuntimeError::new_err(e.to_string())
 }
 
@@ -384,11 +384,11 @@ impl Sidecar {
             let mut c = self.client()?;
             let slots = c.reserve(NsId(ns), &[k], &[len]).map_err(ipc_err)?;
             Ok(match slots.first() {
-                Some(&kvstore::ipc::SlotStatus::Slot { token, .. }) => {
+                Some(&kvtier_ipc::SlotStatus::Slot { token, .. }) => {
                     c.fill_slot(token, fill).map_err(ipc_err)?;
                     (c.commit(&[token]).map_err(ipc_err)? == 1).then_some(true)
                 }
-                Some(kvstore::ipc::SlotStatus::Present | kvstore::ipc::SlotStatus::InFlight) => {
+                Some(kvtier_ipc::SlotStatus::Present | kvtier_ipc::SlotStatus::InFlight) => {
                     Some(false)
                 }
                 _ => None,
@@ -396,7 +396,7 @@ impl Sidecar {
         })
     }
 
-    fn client(&self) -> PyResult<std::sync::MutexGuard<'_, kvstore::ipc::IpcClient>> {
+    fn client(&self) -> PyResult<std::sync::MutexGuard<'_, kvtier_ipc::IpcClient>> {
         self.inner
             .lock()
             .map_err(|_| PyRuntimeError::new_err("a previous call panicked"))
@@ -408,7 +408,7 @@ impl Sidecar {
     #[new]
     #[pyo3(signature = (socket, client="kvtier-python"))]
     fn new(socket: std::path::PathBuf, client: &str) -> PyResult<Self> {
-        let c = kvstore::ipc::IpcClient::connect(&socket, client).map_err(ipc_err)?;
+        let c = kvtier_ipc::IpcClient::connect(&socket, client).map_err(ipc_err)?;
         Ok(Self {
             inner: std::sync::Mutex::new(c),
         })

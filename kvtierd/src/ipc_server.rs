@@ -9,8 +9,8 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvstore::ipc::{send_with_fd, write_frame, MAX_FRAME};
 use kvstore::{BlockKey, LeaseId, Namespace, NsId, Reservation, Reserve, StoreError, Tier};
+use kvtier_ipc::{send_with_fd, write_frame, MAX_FRAME};
 use kvtier_proto::ipc::{self as pb, request, response};
 use kvtier_proto::IPC_VERSION;
 use prost::Message;

@@ -17,8 +17,7 @@ use kvtier_proto::IPC_VERSION;
 use memmap2::MmapRaw;
 use prost::Message;
 
-use crate::key::{BlockKey, Namespace};
-use crate::store::{LeaseId, NsId, Tier};
+use kvstore::{BlockKey, LeaseId, Namespace, NsId, Tier};
 
 /// Largest frame either side accepts.
 pub const MAX_FRAME: usize = 8 << 20;

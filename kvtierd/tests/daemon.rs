@@ -11,8 +11,8 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvstore::ipc::{IpcClient, SlotStatus};
 use kvstore::{fill_pattern, BlockKey, Namespace, NsId, Tier, TpShard};
+use kvtier_ipc::{IpcClient, SlotStatus};
 use kvtier_proto::admin as pb;
 use kvtier_proto::admin::admin_client::AdminClient;
 
@@ -504,7 +504,7 @@ fn raw_hello(socket: &std::path::Path) -> (UnixStream, std::os::fd::OwnedFd) {
     };
     (&s).write_all(&frame(&hello.encode_to_vec())).unwrap();
     let mut buf = vec![0u8; 4096];
-    let (n, fd) = kvstore::ipc::recv_with_fd(&s, &mut buf).unwrap();
+    let (n, fd) = kvtier_ipc::recv_with_fd(&s, &mut buf).unwrap();
     assert!(n > 4);
     (s, fd.expect("hello reply carries the arena fd"))
 }
