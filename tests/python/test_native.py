@@ -140,3 +140,105 @@ def test_sidecar_moves_blocks_through_kvtierd(tmp_path):
     finally:
         p.terminate()
         assert p.wait(timeout=30) == 0
+
+
+def _logical(seed, layers, nb, bs, h, d):
+    """Per layer, KV in logical order [kv, block, token, head, dim] (float32)."""
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((2, nb, bs, h, d)).astype(np.float32) for _ in range(layers)]
+
+
+def _engine(kind, logical):
+    """Each layer's tensor as vLLM hands it to a connector for one attention backend: the
+    logical shape of that backend, physical stride order in the strides. Returns (arrays to
+    keep alive, logical views, layer specs for PagedKv)."""
+    from kvtier.layouts import kv_dims
+
+    keep, views, specs = [], [], []
+    for lg in logical:
+        _, nb, bs, h, d = lg.shape
+        if kind == "fa-nhd":  # (2, blocks, tokens, H, D), contiguous
+            phys = np.ascontiguousarray(lg)
+            view = phys
+        elif kind == "fa-hnd":  # same logical shape; physical (2, blocks, H, tokens, D)
+            phys = np.ascontiguousarray(lg.transpose(0, 1, 3, 2, 4))
+            view = phys.transpose(0, 1, 3, 2, 4)
+        elif kind == "flashinfer":  # (blocks, 2, tokens, H, D)
+            phys = np.ascontiguousarray(lg.transpose(1, 0, 2, 3, 4))
+            view = phys
+        elif kind == "cpu":  # vLLM's CPU backend: (blocks, 2, tokens, H*D)
+            phys = np.ascontiguousarray(lg.transpose(1, 0, 2, 3, 4)).reshape(nb, 2, bs, h * d)
+            view = phys
+        dims, how = kv_dims(view.shape, nb, bs)
+        assert how == "canonical", (kind, view.shape)
+        keep.append(phys)
+        views.append(view)
+        specs.append(layer_spec(view, dims))
+    return keep, views, specs
+
+
+def _as_logical(kind, view, h, d):
+    if kind in ("fa-nhd", "fa-hnd"):
+        return np.asarray(view)
+    if kind == "flashinfer":
+        return np.asarray(view).transpose(1, 0, 2, 3, 4)
+    nb, _, bs, _ = view.shape
+    return np.asarray(view).reshape(nb, 2, bs, h, d).transpose(1, 0, 2, 3, 4)
+
+
+@pytest.mark.parametrize("h", [2, 4])  # h == 2 (a K/V-sized dim), h == block size
+def test_blocks_are_canonical_across_vllm_layouts(h):
+    """A block saved through one physical layout and loaded through another has exactly the
+    same KV (layer, K/V, token, head, dim): FlashAttention NHD and HND, FlashInfer, vLLM CPU."""
+    layers, nb, bs, d = 2, 6, 4, 8
+    kinds = ["fa-nhd", "fa-hnd", "flashinfer", "cpu"]
+    src = _logical(7, layers, nb, bs, h, d)
+    s = kvtier.Store(64 << 20, segment_bytes=4 << 20)
+    for w in kinds:
+        enc, fp = ns(model=f"canon-{h}-{w}", layout="vllm-v1/kv-token-head-dim")
+        n = s.register_namespace(enc)
+        _, _, wspecs = _engine(w, src)
+        wp = kvtier.PagedKv(wspecs)
+        keys = [kvtier.engine_key(fp, bytes([i]) * 32) for i in range(3)]
+        assert s.save(n, wp, keys, [[1], [3], [5]]) == 3
+        for r in kinds:
+            dst = [np.zeros_like(x) for x in src]
+            keep, views, rspecs = _engine(r, dst)
+            rp = kvtier.PagedKv(rspecs)
+            assert rp.block_bytes == wp.block_bytes
+            assert s.load(rp, keys, [[0], [2], [4]]) == 3
+            for layer in range(layers):
+                got = _as_logical(r, views[layer], h, d)
+                for sb, db in ((1, 0), (3, 2), (5, 4)):
+                    assert np.array_equal(got[:, db], src[layer][:, sb]), (w, r, layer)
+            del keep
+
+
+def test_unknown_layouts_get_their_own_namespace():
+    from kvtier.layouts import CANONICAL, kv_dims, layout_name
+
+    dims, how = kv_dims([16, 2, 32, 128], 16, 32)
+    assert (dims, how) == (["blocks", "kv", "tokens", "inner"], "canonical")
+    assert layout_name([16, 2, 32, 128], [8192, 4096, 128, 1], dims, how) == CANONICAL
+    # Blocks last: not a layout kvtier knows; named by shape and stride order instead.
+    dims, how = kv_dims([2, 32, 128, 16], 16, 32)
+    assert how == "other" and dims[3] == "blocks"
+    a = layout_name([2, 32, 128, 16], [65536, 2048, 16, 1], dims, how)
+    b = layout_name([2, 32, 128, 16], [1, 2, 64, 4096], dims, how)
+    assert a != b and CANONICAL not in (a, b)
+
+
+def test_block_ids_outside_the_cache_are_refused():
+    t = np.zeros((4, 2, 8, 16), dtype=np.float32)
+    p = kvtier.PagedKv([layer_spec(t, ["blocks", "kv", "tokens", "inner"])])
+    with pytest.raises(ValueError, match="out of range"):
+        p.gather([4])
+    with pytest.raises(OverflowError):
+        p.gather([-1])
+    s = kvtier.Store(16 << 20, segment_bytes=4 << 20)
+    enc, fp = ns(model="ids")
+    n = s.register_namespace(enc)
+    k = kvtier.engine_key(fp, b"k" * 32)
+    with pytest.raises(ValueError, match="out of range"):
+        s.save(n, p, [k], [[9]])
+    assert s.match_prefix([k]) == 0

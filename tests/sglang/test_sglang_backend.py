@@ -2,7 +2,9 @@
 backend factory from `--hicache-storage-backend dynamic`, subclass of its HiCacheStorage, and
 exercised with CPU tensors through set, get, batch_set, batch_get, exists, batch_exists and the
 index-addressed v1 variants (each page copied once, between the host pool's buffers and the
-store), embedded and through kvtierd."""
+store), embedded and through kvtierd. The v1 tests use SGLang's own host pools
+(MHATokenToKVPoolHost in every layout, MLATokenToKVPoolHost), built on CPU from a CPU device
+pool as SGLang's cache controller builds them."""
 
 import subprocess
 from pathlib import Path
@@ -10,6 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 from kvtier.sglang import KvtierHiCache
@@ -105,60 +110,132 @@ def test_namespaces_keep_ranks_and_models_apart(extra, request):
     assert m1.get(k, out) is out and torch.equal(out, page(2))
 
 
-class HostPages:
-    """SGLang's host KV pool as the v1 calls see it: `get_page_buffer_meta(indices)` gives each
-    page's memory as segments (here K and V in two separate real host tensors, as the
-    layer_first pool's per-layer K/V pointers), `page_size` token slots per page. SGLang's own
-    pool needs a device pool's pointer tables to be built."""
-
-    page_size = 64
-
-    def __init__(self, pages):
-        half = page(0).numel() // 2
-        self.k = torch.zeros((pages, half), dtype=DT)
-        self.v = torch.zeros((pages, half), dtype=DT)
-
-    def page(self, i):
-        return torch.cat([self.k[i], self.v[i]])
-
-    def put(self, i, data):
-        half = self.k.shape[1]
-        self.k[i], self.v[i] = data[:half], data[half:]
-
-    def get_page_buffer_meta(self, indices):
-        ptrs, sizes = [], []
-        for p in indices.tolist()[:: self.page_size]:
-            for t in (self.k, self.v):
-                row = t[p // self.page_size]
-                ptrs.append(row.data_ptr())
-                sizes.append(row.numel() * row.element_size())
-        return ptrs, sizes
+PS = 4  # tokens per page of the host pools below
 
 
-def test_v1_by_host_indices_one_copy_into_the_pool(extra, request):
+def mha_pool(layout, tokens=32, layers=2, heads=2, dim=64, dtype=DT):
+    """SGLang's MHA host pool (2x the device pool), as HiCacheController builds it."""
+    kv = MHATokenToKVPool(tokens, PS, dtype, heads, dim, layers, "cpu", False,
+                          start_layer=0, end_layer=layers)
+    return MHATokenToKVPoolHost(
+        kv.get_device_pool_infos()[0].buffer_info, 2, 0, PS, layout,
+        device_capacity_tokens=kv.size, start_layer=0, end_layer=layers,
+        write_back_staging=kv.hicache_write_back_staging, pin_memory=False)
+
+
+def mla_pool(layout, tokens=32, layers=2):
+    kv = MLATokenToKVPool(tokens, PS, DT, 32, 16, layers, "cpu", False, 0, layers)
+    return MLATokenToKVPoolHost(
+        kv.get_device_pool_infos()[0].buffer_info, 2, 0, PS, layout, pin_memory=False,
+        device_capacity_tokens=kv.size, start_layer=0, end_layer=layers,
+        target_layer_num=layers)
+
+
+def fill(pool, page_no, seed):
+    """Writes a random page through SGLang's own generic accessor; returns its flat bytes."""
+    data = torch.randn(pool.get_dummy_flat_data_page().numel(),
+                       generator=torch.Generator().manual_seed(seed)).to(pool.dtype)
+    pool.set_from_flat_data_page(page_no * PS, data)
+    return data
+
+
+def slots(first_page, pages):
+    return torch.arange(first_page * PS, (first_page + pages) * PS, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct",
+                                    "page_head", "mla-layer_first", "mla-page_first"])
+def test_v1_by_host_indices_one_copy_into_the_pool(extra, request, layout):
     name = f"m/{request.node.name}"
-    b = make(dict(extra, interface_v1=1), model=name)
-    pool = HostPages(8)
+    mla = layout.startswith("mla-")
+    pool = mla_pool(layout[4:]) if mla else mha_pool(layout)
+    b = make(dict(extra, interface_v1=1), model=name, mla=mla)
     b.register_mem_pool_host(pool)
-    for i in range(3):
-        pool.put(i, page(10 + i))
+    vals = [fill(pool, i, 10 + i) for i in range(3)]
     keys = [f"{i:064x}" for i in range(100, 103)]
-    idx = torch.arange(0, 3 * 64, dtype=torch.int64)  # token slots of pages 0..2
-    assert b.batch_set_v1(keys, idx) == [True, True, True]
+    assert b.batch_set_v1(keys, slots(0, 3)) == [True, True, True]
+    assert b.batch_exists(keys) == 3
     # Read them back into pages 4..6 (plus one missing key).
-    idx2 = torch.arange(4 * 64, 8 * 64, dtype=torch.int64)
-    assert b.batch_get_v1(keys + ["ff" * 32], idx2) == [True, True, True, False]
+    assert b.batch_get_v1(keys + ["ff" * 32], slots(4, 4)) == [True, True, True, False]
     for i in range(3):
-        assert torch.equal(pool.page(4 + i), page(10 + i))
-    assert not pool.page(7).any()
+        assert torch.equal(pool.get_data_page((4 + i) * PS), vals[i])
+    assert not pool.get_data_page(7 * PS).any()
     # The generic path lays pages out otherwise: it does not see v1 pages.
-    assert make(extra, model=name).batch_exists(keys) == 0
-    # A page whose segments add up to another size is a miss, and nothing is written.
-    small = HostPages(8)
-    small.k, small.v = small.k[:, :64].contiguous(), small.v[:, :64].contiguous()
-    b.register_mem_pool_host(small)
-    assert b.batch_get_v1(keys[:1], idx[:64]) == [False]
-    assert not small.page(0).any()
+    assert make(extra, model=name, mla=mla).batch_exists(keys) == 0
+    assert b.batch_set_v1([], slots(0, 0)) == [] and b.batch_get_v1([], slots(0, 0)) == []
+
+
+def test_pools_of_other_layouts_never_share_pages(extra, request):
+    """Two engines that differ only in host layout (or an engine restarted with another
+    --hicache-mem-layout against the same kvtierd) must never read each other's pages as hits:
+    a miss, never other bytes."""
+    name = f"m/{request.node.name}"
+    layouts = ["layer_first", "page_first", "page_first_direct", "page_head"]
+    for v1 in (1, 0):
+        for wl in layouts:
+            w = make(dict(extra, interface_v1=v1), model=name)
+            wpool = mha_pool(wl)
+            w.register_mem_pool_host(wpool)
+            key = f"{v1}{wl}".encode().hex().ljust(64, "0")
+            fill(wpool, 0, 7)
+            if v1:
+                assert w.batch_set_v1([key], slots(0, 1)) == [True]
+            else:
+                assert w.set(key, wpool.get_data_page(0))
+            for rl in layouts:
+                r = make(dict(extra, interface_v1=v1), model=name)
+                rpool = mha_pool(rl)
+                r.register_mem_pool_host(rpool)
+                want = rl == wl
+                assert r.batch_exists([key]) == int(want), (v1, wl, rl)
+                if v1:
+                    assert r.batch_get_v1([key], slots(1, 1)) == [want], (wl, rl)
+                    if want:
+                        assert torch.equal(rpool.get_data_page(PS), wpool.get_data_page(0))
+                    else:
+                        assert not rpool.get_data_page(PS).any()
+
+
+def test_host_indices_are_checked_before_any_copy(extra, request):
+    b = make(dict(extra, interface_v1=1), model=f"m/{request.node.name}")
+    pool = mha_pool("page_first")
+    b.register_mem_pool_host(pool)
+    pages = pool.size // PS
+    keys = [f"{i:064x}" for i in range(200, 204)]
+    for i in range(4):
+        fill(pool, i, i)
+    # 4 keys with 2 pages of indices: refused whole, nothing stored (not half pages).
+    with pytest.raises(ValueError, match="host indices"):
+        b.batch_set_v1(keys, slots(0, 2))
+    assert b.batch_exists(keys) == 0
+    assert b.batch_set_v1(keys, slots(0, 4)) == [True] * 4
+    with pytest.raises(ValueError, match="host indices"):
+        b.batch_get_v1(keys, slots(0, 3))
+    # Out-of-range pages (one past the end, far away, negative): refused, nothing touched.
+    before = pool.kv_buffer.clone()
+    for idx in (slots(pages, 1), slots(1 << 24, 1), slots(-1, 1)):
+        with pytest.raises(ValueError, match="outside"):
+            b.batch_get_v1(keys[:1], idx)
+        with pytest.raises(ValueError, match="outside"):
+            b.batch_set_v1(["ee" * 32], idx)
+    assert torch.equal(pool.kv_buffer, before)
+    assert b.batch_exists(["ee" * 32]) == 0
+    # The Rust side refuses segments outside the registered pool even if Python's check is
+    # bypassed (an index SGLang's pointer arithmetic put past the end).
+    ptrs, sizes = pool.get_page_buffer_meta(slots(0, 1))
+    end = pool.kv_buffer.data_ptr() + pool.kv_buffer.numel() * pool.kv_buffer.element_size()
+    with pytest.raises(ValueError, match="outside the registered host pool"):
+        b._store.read_pages([b._key(keys[0])], [[(end, sizes[0])]], b._pool_regions)
+    with pytest.raises(ValueError, match="outside the registered host pool"):
+        b._store.write_pages(b._ns, [b._key(keys[0])], [[(ptrs[0] - 64, sizes[0])]],
+                             b._pool_regions)
+    assert torch.equal(pool.kv_buffer, before)
+    # None keys name the argument; an empty batch is an empty answer.
+    with pytest.raises(ValueError, match="None"):
+        b.batch_set_v1([None], slots(0, 1))
+    with pytest.raises(ValueError, match="None"):
+        b.batch_get([None], [page(0)])
+    assert b.batch_exists([None]) == 0  # never raises
 
 
 def test_bad_input_is_a_clear_error(extra):
@@ -171,7 +248,7 @@ def test_bad_input_is_a_clear_error(extra):
     for segs, why in [([], "none given"), ([(t.data_ptr(), 64), (t.data_ptr() + 32, 8)],
                                             "overlaps"), ([(0, 8)], "address")]:
         with pytest.raises(ValueError, match=why):
-            b._store._read_into(b._key("00" * 32), segs)
+            b._store.read_pages([b._key("00" * 32)], [segs])
     if extra["mode"] == "sidecar":
         with pytest.raises(ValueError, match="socket"):
             make({"mode": "sidecar"})

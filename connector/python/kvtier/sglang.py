@@ -17,9 +17,14 @@ Extra config keys (besides the three the factory needs):
          pages through a temporary tensor (its generic path). The two lay a page's bytes out
          differently, so they use different namespaces.
 
-Keys are SGLang's page hashes (chained SHA-256 per page) mixed with a namespace fingerprint
-(model, dtype, layout, page size, TP rank and size; MLA models share one copy across ranks),
-so engines only ever read pages they can use. A page whose size differs from the buffer it is
+Keys are SGLang's page hashes (chained SHA-256 per page) mixed with a namespace fingerprint,
+so engines only ever read pages they can use. Once SGLang registers its host pool
+(``register_mem_pool_host``), the namespace is taken from the pool itself: its layout
+(layer_first, page_first, page_first_direct, page_head, ...), dtype, page size and the sizes of
+a page's memory segments, plus model, TP rank and size (MLA models share one copy across
+ranks) and the PP/CP/DCP shard; two engines that differ in any of these never share a page.
+Host indices are checked before any copy: their count must be pages x page size, every page
+must lie inside the pool, and (in Rust) every memory segment inside the pool's buffers. A page whose size differs from the buffer it is
 read into is a miss, never a partial copy; ``batch_exists`` counts leading pages only; a store
 or daemon failure is a logged miss (get) or a False (set), never an exception into SGLang's
 cache controller.
@@ -52,6 +57,31 @@ def _bytes_of(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.numel() * t.element_size()
 
 
+def _keys(keys) -> list[str]:
+    if keys is None or any(k is None for k in keys):
+        raise ValueError("kvtier: keys must be page hash strings, not None")
+    return list(keys)
+
+
+def _regions(pool) -> list[tuple[int, int]]:
+    """The host pool's memory, `(address, bytes)` of each buffer's whole allocation: the only
+    memory the v1 calls may copy into or out of."""
+    out = []
+    for name in ("kv_buffer", "k_buffer", "v_buffer"):
+        t = getattr(pool, name, None)
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            out.append((st.data_ptr(), st.nbytes()))
+        elif isinstance(t, (list, tuple)):
+            for x in t:
+                if isinstance(x, torch.Tensor):
+                    st = x.untyped_storage()
+                    out.append((st.data_ptr(), st.nbytes()))
+    if not out:
+        raise ValueError(f"kvtier: cannot find the memory of host pool {type(pool).__name__}")
+    return out
+
+
 class KvtierHiCache(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
         extra = dict(storage_config.extra_config or {})
@@ -59,94 +89,154 @@ class KvtierHiCache(HiCacheStorage):
         mode = extra.get("mode", "sidecar")
         self._store = open_store(extra, "sidecar", "sglang")
         self._embedded = mode == "embedded"
+        self._v1 = bool(extra.get("interface_v1"))
+        self._writer = storage_config.is_storage_writer
+        self.mem_pool_host = None
+        self._pool_regions = None
+        # Until SGLang registers its host pool, the namespace comes from the configuration.
         c = storage_config
-        layout = "sglang-" + ("page_first" if c.is_page_first_layout else "layer_first")
+        self._register(
+            layout="page_first" if c.is_page_first_layout else "layer_first",
+            dtype=str(extra.get("dtype", "unspecified")),
+            page_size=int(c.logical_page_size or extra.get("page_size", 1)),
+            segments="",
+        )
+
+    def _register(self, layout: str, dtype: str, page_size: int, segments: str) -> None:
+        c = self.config
+        layout = "sglang-" + layout
         if c.pp_size > 1:
             layout += f"-pp{c.pp_rank}of{c.pp_size}"
         if c.attn_cp_size > 1:
             layout += f"-cp{c.attn_cp_rank}of{c.attn_cp_size}"
         if getattr(c, "dcp_size", 1) > 1:  # MLA shards under decode context parallelism
             layout += f"-dcp{c.dcp_rank}of{c.dcp_size}"
-        if extra.get("interface_v1"):  # pages as the pool's buffer segments, in their order
-            layout += "-v1"
+        # v1 pages are the pool's buffer segments back to back; the generic path's pages are
+        # the pool's flat data page: two byte orders, two namespaces.
+        layout += ("-v1" + segments) if self._v1 else ""
+        self._page_size = page_size
         self._ns_enc, self._fp = namespace_fingerprint(
             model=c.model_name or "",
-            dtype=str(extra.get("dtype", "unspecified")),
+            dtype=dtype,
             layout=layout,
-            block_tokens=int(c.logical_page_size or extra.get("page_size", 1)),
+            block_tokens=page_size,
             # MLA: one latent KV shared by all TP ranks.
             tp_size=0 if c.is_mla_model else c.tp_size,
             tp_rank=0 if c.is_mla_model else c.tp_rank,
         )
         self._ns = self._store.register_namespace(self._ns_enc)
-        self._writer = c.is_storage_writer
-        self.mem_pool_host = None
+
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        """The host pool SGLang copies pages through: the namespace is taken from its real
+        layout, dtype, page size and segment sizes, and the v1 calls may only touch its
+        memory."""
+        super().register_mem_pool_host(mem_pool_host)
+        page_size = int(mem_pool_host.page_size)
+        segments = ""
+        if self._v1:
+            probe = torch.arange(0, page_size, dtype=torch.int64)
+            _, sizes = mem_pool_host.get_page_buffer_meta(probe)
+            segments = "-seg" + "x".join(str(int(s)) for s in sizes)
+            self._pool_regions = _regions(mem_pool_host)
+        self._register(
+            layout=str(mem_pool_host.layout),
+            dtype=str(mem_pool_host.dtype).removeprefix("torch."),
+            page_size=page_size,
+            segments=segments,
+        )
 
     def _key(self, key: str) -> bytes:
+        if not isinstance(key, str):
+            raise ValueError(f"kvtier: a key must be a page hash string, not {key!r}")
         return engine_key(self._fp, key.encode())
 
     # ---- the generic interface (copies through the tensors SGLang hands over) ---------------
 
-    def _read(self, key: str, segs: list[tuple[int, int]]) -> bool:
-        """One page into memory segments; a store or daemon failure is a logged miss."""
+    def _read(self, keys: List[str], pages, regions=None) -> List[bool]:
+        """Pages into memory segments; a store or daemon failure is a logged miss."""
+        ks = [self._key(k) for k in keys]
         try:
-            return self._store._read_into(self._key(key), segs)
+            return self._store.read_pages(ks, pages, regions)
         except RuntimeError:
-            log.exception("kvtier: get %s failed", key)
-            return False
+            log.exception("kvtier: get of %d pages failed", len(keys))
+            return [False] * len(keys)
 
-    def _write(self, key: str, segs: list[tuple[int, int]]) -> bool:
-        """One page from memory segments; no room or no daemon is a logged False."""
+    def _write(self, keys: List[str], pages, regions=None) -> List[bool]:
+        """Pages from memory segments; no room or no daemon is a logged False."""
+        ks = [self._key(k) for k in keys]
         if not self._writer:
-            return True  # another rank writes the shared (MLA) copy
+            return [True] * len(keys)  # another rank writes the shared (MLA) copy
         try:
-            return self._store._write_from(self._ns, self._key(key), segs)
+            return self._store.write_pages(self._ns, ks, pages, regions)
         except RuntimeError:
-            log.exception("kvtier: set %s failed", key)
-            return False
+            log.exception("kvtier: set of %d pages failed", len(keys))
+            return [False] * len(keys)
 
     def get(self, key: str, target_location: Optional[Any] = None,
             target_sizes: Optional[Any] = None) -> torch.Tensor | None:
         if target_location is None:
             raise ValueError("kvtier: get needs target_location (the page buffer to fill)")
-        return target_location if self._read(key, [_bytes_of(target_location)]) else None
+        return target_location if self._read([key], [[_bytes_of(target_location)]])[0] else None
 
     def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
+        keys = _keys(keys)
         if target_locations is None or len(target_locations) != len(keys):
             raise ValueError("kvtier: batch_get needs one target buffer per key")
-        return [self.get(k, t) for k, t in zip(keys, target_locations)]
+        ok = self._read(keys, [[_bytes_of(t)] for t in target_locations])
+        return [t if g else None for t, g in zip(target_locations, ok)]
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
             target_sizes: Optional[Any] = None) -> bool:
         if value is None:
             raise ValueError("kvtier: set needs a value tensor")
         v = value.contiguous()  # keep the contiguous copy alive during the call
-        return self._write(key, [_bytes_of(v)])
+        return self._write([key], [[_bytes_of(v)]])[0]
 
     def batch_set(self, keys: List[str], values: Optional[Any] = None,
                   target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> bool:
+        keys = _keys(keys)
         if values is None or len(values) != len(keys):
             raise ValueError("kvtier: batch_set needs one value per key")
-        ok = True
-        for k, v in zip(keys, values):
-            ok = self.set(k, v) and ok
-        return ok
+        vs = [v.contiguous() for v in values]  # alive during the call
+        return all(self._write(keys, [[_bytes_of(v)] for v in vs]))
 
     def exists(self, key: str) -> bool:
         return self._store.match_prefix([self._key(key)]) == 1
 
     def batch_exists(self, keys: List[str],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
-        return self._store.match_prefix([self._key(k) for k in keys]) if keys else 0
+        """How many leading keys are stored. Never raises: a failure counts as none."""
+        try:
+            ks = [self._key(k) for k in _keys(keys)]
+            return self._store.match_prefix(ks) if ks else 0
+        except Exception:  # noqa: BLE001 - the controller's prefetch thread must not die
+            log.exception("kvtier: batch_exists failed: counted as a miss")
+            return 0
 
     # ---- zero-copy variants: pages addressed by host-pool indices ---------------------------
 
     def _pages(self, keys: List[str], host_indices: torch.Tensor) -> list[list[tuple[int, int]]]:
-        """Each page's memory segments in the host pool (`get_page_buffer_meta`), in order."""
-        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
-        if not keys or len(ptrs) % len(keys) or len(ptrs) != len(sizes):
+        """Each page's memory segments in the host pool (`get_page_buffer_meta`), in order,
+        after checking the indices: pages x page size of them, every page inside the pool."""
+        pool = self.mem_pool_host
+        if pool is None:
+            raise ValueError("kvtier: the v1 calls need register_mem_pool_host first")
+        ps = int(pool.page_size)
+        n = int(host_indices.numel())
+        if n != len(keys) * ps:
+            raise ValueError(
+                f"kvtier: {n} host indices for {len(keys)} pages of {ps} tokens "
+                f"(expected {len(keys) * ps})")
+        idx = host_indices.reshape(-1)
+        size = int(getattr(pool, "size", 0) or 0)
+        if n and (int(idx.min()) < 0 or (size and int(idx.max()) >= size)):
+            raise ValueError(
+                f"kvtier: host indices {int(idx.min())}..{int(idx.max())} fall outside the "
+                f"host pool of {size} tokens")
+        ptrs, sizes = pool.get_page_buffer_meta(host_indices)
+        if len(ptrs) % len(keys) or len(ptrs) != len(sizes):
             raise ValueError(f"kvtier: {len(ptrs)} buffer segments for {len(keys)} pages")
         per = len(ptrs) // len(keys)
         return [list(zip(ptrs[i * per:(i + 1) * per], sizes[i * per:(i + 1) * per]))
@@ -154,11 +244,17 @@ class KvtierHiCache(HiCacheStorage):
 
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
-        return [self._read(k, segs) for k, segs in zip(keys, self._pages(keys, host_indices))]
+        keys = _keys(keys)
+        if not keys:
+            return []
+        return self._read(keys, self._pages(keys, host_indices), self._pool_regions)
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
-        return [self._write(k, segs) for k, segs in zip(keys, self._pages(keys, host_indices))]
+        keys = _keys(keys)
+        if not keys:
+            return []
+        return self._write(keys, self._pages(keys, host_indices), self._pool_regions)
 
     def clear(self) -> None:
         if self._embedded:

@@ -46,16 +46,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from . import PagedKv, engine_key, namespace_fingerprint
 from ._open import open_store
+from .layouts import CANONICAL, kv_dims, layout_name
 
 log = logging.getLogger("kvtier.vllm")
 
 def namespace(model: str, revision: str | None, cache_dtype: str, block_size: int,
-              tp_size: int = 1, tp_rank: int = 0) -> tuple[bytes, bytes]:
-    """``(encoding, fingerprint)`` of the namespace an engine with this configuration uses."""
+              tp_size: int = 1, tp_rank: int = 0,
+              layout: str = CANONICAL) -> tuple[bytes, bytes]:
+    """``(encoding, fingerprint)`` of the namespace an engine with this configuration uses.
+    ``layout`` is the canonical block layout (see :mod:`kvtier.layouts`) unless the engine's KV
+    tensors have a shape kvtier does not recognise."""
     return namespace_fingerprint(
         model=f"{model}@{revision or ''}",
         dtype=str(cache_dtype),
-        layout="vllm-v1",
+        layout=layout,
         block_tokens=block_size,
         tp_size=tp_size,
         tp_rank=tp_rank,
@@ -198,9 +202,10 @@ class KvtierConnector(KVConnectorBase_V1):
         mla = bool(getattr(model, "use_mla", False))
         self._writer = not mla or tp_rank == 0
         # The scheduler looks up rank 0's blocks (or the shared MLA copy).
-        self._ns_enc, self._fp = namespace(
-            model.model, getattr(model, "revision", None), vllm_config.cache_config.cache_dtype,
-            self._block_size, 0 if mla else tp_size, 0 if mla else tp_rank)
+        self._ns_args = (model.model, getattr(model, "revision", None),
+                         vllm_config.cache_config.cache_dtype, self._block_size,
+                         0 if mla else tp_size, 0 if mla else tp_rank)
+        self._ns_enc, self._fp = namespace(*self._ns_args)
         backend = getattr(vllm_config.parallel_config, "distributed_executor_backend", None)
         if not self._sidecar and backend not in (None, "uni"):
             raise ValueError(
@@ -331,26 +336,28 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches):
         layers = []
+        layout = None
         for name, t in kv_caches.items():
             if t.device.type != "cpu":
                 raise ValueError(
                     f"kvtier: KV cache {name} is on {t.device}; the Python connector copies "
                     "with the CPU path only (GPU copies: kvtier-connector's cuda feature)")
-            dims = ["inner"] * t.dim()
-            shape = list(t.shape)
-            taken = set()
-            for role, size in (("blocks", self._num_blocks), ("kv", 2), ("tokens", self._block_size)):
-                for j, s in enumerate(shape):
-                    if j not in taken and s == size and (role != "blocks" or size is not None):
-                        dims[j] = role
-                        taken.add(j)
-                        break
-            if "blocks" not in dims:  # num_blocks unknown: the first dim not otherwise named
-                j = next(j for j in range(len(dims)) if dims[j] == "inner")
-                dims[j] = "blocks"
-            layers.append((t.data_ptr(), shape, list(t.stride()), dims, t.element_size()))
+            shape, strides = list(t.shape), list(t.stride())
+            dims, kind = kv_dims(shape, self._num_blocks, self._block_size)
+            this = layout_name(shape, strides, dims, kind)
+            if layout is not None and this != layout:
+                raise ValueError(f"kvtier: KV cache {name} has another layout than the others")
+            layout = this
+            layers.append((t.data_ptr(), shape, strides, dims, t.element_size()))
         self._kv_caches = kv_caches  # keep the tensors alive
         self._paged = PagedKv(layers)
+        if layout != CANONICAL:
+            # A layout kvtier cannot put in canonical order: its own namespace, so it never
+            # shares blocks with an engine that lays them out otherwise.
+            log.warning("kvtier: unrecognised KV layout %s: blocks shared only with engines "
+                        "of the same layout", layout)
+            self._ns_enc, self._fp = namespace(*self._ns_args, layout=layout)
+            self._ns = self._store.register_namespace(self._ns_enc)
         self._mover = _Mover(self._load, self._save)
 
     def _load(self, t: _Transfer) -> list[int]:

@@ -35,14 +35,32 @@ fn transfer_err(e: kvtier_connector::TransferError) -> PyErr {
     }
 }
 
+/// Memory the caller declared as the only memory kvtier may touch for a batch of pages (e.g.
+/// SGLang's host KV pool: its buffers' `(address, length)`), checked before any copy.
+fn check_regions(regions: &[(usize, usize)]) -> PyResult<()> {
+    for &(ptr, len) in regions {
+        if ptr == 0 || len == 0 || ptr.checked_add(len).is_none() {
+            return Err(PyValueError::new_err(format!(
+                "bad memory region: address {ptr:#x}, {len} bytes"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// One block's bytes as the caller's memory segments `(address, length)`, in order: a
 /// contiguous tensor, or a host-pool page spread over several buffers (SGLang's
-/// `get_page_buffer_meta`). Refuses null, empty, oversized and overlapping segments.
+/// `get_page_buffer_meta`). Refuses null, empty, oversized and overlapping segments, and, when
+/// `regions` is given, any segment not wholly inside one of them (an out-of-range page index
+/// becomes an error here, before any byte is copied).
 ///
 /// # Safety
 /// Every segment must be live memory that nobody else touches during the call (the Python
 /// adapters pass tensors' `data_ptr()`s and byte sizes and keep the tensors alive).
-unsafe fn raw_segments<'a>(segs: &[(usize, usize)]) -> PyResult<Vec<&'a mut [u8]>> {
+unsafe fn raw_segments<'a>(
+    segs: &[(usize, usize)],
+    regions: Option<&[(usize, usize)]>,
+) -> PyResult<Vec<&'a mut [u8]>> {
     let bad = |why: &str| PyValueError::new_err(format!("bad buffer segments: {why}"));
     if segs.is_empty() {
         return Err(bad("none given"));
@@ -60,12 +78,50 @@ unsafe fn raw_segments<'a>(segs: &[(usize, usize)]) -> PyResult<Vec<&'a mut [u8]
         end = ptr
             .checked_add(len)
             .ok_or_else(|| bad(&format!("{ptr:#x} + {len} wraps")))?;
+        if let Some(regions) = regions {
+            if !regions
+                .iter()
+                .any(|&(r, rl)| ptr >= r && end <= r.saturating_add(rl))
+            {
+                return Err(bad(&format!(
+                    "{ptr:#x}+{len} lies outside the registered host pool (an index out of range?)"
+                )));
+            }
+        }
     }
     Ok(segs
         .iter()
         // SAFETY: the caller's contract above; the segments are disjoint (checked).
         .map(|&(ptr, len)| unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) })
         .collect())
+}
+
+/// Every page's segments, checked (see `raw_segments`), before anything is copied.
+///
+/// # Safety
+/// As for `raw_segments`, for every page.
+unsafe fn raw_pages<'a>(
+    keys: &[Vec<u8>],
+    pages: &[Vec<(usize, usize)>],
+    regions: Option<&[(usize, usize)]>,
+) -> PyResult<(Vec<BlockKey>, Vec<Vec<&'a mut [u8]>>)> {
+    if keys.len() != pages.len() {
+        return Err(PyValueError::new_err(format!(
+            "{} keys but {} pages",
+            keys.len(),
+            pages.len()
+        )));
+    }
+    if let Some(r) = regions {
+        check_regions(r)?;
+    }
+    let ks = self::keys(keys)?;
+    let segs = pages
+        .iter()
+        // SAFETY: the caller's contract, page by page.
+        .map(|p| unsafe { raw_segments(p, regions) })
+        .collect::<PyResult<Vec<_>>>()?;
+    Ok((ks, segs))
 }
 
 /// Copies `block` into the segments, in order; false (nothing copied) unless the sizes match.
@@ -272,51 +328,66 @@ impl Store {
         Ok(d)
     }
 
-    /// Copies the block under `key` into the caller's memory segments (in order: one tensor,
-    /// or a host-pool page's pieces). True only when a block of exactly their total size was
-    /// there (promoted from disk if needed); nothing is copied otherwise.
-    fn _read_into(&self, py: Python<'_>, key: &[u8], segs: Vec<(usize, usize)>) -> PyResult<bool> {
-        let k = self::key(key)?;
+    /// Copies the blocks under `keys` into the caller's pages (each a list of memory segments,
+    /// in order: one tensor, or a host-pool page's pieces). `regions`, when given, is the only
+    /// memory the pages may lie in. One bool per key: True only when a block of exactly the
+    /// page's total size was there (promoted from disk if needed); nothing is copied into a
+    /// page otherwise.
+    #[pyo3(signature = (keys, pages, regions=None))]
+    fn read_pages(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Vec<u8>>,
+        pages: Vec<Vec<(usize, usize)>>,
+        regions: Option<Vec<(usize, usize)>>,
+    ) -> PyResult<Vec<bool>> {
         // SAFETY: the Python adapters pass live tensors' memory they keep alive, and no other
         // thread touches it during this call.
-        let mut dst = unsafe { raw_segments(&segs)? };
+        let (ks, mut dst) = unsafe { raw_pages(&keys, &pages, regions.as_deref())? };
         py.allow_threads(|| {
-            if self.inner.load_prefix(&[k]) == 0 {
-                return Ok(false);
-            }
-            Ok(self
-                .inner
-                .get(&k)
-                .is_some_and(|b| fill_segments(&b, &mut dst)))
+            Ok(ks
+                .iter()
+                .zip(dst.iter_mut())
+                .map(|(k, d)| {
+                    self.inner.load_prefix(std::slice::from_ref(k)) == 1
+                        && self.inner.get(k).is_some_and(|b| fill_segments(&b, d))
+                })
+                .collect())
         })
     }
 
-    /// Stores the segments' bytes (in order) under `key`, gathered straight into a reserved
-    /// slot. True if stored now, already present or being written by another writer (the same
-    /// key is the same bytes); an error if it cannot be stored.
-    fn _write_from(
+    /// Stores each page's segments (in order) under its key, gathered straight into a reserved
+    /// slot; `regions` as in `read_pages`. One bool per key: True if stored now, already
+    /// present or being written by another writer (the same key is the same bytes), False if
+    /// there was no room.
+    #[pyo3(signature = (ns, keys, pages, regions=None))]
+    fn write_pages(
         &self,
         py: Python<'_>,
         ns: u32,
-        key: &[u8],
-        segs: Vec<(usize, usize)>,
-    ) -> PyResult<bool> {
-        let k = self::key(key)?;
-        // SAFETY: as in _read_into; the memory is only read.
-        let src = unsafe { raw_segments(&segs)? };
+        keys: Vec<Vec<u8>>,
+        pages: Vec<Vec<(usize, usize)>>,
+        regions: Option<Vec<(usize, usize)>>,
+    ) -> PyResult<Vec<bool>> {
+        // SAFETY: as in read_pages; the memory is only read.
+        let (ks, src) = unsafe { raw_pages(&keys, &pages, regions.as_deref())? };
         py.allow_threads(|| {
-            match self
-                .inner
-                .reserve(NsId(ns), k, segments_len(&src))
-                .map_err(err)?
-            {
-                Reserve::Slot(mut r) => {
-                    gather_segments(&src, r.as_mut_slice());
-                    r.commit().map_err(err)?;
-                }
-                Reserve::AlreadyPresent | Reserve::InFlight => {}
+            let mut out = Vec::with_capacity(ks.len());
+            for (k, segs) in ks.iter().zip(&src) {
+                out.push(
+                    match self.inner.reserve(NsId(ns), *k, segments_len(segs)) {
+                        Ok(Reserve::Slot(mut r)) => {
+                            gather_segments(segs, r.as_mut_slice());
+                            r.commit().map_err(err)?;
+                            true
+                        }
+                        Ok(Reserve::AlreadyPresent | Reserve::InFlight) => true,
+                        Err(kvstore::StoreError::NoSpace { .. }) => false,
+                        Err(e) => return Err(err(e)),
+                    },
+                );
             }
-            Ok(true)
+            Ok(out)
         })
     }
 
@@ -426,47 +497,64 @@ impl Sidecar {
         Ok(self.client()?.lookup(&ks, None).map_err(ipc_err)?.0)
     }
 
-    /// Like `Store._read_into`, through the shared arena (under a short lease).
-    fn _read_into(&self, py: Python<'_>, key: &[u8], segs: Vec<(usize, usize)>) -> PyResult<bool> {
-        let k = self::key(key)?;
+    /// Like `Store.read_pages`, through the shared arena: one load (the leading present
+    /// blocks, pinned by one lease), each copied once into its page. A lease that lapsed before
+    /// release makes every page of the call a miss (the copies may be other blocks' bytes).
+    #[pyo3(signature = (keys, pages, regions=None))]
+    fn read_pages(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Vec<u8>>,
+        pages: Vec<Vec<(usize, usize)>>,
+        regions: Option<Vec<(usize, usize)>>,
+    ) -> PyResult<Vec<bool>> {
         // SAFETY: the Python adapters pass live tensors' memory they keep alive, and no other
         // thread touches it during this call.
-        let mut dst = unsafe { raw_segments(&segs)? };
+        let (ks, mut dst) = unsafe { raw_pages(&keys, &pages, regions.as_deref())? };
         py.allow_threads(|| {
+            let mut out = vec![false; ks.len()];
+            if ks.is_empty() {
+                return Ok(out);
+            }
             let mut c = self.client()?;
             let l = c
-                .load(&[k], std::time::Duration::from_secs(10))
+                .load(&ks, std::time::Duration::from_secs(10))
                 .map_err(ipc_err)?;
-            let ok = if l.blocks.is_empty() {
-                false
-            } else {
-                c.with_block(&l, 0, |b| fill_segments(b, &mut dst))
-                    .map_err(ipc_err)?
-            };
+            for (i, d) in dst.iter_mut().enumerate().take(l.blocks.len()) {
+                out[i] = c
+                    .with_block(&l, i, |b| fill_segments(b, d))
+                    .map_err(ipc_err)?;
+            }
             if let Some(id) = l.lease {
                 if c.release(id).is_err() {
-                    return Ok(false); // lapsed: the copy may be another block's bytes
+                    out.iter_mut().for_each(|x| *x = false);
                 }
             }
-            Ok(ok)
+            Ok(out)
         })
     }
 
-    /// Like `Store._write_from`, through the shared arena.
-    fn _write_from(
+    /// Like `Store.write_pages`, through the shared arena.
+    #[pyo3(signature = (ns, keys, pages, regions=None))]
+    fn write_pages(
         &self,
         py: Python<'_>,
         ns: u32,
-        key: &[u8],
-        segs: Vec<(usize, usize)>,
-    ) -> PyResult<bool> {
-        let k = self::key(key)?;
-        // SAFETY: as in _read_into; the memory is only read.
-        let src = unsafe { raw_segments(&segs)? };
-        let len = segments_len(&src);
-        Ok(self
-            .store_block(py, ns, k, len, |slot| gather_segments(&src, slot))?
-            .is_some())
+        keys: Vec<Vec<u8>>,
+        pages: Vec<Vec<(usize, usize)>>,
+        regions: Option<Vec<(usize, usize)>>,
+    ) -> PyResult<Vec<bool>> {
+        // SAFETY: as in read_pages; the memory is only read.
+        let (ks, src) = unsafe { raw_pages(&keys, &pages, regions.as_deref())? };
+        let mut out = Vec::with_capacity(ks.len());
+        for (k, segs) in ks.into_iter().zip(&src) {
+            let len = segments_len(segs);
+            out.push(
+                self.store_block(py, ns, k, len, |slot| gather_segments(segs, slot))?
+                    .is_some(),
+            );
+        }
+        Ok(out)
     }
 
     /// Stores one block's bytes under `key` (copied into a reserved arena slot). False when

@@ -1,0 +1,158 @@
+//! The seam below the host arena: a tier that holds blocks the host tier can read back into a
+//! slot and write out of one. The store walks an ordered chain of them (today: the disk tier;
+//! next: the remote tier); it never knows their internals, and they never know the store's.
+
+use std::io;
+
+use crate::io::IoBuf;
+use crate::key::{BlockKey, Fingerprint};
+use crate::types::{BlockInfo, Tier};
+
+/// One block to read into a host slot.
+pub struct ReadItem {
+    /// The block.
+    pub key: BlockKey,
+    /// Where its bytes go: at least the block's length rounded up to 4096.
+    pub buf: IoBuf,
+}
+
+/// One block to write out of a host slot.
+pub struct WriteItem {
+    /// The block.
+    pub key: BlockKey,
+    /// Its namespace id in the owning store.
+    pub ns: u16,
+    /// Its bytes: at least `len` rounded up to 4096 (the tail of the last page zero).
+    pub buf: IoBuf,
+    /// Block length.
+    pub len: u32,
+    /// xxh3-64 of the block as committed to the host tier: a tier that finds other bytes in
+    /// `buf` (an engine wrote into a slot it no longer owned) stores nothing and says
+    /// [`WriteOutcome::Corrupt`].
+    pub checksum: u64,
+}
+
+/// What happened to one block of a write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WriteOutcome {
+    /// Durable and visible now.
+    Written,
+    /// Already there.
+    Present,
+    /// Not now, try again later: another write of the key is in flight, or an earlier copy is
+    /// still being removed.
+    Busy,
+    /// Not stored, and not worth retrying (no space, I/O error); counted and logged.
+    Failed,
+    /// The bytes did not match the block's commit checksum: the host copy is damaged.
+    Corrupt,
+    /// The block was removed while being written: not stored (its removal wins).
+    Cancelled,
+}
+
+/// What happened to one block of a read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReadOutcome {
+    /// The buffer holds the block, its checksum verified.
+    Hit(BlockInfo),
+    /// Not there, or unreadable / corrupt (counted and logged): never served.
+    Miss,
+}
+
+/// Usage of one namespace in one tier.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NsUsage {
+    /// Namespace id.
+    pub ns: u16,
+    /// Blocks.
+    pub blocks: u64,
+    /// Bytes of block payload.
+    pub bytes: u64,
+}
+
+/// Counters of a tier below the host arena.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TierStats {
+    /// Which tier.
+    pub tier: Option<Tier>,
+    /// The engine under it (`io_uring`, `psync`, a fault injector's name, `tcp`).
+    pub engine: &'static str,
+    /// Engine queue depth.
+    pub queue_depth: u32,
+    /// Bytes of block space.
+    pub capacity_bytes: u64,
+    /// Bytes of committed blocks (payload).
+    pub used_bytes: u64,
+    /// Committed blocks.
+    pub blocks: u64,
+    /// Blocks recovered at open.
+    pub recovered_blocks: u64,
+    /// Bytes read.
+    pub bytes_read: u64,
+    /// Bytes written.
+    pub bytes_written: u64,
+    /// Read operations.
+    pub reads: u64,
+    /// Write operations.
+    pub writes: u64,
+    /// Failed reads (the block was a miss).
+    pub read_errors: u64,
+    /// Failed writes (the block was not stored).
+    pub write_errors: u64,
+    /// Blocks whose checksum failed (served as misses, then dropped).
+    pub checksum_failures: u64,
+    /// Blocks evicted to make room.
+    pub evictions: u64,
+    /// Read latency percentiles, microseconds (p50, p99).
+    pub read_us: (u64, u64),
+    /// Write latency percentiles, microseconds (p50, p99).
+    pub write_us: (u64, u64),
+}
+
+/// A tier below the host arena. Every method is safe to call from several threads; reads and
+/// writes block the calling thread (the store's tiering worker) until their I/O completed.
+pub trait LowerTier: Send + Sync {
+    /// Which tier this is.
+    fn kind(&self) -> Tier;
+    /// Whether [`LowerTier::lookup`] is cheap enough for an engine's request path (a local
+    /// index, no network round trip).
+    fn local(&self) -> bool {
+        true
+    }
+    /// A committed block's length, namespace and checksum, if present (no side effects).
+    fn lookup(&self, key: &BlockKey) -> Option<BlockInfo>;
+    /// Pins a committed block against eviction (a lease); false if absent.
+    fn pin(&self, key: &BlockKey) -> bool;
+    /// Drops a pin taken by [`LowerTier::pin`].
+    fn unpin(&self, key: &BlockKey);
+    /// Reads blocks into the items' buffers, verifying checksums; one outcome per item.
+    fn read(&self, items: Vec<ReadItem>) -> Vec<ReadOutcome>;
+    /// Writes blocks durably; one outcome per item. `still_wanted(key)` is asked, under the
+    /// tier's own lock, right before a written block becomes visible: a block the store removed
+    /// meanwhile is dropped ([`WriteOutcome::Cancelled`]) instead of coming back.
+    fn write(
+        &self,
+        items: Vec<WriteItem>,
+        still_wanted: &(dyn Fn(&BlockKey) -> bool + Sync),
+    ) -> Vec<WriteOutcome>;
+    /// Removes a block (an in-flight write of it is cancelled); false if absent.
+    fn remove(&self, key: &BlockKey) -> bool;
+    /// Removes every block of a namespace; returns their keys.
+    fn clear_namespace(&self, ns: u16) -> Vec<BlockKey>;
+    /// Blocks and bytes per namespace (scans: for admin use).
+    fn namespace_usage(&self) -> Vec<NsUsage>;
+    /// Counters.
+    fn stats(&self) -> TierStats;
+    /// Records a namespace id durably, if the tier persists ids (the disk tier does).
+    fn note_namespace(&self, _id: u16, _fp: Fingerprint) -> io::Result<()> {
+        Ok(())
+    }
+    /// Namespace fingerprints the tier recovered, by id.
+    fn recovered_namespaces(&self) -> Vec<Fingerprint> {
+        Vec::new()
+    }
+    /// Makes the tier's index compact and durable (the disk tier rewrites its journal).
+    fn checkpoint(&self) -> io::Result<()> {
+        Ok(())
+    }
+}
