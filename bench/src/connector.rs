@@ -164,7 +164,7 @@ pub fn run(args: ConnectorArgs) -> Result<()> {
         capacity_bytes: (total as u64 * 5 / 4).div_ceil(seg) * seg + seg,
         segment_bytes: seg,
         size_classes: vec![bb],
-        populate: true,
+        populate: kvstore::Populate::Now,
         ..Default::default()
     }
     .build()?;

@@ -5,15 +5,16 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 use clap::Args;
-use kvstore::disk::{DiskTier, ReadOutcome, WriteItem, WriteOutcome};
+use kvstore::disk::DiskTier;
 use kvstore::io::{IoBuf, IoConfig, IoEngineKind};
 use kvstore::{
     Admission, AlignedBuf, BlockKey, DiskConfig, Namespace, PolicyKind, StoreConfig, TpShard,
 };
+use kvstore::{LowerTier, ReadItem, ReadOutcome, WriteItem, WriteOutcome};
 
 use crate::report::{row, Report, Row};
 
@@ -129,26 +130,44 @@ fn fresh_tier(
     buf: &AlignedBuf,
 ) -> Result<DiskTier> {
     let _ = std::fs::remove_dir_all(dir);
-    let (tier, _) = DiskTier::open(DiskConfig {
-        dir: dir.to_path_buf(),
-        capacity_bytes: capacity,
-        files: 1,
-        io: IoConfig {
-            kind,
-            queue_depth: qd,
-            sqpoll: false,
-            fixed_buffers: vec![(buf.as_ptr() as usize, buf.len())],
+    let tier = DiskTier::open(
+        DiskConfig {
+            dir: dir.to_path_buf(),
+            capacity_bytes: capacity,
+            files: 1,
+            io: IoConfig {
+                kind,
+                queue_depth: qd,
+                sqpoll: false,
+                fixed_buffers: vec![(buf.as_ptr() as usize, buf.len())],
+            },
+            policy: PolicyKind::Lru,
+            admission: Admission::Always,
+            write_through: false,
+            max_batch_bytes: 256 << 20,
         },
-        policy: PolicyKind::Lru,
-        admission: Admission::Always,
-        write_through: false,
-        max_batch_bytes: 256 << 20,
-    })?;
+        Default::default(),
+    )?;
     Ok(tier)
 }
 
+/// The commit checksum of each `bs`-byte block of `buf` (what a host commit would carry),
+/// computed once, outside the measured writes.
+fn sums(buf: &AlignedBuf, bs: u64) -> Vec<u64> {
+    buf.chunks(bs as usize)
+        .map(kvtier_connector::checksum)
+        .collect()
+}
+
 /// Writes blocks `0..n` from `buf` (batches of `per_batch`), one journal sync per batch.
-fn write_all(tier: &DiskTier, buf: &AlignedBuf, bs: u64, n: u64, per_batch: u64) -> Result<()> {
+fn write_all(
+    tier: &DiskTier,
+    buf: &AlignedBuf,
+    sums: &[u64],
+    bs: u64,
+    n: u64,
+    per_batch: u64,
+) -> Result<()> {
     let mut i = 0;
     while i < n {
         let items = (i..(i + per_batch).min(n))
@@ -161,9 +180,10 @@ fn write_all(tier: &DiskTier, buf: &AlignedBuf, bs: u64, n: u64, per_batch: u64)
                     IoBuf::from_raw(buf.as_ptr().add(j * bs as usize) as *mut u8, bs as usize)
                 },
                 len: bs as u32,
+                checksum: sums[j],
             })
             .collect::<Vec<_>>();
-        let got = tier.write_batch(items);
+        let got = tier.write_batch(items, &|_| true);
         ensure!(
             got.iter().all(|o| *o == WriteOutcome::Written),
             "a block write failed"
@@ -179,11 +199,12 @@ fn read_all(tier: &DiskTier, buf: &AlignedBuf, bs: u64, n: u64, per_batch: u64) 
     while i < n {
         let items = (i..(i + per_batch).min(n))
             .enumerate()
-            .map(|(j, b)| {
+            .map(|(j, b)| ReadItem {
+                key: key(b),
                 // SAFETY: `buf` outlives the batch; nothing else touches it meanwhile.
-                (key(b), unsafe {
+                buf: unsafe {
                     IoBuf::from_raw(buf.as_ptr().add(j * bs as usize) as *mut u8, bs as usize)
-                })
+                },
             })
             .collect::<Vec<_>>();
         let got = tier.read_batch(items);
@@ -208,12 +229,13 @@ fn seq_cases(args: &DiskArgs, kind: IoEngineKind, rows: &mut Vec<Row>) -> Result
             let per_batch = ((256u64 << 20) / bs).max(2 * u64::from(qd)).min(n);
             let mut buf = AlignedBuf::new((per_batch * bs) as usize)?;
             buf.fill_pattern(bs);
+            let sums = sums(&buf, bs);
             let tier_dir = args.dir.join("tier");
             let tier = fresh_tier(&tier_dir, total + (64 << 20), qd, kind, &buf)?;
             // Warm-up pass, unmeasured, for both sides: ext4 converts a preallocated
             // (unwritten) extent on its first write, which costs ~40% here; a cache disk lives
             // in the overwrite steady state measured below.
-            write_all(&tier, &buf, bs, n, per_batch)?;
+            write_all(&tier, &buf, &sums, bs, n, per_batch)?;
             fio(&fio_file, "write", bs, qd, total)?;
             let mut w = Vec::new();
             let mut r = Vec::new();
@@ -226,7 +248,7 @@ fn seq_cases(args: &DiskArgs, kind: IoEngineKind, rows: &mut Vec<Row>) -> Result
                 let ours_first = round % 2 == 1;
                 let ours_w = |tier: &DiskTier| -> Result<f64> {
                     let t = Instant::now();
-                    write_all(tier, &buf, bs, n, per_batch)?;
+                    write_all(tier, &buf, &sums, bs, n, per_batch)?;
                     Ok(total as f64 / t.elapsed().as_secs_f64() / 1e9)
                 };
                 let ours_r = |tier: &DiskTier| -> Result<f64> {
@@ -331,7 +353,11 @@ fn prefix_case(args: &DiskArgs, kind: IoEngineKind, rows: &mut Vec<Row>) -> Resu
             store.put(id, *k, &src)?;
         }
         ensure!(
-            store.stats().disk.map(|d| d.blocks) == Some(blocks),
+            store.sync(Duration::from_secs(600)),
+            "write-through did not finish"
+        );
+        ensure!(
+            store.stats().disk().map(|d| d.blocks) == Some(blocks),
             "prefix not on disk"
         );
     }
@@ -346,7 +372,7 @@ fn prefix_case(args: &DiskArgs, kind: IoEngineKind, rows: &mut Vec<Row>) -> Resu
         let store = cfg(false)?.build()?;
         let base = fio(&fio_file, "read", 2 << 20, 32, fio_bytes)?;
         let t = Instant::now();
-        let n = store.load_prefix(&keys);
+        let n = store.load(&keys)?.len();
         let secs = t.elapsed().as_secs_f64();
         ensure!(n == keys.len(), "loaded {n} of {} blocks", keys.len());
         let b = store.get(&keys[keys.len() / 2]).context("block missing")?;

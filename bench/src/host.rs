@@ -114,7 +114,7 @@ fn bandwidth_cases(args: &HostArgs, rows: &mut Vec<Row>) -> Result<()> {
             capacity_bytes: (n as u64 * size * 5 / 4).div_ceil(seg) * seg + seg,
             segment_bytes: seg,
             size_classes: vec![block],
-            populate: true,
+            populate: kvstore::Populate::Now,
             ..Default::default()
         }
         .build()
@@ -279,14 +279,16 @@ fn metadata_case(blocks: u64, rows: &mut Vec<Row>) -> Result<()> {
         size_classes: vec![4096],
         // The arena is never touched: reserved slots are committed without writing, so the
         // memfd stays sparse and only metadata costs memory.
-        populate: false,
+        populate: kvstore::Populate::Lazy,
         ..Default::default()
     }
     .build()?;
     let ns = store.register_namespace(&namespace())?;
     for i in 0..blocks {
         match store.reserve(ns, key(i), 4096)? {
-            Reserve::Slot(r) => r.commit()?,
+            Reserve::Slot(r) => {
+                r.commit()?;
+            }
             _ => anyhow::bail!("duplicate key {i}"),
         }
     }

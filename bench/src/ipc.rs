@@ -157,15 +157,15 @@ pub fn run(args: IpcArgs) -> Result<()> {
         while i < count {
             let n = (count - i).min(args.batch as u64);
             let keys: Vec<BlockKey> = (i..i + n).map(|j| key(base + j)).collect();
-            let l = c.load(&keys, Duration::from_secs(30))?;
+            let l = c.load(&keys, Duration::from_secs(30), None)?;
             ensure!(
                 l.n == keys.len(),
                 "sidecar loaded {} of {}",
                 l.n,
                 keys.len()
             );
-            for (j, &(_, len)) in l.blocks.iter().enumerate() {
-                c.read(&l, j, &mut dst[j * block..j * block + len as usize])?;
+            for (j, b) in l.blocks.iter().enumerate() {
+                c.read(&l, j, &mut dst[j * block..j * block + b.len as usize])?;
             }
             if let Some(id) = l.lease {
                 c.release(id)?;
@@ -222,7 +222,7 @@ pub fn run(args: IpcArgs) -> Result<()> {
                 embedded.release(id);
             }
             let t = Instant::now();
-            let (_, _, lease) = c.lookup(&chain_s, Some(ttl))?;
+            let lease = c.lookup(&chain_s, Some(ttl))?.lease;
             s.push(t.elapsed().as_secs_f64() * 1e6);
             if let Some(id) = lease {
                 c.release(id)?;

@@ -14,6 +14,7 @@ use kvstore::io::IoConfig;
 use kvstore::{
     Admission, AlignedBuf, BlockKey, DiskConfig, Namespace, PolicyKind, StoreConfig, Tier, TpShard,
 };
+use kvtier_connector::Backend;
 
 use crate::report::{Report, Row};
 use crate::sim;
@@ -249,52 +250,13 @@ pub fn run_embedded(
     }
     .build()
     .context("building the replay store")?;
-    let ns_def = namespace();
-    let fp = ns_def.fingerprint();
-    let ns = store.register_namespace(&ns_def)?;
-    let mut data = AlignedBuf::new(cfg.block_bytes as usize)?;
-    data.fill_pattern(1);
-    let mut scratch = AlignedBuf::new(cfg.block_bytes as usize)?;
-    let mut hist = Histogram::<u64>::new_with_bounds(1, 600_000_000, 2)?;
-    let mut out = ReplayOutcome::default();
-    let start = Instant::now();
-    for r in reqs {
-        cfg.wait_for(r, start);
-        let keys = request_keys(&fp, r)?;
-        let m = store.match_prefix(&keys);
-        let t = Instant::now();
-        let mut n = 0;
-        if m.n > 0 {
-            // As an engine would: make the prefix resident, then copy every block out (a get
-            // records the access for the eviction policy and for admission).
-            let resident = store.load_prefix(&keys[..m.n]);
-            while n < resident && store.get_into(&keys[n], &mut scratch)?.is_some() {
-                n += 1;
-            }
-        }
-        if m.n > 0 {
-            let us = t.elapsed().as_micros() as u64;
-            out.load_secs += t.elapsed().as_secs_f64();
-            let _ = hist.record(us.max(1));
-        }
-        out.count_hits(r, &m.tiers, m.n, n);
-        for k in &keys[n..] {
-            data[..16].copy_from_slice(&k.to_bytes());
-            match store.put(ns, *k, &data) {
-                Ok(kvstore::PutOutcome::Stored) => out.saves += 1,
-                Ok(_) | Err(kvstore::StoreError::NoSpace { .. }) => out.save_skips += 1,
-                Err(e) => return Err(e.into()),
-            }
-        }
-        out.requests += 1;
-        out.blocks += keys.len() as u64;
-        out.tokens += r.input_length;
-        progress.inc(1);
-    }
-    let st = store.stats();
-    out.load_us = (hist.value_at_quantile(0.5), hist.value_at_quantile(0.99));
-    out.host_bytes_in = out.saves * cfg.block_bytes;
-    if let Some(d) = st.disk {
+    let backend = Backend::Embedded(Box::new(store));
+    let mut out = replay_through(&backend, reqs, cfg, progress)?;
+    if let Some(d) = backend
+        .store()
+        .map(|s| s.stats())
+        .and_then(|st| st.disk().cloned())
+    {
         out.disk_bytes_read = d.bytes_read;
         out.disk_bytes_written = d.bytes_written;
         ensure!(
@@ -302,8 +264,77 @@ pub fn run_embedded(
             "checksum failures during the replay: {d:?}"
         );
     }
-    drop(store);
+    drop(backend);
     let _ = std::fs::remove_dir_all(&cfg.dir);
+    Ok(out)
+}
+
+/// The replay loop, through the connector's transfer API (embedded or kvtierd alike), as an
+/// engine does it: longest-prefix lookup; load of the hit blocks, each copied out of the store
+/// into the engine's memory; save of the missing ones, each gathered into a reserved slot.
+fn replay_through(
+    backend: &Backend,
+    reqs: &[Request],
+    cfg: &RunCfg,
+    progress: &ProgressBar,
+) -> Result<ReplayOutcome> {
+    let ns_def = namespace();
+    let fp = ns_def.fingerprint();
+    let ns = backend.register_namespace(&ns_def)?;
+    let bb = cfg.block_bytes as usize;
+    let longest = reqs
+        .iter()
+        .map(|r| r.hash_ids.len())
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    // The engine's memory: a block-sized page per key of the longest request.
+    let mut scratch = AlignedBuf::new(bb * longest)?;
+    // What a save writes: each block's key, then a shared pattern.
+    let mut data = AlignedBuf::new(bb)?;
+    data.fill_pattern(1);
+    let mut hist = Histogram::<u64>::new_with_bounds(1, 600_000_000, 2)?;
+    let mut out = ReplayOutcome::default();
+    let start = Instant::now();
+    let ttl = Duration::from_secs(60);
+    for r in reqs {
+        cfg.wait_for(r, start);
+        let keys = request_keys(&fp, r)?;
+        let m = backend.lookup(&keys)?;
+        let mut n = 0;
+        if m.n > 0 {
+            let t = Instant::now();
+            let mut pages: Vec<Vec<&mut [u8]>> =
+                scratch.chunks_mut(bb).take(m.n).map(|p| vec![p]).collect();
+            n = backend
+                .read_segments(&keys[..m.n], &mut pages, ttl)?
+                .iter()
+                .take_while(|ok| **ok)
+                .count();
+            out.load_secs += t.elapsed().as_secs_f64();
+            let _ = hist.record((t.elapsed().as_micros() as u64).max(1));
+        }
+        out.count_hits(r, &m.tiers, m.n, n);
+        let rest = &keys[n..];
+        if !rest.is_empty() {
+            let stamps: Vec<[u8; 16]> = rest.iter().map(|k| k.to_bytes()).collect();
+            let pages: Vec<Vec<&[u8]>> =
+                stamps.iter().map(|st| vec![&st[..], &data[16..]]).collect();
+            for ok in backend.write_segments(ns, rest, &pages)? {
+                if ok {
+                    out.saves += 1;
+                } else {
+                    out.save_skips += 1;
+                }
+            }
+        }
+        out.requests += 1;
+        out.blocks += keys.len() as u64;
+        out.tokens += r.input_length;
+        progress.inc(1);
+    }
+    out.load_us = (hist.value_at_quantile(0.5), hist.value_at_quantile(0.99));
+    out.host_bytes_in = out.saves * cfg.block_bytes;
     Ok(out)
 }
 
@@ -327,7 +358,6 @@ pub fn run_sidecar(
     bin: &std::path::Path,
     progress: &ProgressBar,
 ) -> Result<ReplayOutcome> {
-    use kvtier_ipc::{IpcClient, SlotStatus};
     let block = cfg.block_bytes.div_ceil(4096) * 4096;
     let per_seg = cfg
         .host_blocks
@@ -367,58 +397,8 @@ pub fn run_sidecar(
         args.push("--no-disk".into());
     }
     let side = crate::sidecar::Sidecar::start(bin, cfg.dir.clone(), &args)?;
-    let mut c = IpcClient::connect(&side.socket, "kvtier-bench replay")?;
-    let ns_def = namespace();
-    let fp = ns_def.fingerprint();
-    let ns = c.register_namespace(&ns_def)?;
-    let mut data = AlignedBuf::new(cfg.block_bytes as usize)?;
-    data.fill_pattern(1);
-    let mut scratch = AlignedBuf::new(cfg.block_bytes as usize)?;
-    let mut hist = Histogram::<u64>::new_with_bounds(1, 600_000_000, 2)?;
-    let mut out = ReplayOutcome::default();
-    let start = Instant::now();
-    let ttl = Duration::from_secs(60);
-    for r in reqs {
-        cfg.wait_for(r, start);
-        let keys = request_keys(&fp, r)?;
-        let (found, tiers, _) = c.lookup(&keys, None)?;
-        let mut n = 0;
-        if found > 0 {
-            let t = Instant::now();
-            let l = c.load(&keys[..found], ttl)?;
-            for (j, &(_, len)) in l.blocks.iter().enumerate() {
-                c.read(&l, j, &mut scratch[..len as usize])?;
-            }
-            if let Some(id) = l.lease {
-                c.release(id)?;
-            }
-            out.load_secs += t.elapsed().as_secs_f64();
-            let _ = hist.record((t.elapsed().as_micros() as u64).max(1));
-            n = l.n;
-        }
-        out.count_hits(r, &tiers, found, n);
-        let rest = &keys[n..];
-        if !rest.is_empty() {
-            let slots = c.reserve(ns, rest, &vec![cfg.block_bytes as u32; rest.len()])?;
-            let mut tokens = Vec::new();
-            for (k, s) in rest.iter().zip(slots) {
-                if let SlotStatus::Slot { token, .. } = s {
-                    data[..16].copy_from_slice(&k.to_bytes());
-                    c.write(token, &data)?;
-                    tokens.push(token);
-                } else {
-                    out.save_skips += 1;
-                }
-            }
-            out.saves += u64::from(c.commit(&tokens)?);
-        }
-        out.requests += 1;
-        out.blocks += keys.len() as u64;
-        out.tokens += r.input_length;
-        progress.inc(1);
-    }
-    out.load_us = (hist.value_at_quantile(0.5), hist.value_at_quantile(0.99));
-    out.host_bytes_in = out.saves * cfg.block_bytes;
+    let backend = Backend::sidecar(&side.socket, "kvtier-bench replay")?;
+    let mut out = replay_through(&backend, reqs, cfg, progress)?;
     // Disk counters come from the admin API.
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()

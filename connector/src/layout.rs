@@ -199,13 +199,19 @@ impl PagedKv {
         self.blocks
     }
 
-    fn check(&self, ids: &[usize], len: usize) -> Result<(), LayoutError> {
+    /// Checks that every block id lies within the engine's tensors.
+    pub fn check_ids(&self, ids: &[usize]) -> Result<(), LayoutError> {
         if let Some(&id) = ids.iter().find(|&&id| id >= self.blocks) {
             return Err(LayoutError::BlockId {
                 id,
                 blocks: self.blocks,
             });
         }
+        Ok(())
+    }
+
+    fn check(&self, ids: &[usize], len: usize) -> Result<(), LayoutError> {
+        self.check_ids(ids)?;
         let want = ids.len() * self.block_bytes;
         if len != want {
             return Err(LayoutError::Size { want, got: len });
@@ -215,7 +221,29 @@ impl PagedKv {
 
     /// Copies engine blocks `ids` into `dst` (canonical form, back to back).
     pub fn gather(&self, ids: &[usize], dst: &mut [u8]) -> Result<(), LayoutError> {
+        self.gather_with(ids, dst, &mut |_| {})
+    }
+
+    /// [`PagedKv::gather`] that also returns the xxh3-64 of the bytes written, computed as
+    /// they are written (each 64 KiB of `dst` is hashed right after it is filled, while it is
+    /// still in cache), so the block need not be read again to checksum it.
+    pub fn gather_hashed(&self, ids: &[usize], dst: &mut [u8]) -> Result<u64, LayoutError> {
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        self.gather_with(ids, dst, &mut |chunk| h.update(chunk))?;
+        Ok(h.digest())
+    }
+
+    /// Gathers, handing every filled stretch of `dst` (in order, each at least 64 KiB but the
+    /// last) to `filled`.
+    fn gather_with(
+        &self,
+        ids: &[usize],
+        dst: &mut [u8],
+        filled: &mut dyn FnMut(&[u8]),
+    ) -> Result<(), LayoutError> {
+        const CHUNK: usize = 64 << 10;
         self.check(ids, dst.len())?;
+        let mut done = 0;
         let mut at = 0;
         for &id in ids {
             for p in &self.plans {
@@ -232,8 +260,15 @@ impl PagedKv {
                         )
                     };
                     at += len;
+                    if at - done >= CHUNK {
+                        filled(&dst[done..at]);
+                        done = at;
+                    }
                 });
             }
+        }
+        if at > done {
+            filled(&dst[done..at]);
         }
         Ok(())
     }

@@ -8,6 +8,4 @@ mod layout;
 mod transfer;
 
 pub use layout::{Dim, LayerView, LayoutError, PagedKv, Piece};
-pub use transfer::{
-    load_embedded, load_sidecar, save_embedded, save_sidecar, Backend, TransferError,
-};
+pub use transfer::{checksum, Backend, Stored, TransferError};

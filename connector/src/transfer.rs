@@ -1,19 +1,22 @@
-//! Moving engine blocks between paged KV tensors and kvtier, with one copy, in either mode:
+//! Moving engine blocks between an engine's memory and kvtier, with one copy, in either mode:
 //! embedded (the store in this process) or sidecar (`kvtierd` through its engine socket and
-//! shared arena). Saves gather straight into a reserved slot; loads scatter straight out of a
-//! pinned block. The Python package and `kvtier-bench connector` both go through here.
+//! shared arena). Saves gather straight into a reserved slot (hashing as they go: the commit
+//! carries the block's checksum); loads scatter straight out of a pinned block. This is the one
+//! transfer API: the Python package, `kvtier-bench connector` and `kvtier-bench replay` all go
+//! through here.
+//!
+//! Two shapes of engine memory: paged KV tensors ([`PagedKv`], vLLM's layer tensors) with
+//! `save`/`load`, and per-page lists of memory segments (SGLang's host pool pages) with
+//! `write_segments`/`read_segments`.
 
 use std::sync::Mutex;
 use std::time::Duration;
 
-use kvstore::{BlockKey, Namespace, NsId, Reserve, Store, StoreError};
+use kvstore::{BlockKey, LeaseId, Namespace, NsId, Reserve, Store, StoreError};
 use kvtier_ipc::{IpcClient, IpcError, SlotStatus};
+use xxhash_rust::xxh3::xxh3_64;
 
 use crate::layout::{LayoutError, PagedKv};
-
-/// Bytes reserved at once by one sidecar save (the daemon bounds a connection's uncommitted
-/// bytes to half its host tier).
-const SAVE_CHUNK_BYTES: u64 = 64 << 20;
 
 /// Why a transfer failed (as opposed to a miss, which is a short count).
 #[derive(Debug, thiserror::Error)]
@@ -62,6 +65,64 @@ fn check_pairs(keys: &[BlockKey], block_ids: &[Vec<usize>]) -> Result<(), Transf
     Ok(())
 }
 
+/// How one block gets its bytes into a slot: returns the xxh3-64 of what it wrote.
+type Fill<'a> = dyn Fn(usize, &mut [u8]) -> Result<u64, TransferError> + Sync + 'a;
+
+/// What a load does with block `i` while it is pinned: false refuses it (ends the prefix).
+pub type Each<'a> = dyn FnMut(usize, &[u8]) -> Result<bool, TransferError> + 'a;
+
+/// Copies `src` segments, in order, into `slot` (exactly their total length); returns the
+/// checksum of the slot's bytes.
+fn gather_segments(src: &[&[u8]], slot: &mut [u8]) -> u64 {
+    let mut at = 0;
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for s in src {
+        slot[at..at + s.len()].copy_from_slice(s);
+        h.update(&slot[at..at + s.len()]);
+        at += s.len();
+    }
+    h.digest()
+}
+
+/// Copies `block` into the segments, in order; false (nothing copied) unless the sizes match.
+fn fill_segments(block: &[u8], segs: &mut [&mut [u8]]) -> bool {
+    if segs.iter().map(|s| s.len()).sum::<usize>() != block.len() {
+        return false;
+    }
+    let mut at = 0;
+    for s in segs.iter_mut() {
+        s.copy_from_slice(&block[at..at + s.len()]);
+        at += s.len();
+    }
+    true
+}
+
+/// A sidecar lease released when dropped (an early return cannot leak it); `lapsed` tells
+/// whether the release found it expired (the copies made under it are void).
+struct LeaseGuard<'c> {
+    c: &'c mut IpcClient,
+    id: Option<LeaseId>,
+}
+
+impl LeaseGuard<'_> {
+    /// Releases now; false if the lease had lapsed (bytes copied under it may be another
+    /// block's).
+    fn release(mut self) -> bool {
+        match self.id.take() {
+            Some(id) => self.c.release(id).is_ok(),
+            None => true,
+        }
+    }
+}
+
+impl Drop for LeaseGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            let _ = self.c.release(id);
+        }
+    }
+}
+
 impl Backend {
     /// Connects to a `kvtierd` engine socket.
     pub fn sidecar(socket: &std::path::Path, client: &str) -> Result<Self, TransferError> {
@@ -84,9 +145,20 @@ impl Backend {
 
     /// How many leading keys are present in any tier (no side effects).
     pub fn match_prefix(&self, keys: &[BlockKey]) -> Result<usize, TransferError> {
+        Ok(self.lookup(keys)?.n)
+    }
+
+    /// How many leading keys are present, and the tier of each (no side effects).
+    pub fn lookup(&self, keys: &[BlockKey]) -> Result<kvstore::PrefixMatch, TransferError> {
         match self {
-            Self::Embedded(s) => Ok(s.match_prefix(keys).n),
-            Self::Sidecar(c) => Ok(Self::client(c)?.lookup(keys, None)?.0),
+            Self::Embedded(s) => Ok(s.match_prefix(keys)),
+            Self::Sidecar(c) => {
+                let l = Self::client(c)?.lookup(keys, None)?;
+                Ok(kvstore::PrefixMatch {
+                    n: l.n,
+                    tiers: l.tiers,
+                })
+            }
         }
     }
 
@@ -99,15 +171,27 @@ impl Backend {
         keys: &[BlockKey],
         block_ids: &[Vec<usize>],
     ) -> Result<usize, TransferError> {
-        match self {
-            Self::Embedded(s) => save_embedded(s, ns, paged, keys, block_ids),
-            Self::Sidecar(c) => save_sidecar(&mut *Self::client(c)?, ns, paged, keys, block_ids),
+        check_pairs(keys, block_ids)?;
+        // Every id checked before anything is reserved.
+        for ids in block_ids {
+            paged.check_ids(ids)?;
         }
+        let bb = paged.block_bytes();
+        let lens: Vec<usize> = block_ids.iter().map(|ids| ids.len() * bb).collect();
+        let fill = |i: usize, slot: &mut [u8]| -> Result<u64, TransferError> {
+            Ok(paged.gather_hashed(&block_ids[i], slot)?)
+        };
+        Ok(self
+            .store_blocks(ns, keys, &lens, &fill)?
+            .iter()
+            .filter(|s| **s == Stored::Now)
+            .count())
     }
 
     /// Loads the longest present prefix of `keys` into engine blocks `block_ids[i]`. Returns
     /// how many leading keys were loaded; a block of the wrong size ends the prefix. In sidecar
-    /// mode the blocks are pinned by a lease of `ttl` while they are copied.
+    /// mode the blocks are pinned by a lease of `ttl` while they are copied; if it lapsed
+    /// before release, nothing counts as loaded (the copies may be other blocks' bytes).
     pub fn load(
         &self,
         paged: &PagedKv,
@@ -115,142 +199,263 @@ impl Backend {
         block_ids: &[Vec<usize>],
         ttl: Duration,
     ) -> Result<usize, TransferError> {
-        match self {
-            Self::Embedded(s) => load_embedded(s, paged, keys, block_ids),
-            Self::Sidecar(c) => load_sidecar(&mut *Self::client(c)?, paged, keys, block_ids, ttl),
+        check_pairs(keys, block_ids)?;
+        for ids in block_ids {
+            paged.check_ids(ids)?;
         }
-    }
-}
-
-/// [`Backend::save`] on an embedded store.
-pub fn save_embedded(
-    s: &Store,
-    ns: NsId,
-    paged: &PagedKv,
-    keys: &[BlockKey],
-    block_ids: &[Vec<usize>],
-) -> Result<usize, TransferError> {
-    check_pairs(keys, block_ids)?;
-    let bb = paged.block_bytes();
-    let mut stored = 0;
-    for (k, ids) in keys.iter().zip(block_ids) {
-        match s.reserve(ns, *k, ids.len() * bb)? {
-            Reserve::Slot(mut r) => {
-                paged.gather(ids, r.as_mut_slice())?;
-                r.commit()?;
-                stored += 1;
+        let bb = paged.block_bytes();
+        self.read_with(keys, ttl, &mut |i, block| {
+            if block.len() != block_ids[i].len() * bb {
+                return Ok(false);
             }
-            Reserve::AlreadyPresent | Reserve::InFlight => {}
-        }
-    }
-    Ok(stored)
-}
-
-/// [`Backend::save`] through a `kvtierd` connection: gathered straight into the shared arena.
-pub fn save_sidecar(
-    c: &mut IpcClient,
-    ns: NsId,
-    paged: &PagedKv,
-    keys: &[BlockKey],
-    block_ids: &[Vec<usize>],
-) -> Result<usize, TransferError> {
-    check_pairs(keys, block_ids)?;
-    let bb = paged.block_bytes();
-    let lens = block_ids
-        .iter()
-        .map(|ids| {
-            u32::try_from(ids.len() * bb)
-                .map_err(|_| TransferError::Input(format!("a {}-byte block", ids.len() * bb)))
+            paged.scatter(&block_ids[i], block)?;
+            Ok(true)
         })
-        .collect::<Result<Vec<u32>, _>>()?;
-    // Reserve in chunks: the daemon bounds what one connection holds uncommitted.
-    let mut stored = 0;
-    let mut at = 0;
-    while at < keys.len() {
-        let mut end = at + 1;
-        let mut bytes = u64::from(lens[at]);
-        while end < keys.len() && bytes + u64::from(lens[end]) <= SAVE_CHUNK_BYTES {
-            bytes += u64::from(lens[end]);
-            end += 1;
+    }
+
+    /// Stores each page's memory segments (in order) under its key, gathered straight into a
+    /// reserved slot. One bool per key: true if stored now, already present or being written
+    /// by another writer (the same key is the same bytes), false if there was no room.
+    pub fn write_segments(
+        &self,
+        ns: NsId,
+        keys: &[BlockKey],
+        pages: &[Vec<&[u8]>],
+    ) -> Result<Vec<bool>, TransferError> {
+        Ok(self
+            .store_segments(ns, keys, pages)?
+            .into_iter()
+            .map(|s| s != Stored::NoRoom)
+            .collect())
+    }
+
+    /// [`Backend::write_segments`], saying of each block whether this call stored it.
+    pub fn store_segments(
+        &self,
+        ns: NsId,
+        keys: &[BlockKey],
+        pages: &[Vec<&[u8]>],
+    ) -> Result<Vec<Stored>, TransferError> {
+        if keys.len() != pages.len() {
+            return Err(TransferError::Input(format!(
+                "{} keys but {} pages",
+                keys.len(),
+                pages.len()
+            )));
         }
-        let slots = c.reserve(ns, &keys[at..end], &lens[at..end])?;
-        let mut tokens = Vec::with_capacity(slots.len());
-        let mut failed = None;
-        for (s, ids) in slots.iter().zip(&block_ids[at..end]) {
-            if let SlotStatus::Slot { token, .. } = *s {
-                tokens.push(token);
-                if failed.is_none() {
-                    if let Err(e) = c.fill_slot(token, |slot| paged.gather(ids, slot))? {
-                        failed = Some(e);
+        let lens: Vec<usize> = pages
+            .iter()
+            .map(|p| p.iter().map(|s| s.len()).sum())
+            .collect();
+        let fill = |i: usize, slot: &mut [u8]| -> Result<u64, TransferError> {
+            Ok(gather_segments(&pages[i], slot))
+        };
+        self.store_blocks(ns, keys, &lens, &fill)
+    }
+
+    /// Copies the longest present prefix of `keys` into the pages' segments. One bool per key:
+    /// true only when a block of exactly the page's total size was copied (a page whose size
+    /// differs is a miss and ends the prefix: nothing is copied into it).
+    pub fn read_segments(
+        &self,
+        keys: &[BlockKey],
+        pages: &mut [Vec<&mut [u8]>],
+        ttl: Duration,
+    ) -> Result<Vec<bool>, TransferError> {
+        if keys.len() != pages.len() {
+            return Err(TransferError::Input(format!(
+                "{} keys but {} pages",
+                keys.len(),
+                pages.len()
+            )));
+        }
+        let n = self.read_with(keys, ttl, &mut |i, block| {
+            Ok(fill_segments(block, &mut pages[i]))
+        })?;
+        Ok((0..keys.len()).map(|i| i < n).collect())
+    }
+
+    /// Reserves, fills (through `fill`) and commits blocks of the given lengths; for sidecar
+    /// mode in reservations of at most the daemon's per-connection limit. A fill that fails
+    /// aborts its chunk: nothing half-written is ever committed.
+    fn store_blocks(
+        &self,
+        ns: NsId,
+        keys: &[BlockKey],
+        lens: &[usize],
+        fill: &Fill<'_>,
+    ) -> Result<Vec<Stored>, TransferError> {
+        let mut out = vec![Stored::NoRoom; keys.len()];
+        match self {
+            Self::Embedded(s) => {
+                for (i, k) in keys.iter().enumerate() {
+                    out[i] = match s.reserve(ns, *k, lens[i]) {
+                        Ok(Reserve::Slot(mut r)) => {
+                            let sum = fill(i, r.as_mut_slice())?;
+                            if r.commit_with_checksum(sum)? {
+                                Stored::Now
+                            } else {
+                                Stored::Already
+                            }
+                        }
+                        Ok(Reserve::AlreadyPresent | Reserve::InFlight) => Stored::Already,
+                        Err(StoreError::NoSpace { .. }) => Stored::NoRoom,
+                        Err(e) => return Err(e.into()),
+                    };
+                }
+            }
+            Self::Sidecar(c) => {
+                let mut c = Self::client(c)?;
+                let lens32 = lens
+                    .iter()
+                    .map(|&l| {
+                        u32::try_from(l)
+                            .map_err(|_| TransferError::Input(format!("a {l}-byte block")))
+                    })
+                    .collect::<Result<Vec<u32>, _>>()?;
+                let limit = c.max_reserve_bytes().max(1);
+                let max_keys = c.max_keys();
+                let mut at = 0;
+                while at < keys.len() {
+                    // Reserve in chunks: the daemon bounds what one connection holds
+                    // uncommitted (a block larger than the limit goes alone, and is refused
+                    // by the daemon as a clear error).
+                    let mut end = at + 1;
+                    let mut bytes = u64::from(lens32[at]);
+                    while end < keys.len()
+                        && end - at < max_keys
+                        && bytes + u64::from(lens32[end]) <= limit
+                    {
+                        bytes += u64::from(lens32[end]);
+                        end += 1;
                     }
+                    let slots = c.reserve(ns, &keys[at..end], &lens32[at..end])?;
+                    let mut tokens = Vec::with_capacity(slots.len());
+                    let mut failed = None;
+                    for (j, s) in slots.iter().enumerate() {
+                        let i = at + j;
+                        out[i] = match *s {
+                            SlotStatus::Slot { token, .. } => {
+                                tokens.push((i, token));
+                                if failed.is_none() {
+                                    match c.fill_slot_hashed(token, |slot| match fill(i, slot) {
+                                        Ok(sum) => (None, sum),
+                                        Err(e) => (Some(e), 0),
+                                    })? {
+                                        None => {}
+                                        Some(e) => failed = Some(e),
+                                    }
+                                }
+                                Stored::Now
+                            }
+                            SlotStatus::Present | SlotStatus::InFlight => Stored::Already,
+                            SlotStatus::NoSpace => Stored::NoRoom,
+                        };
+                    }
+                    let toks: Vec<u64> = tokens.iter().map(|(_, t)| *t).collect();
+                    if let Some(e) = failed {
+                        // Nothing half-written is ever committed.
+                        c.abort(&toks)?;
+                        return Err(e);
+                    }
+                    let r = c.commit(&toks)?;
+                    for (i, t) in &tokens {
+                        if r.expired.contains(t) {
+                            out[*i] = Stored::NoRoom;
+                        } else if r.cancelled.contains(t) {
+                            out[*i] = Stored::Already;
+                        }
+                    }
+                    if !r.expired.is_empty() {
+                        tracing::warn!(
+                            n = r.expired.len(),
+                            "kvtier: reservations expired before their commit: those blocks are not stored"
+                        );
+                    }
+                    at = end;
                 }
             }
         }
-        if let Some(e) = failed {
-            // Nothing half-written is ever committed.
-            c.abort(&tokens)?;
-            return Err(e.into());
-        }
-        stored += c.commit(&tokens)? as usize;
-        at = end;
+        Ok(out)
     }
-    Ok(stored)
+
+    /// Loads the longest present prefix of `keys` and hands block `i` to `each` while it is
+    /// pinned; stops at the first block `each` refuses. Returns how many were accepted (none if
+    /// a sidecar lease lapsed before it was released: what `each` copied may be other blocks'
+    /// bytes).
+    pub fn read_with(
+        &self,
+        keys: &[BlockKey],
+        ttl: Duration,
+        each: &mut Each<'_>,
+    ) -> Result<usize, TransferError> {
+        match self {
+            Self::Embedded(s) => {
+                let l = s.load(keys)?;
+                let mut n = 0;
+                while n < l.len().min(keys.len()) {
+                    if !each(n, l.block(n))? {
+                        break;
+                    }
+                    n += 1;
+                }
+                Ok(n)
+            }
+            Self::Sidecar(c) => {
+                let mut c = Self::client(c)?;
+                let l = c.load(keys, ttl.max(Duration::from_millis(1)), None)?;
+                let guard = LeaseGuard {
+                    id: l.lease,
+                    c: &mut c,
+                };
+                let mut n = 0;
+                // Never past what was asked for, whatever the daemon answered.
+                while n < l.blocks.len().min(keys.len()) {
+                    if !guard.c.with_block(&l, n, |b| each(n, b))?? {
+                        break;
+                    }
+                    n += 1;
+                }
+                if !guard.release() {
+                    return Ok(0);
+                }
+                Ok(n)
+            }
+        }
+    }
+
+    /// The embedded store, if this is one.
+    pub fn store(&self) -> Option<&Store> {
+        match self {
+            Self::Embedded(s) => Some(s),
+            Self::Sidecar(_) => None,
+        }
+    }
+
+    /// Runs `f` on the sidecar connection, if this is one.
+    pub fn with_client<R>(
+        &self,
+        f: impl FnOnce(&mut IpcClient) -> Result<R, IpcError>,
+    ) -> Result<Option<R>, TransferError> {
+        match self {
+            Self::Embedded(_) => Ok(None),
+            Self::Sidecar(c) => Ok(Some(f(&mut *Self::client(c)?)?)),
+        }
+    }
 }
 
-/// [`Backend::load`] from an embedded store (promotes from disk first).
-pub fn load_embedded(
-    s: &Store,
-    paged: &PagedKv,
-    keys: &[BlockKey],
-    block_ids: &[Vec<usize>],
-) -> Result<usize, TransferError> {
-    check_pairs(keys, block_ids)?;
-    let bb = paged.block_bytes();
-    let resident = s.load_prefix(keys);
-    let mut n = 0;
-    while n < resident {
-        let Some(b) = s.get(&keys[n]) else { break };
-        if b.len() != block_ids[n].len() * bb {
-            break;
-        }
-        paged.scatter(&block_ids[n], &b)?;
-        n += 1;
-    }
-    Ok(n)
+/// What became of one block a save asked to store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stored {
+    /// Stored by this call.
+    Now,
+    /// There already (or being written, or removed while written: a removal wins).
+    Already,
+    /// Not stored: no room (or the reservation expired).
+    NoRoom,
 }
 
-/// [`Backend::load`] through a `kvtierd` connection: scattered straight out of the shared
-/// arena under a lease of `ttl`; if the lease lapsed before release, nothing counts as loaded
-/// (what was copied may be another block's bytes, so the engine recomputes).
-pub fn load_sidecar(
-    c: &mut IpcClient,
-    paged: &PagedKv,
-    keys: &[BlockKey],
-    block_ids: &[Vec<usize>],
-    ttl: Duration,
-) -> Result<usize, TransferError> {
-    check_pairs(keys, block_ids)?;
-    let bb = paged.block_bytes();
-    let l = c.load(keys, ttl.max(Duration::from_millis(1)))?;
-    let mut n = 0;
-    let mut failed = None;
-    for (i, &(_, len)) in l.blocks.iter().enumerate() {
-        if len as usize != block_ids[i].len() * bb {
-            break;
-        }
-        if let Err(e) = c.with_block(&l, i, |b| paged.scatter(&block_ids[i], b))? {
-            failed = Some(e);
-            break;
-        }
-        n += 1;
-    }
-    if let Some(id) = l.lease {
-        if c.release(id).is_err() {
-            return Ok(0);
-        }
-    }
-    match failed {
-        Some(e) => Err(e.into()),
-        None => Ok(n),
-    }
+/// The checksum a commit carries for `data` (xxh3-64).
+pub fn checksum(data: &[u8]) -> u64 {
+    xxh3_64(data)
 }

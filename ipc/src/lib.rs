@@ -1,5 +1,5 @@
 //! The local engine IPC protocol of `kvtierd` (messages in `proto/proto/ipc.proto`): framing,
-//! file-descriptor passing, and a blocking client.
+//! file-descriptor passing, packed keys, and the blocking client engines use in sidecar mode.
 //!
 //! A frame is a little-endian `u32` length and one prost message. The daemon's `HelloReply`
 //! carries the host arena's memfd as `SCM_RIGHTS`; the client maps it and reads and writes block
@@ -18,6 +18,7 @@ use memmap2::MmapRaw;
 use prost::Message;
 
 use kvstore::{BlockKey, LeaseId, Namespace, NsId, Tier};
+use xxhash_rust::xxh3::xxh3_64;
 
 /// Largest frame either side accepts.
 pub const MAX_FRAME: usize = 8 << 20;
@@ -41,6 +42,29 @@ pub enum IpcError {
     /// The daemon answered something unexpected.
     #[error("kvtierd protocol error: {0}")]
     Protocol(String),
+}
+
+/// Keys packed for the wire: 16 big-endian bytes each, back to back.
+pub fn pack_keys(keys: &[BlockKey]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(keys.len() * BlockKey::LEN);
+    for k in keys {
+        v.extend_from_slice(&k.to_bytes());
+    }
+    v
+}
+
+/// Keys from their packed form; an error naming the problem if the length is not a multiple of
+/// 16.
+pub fn unpack_keys(b: &[u8]) -> Result<Vec<BlockKey>, String> {
+    if b.len() % BlockKey::LEN != 0 {
+        return Err(format!(
+            "keys: {} bytes is not a whole number of 16-byte keys",
+            b.len()
+        ));
+    }
+    Ok(b.chunks_exact(BlockKey::LEN)
+        .map(|c| BlockKey(u128::from_be_bytes(c.try_into().unwrap_or_default())))
+        .collect())
 }
 
 /// Writes one frame.
@@ -170,15 +194,56 @@ pub enum SlotStatus {
     NoSpace,
 }
 
+/// Where a loaded block lies in the arena.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockLoc {
+    /// Arena offset.
+    pub offset: u64,
+    /// Length.
+    pub len: u32,
+    /// Commit checksum (xxh3-64).
+    pub checksum: u64,
+}
+
 /// A loaded, pinned prefix.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Loaded {
     /// Leading blocks now pinned in the arena.
     pub n: usize,
-    /// (arena offset, length) of each.
-    pub blocks: Vec<(u64, u32)>,
+    /// Where each is.
+    pub blocks: Vec<BlockLoc>,
     /// The lease to release once copied.
     pub lease: Option<LeaseId>,
+}
+
+/// Answer to a lookup.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lookup {
+    /// Leading keys present.
+    pub n: usize,
+    /// The tier of each.
+    pub tiers: Vec<Tier>,
+    /// The lease pinning them, if one was asked for (and something was found).
+    pub lease: Option<LeaseId>,
+}
+
+/// Answer to a commit.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Committed {
+    /// Blocks made visible.
+    pub committed: u32,
+    /// Tokens whose reservation had expired: not stored.
+    pub expired: Vec<u64>,
+    /// Tokens whose block was removed while being written: not stored.
+    pub cancelled: Vec<u64>,
+}
+
+/// A reserved slot this client may write: offset, length, and the checksum of what was written
+/// (once it was).
+struct Pending {
+    offset: u64,
+    len: u32,
+    checksum: Option<u64>,
 }
 
 /// A blocking client of kvtierd's engine socket, with the arena mapped.
@@ -187,8 +252,10 @@ pub struct IpcClient {
     reader: io::BufReader<UnixStream>,
     arena: MmapRaw,
     next: u64,
-    /// Reserved, uncommitted slots: token → (offset, length).
-    pending: std::collections::HashMap<u64, (u64, u32)>,
+    /// Reserved, uncommitted slots by token.
+    pending: std::collections::HashMap<u64, Pending>,
+    max_reserve_bytes: u64,
+    max_keys: usize,
     /// Set when the stream lost sync (timeout, I/O error, mismatched reply): every later call
     /// fails instead of reading someone else's reply.
     broken: Option<String>,
@@ -197,6 +264,8 @@ pub struct IpcClient {
 fn tier(t: i32) -> Tier {
     if t == pb::Tier::Disk as i32 {
         Tier::Disk
+    } else if t == pb::Tier::Remote as i32 {
+        Tier::Remote
     } else {
         Tier::Host
     }
@@ -273,8 +342,29 @@ impl IpcClient {
             arena,
             next: 2,
             pending: Default::default(),
+            max_reserve_bytes: if h.max_reserve_bytes == 0 {
+                64 << 20
+            } else {
+                h.max_reserve_bytes
+            },
+            max_keys: if h.max_keys == 0 {
+                usize::MAX
+            } else {
+                h.max_keys as usize
+            },
             broken: None,
         })
+    }
+
+    /// Most bytes this connection may hold reserved and uncommitted at once (a save larger
+    /// than this goes in chunks).
+    pub fn max_reserve_bytes(&self) -> u64 {
+        self.max_reserve_bytes
+    }
+
+    /// Most keys one request may carry.
+    pub fn max_keys(&self) -> usize {
+        self.max_keys
     }
 
     fn call(&mut self, body: request::Body) -> Result<response::Body, IpcError> {
@@ -290,6 +380,11 @@ impl IpcClient {
             }
         }
         r
+    }
+
+    /// Whether the connection lost sync and must be replaced.
+    pub fn is_broken(&self) -> bool {
+        self.broken.is_some()
     }
 
     fn exchange(&mut self, body: request::Body) -> Result<response::Body, IpcError> {
@@ -357,34 +452,71 @@ impl IpcClient {
         &mut self,
         keys: &[BlockKey],
         lease: Option<Duration>,
-    ) -> Result<(usize, Vec<Tier>, Option<LeaseId>), IpcError> {
+    ) -> Result<Lookup, IpcError> {
         match self.call(request::Body::Lookup(pb::Lookup {
-            keys: keys.iter().map(|k| k.to_bytes().to_vec()).collect(),
+            keys: pack_keys(keys),
             lease: lease.is_some(),
             ttl_ms: lease.map_or(0, |d| d.as_millis() as u64),
         }))? {
-            response::Body::Lookup(r) => Ok((
-                r.n as usize,
-                r.tiers.into_iter().map(tier).collect(),
-                (r.lease_id != 0).then_some(LeaseId(r.lease_id)),
-            )),
+            response::Body::Lookup(r) => {
+                if r.n as usize > keys.len() || r.tiers.len() != r.n as usize {
+                    return Err(IpcError::Protocol(format!(
+                        "lookup of {} keys answered {} ({} tiers)",
+                        keys.len(),
+                        r.n,
+                        r.tiers.len()
+                    )));
+                }
+                Ok(Lookup {
+                    n: r.n as usize,
+                    tiers: r.tiers.into_iter().map(tier).collect(),
+                    lease: (r.lease_id != 0).then_some(LeaseId(r.lease_id)),
+                })
+            }
             _ => Err(IpcError::Protocol("expected a lookup reply".into())),
         }
     }
 
-    /// Makes the present prefix resident in host memory and pins it.
-    pub fn load(&mut self, keys: &[BlockKey], ttl: Duration) -> Result<Loaded, IpcError> {
+    /// Makes the present prefix resident in host memory and pins it. `wait` bounds the wait
+    /// for blocks being promoted from a lower tier (`None`: the daemon's default).
+    pub fn load(
+        &mut self,
+        keys: &[BlockKey],
+        ttl: Duration,
+        wait: Option<Duration>,
+    ) -> Result<Loaded, IpcError> {
         match self.call(request::Body::Load(pb::Load {
-            keys: keys.iter().map(|k| k.to_bytes().to_vec()).collect(),
+            keys: pack_keys(keys),
             ttl_ms: ttl.as_millis() as u64,
+            wait_ms: wait.map_or(0, |w| (w.as_millis() as u64).max(1)),
         }))? {
             response::Body::Load(r) => {
-                let blocks: Vec<(u64, u32)> = r.blocks.iter().map(|b| (b.offset, b.len)).collect();
-                for &(o, l) in &blocks {
-                    self.check(o, l as usize)?;
+                let n = r.n as usize;
+                if n > keys.len()
+                    || r.offsets.len() != n
+                    || r.lens.len() != n
+                    || r.checksums.len() != n
+                {
+                    return Err(IpcError::Protocol(format!(
+                        "load of {} keys answered {n} blocks with {}/{}/{} locations",
+                        keys.len(),
+                        r.offsets.len(),
+                        r.lens.len(),
+                        r.checksums.len()
+                    )));
+                }
+                let blocks: Vec<BlockLoc> = (0..n)
+                    .map(|i| BlockLoc {
+                        offset: r.offsets[i],
+                        len: r.lens[i],
+                        checksum: r.checksums[i],
+                    })
+                    .collect();
+                for b in &blocks {
+                    self.check(b.offset, b.len as usize)?;
                 }
                 Ok(Loaded {
-                    n: r.n as usize,
+                    n,
                     blocks,
                     lease: (r.lease_id != 0).then_some(LeaseId(r.lease_id)),
                 })
@@ -402,7 +534,7 @@ impl IpcClient {
     ) -> Result<Vec<SlotStatus>, IpcError> {
         match self.call(request::Body::Reserve(pb::Reserve {
             namespace_id: ns.0,
-            keys: keys.iter().map(|k| k.to_bytes().to_vec()).collect(),
+            keys: pack_keys(keys),
             lens: lens.to_vec(),
         }))? {
             response::Body::Reserve(r) => {
@@ -418,7 +550,14 @@ impl IpcClient {
                         match Status::try_from(s.status).unwrap_or(Status::Unspecified) {
                             Status::Slot => {
                                 self.check(s.offset, len as usize)?;
-                                self.pending.insert(s.token, (s.offset, len));
+                                self.pending.insert(
+                                    s.token,
+                                    Pending {
+                                        offset: s.offset,
+                                        len,
+                                        checksum: None,
+                                    },
+                                );
                                 SlotStatus::Slot {
                                     offset: s.offset,
                                     token: s.token,
@@ -439,15 +578,33 @@ impl IpcClient {
         }
     }
 
-    /// Commits reserved slots (their bytes written); returns how many were committed.
-    pub fn commit(&mut self, tokens: &[u64]) -> Result<u32, IpcError> {
+    /// Commits reserved slots (their bytes written). Each goes with the checksum of what was
+    /// written into it (a slot committed unwritten is hashed as it is now).
+    pub fn commit(&mut self, tokens: &[u64]) -> Result<Committed, IpcError> {
+        let mut checksums = Vec::with_capacity(tokens.len());
         for t in tokens {
-            self.pending.remove(t);
+            let sum = match self.pending.remove(t) {
+                Some(Pending {
+                    checksum: Some(c), ..
+                }) => c,
+                Some(p) => {
+                    // SAFETY: in bounds (checked at reserve); our slot until this commit.
+                    let b = unsafe { self.slot(p.offset, p.len) };
+                    xxh3_64(b)
+                }
+                None => 0,
+            };
+            checksums.push(sum);
         }
         match self.call(request::Body::Commit(pb::Commit {
             tokens: tokens.to_vec(),
+            checksums,
         }))? {
-            response::Body::Commit(r) => Ok(r.committed),
+            response::Body::Commit(r) => Ok(Committed {
+                committed: r.committed,
+                expired: r.expired,
+                cancelled: r.cancelled,
+            }),
             _ => Err(IpcError::Protocol("expected a commit reply".into())),
         }
     }
@@ -488,26 +645,61 @@ impl IpcClient {
         }
     }
 
-    /// Lends the slot reserved under `token` to `fill` (a copy engine writes the block in
-    /// place: no staging buffer).
-    pub fn fill_slot<R>(
-        &self,
-        token: u64,
-        fill: impl FnOnce(&mut [u8]) -> R,
-    ) -> Result<R, IpcError> {
-        let &(offset, len) = self.pending.get(&token).ok_or_else(|| {
-            IpcError::Protocol(format!("token {token} is not a slot this client reserved"))
-        })?;
-        self.check(offset, len as usize)?;
-        // SAFETY: in bounds (checked); the daemon gave this slot to this client alone until it
-        // commits or aborts it, and the borrow ends before this call returns.
-        let slot = unsafe {
+    /// The reserved slot at `offset`.
+    ///
+    /// # Safety
+    /// `offset..offset+len` must be in the arena (checked at reserve) and reserved by this
+    /// client, uncommitted.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slot(&self, offset: u64, len: u32) -> &mut [u8] {
+        // SAFETY: the caller's contract: in bounds, and the daemon gave this slot to this
+        // client alone until it commits or aborts it.
+        unsafe {
             std::slice::from_raw_parts_mut(
                 self.arena.as_mut_ptr().add(offset as usize),
                 len as usize,
             )
-        };
-        Ok(fill(slot))
+        }
+    }
+
+    fn pending(&self, token: u64) -> Result<&Pending, IpcError> {
+        self.pending.get(&token).ok_or_else(|| {
+            IpcError::Protocol(format!("token {token} is not a slot this client reserved"))
+        })
+    }
+
+    /// Lends the slot reserved under `token` to `fill` (a copy engine writes the block in
+    /// place: no staging buffer); its checksum is computed from the slot afterwards.
+    pub fn fill_slot<R>(
+        &mut self,
+        token: u64,
+        fill: impl FnOnce(&mut [u8]) -> R,
+    ) -> Result<R, IpcError> {
+        self.fill_slot_hashed(token, |slot| {
+            let r = fill(slot);
+            let sum = xxh3_64(slot);
+            (r, sum)
+        })
+    }
+
+    /// Like [`IpcClient::fill_slot`], with `fill` returning the checksum of what it wrote
+    /// (computed as it wrote, so the slot is not read again).
+    pub fn fill_slot_hashed<R>(
+        &mut self,
+        token: u64,
+        fill: impl FnOnce(&mut [u8]) -> (R, u64),
+    ) -> Result<R, IpcError> {
+        let p = self.pending(token)?;
+        let (offset, len) = (p.offset, p.len);
+        self.check(offset, len as usize)?;
+        // SAFETY: in bounds (checked); the daemon gave this slot to this client alone until it
+        // commits or aborts it; `&mut self` keeps any other borrow of it out while `fill` runs.
+        let slot = unsafe { self.slot(offset, len) };
+        let (r, sum) = fill(slot);
+        if let Some(p) = self.pending.get_mut(&token) {
+            p.checksum = Some(sum);
+        }
+        Ok(r)
     }
 
     /// Lends block `i` of a load to `read` (copied out in place; valid while the lease holds).
@@ -517,71 +709,48 @@ impl IpcClient {
         i: usize,
         read: impl FnOnce(&[u8]) -> R,
     ) -> Result<R, IpcError> {
-        let &(offset, len) = loaded.blocks.get(i).ok_or_else(|| {
+        let b = loaded.blocks.get(i).ok_or_else(|| {
             IpcError::Protocol(format!(
                 "block {i} is not part of this load ({} blocks)",
                 loaded.n
             ))
         })?;
-        self.check(offset, len as usize)?;
+        self.check(b.offset, b.len as usize)?;
         // SAFETY: in bounds (checked); the block is committed and pinned by the load's lease,
         // so the daemon neither reuses nor writes the slot during the borrow.
         let block = unsafe {
-            std::slice::from_raw_parts(self.arena.as_ptr().add(offset as usize), len as usize)
+            std::slice::from_raw_parts(self.arena.as_ptr().add(b.offset as usize), b.len as usize)
         };
         Ok(read(block))
     }
 
     /// Copies a block into the slot reserved under `token` (exactly its reserved length).
-    pub fn write(&self, token: u64, data: &[u8]) -> Result<(), IpcError> {
-        let &(offset, len) = self.pending.get(&token).ok_or_else(|| {
-            IpcError::Protocol(format!("token {token} is not a slot this client reserved"))
-        })?;
+    pub fn write(&mut self, token: u64, data: &[u8]) -> Result<(), IpcError> {
+        let len = self.pending(token)?.len;
         if data.len() != len as usize {
             return Err(IpcError::Protocol(format!(
                 "slot {token} holds {len} bytes, not {}",
                 data.len()
             )));
         }
-        self.check(offset, data.len())?;
-        // SAFETY: in bounds (checked); the daemon gave this slot to this client alone until it
-        // commits or aborts it, so no one else reads or writes these bytes meanwhile.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                data.as_ptr(),
-                self.arena.as_mut_ptr().add(offset as usize),
-                data.len(),
-            )
-        };
-        Ok(())
+        self.fill_slot_hashed(token, |slot| {
+            slot.copy_from_slice(data);
+            ((), xxh3_64(data))
+        })
     }
 
     /// Copies block `i` of a load out of the arena into `dst` (exactly its length). Valid
     /// while the load's lease is held; check [`IpcClient::release`] before trusting the bytes.
     pub fn read(&self, loaded: &Loaded, i: usize, dst: &mut [u8]) -> Result<(), IpcError> {
-        let &(offset, len) = loaded.blocks.get(i).ok_or_else(|| {
-            IpcError::Protocol(format!(
-                "block {i} is not part of this load ({} blocks)",
-                loaded.n
-            ))
-        })?;
-        if dst.len() != len as usize {
+        let want = loaded.blocks.get(i).map(|b| b.len as usize);
+        if want.is_some_and(|w| w != dst.len()) {
             return Err(IpcError::Protocol(format!(
-                "block {i} is {len} bytes, the buffer {}",
+                "block {i} is {} bytes, the buffer {}",
+                want.unwrap_or(0),
                 dst.len()
             )));
         }
-        self.check(offset, dst.len())?;
-        // SAFETY: in bounds (checked); the block is committed and pinned by the load's lease,
-        // so the daemon does not reuse or write the slot meanwhile.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.arena.as_ptr().add(offset as usize),
-                dst.as_mut_ptr(),
-                dst.len(),
-            )
-        };
-        Ok(())
+        self.with_block(loaded, i, |b| dst.copy_from_slice(b))
     }
 
     /// Base address and length of the mapped arena (for GPU copy engines that register it).

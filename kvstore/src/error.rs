@@ -49,6 +49,9 @@ pub enum ConfigError {
     /// The disk tier could not be opened.
     #[error(transparent)]
     Disk(#[from] crate::disk::DiskError),
+    /// A worker thread could not be started.
+    #[error("cannot start the store's worker threads: {0}")]
+    Thread(String),
     /// The arena could not be created or mapped.
     #[error("cannot create the host arena of {bytes} bytes: {source}{hint}")]
     Arena {
@@ -90,6 +93,9 @@ pub enum StoreError {
     /// Too many leases outstanding.
     #[error("too many leases outstanding (limit {0}): release leases or raise max_leases")]
     TooManyLeases(usize),
+    /// A block is pinned by 2^32 - 1 readers already.
+    #[error("too many pins on one block: release some first")]
+    TooManyPins,
     /// The destination buffer is too small.
     #[error("destination buffer of {got} bytes is smaller than the {need}-byte block")]
     BufferTooSmall {

@@ -8,7 +8,7 @@ use crossbeam_channel::{Receiver, Sender, TrySendError};
 use parking_lot::Mutex;
 
 use crate::key::BlockKey;
-use crate::store::Tier;
+use crate::types::Tier;
 
 /// What happened.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,16 +32,18 @@ pub struct BlockEvent {
     pub ns: u16,
 }
 
-/// Fan-out to subscribers through bounded channels.
+/// Fan-out of block events to subscribers through bounded channels, shared by the store and
+/// its tiers.
 #[derive(Default)]
-pub(crate) struct Events {
+pub struct Events {
     any: AtomicBool,
     subs: Mutex<Vec<Sender<BlockEvent>>>,
     dropped: AtomicU64,
 }
 
 impl Events {
-    pub(crate) fn subscribe(&self, capacity: usize) -> Receiver<BlockEvent> {
+    /// A new subscriber with a channel of `capacity` events.
+    pub fn subscribe(&self, capacity: usize) -> Receiver<BlockEvent> {
         let (tx, rx) = crossbeam_channel::bounded(capacity.max(1));
         let mut s = self.subs.lock();
         s.push(tx);
@@ -49,7 +51,8 @@ impl Events {
         rx
     }
 
-    pub(crate) fn emit(&self, kind: EventKind, key: BlockKey, tier: Tier, ns: u16) {
+    /// Sends an event to every subscriber that has room (the others lose it, counted).
+    pub fn emit(&self, kind: EventKind, key: BlockKey, tier: Tier, ns: u16) {
         if !self.any.load(Relaxed) {
             return;
         }
@@ -73,7 +76,8 @@ impl Events {
         }
     }
 
-    pub(crate) fn dropped(&self) -> u64 {
+    /// Events lost to full subscriber channels.
+    pub fn dropped(&self) -> u64 {
         self.dropped.load(Relaxed)
     }
 }

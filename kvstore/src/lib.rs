@@ -25,14 +25,18 @@ pub mod io;
 mod key;
 pub mod policy;
 mod store;
+mod tier;
+mod types;
 
 pub use arena::{fill_pattern, AlignedBuf, Arena};
-pub use disk::{Admission, DiskConfig, DiskError, DiskStats};
+pub use disk::{Admission, DiskConfig, DiskError, DiskTier};
 pub use error::{ConfigError, KeyError, StoreError};
-pub use events::{BlockEvent, EventKind};
+pub use events::{BlockEvent, EventKind, Events};
 pub use key::{BlockKey, Fingerprint, Namespace, TpShard};
 pub use policy::{EvictionPolicy, PolicyKind};
 pub use store::{
-    BlockRef, Lease, LeaseId, NsId, PrefixMatch, PutOutcome, Reservation, Reserve, Store,
-    StoreConfig, StoreStats, Tier,
+    BlockLoc, BlockRef, Lease, Loaded, NamespaceStats, Populate, PrefixMatch, PutOutcome,
+    Reservation, Reserve, Store, StoreConfig, StoreStats,
 };
+pub use tier::{LowerTier, NsUsage, ReadItem, ReadOutcome, TierStats, WriteItem, WriteOutcome};
+pub use types::{BlockInfo, FoldHasher, FoldMap, LeaseId, MapKey, NsId, Tier};

@@ -155,4 +155,6 @@ pub trait LowerTier: Send + Sync {
     fn checkpoint(&self) -> io::Result<()> {
         Ok(())
     }
+    /// The tier as `Any` (tests reach a concrete tier to inject faults).
+    fn as_any(&self) -> &dyn std::any::Any;
 }

@@ -67,6 +67,9 @@ fn child(dir: PathBuf) {
     let mut i = 0u64;
     while start.elapsed() < Duration::from_secs(60) {
         store.put(ns, key(i), &data(i)).unwrap();
+        // Write-through queues the block for the tiering worker; sync waits until it is
+        // durable.
+        assert!(store.sync(Duration::from_secs(30)));
         writeln!(out, "stored {i}").unwrap();
         out.flush().unwrap();
         i += 1;
@@ -117,7 +120,7 @@ fn sigkill_mid_load_recovers_every_acknowledged_block() {
     let acked = acked.expect("the writer stored nothing");
 
     let store = config(dir.clone()).build().unwrap();
-    let recovered = store.stats().disk.unwrap().recovered_blocks;
+    let recovered = store.stats().disk().unwrap().recovered_blocks;
     let mut served = 0;
     for i in 0..acked + 50 {
         match store.get(&key(i)) {

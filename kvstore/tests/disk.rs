@@ -12,6 +12,7 @@ use kvstore::{
 };
 
 const ENGINES: [IoEngineKind; 2] = [IoEngineKind::Uring, IoEngineKind::Psync];
+const SYNC: std::time::Duration = std::time::Duration::from_secs(60);
 
 fn dir(name: &str, engine: IoEngineKind) -> PathBuf {
     let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
@@ -102,8 +103,9 @@ fn demote_and_promote_roundtrip() {
         for i in 0..200 {
             store.put(n, key(i), &data(i)).unwrap();
         }
+        assert!(store.sync(SYNC));
         let st = store.stats();
-        let disk = st.disk.clone().unwrap();
+        let disk = st.disk().cloned().unwrap();
         assert_eq!(
             disk.engine,
             if engine == IoEngineKind::Uring {
@@ -120,7 +122,7 @@ fn demote_and_promote_roundtrip() {
         assert_eq!(check_all(&store, 200), 200);
         let st = store.stats();
         assert!(st.promotions > 0);
-        assert_eq!(st.disk.as_ref().unwrap().checksum_failures, 0);
+        assert_eq!(st.disk().unwrap().checksum_failures, 0);
         // Prefix load: the first 40 all end up in host memory in one batch.
         let first: Vec<BlockKey> = (0..40).map(key).collect();
         for k in &first[..] {
@@ -132,7 +134,7 @@ fn demote_and_promote_roundtrip() {
         for i in 40..140 {
             store.get(&key(i));
         }
-        assert_eq!(store.load_prefix(&first), 40);
+        assert_eq!(store.load(&first).unwrap().len(), 40);
         assert!(first.iter().all(|k| store.in_host(k)));
         drop(store);
         std::fs::remove_dir_all(&d).unwrap();
@@ -159,7 +161,7 @@ fn restart_recovers_blocks_and_namespaces() {
             .build()
             .unwrap();
         let st = store.stats();
-        assert_eq!(st.disk.as_ref().unwrap().recovered_blocks, 99, "{st:?}");
+        assert_eq!(st.disk().unwrap().recovered_blocks, 99, "{st:?}");
         assert_eq!(st.blocks, 0, "host memory starts empty");
         assert_eq!(check_all(&store, 100), 99);
         assert!(!store.contains(&key(7)));
@@ -190,12 +192,9 @@ fn admission_seen_twice_and_write_through() {
         for i in 0..150 {
             store.put(n, key(i), &data(i)).unwrap();
         }
+        assert!(store.sync(SYNC));
         let st = store.stats();
-        assert_eq!(
-            st.disk.as_ref().unwrap().blocks,
-            0,
-            "one-off blocks went to disk"
-        );
+        assert_eq!(st.disk().unwrap().blocks, 0, "one-off blocks went to disk");
         assert!(st.admission_rejects > 0);
         // Seen again: put a second time after being dropped, then evicted again.
         for i in 0..50 {
@@ -204,7 +203,8 @@ fn admission_seen_twice_and_write_through() {
         for i in 1000..1100 {
             store.put(n, key(i), &data(i)).unwrap();
         }
-        let on_disk = store.stats().disk.unwrap().blocks;
+        assert!(store.sync(SYNC));
+        let on_disk = store.stats().disk().cloned().unwrap().blocks;
         assert!(
             on_disk >= 40,
             "re-seen blocks not admitted: {on_disk} {:?}",
@@ -220,9 +220,14 @@ fn admission_seen_twice_and_write_through() {
         for i in 0..20 {
             store.put(n, key(i), &data(i)).unwrap();
         }
+        assert!(store.sync(SYNC));
         let st = store.stats();
         assert_eq!(st.evictions, 0);
-        assert_eq!(st.disk.unwrap().blocks, 20, "write-through wrote at commit");
+        assert_eq!(
+            st.disk().unwrap().blocks,
+            20,
+            "write-through wrote at commit"
+        );
         drop(store);
         std::fs::remove_dir_all(&d).unwrap();
     }
@@ -304,9 +309,10 @@ fn faults_never_serve_wrong_bytes_nor_leak() {
             for i in 0..150 {
                 store.put(n, key(i), &data(i)).unwrap();
             }
+            assert!(store.sync(SYNC));
             let hits = check_all(&store, 150);
             let st = store.stats();
-            let disk = st.disk.clone().unwrap();
+            let disk = st.disk().cloned().unwrap();
             match *name {
                 "eio-writes" | "enospc-writes" | "short-writes" => {
                     assert!(disk.write_errors >= 5, "{name}: {disk:?}");
@@ -334,7 +340,7 @@ fn faults_never_serve_wrong_bytes_nor_leak() {
                 store.remove(&key(i));
             }
             let st = store.stats();
-            let disk = st.disk.clone().unwrap();
+            let disk = st.disk().cloned().unwrap();
             assert_eq!((st.blocks, st.used_bytes), (0, 0), "{name}: host leak");
             assert_eq!((disk.blocks, disk.used_bytes), (0, 0), "{name}: disk leak");
             drop(store);
@@ -350,7 +356,8 @@ fn faults_never_serve_wrong_bytes_nor_leak() {
             for i in 0..fit as u32 {
                 store.put(n, key(10_000 + i), &big).unwrap();
             }
-            let disk = store.stats().disk.unwrap();
+            assert!(store.sync(SYNC));
+            let disk = store.stats().disk().cloned().unwrap();
             assert_eq!(disk.blocks, fit, "{name}: free space was lost");
             assert_eq!(disk.evictions, 0, "{name}: {disk:?}");
             drop(store);
@@ -377,11 +384,12 @@ fn remove_during_a_disk_write_is_not_undone() {
             assert!(store.remove(&key(1)));
             t.join().unwrap();
         });
+        assert!(store.sync(SYNC));
         assert!(
             !store.contains(&key(1)),
             "{engine:?}: removed block came back"
         );
-        assert_eq!(store.stats().disk.unwrap().blocks, 0);
+        assert_eq!(store.stats().disk().cloned().unwrap().blocks, 0);
         faults.set_plan(FaultPlan::default());
         drop(store);
         let store = config(&d, engine, Admission::Always, true).build().unwrap();
@@ -389,7 +397,7 @@ fn remove_during_a_disk_write_is_not_undone() {
             !store.contains(&key(1)),
             "{engine:?}: removed block recovered after restart"
         );
-        assert_eq!(store.stats().disk.unwrap().recovered_blocks, 0);
+        assert_eq!(store.stats().disk().cloned().unwrap().recovered_blocks, 0);
         drop(store);
         std::fs::remove_dir_all(&d).unwrap();
     }

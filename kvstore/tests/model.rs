@@ -86,7 +86,7 @@ fn run(policy: PolicyKind, ops: Vec<Op>) {
         size_classes: vec![64 << 10, 256 << 10],
         shards: 4,
         policy,
-        populate: false,
+        populate: kvstore::Populate::Lazy,
         ..Default::default()
     }
     .build()
@@ -101,7 +101,7 @@ fn run(policy: PolicyKind, ops: Vec<Op>) {
     // Pins: key -> number of live pins taken while the key was present and not removed since.
     let mut must: HashMap<u32, u32> = HashMap::new();
     let mut leases: Vec<(LeaseId, Vec<u32>)> = Vec::new();
-    let mut borrows: Vec<(u32, BlockRef<'_>)> = Vec::new();
+    let mut borrows: Vec<(u32, BlockRef)> = Vec::new();
     let unpin = |must: &mut HashMap<u32, u32>, k: u32| {
         if let Some(c) = must.get_mut(&k) {
             *c -= 1;

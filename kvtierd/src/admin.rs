@@ -32,6 +32,7 @@ fn keys(raw: &[Vec<u8>]) -> Result<Vec<BlockKey>, Status> {
 fn tier(t: Tier) -> i32 {
     match t {
         Tier::Disk => pb::Tier::Disk as i32,
+        Tier::Remote => pb::Tier::Remote as i32,
         _ => pb::Tier::Host as i32,
     }
 }
@@ -75,7 +76,7 @@ impl Admin for AdminService {
             version: env!("CARGO_PKG_VERSION").into(),
             uptime_ms: self.d.started.elapsed().as_millis() as u64,
             io_engine: s
-                .disk
+                .disk()
                 .map(|d| d.engine.to_string())
                 .unwrap_or_else(|| "none".into()),
         }))
@@ -105,7 +106,7 @@ impl Admin for AdminService {
             evictions: s.evictions,
             ..Default::default()
         }];
-        if let Some(k) = &s.disk {
+        if let Some(k) = s.disk() {
             tiers.push(pb::TierStats {
                 tier: pb::Tier::Disk as i32,
                 capacity_bytes: k.capacity_bytes,
@@ -121,16 +122,16 @@ impl Admin for AdminService {
         }
         let namespaces = ns
             .into_iter()
-            .map(|(id, hb, hy, db, dy)| pb::NamespaceStats {
-                id: u32::from(id),
+            .map(|n| pb::NamespaceStats {
+                id: u32::from(n.id),
                 fingerprint: fps
-                    .get(id as usize)
+                    .get(n.id as usize)
                     .map(|f| f.0.to_bytes().to_vec())
                     .unwrap_or_default(),
-                host_blocks: hb,
-                host_bytes: hy,
-                disk_blocks: db,
-                disk_bytes: dy,
+                host_blocks: n.host_blocks,
+                host_bytes: n.host_bytes,
+                disk_blocks: n.disk_blocks,
+                disk_bytes: n.disk_bytes,
             })
             .collect();
         Ok(Response::new(pb::StatsReply {

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, ensure, Context, Result};
 use kvstore::io::{IoConfig, IoEngineKind};
-use kvstore::{Admission, DiskConfig, PolicyKind, StoreConfig};
+use kvstore::{Admission, DiskConfig, PolicyKind, Populate, StoreConfig};
 use serde::Deserialize;
 
 /// A byte size: an integer or a string like "4G".
@@ -95,10 +95,12 @@ pub struct HostSection {
     pub policy: String,
     /// Explicit huge pages (needs vm.nr_hugepages).
     pub huge_pages: bool,
-    /// Fault the arena in at start.
+    /// Fault the arena in (in the background, segment by segment, while serving).
     pub populate: bool,
     /// Most leases outstanding.
     pub max_leases: u64,
+    /// Check a host block's commit checksum every time it is loaded.
+    pub verify_reads: bool,
 }
 
 impl Default for HostSection {
@@ -111,6 +113,7 @@ impl Default for HostSection {
             huge_pages: false,
             populate: true,
             max_leases: 1 << 16,
+            verify_reads: true,
         }
     }
 }
@@ -181,6 +184,11 @@ pub struct ServerSection {
     pub reservation_ttl_ms: u64,
     /// Most engine connections at once.
     pub max_clients: u32,
+    /// Most keys in one engine request.
+    pub max_keys: u32,
+    /// Longest an engine's Load waits for blocks being promoted from a lower tier (and a
+    /// save for room being written back), milliseconds.
+    pub load_wait_ms: u64,
 }
 
 impl Default for ServerSection {
@@ -194,6 +202,8 @@ impl Default for ServerSection {
             lease_ttl_ms: 30_000,
             reservation_ttl_ms: 60_000,
             max_clients: 256,
+            max_keys: 65_536,
+            load_wait_ms: 5_000,
         }
     }
 }
@@ -325,6 +335,7 @@ impl Config {
             self.server.max_clients > 0,
             "server.max_clients must be positive"
         );
+        ensure!(self.server.max_keys > 0, "server.max_keys must be positive");
         Ok(())
     }
 
@@ -339,6 +350,11 @@ impl Config {
     /// Default lease TTL.
     pub fn lease_ttl(&self) -> Duration {
         Duration::from_millis(self.server.lease_ttl_ms)
+    }
+
+    /// Default wait of a Load for promotions.
+    pub fn load_wait(&self) -> Duration {
+        Duration::from_millis(self.server.load_wait_ms)
     }
 
     /// The store configuration, with defaults sized to this machine.
@@ -397,8 +413,16 @@ impl Config {
                 .collect(),
             policy: PolicyKind::parse(&self.host.policy).unwrap_or_default(),
             huge_pages: self.host.huge_pages,
-            populate: self.host.populate,
+            // The daemon serves at once and faults the arena in behind (logged, and shown in
+            // `kvtier status`).
+            populate: if self.host.populate {
+                Populate::Background
+            } else {
+                Populate::Lazy
+            },
             max_leases: self.host.max_leases as usize,
+            verify_reads: self.host.verify_reads,
+            wait: self.load_wait(),
             disk,
             ..Default::default()
         })
@@ -533,6 +557,9 @@ mod tests {
             "lease_ttl_ms",
             "max_clients",
             "reservation_ttl_ms",
+            "max_keys",
+            "load_wait_ms",
+            "verify_reads",
             "data_dir",
             "log",
         ] {

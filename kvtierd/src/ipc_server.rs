@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvstore::{BlockKey, LeaseId, Namespace, NsId, Reservation, Reserve, StoreError, Tier};
-use kvtier_ipc::{send_with_fd, write_frame, MAX_FRAME};
+use kvtier_ipc::{send_with_fd, unpack_keys, write_frame, MAX_FRAME};
 use kvtier_proto::ipc::{self as pb, request, response};
 use kvtier_proto::IPC_VERSION;
 use prost::Message;
@@ -21,6 +21,9 @@ use crate::Daemon;
 const MAX_RESERVATIONS: usize = 1 << 16;
 /// Most leases one connection may hold (the store's max_leases bounds all of them together).
 const MAX_CONN_LEASES: usize = 1 << 12;
+/// Expired reservation tokens remembered per connection, to answer a late commit with an
+/// error instead of "unknown".
+const EXPIRED_MEMORY: usize = 1 << 12;
 
 /// Accepts connections until shutdown.
 pub fn serve(listener: UnixListener, d: Arc<Daemon>) {
@@ -73,16 +76,10 @@ fn error_response(id: u64, msg: &str) -> pb::Response {
     }
 }
 
-fn keys(raw: &[Vec<u8>]) -> Result<Vec<BlockKey>, String> {
-    raw.iter()
-        .enumerate()
-        .map(|(i, k)| BlockKey::from_bytes(k).map_err(|e| format!("key {i}: {e}")))
-        .collect()
-}
-
 fn tier(t: &Tier) -> i32 {
     match t {
         Tier::Disk => pb::Tier::Disk as i32,
+        Tier::Remote => pb::Tier::Remote as i32,
         _ => pb::Tier::Host as i32,
     }
 }
@@ -94,7 +91,9 @@ struct Conn<'d> {
     hello: bool,
     next_token: u64,
     /// Uncommitted slots: token → (reservation, when reserved).
-    reservations: HashMap<u64, (Reservation<'static>, Instant)>,
+    reservations: HashMap<u64, (Reservation, Instant)>,
+    /// Tokens that expired uncommitted (most recent last), bounded.
+    expired: std::collections::VecDeque<u64>,
     /// Their bytes (bounded to half the host tier per connection).
     reserved_bytes: u64,
     leases: HashSet<u64>,
@@ -113,6 +112,7 @@ impl<'d> Conn<'d> {
             hello: false,
             next_token: 1,
             reservations: HashMap::new(),
+            expired: std::collections::VecDeque::new(),
             reserved_bytes: 0,
             leases: HashSet::new(),
         })
@@ -158,13 +158,21 @@ impl<'d> Conn<'d> {
         let ttl = Duration::from_millis(self.d.cfg.server.reservation_ttl_ms);
         let before = self.reservations.len();
         let mut freed = 0u64;
-        self.reservations.retain(|_, (r, at)| {
+        let mut gone = Vec::new();
+        self.reservations.retain(|t, (r, at)| {
             let keep = at.elapsed() < ttl;
             if !keep {
                 freed += r.len() as u64;
+                gone.push(*t);
             }
             keep
         });
+        for t in gone {
+            if self.expired.len() == EXPIRED_MEMORY {
+                self.expired.pop_front();
+            }
+            self.expired.push_back(t);
+        }
         if before != self.reservations.len() {
             self.reserved_bytes -= freed;
             tracing::warn!(
@@ -241,7 +249,7 @@ impl<'d> Conn<'d> {
             request::Body::Hello(h) => {
                 if h.version != IPC_VERSION {
                     return Err(format!(
-                        "protocol version {} is not supported (kvtierd speaks {IPC_VERSION})",
+                        "protocol version {} is not supported (kvtierd speaks {IPC_VERSION}): use a kvtier package of the daemon's version",
                         h.version
                     ));
                 }
@@ -251,6 +259,8 @@ impl<'d> Conn<'d> {
                     body: Some(response::Body::Hello(pb::HelloReply {
                         version: IPC_VERSION,
                         arena_bytes: store.arena().len() as u64,
+                        max_reserve_bytes: self.reserve_quota(),
+                        max_keys: self.d.cfg.server.max_keys,
                     })),
                 };
                 let mut frame = Vec::new();
@@ -267,7 +277,7 @@ impl<'d> Conn<'d> {
                 response::Body::Namespace(pb::NamespaceReply { id: id.0 })
             }
             request::Body::Lookup(l) => {
-                let ks = keys(&l.keys)?;
+                let ks = self.keys(&l.keys)?;
                 if l.lease {
                     self.lease_room()?;
                     let lease = store
@@ -291,33 +301,37 @@ impl<'d> Conn<'d> {
                 }
             }
             request::Body::Load(l) => {
-                let ks = keys(&l.keys)?;
+                let ks = self.keys(&l.keys)?;
                 self.lease_room()?;
+                let wait = if l.wait_ms == 0 {
+                    self.d.cfg.load_wait()
+                } else {
+                    Duration::from_millis(l.wait_ms.min(600_000))
+                };
                 let (lease, locs) = store
-                    .load_and_lease(&ks, self.ttl(l.ttl_ms))
+                    .load_and_lease(&ks, self.ttl(l.ttl_ms), Instant::now() + wait)
                     .map_err(|e| e.to_string())?;
                 if let Some(id) = lease.id {
                     self.leases.insert(id.0);
                 }
                 response::Body::Load(pb::LoadReply {
                     n: lease.n as u32,
-                    blocks: locs
-                        .into_iter()
-                        .map(|(offset, len)| pb::BlockLoc { offset, len })
-                        .collect(),
+                    offsets: locs.iter().map(|b| b.offset).collect(),
+                    lens: locs.iter().map(|b| b.len).collect(),
+                    checksums: locs.iter().map(|b| b.checksum).collect(),
                     lease_id: lease.id.map_or(0, |i| i.0),
                 })
             }
             request::Body::Reserve(r) => {
-                let ks = keys(&r.keys)?;
+                let ks = self.keys(&r.keys)?;
                 if ks.len() != r.lens.len() {
                     return Err(format!("{} keys but {} lengths", ks.len(), r.lens.len()));
                 }
                 let want: u64 = r.lens.iter().map(|&l| u64::from(l)).sum();
-                let quota = store.capacity_bytes() / 2;
+                let quota = self.reserve_quota();
                 if self.reserved_bytes + want > quota {
                     return Err(format!(
-                        "this connection has {} bytes reserved and asks for {want} more; the limit is {quota} (half the host tier): commit or abort first",
+                        "this connection has {} bytes reserved and asks for {want} more; the limit is {quota} (half the host tier): commit or abort first, or reserve in chunks",
                         self.reserved_bytes
                     ));
                 }
@@ -368,14 +382,34 @@ impl<'d> Conn<'d> {
                 response::Body::Reserve(pb::ReserveReply { slots })
             }
             request::Body::Commit(c) => {
-                let mut committed = 0;
-                for t in c.tokens {
-                    if let Some(r) = self.take(t) {
-                        r.commit().map_err(|e| e.to_string())?;
-                        committed += 1;
+                if c.checksums.len() != c.tokens.len() {
+                    return Err(format!(
+                        "{} tokens but {} checksums",
+                        c.tokens.len(),
+                        c.checksums.len()
+                    ));
+                }
+                let mut reply = pb::CommitReply::default();
+                for (t, sum) in c.tokens.into_iter().zip(c.checksums) {
+                    match self.take(t) {
+                        Some(r) => {
+                            if r.commit_with_checksum(sum).map_err(|e| e.to_string())? {
+                                reply.committed += 1;
+                            } else {
+                                reply.cancelled.push(t);
+                            }
+                        }
+                        None => {
+                            // Expired (its slot may hold another block by now) or never ours:
+                            // never a success.
+                            if !self.expired.contains(&t) {
+                                tracing::debug!(token = t, "commit of an unknown token");
+                            }
+                            reply.expired.push(t);
+                        }
                     }
                 }
-                response::Body::Commit(pb::CommitReply { committed })
+                response::Body::Commit(reply)
             }
             request::Body::Abort(a) => {
                 for t in a.tokens {
@@ -413,8 +447,26 @@ impl<'d> Conn<'d> {
         }))
     }
 
+    /// Keys of a request, checked against the per-request bound.
+    fn keys(&self, packed: &[u8]) -> Result<Vec<BlockKey>, String> {
+        let ks = unpack_keys(packed)?;
+        let max = self.d.cfg.server.max_keys as usize;
+        if ks.len() > max {
+            return Err(format!(
+                "{} keys in one request; the limit is {max} (server.max_keys): split the request",
+                ks.len()
+            ));
+        }
+        Ok(ks)
+    }
+
+    /// Bytes one connection may hold reserved at once.
+    fn reserve_quota(&self) -> u64 {
+        self.d.store.capacity_bytes() / 2
+    }
+
     /// Removes a reservation from the books (committing or dropping it is the caller's).
-    fn take(&mut self, token: u64) -> Option<Reservation<'static>> {
+    fn take(&mut self, token: u64) -> Option<Reservation> {
         let (r, _) = self.reservations.remove(&token)?;
         self.reserved_bytes -= r.len() as u64;
         Some(r)

@@ -234,8 +234,8 @@ fn run() -> Result<()> {
             socket.display(),
             cfg.data_dir.display(),
             st.capacity_bytes,
-            st.disk.as_ref().map_or(0, |k| k.capacity_bytes),
-            st.disk.as_ref().map_or("none", |k| k.engine),
+            st.disk().map_or(0, |k| k.capacity_bytes),
+            st.disk().map_or("none", |k| k.engine),
         );
         use std::io::Write as _;
         let _ = std::io::stdout().flush();

@@ -27,8 +27,8 @@ pub fn render(d: &Daemon) -> String {
             }
         }
     };
-    let disk = s.disk.clone().unwrap_or_default();
-    let has_disk = s.disk.is_some();
+    let disk = s.disk().cloned().unwrap_or_default();
+    let has_disk = s.disk().is_some();
     let tiered = |host: u64, dsk: u64| -> Vec<(&'static str, f64)> {
         let mut v = vec![("tier=\"host\"", host as f64)];
         if has_disk {

@@ -127,14 +127,14 @@ fn put_all(c: &mut IpcClient, ns: NsId, ids: std::ops::Range<u64>) {
         c.write(token, &data(i)).unwrap();
         tokens.push(token);
     }
-    assert_eq!(c.commit(&tokens).unwrap() as usize, tokens.len());
+    assert_eq!(c.commit(&tokens).unwrap().committed as usize, tokens.len());
 }
 
 fn get_all(c: &mut IpcClient, ids: std::ops::Range<u64>) -> usize {
     let keys: Vec<BlockKey> = ids.clone().map(key).collect();
-    let loaded = c.load(&keys, Duration::from_secs(10)).unwrap();
-    for (j, (i, &(_, len))) in ids.zip(&loaded.blocks).enumerate() {
-        let mut buf = vec![0u8; len as usize];
+    let loaded = c.load(&keys, Duration::from_secs(10), None).unwrap();
+    for (j, (i, b)) in ids.zip(&loaded.blocks).enumerate() {
+        let mut buf = vec![0u8; b.len as usize];
         c.read(&loaded, j, &mut buf).unwrap();
         assert!(buf == data(i), "block {i}: wrong bytes through the arena");
     }
@@ -155,9 +155,9 @@ fn engine_ipc_roundtrip_through_the_shared_arena() {
     assert_eq!(c2.register_namespace(&namespace()).unwrap(), ns);
     assert_eq!(get_all(&mut c2, 0..20), 20);
     let keys: Vec<BlockKey> = (0..25).map(key).collect();
-    let (n, tiers, lease) = c2.lookup(&keys, None).unwrap();
-    assert_eq!((n, lease), (20, None));
-    assert!(tiers.iter().all(|t| *t == Tier::Host));
+    let l = c2.lookup(&keys, None).unwrap();
+    assert_eq!((l.n, l.lease), (20, None));
+    assert!(l.tiers.iter().all(|t| *t == Tier::Host));
     // Re-putting a stored key is "present"; an unknown namespace is a clear error.
     assert_eq!(
         c.reserve(ns, &[key(0)], &[10]).unwrap(),
@@ -171,7 +171,7 @@ fn engine_ipc_roundtrip_through_the_shared_arena() {
     let st = c.stats().unwrap();
     assert_eq!(st.blocks, 20);
     // A lease that lapses before release is reported, so the engine discards what it copied.
-    let l = c2.load(&keys[..2], Duration::from_millis(1)).unwrap();
+    let l = c2.load(&keys[..2], Duration::from_millis(1), None).unwrap();
     std::thread::sleep(Duration::from_millis(20));
     c.lookup(&keys[..1], Some(Duration::from_secs(5))).unwrap(); // reaps expired leases
     let e = c2.release(l.lease.unwrap()).unwrap_err().to_string();
@@ -186,8 +186,8 @@ fn killed_client_releases_leases_and_reservations() {
         // The victim: hold a lease and a reservation, say so, then wait to be killed.
         let mut c = IpcClient::connect(sock.as_ref(), "victim").unwrap();
         let ns = c.register_namespace(&namespace()).unwrap();
-        let (n, _, lease) = c.lookup(&[key(0)], Some(Duration::from_secs(600))).unwrap();
-        assert!(n == 1 && lease.is_some());
+        let l = c.lookup(&[key(0)], Some(Duration::from_secs(600))).unwrap();
+        assert!(l.n == 1 && l.lease.is_some());
         let s = c.reserve(ns, &[key(500)], &[1000]).unwrap();
         assert!(matches!(s[0], SlotStatus::Slot { .. }));
         println!("holding");
@@ -254,9 +254,9 @@ fn sigterm_then_restart_keeps_disk_blocks() {
         "namespace id changed"
     );
     let keys: Vec<BlockKey> = (0..30).map(key).collect();
-    let (n, tiers, _) = c.lookup(&keys, None).unwrap();
-    assert_eq!(n, 30);
-    assert!(tiers.iter().all(|t| *t == Tier::Disk), "{tiers:?}");
+    let l = c.lookup(&keys, None).unwrap();
+    assert_eq!(l.n, 30);
+    assert!(l.tiers.iter().all(|t| *t == Tier::Disk), "{:?}", l.tiers);
     assert_eq!(get_all(&mut c, 0..30), 30);
 }
 
@@ -474,12 +474,13 @@ fn uncommitted_reservations_expire_and_are_bounded() {
     );
     std::thread::sleep(Duration::from_millis(800));
     // The idle connection dropped its stale reservation: the key is writable again, and the
-    // late commit commits nothing.
+    // late commit is refused (named as expired), never a success.
     assert!(matches!(
         other.reserve(ns, &[key(1)], &[1000]).unwrap()[0],
         SlotStatus::Slot { .. }
     ));
-    assert_eq!(c.commit(&[token]).unwrap(), 0);
+    let r = c.commit(&[token]).unwrap();
+    assert_eq!((r.committed, r.expired), (0, vec![token]));
     // One connection may not reserve more than half the host tier (64 MiB here).
     let keys: Vec<BlockKey> = (100..140).map(key).collect();
     let e = c

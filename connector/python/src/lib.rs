@@ -1,10 +1,13 @@
-//! `kvtier._native`: Python bindings of the store (embedded mode), the key scheme and the
-//! paged-KV gather/scatter. Blocks move between an engine's KV tensors and store slots with one
-//! copy: `save` gathers straight into a reserved slot, `load` scatters straight out of a pinned
-//! block.
+//! `kvtier._native`: Python bindings of the connector's one transfer API (`Backend`: the store
+//! embedded in this process, or `kvtierd` through its socket and shared arena), the key scheme
+//! and the paged-KV gather/scatter. Blocks move between an engine's memory and kvtier with one
+//! copy: saves gather straight into a reserved slot, loads scatter straight out of a pinned
+//! block. `Store` and `Sidecar` are the two ways to build a `Backend`.
+
+use std::time::Duration;
 
 use kvstore::io::IoConfig;
-use kvstore::{Admission, BlockKey, DiskConfig, Namespace, NsId, Reserve, StoreConfig};
+use kvstore::{Admission, BlockKey, DiskConfig, Namespace, NsId, StoreConfig};
 use kvtier_connector::{Dim, LayerView};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -96,6 +99,9 @@ unsafe fn raw_segments<'a>(
         .collect())
 }
 
+/// Each page's memory, as a list of segments.
+type Pages<'a> = Vec<Vec<&'a mut [u8]>>;
+
 /// Every page's segments, checked (see `raw_segments`), before anything is copied.
 ///
 /// # Safety
@@ -104,7 +110,7 @@ unsafe fn raw_pages<'a>(
     keys: &[Vec<u8>],
     pages: &[Vec<(usize, usize)>],
     regions: Option<&[(usize, usize)]>,
-) -> PyResult<(Vec<BlockKey>, Vec<Vec<&'a mut [u8]>>)> {
+) -> PyResult<(Vec<BlockKey>, Pages<'a>)> {
     if keys.len() != pages.len() {
         return Err(PyValueError::new_err(format!(
             "{} keys but {} pages",
@@ -122,36 +128,6 @@ unsafe fn raw_pages<'a>(
         .map(|p| unsafe { raw_segments(p, regions) })
         .collect::<PyResult<Vec<_>>>()?;
     Ok((ks, segs))
-}
-
-/// Copies `block` into the segments, in order; false (nothing copied) unless the sizes match.
-fn fill_segments(block: &[u8], segs: &mut [&mut [u8]]) -> bool {
-    if segs.iter().map(|s| s.len()).sum::<usize>() != block.len() {
-        return false;
-    }
-    let mut at = 0;
-    for s in segs.iter_mut() {
-        s.copy_from_slice(&block[at..at + s.len()]);
-        at += s.len();
-    }
-    true
-}
-
-/// Copies the segments, in order, into `slot` (exactly their total length).
-fn gather_segments(segs: &[&mut [u8]], slot: &mut [u8]) {
-    let mut at = 0;
-    for s in segs {
-        slot[at..at + s.len()].copy_from_slice(s);
-        at += s.len();
-    }
-}
-
-fn segments_len(segs: &[&mut [u8]]) -> usize {
-    segs.iter().map(|s| s.len()).sum()
-}
-
-fn err(e: impl std::fmt::Display) -> PyErr {
-    PyRuntimeError::new_err(e.to_string())
 }
 
 /// An engine's paged KV cache, described layer by layer: `(data_ptr, shape, strides, dims,
@@ -232,107 +208,73 @@ impl PagedKv {
     }
 }
 
-/// The store, embedded in this process (optionally with a disk tier).
-#[pyclass(module = "kvtier._native", frozen)]
-struct Store {
-    inner: kvstore::Store,
+/// Copies of a namespace's encoding into a `Namespace`.
+fn namespace(encoded: &[u8]) -> PyResult<Namespace> {
+    Namespace::decode(encoded).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// What every kvtier handle can do, embedded or through kvtierd: the connector's `Backend`.
+#[pyclass(module = "kvtier._native", subclass, frozen)]
+struct Backend {
+    b: kvtier_connector::Backend,
 }
 
 #[pymethods]
-impl Store {
-    #[new]
-    #[pyo3(signature = (capacity_bytes, segment_bytes=64 << 20, disk_dir=None, disk_bytes=0, admission="always", write_through=false, populate=true))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        capacity_bytes: u64,
-        segment_bytes: u64,
-        disk_dir: Option<std::path::PathBuf>,
-        disk_bytes: u64,
-        admission: &str,
-        write_through: bool,
-        populate: bool,
-    ) -> PyResult<Self> {
-        let admission = Admission::parse(admission)
-            .ok_or_else(|| PyValueError::new_err("admission must be always or seen-twice"))?;
-        let disk = disk_dir.map(|dir| DiskConfig {
-            dir,
-            capacity_bytes: disk_bytes,
-            io: IoConfig::default(),
-            admission,
-            write_through,
-            ..Default::default()
-        });
-        let inner = StoreConfig {
-            capacity_bytes,
-            segment_bytes,
-            populate,
-            disk,
-            ..Default::default()
-        }
-        .build()
-        .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        Ok(Self { inner })
-    }
-
+impl Backend {
     /// Registers a namespace from its canonical encoding; returns its id.
-    fn register_namespace(&self, encoded: &[u8]) -> PyResult<u32> {
-        let ns = Namespace::decode(encoded).map_err(|e| PyValueError::new_err(e.to_string()))?;
-        self.inner
-            .register_namespace(&ns)
+    fn register_namespace(&self, py: Python<'_>, encoded: &[u8]) -> PyResult<u32> {
+        let ns = namespace(encoded)?;
+        py.allow_threads(|| self.b.register_namespace(&ns))
             .map(|i| i.0)
-            .map_err(|e| PyValueError::new_err(e.to_string()))
+            .map_err(transfer_err)
     }
 
-    /// Stores a block (copying); False if it was already present or being written.
-    fn put(&self, ns: u32, key: &[u8], data: &[u8]) -> PyResult<bool> {
-        let k = self::key(key)?;
-        match self.inner.put(NsId(ns), k, data).map_err(err)? {
-            kvstore::PutOutcome::Stored => Ok(true),
-            _ => Ok(false),
-        }
+    /// How many leading keys are present in any tier (no side effects).
+    fn match_prefix(&self, py: Python<'_>, keys: Vec<Vec<u8>>) -> PyResult<usize> {
+        let ks = self::keys(&keys)?;
+        py.allow_threads(|| self.b.match_prefix(&ks))
+            .map_err(transfer_err)
     }
 
-    /// A block's bytes, or None.
-    fn get<'py>(&self, py: Python<'py>, key: &[u8]) -> PyResult<Option<Bound<'py, PyBytes>>> {
-        let k = self::key(key)?;
-        Ok(self.inner.get(&k).map(|b| PyBytes::new(py, &b)))
+    /// Saves engine blocks: `keys[i]` gets the canonical bytes of engine blocks `block_ids[i]`,
+    /// gathered straight into a reserved slot. Returns how many were stored now.
+    fn save(
+        &self,
+        py: Python<'_>,
+        ns: u32,
+        paged: &PagedKv,
+        keys: Vec<Vec<u8>>,
+        block_ids: Vec<Vec<usize>>,
+    ) -> PyResult<usize> {
+        let ks = paired_keys(&keys, &block_ids)?;
+        py.allow_threads(|| self.b.save(NsId(ns), &paged.inner, &ks, &block_ids))
+            .map_err(transfer_err)
     }
 
-    /// How many leading keys are present (no side effects).
-    fn match_prefix(&self, keys: Vec<Vec<u8>>) -> PyResult<usize> {
-        Ok(self.inner.match_prefix(&self::keys(&keys)?).n)
+    /// Loads the longest present prefix of `keys` into engine blocks `block_ids[i]` (scattered
+    /// straight out of the pinned block). Returns how many leading keys were loaded; a block of
+    /// the wrong size ends the prefix. Through kvtierd, blocks copied under a lease that lapsed
+    /// before release are not counted (the engine recomputes them).
+    #[pyo3(signature = (paged, keys, block_ids, ttl_ms=30_000))]
+    fn load(
+        &self,
+        py: Python<'_>,
+        paged: &PagedKv,
+        keys: Vec<Vec<u8>>,
+        block_ids: Vec<Vec<usize>>,
+        ttl_ms: u64,
+    ) -> PyResult<usize> {
+        let ks = paired_keys(&keys, &block_ids)?;
+        let ttl = Duration::from_millis(ttl_ms);
+        py.allow_threads(|| self.b.load(&paged.inner, &ks, &block_ids, ttl))
+            .map_err(transfer_err)
     }
 
-    /// Removes every block of a namespace; returns how many.
-    fn clear_namespace(&self, ns: u32) -> usize {
-        self.inner.clear_namespace(NsId(ns))
-    }
-
-    /// Writes dirty admitted blocks to disk; returns how many.
-    fn flush(&self, py: Python<'_>) -> usize {
-        py.allow_threads(|| self.inner.flush())
-    }
-
-    /// Counters.
-    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.stats();
-        let d = PyDict::new(py);
-        d.set_item("capacity_bytes", s.capacity_bytes)?;
-        d.set_item("used_bytes", s.used_bytes)?;
-        d.set_item("blocks", s.blocks)?;
-        d.set_item("hits", s.hits)?;
-        d.set_item("misses", s.misses)?;
-        d.set_item("promotions", s.promotions)?;
-        d.set_item("demotions", s.demotions)?;
-        d.set_item("disk_blocks", s.disk.map_or(0, |k| k.blocks))?;
-        Ok(d)
-    }
-
-    /// Copies the blocks under `keys` into the caller's pages (each a list of memory segments,
-    /// in order: one tensor, or a host-pool page's pieces). `regions`, when given, is the only
-    /// memory the pages may lie in. One bool per key: True only when a block of exactly the
-    /// page's total size was there (promoted from disk if needed); nothing is copied into a
-    /// page otherwise.
+    /// Copies the longest present prefix of `keys` into the caller's pages (each a list of
+    /// memory segments, in order: one tensor, or a host-pool page's pieces). `regions`, when
+    /// given, is the only memory the pages may lie in. One bool per key: True only when a block
+    /// of exactly the page's total size was there (promoted from disk if needed); nothing is
+    /// copied into a page otherwise.
     #[pyo3(signature = (keys, pages, regions=None))]
     fn read_pages(
         &self,
@@ -344,16 +286,8 @@ impl Store {
         // SAFETY: the Python adapters pass live tensors' memory they keep alive, and no other
         // thread touches it during this call.
         let (ks, mut dst) = unsafe { raw_pages(&keys, &pages, regions.as_deref())? };
-        py.allow_threads(|| {
-            Ok(ks
-                .iter()
-                .zip(dst.iter_mut())
-                .map(|(k, d)| {
-                    self.inner.load_prefix(std::slice::from_ref(k)) == 1
-                        && self.inner.get(k).is_some_and(|b| fill_segments(&b, d))
-                })
-                .collect())
-        })
+        py.allow_threads(|| self.b.read_segments(&ks, &mut dst, Duration::from_secs(30)))
+            .map_err(transfer_err)
     }
 
     /// Stores each page's segments (in order) under its key, gathered straight into a reserved
@@ -371,261 +305,143 @@ impl Store {
     ) -> PyResult<Vec<bool>> {
         // SAFETY: as in read_pages; the memory is only read.
         let (ks, src) = unsafe { raw_pages(&keys, &pages, regions.as_deref())? };
-        py.allow_threads(|| {
-            let mut out = Vec::with_capacity(ks.len());
-            for (k, segs) in ks.iter().zip(&src) {
-                out.push(
-                    match self.inner.reserve(NsId(ns), *k, segments_len(segs)) {
-                        Ok(Reserve::Slot(mut r)) => {
-                            gather_segments(segs, r.as_mut_slice());
-                            r.commit().map_err(err)?;
-                            true
-                        }
-                        Ok(Reserve::AlreadyPresent | Reserve::InFlight) => true,
-                        Err(kvstore::StoreError::NoSpace { .. }) => false,
-                        Err(e) => return Err(err(e)),
-                    },
-                );
-            }
-            Ok(out)
-        })
+        let src: Vec<Vec<&[u8]>> = src
+            .into_iter()
+            .map(|p| p.into_iter().map(|s| &*s).collect())
+            .collect();
+        py.allow_threads(|| self.b.write_segments(NsId(ns), &ks, &src))
+            .map_err(transfer_err)
     }
 
-    /// Saves engine blocks: `keys[i]` gets the canonical bytes of engine blocks `block_ids[i]`,
-    /// gathered straight into a reserved slot. Returns how many were stored now.
-    fn save(
-        &self,
-        py: Python<'_>,
-        ns: u32,
-        paged: &PagedKv,
-        keys: Vec<Vec<u8>>,
-        block_ids: Vec<Vec<usize>>,
-    ) -> PyResult<usize> {
-        let ks = paired_keys(&keys, &block_ids)?;
-        py.allow_threads(|| {
-            kvtier_connector::save_embedded(&self.inner, NsId(ns), &paged.inner, &ks, &block_ids)
-        })
-        .map_err(transfer_err)
+    /// Stores one block's bytes under `key` (copied into a reserved slot). False when the key
+    /// is already present or being written, or there is no room.
+    fn put(&self, py: Python<'_>, ns: u32, key: &[u8], data: &[u8]) -> PyResult<bool> {
+        let k = self::key(key)?;
+        if data.is_empty() {
+            return Err(PyValueError::new_err("a block must not be empty"));
+        }
+        py.allow_threads(|| self.b.store_segments(NsId(ns), &[k], &[vec![data]]))
+            .map(|s| s[0] == kvtier_connector::Stored::Now)
+            .map_err(transfer_err)
     }
 
-    /// Loads the longest present prefix of `keys` into engine blocks `block_ids[i]` (scattered
-    /// straight out of the pinned block). Returns how many leading keys were loaded; a block of
-    /// the wrong size ends the prefix.
-    fn load(
-        &self,
-        py: Python<'_>,
-        paged: &PagedKv,
-        keys: Vec<Vec<u8>>,
-        block_ids: Vec<Vec<usize>>,
-    ) -> PyResult<usize> {
-        let ks = paired_keys(&keys, &block_ids)?;
-        py.allow_threads(|| {
-            kvtier_connector::load_embedded(&self.inner, &paged.inner, &ks, &block_ids)
-        })
-        .map_err(transfer_err)
-    }
-}
-
-/// A connection to a node's `kvtierd` (sidecar mode): blocks move between engine KV tensors
-/// and the daemon's shared arena with one copy, as in the embedded `Store`.
-#[pyclass(module = "kvtier._native")]
-struct Sidecar {
-    inner: std::sync::Mutex<kvtier_ipc::IpcClient>,
-}
-
-fn ipc_err(e: kvtier_ipc::IpcError) -> PyErr {
-    PyRuntimeError::new_err(e.to_string())
-}
-
-impl Sidecar {
-    /// Reserves, fills and commits one block: Some(true) stored now, Some(false) already
-    /// present or being written by someone else, None not stored (no room: everything
-    /// pinned; or the reservation lapsed before the commit).
-    fn store_block(
-        &self,
-        py: Python<'_>,
-        ns: u32,
-        k: BlockKey,
-        len: usize,
-        fill: impl FnOnce(&mut [u8]) + Send,
-    ) -> PyResult<Option<bool>> {
-        let len = u32::try_from(len)
-            .map_err(|_| PyValueError::new_err(format!("a block of {len} bytes is too large")))?;
-        py.allow_threads(|| {
-            let mut c = self.client()?;
-            let slots = c.reserve(NsId(ns), &[k], &[len]).map_err(ipc_err)?;
-            Ok(match slots.first() {
-                Some(&kvtier_ipc::SlotStatus::Slot { token, .. }) => {
-                    c.fill_slot(token, fill).map_err(ipc_err)?;
-                    (c.commit(&[token]).map_err(ipc_err)? == 1).then_some(true)
-                }
-                Some(kvtier_ipc::SlotStatus::Present | kvtier_ipc::SlotStatus::InFlight) => {
-                    Some(false)
-                }
-                _ => None,
+    /// A copy of the block stored under `key`, or None (copied straight out of the pinned
+    /// block into the new bytes object).
+    fn get<'py>(&self, py: Python<'py>, key: &[u8]) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let k = self::key(key)?;
+        // The GIL stays held: the bytes object is built from the pinned block in one copy.
+        let mut out = None;
+        let got = self
+            .b
+            .read_with(&[k], Duration::from_secs(10), &mut |_, b| {
+                out = Some(PyBytes::new(py, b));
+                Ok(true)
             })
-        })
-    }
-
-    fn client(&self) -> PyResult<std::sync::MutexGuard<'_, kvtier_ipc::IpcClient>> {
-        self.inner
-            .lock()
-            .map_err(|_| PyRuntimeError::new_err("a previous call panicked"))
+            .map_err(transfer_err)?;
+        Ok(if got == 1 { out } else { None })
     }
 }
+
+/// The store, embedded in this process (optionally with a disk tier).
+#[pyclass(module = "kvtier._native", extends = Backend, frozen)]
+struct Store {}
+
+impl Store {
+    fn store<'a>(slf: &'a PyRef<'_, Self>) -> PyResult<&'a kvstore::Store> {
+        slf.as_super()
+            .b
+            .store()
+            .ok_or_else(|| PyRuntimeError::new_err("not an embedded store"))
+    }
+}
+
+#[pymethods]
+impl Store {
+    #[new]
+    #[pyo3(signature = (capacity_bytes, segment_bytes=64 << 20, disk_dir=None, disk_bytes=0, admission="always", write_through=false, populate=true))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        capacity_bytes: u64,
+        segment_bytes: u64,
+        disk_dir: Option<std::path::PathBuf>,
+        disk_bytes: u64,
+        admission: &str,
+        write_through: bool,
+        populate: bool,
+    ) -> PyResult<(Self, Backend)> {
+        let admission = Admission::parse(admission)
+            .ok_or_else(|| PyValueError::new_err("admission must be always or seen-twice"))?;
+        let disk = disk_dir.map(|dir| DiskConfig {
+            dir,
+            capacity_bytes: disk_bytes,
+            io: IoConfig::default(),
+            admission,
+            write_through,
+            ..Default::default()
+        });
+        let inner = StoreConfig {
+            capacity_bytes,
+            segment_bytes,
+            populate: if populate {
+                kvstore::Populate::Now
+            } else {
+                kvstore::Populate::Lazy
+            },
+            disk,
+            ..Default::default()
+        }
+        .build()
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok((
+            Self {},
+            Backend {
+                b: kvtier_connector::Backend::Embedded(Box::new(inner)),
+            },
+        ))
+    }
+
+    /// Removes every block of a namespace; returns how many.
+    fn clear_namespace(slf: PyRef<'_, Self>, ns: u32) -> PyResult<usize> {
+        Ok(Self::store(&slf)?.clear_namespace(NsId(ns)))
+    }
+
+    /// Writes dirty admitted blocks to disk (and waits for them); returns how many.
+    fn flush(slf: PyRef<'_, Self>, py: Python<'_>) -> PyResult<usize> {
+        let s = Self::store(&slf)?;
+        Ok(py.allow_threads(|| s.flush()))
+    }
+
+    /// Counters.
+    fn stats<'py>(slf: PyRef<'_, Self>, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = Self::store(&slf)?.stats();
+        let d = PyDict::new(py);
+        d.set_item("capacity_bytes", s.capacity_bytes)?;
+        d.set_item("used_bytes", s.used_bytes)?;
+        d.set_item("blocks", s.blocks)?;
+        d.set_item("hits", s.hits)?;
+        d.set_item("misses", s.misses)?;
+        d.set_item("promotions", s.promotions)?;
+        d.set_item("demotions", s.demotions)?;
+        d.set_item("checksum_failures", s.checksum_failures)?;
+        d.set_item("disk_blocks", s.disk().map_or(0, |k| k.blocks))?;
+        Ok(d)
+    }
+}
+
+/// A connection to a node's `kvtierd` (sidecar mode): blocks move between engine memory and the
+/// daemon's shared arena with one copy, as in the embedded `Store`.
+#[pyclass(module = "kvtier._native", extends = Backend, frozen)]
+struct Sidecar {}
 
 #[pymethods]
 impl Sidecar {
     #[new]
     #[pyo3(signature = (socket, client="kvtier-python"))]
-    fn new(socket: std::path::PathBuf, client: &str) -> PyResult<Self> {
-        let c = kvtier_ipc::IpcClient::connect(&socket, client).map_err(ipc_err)?;
-        Ok(Self {
-            inner: std::sync::Mutex::new(c),
-        })
-    }
-
-    /// Registers a namespace from its canonical encoding; returns the daemon's id.
-    fn register_namespace(&self, encoded: &[u8]) -> PyResult<u32> {
-        let ns = Namespace::decode(encoded).map_err(|e| PyValueError::new_err(e.to_string()))?;
-        Ok(self.client()?.register_namespace(&ns).map_err(ipc_err)?.0)
-    }
-
-    /// How many leading keys are present in any tier.
-    fn match_prefix(&self, keys: Vec<Vec<u8>>) -> PyResult<usize> {
-        let ks = self::keys(&keys)?;
-        Ok(self.client()?.lookup(&ks, None).map_err(ipc_err)?.0)
-    }
-
-    /// Like `Store.read_pages`, through the shared arena: one load (the leading present
-    /// blocks, pinned by one lease), each copied once into its page. A lease that lapsed before
-    /// release makes every page of the call a miss (the copies may be other blocks' bytes).
-    #[pyo3(signature = (keys, pages, regions=None))]
-    fn read_pages(
-        &self,
-        py: Python<'_>,
-        keys: Vec<Vec<u8>>,
-        pages: Vec<Vec<(usize, usize)>>,
-        regions: Option<Vec<(usize, usize)>>,
-    ) -> PyResult<Vec<bool>> {
-        // SAFETY: the Python adapters pass live tensors' memory they keep alive, and no other
-        // thread touches it during this call.
-        let (ks, mut dst) = unsafe { raw_pages(&keys, &pages, regions.as_deref())? };
-        py.allow_threads(|| {
-            let mut out = vec![false; ks.len()];
-            if ks.is_empty() {
-                return Ok(out);
-            }
-            let mut c = self.client()?;
-            let l = c
-                .load(&ks, std::time::Duration::from_secs(10))
-                .map_err(ipc_err)?;
-            for (i, d) in dst.iter_mut().enumerate().take(l.blocks.len()) {
-                out[i] = c
-                    .with_block(&l, i, |b| fill_segments(b, d))
-                    .map_err(ipc_err)?;
-            }
-            if let Some(id) = l.lease {
-                if c.release(id).is_err() {
-                    out.iter_mut().for_each(|x| *x = false);
-                }
-            }
-            Ok(out)
-        })
-    }
-
-    /// Like `Store.write_pages`, through the shared arena.
-    #[pyo3(signature = (ns, keys, pages, regions=None))]
-    fn write_pages(
-        &self,
-        py: Python<'_>,
-        ns: u32,
-        keys: Vec<Vec<u8>>,
-        pages: Vec<Vec<(usize, usize)>>,
-        regions: Option<Vec<(usize, usize)>>,
-    ) -> PyResult<Vec<bool>> {
-        // SAFETY: as in read_pages; the memory is only read.
-        let (ks, src) = unsafe { raw_pages(&keys, &pages, regions.as_deref())? };
-        let mut out = Vec::with_capacity(ks.len());
-        for (k, segs) in ks.into_iter().zip(&src) {
-            let len = segments_len(segs);
-            out.push(
-                self.store_block(py, ns, k, len, |slot| gather_segments(segs, slot))?
-                    .is_some(),
-            );
-        }
-        Ok(out)
-    }
-
-    /// Stores one block's bytes under `key` (copied into a reserved arena slot). False when
-    /// the key is already present or being written.
-    fn put(&self, py: Python<'_>, ns: u32, key: &[u8], data: &[u8]) -> PyResult<bool> {
-        let k = self::key(key)?;
-        Ok(
-            self.store_block(py, ns, k, data.len(), |slot| slot.copy_from_slice(data))?
-                == Some(true),
-        )
-    }
-
-    /// A copy of the block stored under `key`, or None (copied straight out of the arena into
-    /// the new bytes object under a short lease; None if the lease lapsed before the copy was
-    /// done).
-    fn get<'py>(&self, py: Python<'py>, key: &[u8]) -> PyResult<Option<Bound<'py, PyBytes>>> {
-        let k = self::key(key)?;
-        // The GIL stays held: the bytes object is built from the pinned block in one copy.
-        let mut c = self.client()?;
-        let l = c
-            .load(&[k], std::time::Duration::from_secs(10))
-            .map_err(ipc_err)?;
-        let out = match l.blocks.first() {
-            Some(_) => Some(
-                c.with_block(&l, 0, |b| PyBytes::new(py, b))
-                    .map_err(ipc_err)?,
-            ),
-            None => None,
-        };
-        if let Some(id) = l.lease {
-            if c.release(id).is_err() {
-                return Ok(None);
-            }
-        }
-        Ok(out)
-    }
-
-    /// Like `Store.save`, through the shared arena.
-    fn save(
-        &self,
-        py: Python<'_>,
-        ns: u32,
-        paged: &PagedKv,
-        keys: Vec<Vec<u8>>,
-        block_ids: Vec<Vec<usize>>,
-    ) -> PyResult<usize> {
-        let ks = paired_keys(&keys, &block_ids)?;
-        py.allow_threads(|| {
-            let mut c = self.client()?;
-            kvtier_connector::save_sidecar(&mut c, NsId(ns), &paged.inner, &ks, &block_ids)
-                .map_err(transfer_err)
-        })
-    }
-
-    /// Like `Store.load`, through the shared arena. Blocks copied under a lease that lapsed
-    /// before release are not counted (the engine recomputes them).
-    fn load(
-        &self,
-        py: Python<'_>,
-        paged: &PagedKv,
-        keys: Vec<Vec<u8>>,
-        block_ids: Vec<Vec<usize>>,
-        ttl_ms: u64,
-    ) -> PyResult<usize> {
-        let ks = paired_keys(&keys, &block_ids)?;
-        py.allow_threads(|| {
-            let mut c = self.client()?;
-            let ttl = std::time::Duration::from_millis(ttl_ms);
-            kvtier_connector::load_sidecar(&mut c, &paged.inner, &ks, &block_ids, ttl)
-                .map_err(transfer_err)
-        })
+    fn new(py: Python<'_>, socket: std::path::PathBuf, client: &str) -> PyResult<(Self, Backend)> {
+        let b = py
+            .allow_threads(|| kvtier_connector::Backend::sidecar(&socket, client))
+            .map_err(transfer_err)?;
+        Ok((Self {}, Backend { b }))
     }
 }
 
@@ -684,6 +500,7 @@ fn engine_key<'py>(
 /// The native module.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Backend>()?;
     m.add_class::<Store>()?;
     m.add_class::<PagedKv>()?;
     m.add_class::<Sidecar>()?;

@@ -124,21 +124,31 @@ pub(crate) struct Journal {
 }
 
 impl Journal {
-    /// Creates a new, empty journal (replacing none: the caller checked it is absent).
+    /// Creates a new, empty journal, atomically: it is written under a temporary name and
+    /// renamed into place, so a crash never leaves a half-written journal.
     pub(crate) fn create(path: &Path, instance: u64) -> Result<Self, JournalError> {
         let io = |source| JournalError::Io {
             path: path.to_path_buf(),
             source,
         };
-        let mut file = OpenOptions::new()
-            .create_new(true)
+        let tmp = path.with_extension("new");
+        let _ = std::fs::remove_file(&tmp);
+        {
+            let mut f = OpenOptions::new()
+                .create_new(true)
+                .write(true)
+                .open(&tmp)
+                .map_err(io)?;
+            f.write_all(&header(instance)).map_err(io)?;
+            f.sync_all().map_err(io)?;
+        }
+        std::fs::rename(&tmp, path).map_err(io)?;
+        sync_dir(path).map_err(io)?;
+        let file = OpenOptions::new()
             .read(true)
             .write(true)
             .open(path)
             .map_err(io)?;
-        file.write_all(&header(instance)).map_err(io)?;
-        file.sync_all().map_err(io)?;
-        sync_dir(path).map_err(io)?;
         Ok(Self {
             path: path.to_path_buf(),
             file,
@@ -148,8 +158,12 @@ impl Journal {
         })
     }
 
-    /// Opens and replays; returns the instance id and the valid records. A torn tail is cut off.
-    pub(crate) fn open(path: &Path) -> Result<(Self, u64, Vec<Record>), JournalError> {
+    /// Opens and replays; returns the journal, its instance id, the valid records and how
+    /// many records failed their checksum. A torn tail (a partial record, or bad records with
+    /// no good one after them: a write cut short) is cut off; a bad record followed by good
+    /// ones (damage in the middle) is skipped and the rest kept, so one flipped bit never costs
+    /// the records after it.
+    pub(crate) fn open(path: &Path) -> Result<(Self, u64, Vec<Record>, u64), JournalError> {
         let io = |source| JournalError::Io {
             path: path.to_path_buf(),
             source,
@@ -177,22 +191,39 @@ impl Journal {
         }
         let instance = u64::from_le_bytes(h[16..24].try_into().unwrap_or_default());
         let mut recs = Vec::new();
-        let mut end = REC;
-        while end + REC <= bytes.len() {
-            match Record::decode(&bytes[end..end + REC]) {
-                Some(r) => recs.push(r),
-                None => break,
+        let mut at = REC;
+        // End of the last good record: everything after it is a torn tail.
+        let mut good_end = REC;
+        let mut bad_before = 0u64;
+        let mut skipped = 0u64;
+        while at + REC <= bytes.len() {
+            match Record::decode(&bytes[at..at + REC]) {
+                Some(r) => {
+                    recs.push(r);
+                    skipped += bad_before;
+                    bad_before = 0;
+                    good_end = at + REC;
+                }
+                None => bad_before += 1,
             }
-            end += REC;
+            at += REC;
         }
-        if end != bytes.len() {
+        if skipped > 0 {
+            tracing::error!(
+                path = %path.display(),
+                skipped,
+                kept = recs.len(),
+                "journal: records in the middle failed their checksum and were skipped (the blocks they described are lost; the rest are kept)"
+            );
+        }
+        if good_end != bytes.len() {
             tracing::warn!(
                 path = %path.display(),
                 kept = recs.len(),
-                dropped_bytes = bytes.len() - end,
-                "journal: torn or corrupt tail cut off"
+                dropped_bytes = bytes.len() - good_end,
+                "journal: torn tail cut off"
             );
-            file.set_len(end as u64).map_err(io)?;
+            file.set_len(good_end as u64).map_err(io)?;
             file.sync_all().map_err(io)?;
         }
         let records = recs.len() as u64;
@@ -200,12 +231,13 @@ impl Journal {
             Self {
                 path: path.to_path_buf(),
                 file,
-                end: end as u64,
+                end: good_end as u64,
                 records,
                 poisoned: false,
             },
             instance,
             recs,
+            skipped,
         ))
     }
 
@@ -308,21 +340,35 @@ mod tests {
         // Tear the last record.
         let f = OpenOptions::new().write(true).open(&p).unwrap();
         f.set_len((REC * 4 - 10) as u64).unwrap();
-        let (mut j, inst, recs) = Journal::open(&p).unwrap();
-        assert_eq!(inst, 42);
+        let (mut j, inst, recs, bad) = Journal::open(&p).unwrap();
+        assert_eq!((inst, bad), (42, 0));
         assert_eq!(recs, vec![rec(1), rec(2)]);
         j.append(&[rec(4)]).unwrap();
         j.sync().unwrap();
-        let (_, _, recs) = Journal::open(&p).unwrap();
+        let (_, _, recs, _) = Journal::open(&p).unwrap();
         assert_eq!(recs, vec![rec(1), rec(2), rec(4)]);
-        // A flipped bit in a record ends replay there.
+        // A flipped bit in a record in the middle skips that record only.
         let mut bytes = std::fs::read(&p).unwrap();
         bytes[REC * 2 + 30] ^= 1;
         std::fs::write(&p, &bytes).unwrap();
-        let (mut j, _, recs) = Journal::open(&p).unwrap();
-        assert_eq!(recs, vec![rec(1)]);
+        let (_, _, recs, bad) = Journal::open(&p).unwrap();
+        assert_eq!(recs, vec![rec(1), rec(4)]);
+        assert_eq!(bad, 1);
+        assert_eq!(
+            std::fs::read(&p).unwrap(),
+            bytes,
+            "the file is left as it was found"
+        );
+        // Bad records at the end with nothing good after them: a torn tail, cut.
+        let mut bytes = std::fs::read(&p).unwrap();
+        let n = bytes.len();
+        bytes[n - 20] ^= 1;
+        std::fs::write(&p, &bytes).unwrap();
+        let (mut j, _, recs, bad) = Journal::open(&p).unwrap();
+        assert_eq!((recs, bad), (vec![rec(1)], 0));
+        assert_eq!(std::fs::metadata(&p).unwrap().len(), (REC * 2) as u64);
         j.rewrite(42, &[rec(9)]).unwrap();
-        let (_, _, recs) = Journal::open(&p).unwrap();
+        let (_, _, recs, _) = Journal::open(&p).unwrap();
         assert_eq!(recs, vec![rec(9)]);
         std::fs::write(&p, b"garbage").unwrap();
         assert!(Journal::open(&p).is_err());

@@ -1,0 +1,94 @@
+//! The disk tier's configuration and errors.
+
+use std::io;
+use std::path::PathBuf;
+
+use crate::io::IoConfig;
+use crate::policy::PolicyKind;
+
+/// Which host blocks are written below.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Admission {
+    /// Every block leaving the host tier.
+    Always,
+    /// Only blocks seen at least twice: read while in host memory, or put again after being
+    /// dropped once without admission. One-off blocks never cost disk bandwidth.
+    #[default]
+    SeenTwice,
+}
+
+impl Admission {
+    /// Parses `always` or `seen-twice`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.to_ascii_lowercase().replace('_', "-").as_str() {
+            "always" => Some(Self::Always),
+            "seen-twice" | "twice" => Some(Self::SeenTwice),
+            _ => None,
+        }
+    }
+}
+
+/// Configuration of the disk tier.
+#[derive(Clone, Debug)]
+pub struct DiskConfig {
+    /// Directory of the data files and the journal (created if absent).
+    pub dir: PathBuf,
+    /// Bytes of block data across all files (rounded down to 4096 per file).
+    pub capacity_bytes: u64,
+    /// Data files to spread blocks over (one per drive, typically).
+    pub files: u32,
+    /// I/O engine settings.
+    pub io: IoConfig,
+    /// Eviction policy of the disk tier.
+    pub policy: PolicyKind,
+    /// Which host blocks get written to disk.
+    pub admission: Admission,
+    /// Write admitted blocks to disk when they are committed (write-through) instead of when the
+    /// host tier evicts them (write-back). Either way the tiering worker writes them.
+    pub write_through: bool,
+    /// Most bytes one write batch carries (bounds in-flight demotion).
+    pub max_batch_bytes: u64,
+}
+
+impl Default for DiskConfig {
+    fn default() -> Self {
+        Self {
+            dir: PathBuf::from("kvtier-data"),
+            capacity_bytes: 8 << 30,
+            files: 1,
+            io: IoConfig::default(),
+            policy: PolicyKind::default(),
+            admission: Admission::default(),
+            write_through: false,
+            max_batch_bytes: 256 << 20,
+        }
+    }
+}
+
+/// Errors opening the disk tier.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DiskError {
+    /// File system error on a path.
+    #[error("disk tier: {path}: {source}")]
+    Io {
+        /// The path.
+        path: PathBuf,
+        /// The error.
+        source: io::Error,
+    },
+    /// Existing files do not match the configuration or each other.
+    #[error("disk tier: {0}")]
+    Mismatch(String),
+    /// Configuration is invalid.
+    #[error("disk tier: invalid configuration: {0}")]
+    Config(String),
+    /// Another process uses the directory.
+    #[error("disk tier: {dir} is in use by another process (it holds {lock}): give each kvtierd its own disk.dir")]
+    Locked {
+        /// The directory.
+        dir: PathBuf,
+        /// Its lock file.
+        lock: PathBuf,
+    },
+}

@@ -1,0 +1,244 @@
+//! Finding a host slot for a block. Never I/O: a dirty block that must leave is queued for the
+//! tiering worker (pinned, marked Demoting) and the allocation takes something else or waits,
+//! with one deadline, for the worker to make room (back-pressure, counted in `waits`).
+//!
+//! Order for class `c`: a free slot of `c`; a populated segment from the pool; an *empty*
+//! segment of another class (no eviction); a victim from `c`'s policy (clean, or refused by
+//! admission, or with no tier below); a whole segment taken from another class (its chunk with
+//! the fewest live blocks, all of them evictable).
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Instant;
+
+use crate::error::StoreError;
+use crate::events::EventKind;
+use crate::key::BlockKey;
+use crate::types::{MapKey, Tier};
+
+use super::index::{Copy, Slot};
+use super::slab::page_of;
+use super::tiering::Demote;
+use super::Inner;
+
+impl Inner {
+    pub(crate) fn class_for(&self, len: usize) -> Result<usize, StoreError> {
+        if len == 0 {
+            return Err(StoreError::Empty);
+        }
+        let max = *self.class_sizes.last().unwrap_or(&0);
+        if len > max {
+            return Err(StoreError::TooLarge { len, max });
+        }
+        if len > u32::MAX as usize {
+            return Err(StoreError::TooLarge { len, max });
+        }
+        Ok(self.class_sizes.partition_point(|&c| c < len))
+    }
+
+    /// Allocates a slot of `class` for `key`; returns it and its arena page.
+    pub(crate) fn alloc(
+        &self,
+        class: usize,
+        key: BlockKey,
+        len: usize,
+        until: Instant,
+    ) -> Result<(Slot, u32), StoreError> {
+        let mut waited = false;
+        loop {
+            let seen = self.progress.current();
+            let mut demote = Vec::new();
+            let found = self.try_alloc(class, key, &mut demote);
+            if !demote.is_empty() {
+                self.enqueue_demotions(demote);
+            }
+            if let Some(found) = found {
+                return Ok(found);
+            }
+            // Take a segment away from another class, evicting what it holds.
+            let mut demote = Vec::new();
+            let seg = self.reclaim_segment(class, true, &mut demote);
+            if !demote.is_empty() {
+                self.enqueue_demotions(demote);
+            }
+            if let Some(seg) = seg {
+                self.segments.lock().push(seg);
+                continue;
+            }
+            if self.reap_expired_leases_at(Instant::now()) > 0 {
+                continue;
+            }
+            // Nothing can leave now. Room appears when the worker has written dirty blocks
+            // back, a segment is populated, or a pin goes: wait for that, once per request.
+            let busy = self.work.demotions_pending() || self.populating();
+            if !busy || Instant::now() >= until {
+                return Err(StoreError::NoSpace { len });
+            }
+            if !waited {
+                waited = true;
+                self.stats.waits.fetch_add(1, Relaxed);
+            }
+            self.progress.wait(seen, until);
+        }
+    }
+
+    pub(crate) fn populating(&self) -> bool {
+        self.populated.load(Relaxed) < self.n_segments
+    }
+
+    /// One pass under the class lock.
+    fn try_alloc(
+        &self,
+        class: usize,
+        key: BlockKey,
+        demote: &mut Vec<Demote>,
+    ) -> Option<(Slot, u32)> {
+        let mut c = self.classes[class].lock();
+        let c = &mut *c;
+        let idx = if let Some(idx) = c.free.pop() {
+            Some(idx)
+        } else if let Some(seg) = self.segments.lock().pop() {
+            c.add_segment(seg);
+            c.free.pop()
+        } else if let Some(seg) = self.reclaim_segment(class, false, demote) {
+            // An empty segment of another class costs no eviction: take it first.
+            c.add_segment(seg);
+            c.free.pop()
+        } else {
+            let super::slab::Class {
+                policy,
+                keys,
+                chunks,
+                per_seg,
+                slot_bytes,
+                ..
+            } = c;
+            let mut queued = 0u64;
+            policy.evict(&mut |idx| {
+                let page = page_of(chunks, *per_seg, *slot_bytes, idx, self.seg_pages);
+                self.try_evict(keys[idx as usize], class, idx, page, &mut queued, demote)
+            })
+        }?;
+        if c.used[idx as usize] {
+            // An evicted slot is reused directly: it stays counted as live.
+            c.keys[idx as usize] = key;
+        } else {
+            c.take(idx, key);
+        }
+        let slot = Slot {
+            class: class as u8,
+            idx,
+        };
+        Some((slot, c.page_of(idx, self.seg_pages)))
+    }
+
+    /// Under the class lock: evicts the block in slot `idx` if it is committed, unpinned, and
+    /// either clean below, refused by admission, or without a tier below. A dirty admitted
+    /// block is instead queued for the worker (pinned, Demoting), up to `max_batch_bytes` per
+    /// allocation while the worker's queue has room.
+    fn try_evict(
+        &self,
+        key: BlockKey,
+        class: usize,
+        idx: u32,
+        page: u32,
+        queued: &mut u64,
+        demote: &mut Vec<Demote>,
+    ) -> bool {
+        let mut sh = self.shard(key).lock();
+        let mk = MapKey::from(key);
+        let Some(e) = sh.map.get_mut(&mk) else {
+            return false;
+        };
+        if e.class as usize != class || e.idx != idx || e.pins != 0 || !e.ready() {
+            return false;
+        }
+        if !self.tiers.is_empty() && e.copy() == Copy::Dirty {
+            if self.admitted(key, e.accessed()) {
+                if *queued < self.max_batch_bytes && self.work.demote_room(self.max_batch_bytes) {
+                    *queued += u64::from(e.len);
+                    e.set_copy(Copy::Demoting);
+                    e.pins += 1;
+                    demote.push(Demote {
+                        key,
+                        slot: e.slot(),
+                        page,
+                        cap: self.class_sizes[class],
+                        len: e.len,
+                        ns: e.ns,
+                    });
+                }
+                return false;
+            }
+            self.stats.admission_rejects.fetch_add(1, Relaxed);
+            self.remember(key);
+        }
+        if e.copy() == Copy::Demoting {
+            return false;
+        }
+        let (len, ns) = (e.len, e.ns);
+        sh.map.remove(&mk);
+        drop(sh);
+        self.events.emit(EventKind::Removed, key, Tier::Host, ns);
+        self.stats.evictions.fetch_add(1, Relaxed);
+        self.stats.blocks.fetch_sub(1, Relaxed);
+        self.stats.used_bytes.fetch_sub(u64::from(len), Relaxed);
+        tracing::trace!(%key, "evicted");
+        true
+    }
+
+    /// Takes a whole segment away from another class for `for_class`: picks the chunk with the
+    /// fewest live slots and, if `evict`, evicts them all (else only empty chunks qualify).
+    /// Gives up on a chunk as soon as one of its blocks is pinned or being written; dirty
+    /// blocks get queued for the worker, so a later call can take the chunk (the evicted ones
+    /// stay free in their class). Called with `for_class`'s lock held when `!evict` (class
+    /// locks are then only tried, never waited for, so two allocators cannot deadlock).
+    pub(crate) fn reclaim_segment(
+        &self,
+        for_class: usize,
+        evict: bool,
+        demote: &mut Vec<Demote>,
+    ) -> Option<u32> {
+        let mut queued = 0u64;
+        for (ci, cm) in self.classes.iter().enumerate() {
+            if ci == for_class {
+                continue;
+            }
+            let mut c = if evict {
+                cm.lock()
+            } else {
+                match cm.try_lock() {
+                    Some(c) => c,
+                    None => continue,
+                }
+            };
+            for ch in c.chunks_by_liveness(!evict) {
+                let start = ch * c.per_seg;
+                let end = start + c.per_seg;
+                let mut ok = true;
+                for idx in start..end {
+                    if !c.used[idx as usize] {
+                        continue;
+                    }
+                    let page = c.page_of(idx, self.seg_pages);
+                    let key = c.keys[idx as usize];
+                    if self.try_evict(key, ci, idx, page, &mut queued, demote) {
+                        c.release(idx);
+                    } else {
+                        ok = false;
+                        break;
+                    }
+                }
+                if ok {
+                    return c.drop_chunk(ch);
+                }
+            }
+        }
+        None
+    }
+
+    /// Gives a slot back to its class and wakes waiters.
+    pub(crate) fn free_slot(&self, slot: Slot) {
+        self.classes[slot.class as usize].lock().release(slot.idx);
+        self.progress.bump();
+    }
+}

@@ -1,0 +1,185 @@
+//! The store's configuration.
+
+use std::time::Duration;
+
+use crate::disk::DiskConfig;
+use crate::error::ConfigError;
+use crate::policy::PolicyKind;
+
+pub(crate) const PAGE: usize = 4096;
+
+/// How the host arena's pages are faulted in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Populate {
+    /// On first use (first-touch costs land in the hot path).
+    Lazy,
+    /// All of it before `build()` returns.
+    #[default]
+    Now,
+    /// Segment by segment on a background thread; a segment takes blocks once populated, so
+    /// the store serves at once and grows to its capacity (progress in [`crate::StoreStats`]).
+    Background,
+}
+
+/// Configuration of a [`crate::Store`]; `build()` creates it.
+#[derive(Clone, Debug)]
+pub struct StoreConfig {
+    /// Bytes of host memory for block data. Rounded down to whole segments.
+    pub capacity_bytes: u64,
+    /// The arena is carved into segments of this size; each segment serves one size class at a
+    /// time and returns to the pool when its class gives it up. Multiple of 4096, at least the
+    /// largest size class.
+    pub segment_bytes: u64,
+    /// Slot sizes. Empty: 4 classes per power of two from 64 KiB up to `segment_bytes`.
+    /// Each is rounded up to a multiple of 4096.
+    pub size_classes: Vec<usize>,
+    /// Index shards (power of two).
+    pub shards: usize,
+    /// Eviction policy (one instance per size class).
+    pub policy: PolicyKind,
+    /// Back the arena with explicit huge pages (MFD_HUGETLB); fails clearly if none are reserved.
+    pub huge_pages: bool,
+    /// When the arena's pages are faulted in.
+    pub populate: Populate,
+    /// Most leases outstanding at once.
+    pub max_leases: usize,
+    /// Verify a host block's commit checksum every time it is loaded (a block an engine
+    /// damaged after its commit is then a miss, never served).
+    pub verify_reads: bool,
+    /// Longest a request waits for room (the tiering worker writing dirty blocks back) or for
+    /// a block being promoted by someone else, before it gives up (no space / a miss).
+    pub wait: Duration,
+    /// The disk tier below the host tier, if any.
+    pub disk: Option<DiskConfig>,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        Self {
+            capacity_bytes: 1 << 30,
+            segment_bytes: 64 << 20,
+            size_classes: Vec::new(),
+            shards: 64,
+            policy: PolicyKind::default(),
+            huge_pages: false,
+            populate: Populate::Now,
+            max_leases: 1 << 16,
+            verify_reads: true,
+            wait: Duration::from_secs(5),
+            disk: None,
+        }
+    }
+}
+
+impl StoreConfig {
+    /// Validates the configuration and creates the store (allocating the arena, opening and
+    /// recovering the disk tier, starting the tiering worker).
+    pub fn build(self) -> Result<crate::Store, ConfigError> {
+        crate::Store::new(self)
+    }
+
+    pub(crate) fn classes(&self) -> Result<Vec<usize>, ConfigError> {
+        let seg = self.segment_bytes as usize;
+        let mut classes: Vec<usize> = if self.size_classes.is_empty() {
+            let mut v = Vec::new();
+            let mut base = 64 << 10;
+            while base <= seg {
+                for q in [4, 5, 6, 7] {
+                    let c = base / 4 * q;
+                    if c <= seg {
+                        v.push(c);
+                    }
+                }
+                base *= 2;
+            }
+            v
+        } else {
+            self.size_classes
+                .iter()
+                .map(|&c| c.div_ceil(PAGE) * PAGE)
+                .collect()
+        };
+        classes.sort_unstable();
+        classes.dedup();
+        if classes.is_empty() || classes[0] == 0 {
+            return Err(ConfigError::BadSizeClasses(
+                "need at least one non-zero class".into(),
+            ));
+        }
+        if classes.len() > 255 {
+            return Err(ConfigError::BadSizeClasses(format!(
+                "{} classes, at most 255",
+                classes.len()
+            )));
+        }
+        if let Some(&max) = classes.last() {
+            if max > seg {
+                return Err(ConfigError::BadSizeClasses(format!(
+                    "class {max} is larger than segment_bytes {seg}"
+                )));
+            }
+        }
+        Ok(classes)
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        if self.segment_bytes == 0
+            || self.segment_bytes % PAGE as u64 != 0
+            || self.segment_bytes > u64::from(u32::MAX)
+        {
+            return Err(ConfigError::BadSegment(self.segment_bytes));
+        }
+        if !self.shards.is_power_of_two() || self.shards > 65536 {
+            return Err(ConfigError::BadShards(self.shards));
+        }
+        if self.capacity_bytes / self.segment_bytes == 0 {
+            return Err(ConfigError::CapacityTooSmall {
+                capacity: self.capacity_bytes,
+                segment: self.segment_bytes,
+            });
+        }
+        let seg_pages = self.segment_bytes / PAGE as u64;
+        if self.capacity_bytes / self.segment_bytes * seg_pages > u64::from(u32::MAX) {
+            return Err(ConfigError::BadSegment(self.segment_bytes));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_classes() {
+        let c = StoreConfig::default().classes().unwrap();
+        assert_eq!(c[0], 64 << 10);
+        assert_eq!(c[1], 80 << 10);
+        assert_eq!(*c.last().unwrap(), 64 << 20);
+        assert!(c.iter().all(|x| x % PAGE == 0));
+    }
+
+    #[test]
+    fn bad_configs_name_the_problem() {
+        let e = StoreConfig {
+            capacity_bytes: 1,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap_err();
+        assert!(e.to_string().contains("capacity"), "{e}");
+        assert!(StoreConfig {
+            shards: 3,
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
+        assert!(StoreConfig {
+            size_classes: vec![2 << 20],
+            segment_bytes: 1 << 20,
+            ..Default::default()
+        }
+        .classes()
+        .is_err());
+    }
+}

@@ -1,0 +1,302 @@
+//! The host tier's index: per shard, key → [`Entry`] (16 bytes), and the slots of removed but
+//! still pinned blocks. The transitions are plain functions on a [`Shard`] (the caller holds
+//! its lock), so the pin/lease/evict protocol can be model-checked on its own
+//! (`tests/protocol.rs` runs them under shuttle).
+//!
+//! ```text
+//!  reserve ──► Filling ──commit──► Ready ──evict / remove / clear──► gone (slot freed)
+//!  promote ──► Promoting ─┘  │       │ pins > 0 at removal
+//!                 │ remove   │ drop  ▼
+//!                 ▼          ▼      Doomed (invisible) ──last unpin──► gone (slot freed)
+//!             Cancelled ──commit/abort──► gone (slot freed)
+//! ```
+//!
+//! Besides its life, a Ready block has a copy state: `Dirty` (no durable copy below),
+//! `Demoting` (the tiering worker is writing it; holds one pin), `Clean` (a copy is durable
+//! below: evicting it only drops the host copy) or `Unwritable` (its write failed for good:
+//! dropped on eviction, a later miss, never wrong data).
+
+use std::collections::HashMap;
+
+use crate::error::StoreError;
+use crate::types::{FoldMap, MapKey};
+
+/// Where a block is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Life {
+    /// A put being written (invisible).
+    Filling,
+    /// Being read from a lower tier (invisible; a load waits for it).
+    Promoting,
+    /// Committed and visible.
+    Ready,
+    /// Removed while Filling or Promoting: its commit frees it instead of publishing it.
+    Cancelled,
+}
+
+/// Whether a durable copy exists below the host tier.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Copy {
+    /// None yet.
+    Dirty,
+    /// Being written by the tiering worker (which holds one pin).
+    Demoting,
+    /// Durable below.
+    Clean,
+    /// Its write failed for good.
+    Unwritable,
+}
+
+/// Which slot holds a block: size class and dense slot index within the class.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub(crate) struct Slot {
+    pub class: u8,
+    pub idx: u32,
+}
+
+/// Per-block metadata in the index: 16 bytes, so a map bucket with its key is 32 bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Entry {
+    pub idx: u32,
+    pub len: u32,
+    pub pins: u32,
+    pub ns: u16,
+    pub class: u8,
+    /// Bits 0-1: life; 2-3: copy; 4: accessed (read while in host memory).
+    state: u8,
+}
+
+const _: () = assert!(std::mem::size_of::<Entry>() == 16);
+
+impl Entry {
+    pub(crate) fn new(slot: Slot, len: u32, ns: u16, life: Life, pins: u32) -> Self {
+        let mut e = Entry {
+            idx: slot.idx,
+            len,
+            pins,
+            ns,
+            class: slot.class,
+            state: 0,
+        };
+        e.set_life(life);
+        e
+    }
+    pub(crate) fn slot(&self) -> Slot {
+        Slot {
+            class: self.class,
+            idx: self.idx,
+        }
+    }
+    pub(crate) fn life(&self) -> Life {
+        match self.state & 3 {
+            0 => Life::Filling,
+            1 => Life::Promoting,
+            2 => Life::Ready,
+            _ => Life::Cancelled,
+        }
+    }
+    pub(crate) fn set_life(&mut self, l: Life) {
+        self.state = (self.state & !3) | l as u8;
+    }
+    pub(crate) fn copy(&self) -> Copy {
+        match (self.state >> 2) & 3 {
+            0 => Copy::Dirty,
+            1 => Copy::Demoting,
+            2 => Copy::Clean,
+            _ => Copy::Unwritable,
+        }
+    }
+    pub(crate) fn set_copy(&mut self, c: Copy) {
+        self.state = (self.state & !12) | ((c as u8) << 2);
+    }
+    pub(crate) fn accessed(&self) -> bool {
+        self.state & 16 != 0
+    }
+    pub(crate) fn set_accessed(&mut self) {
+        self.state |= 16;
+    }
+    pub(crate) fn ready(&self) -> bool {
+        self.life() == Life::Ready
+    }
+}
+
+/// One shard of the index.
+#[derive(Default)]
+pub(crate) struct Shard {
+    pub map: FoldMap<MapKey, Entry>,
+    /// Removed while pinned: slot → pins left. Freed on the last unpin.
+    pub doomed: HashMap<Slot, u32>,
+}
+
+/// What a removal did.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Removed {
+    /// Nothing with this key.
+    Absent,
+    /// It was being written: its commit will free it.
+    Cancelled,
+    /// Gone; its slot is free now (the caller frees it in its class).
+    Freed(Slot, u32, u16),
+    /// Gone from view; its slot is freed by the last unpin.
+    Doomed(u32, u16),
+}
+
+impl Shard {
+    /// Pins a Ready block (one more reader); `None` if absent or not Ready.
+    pub(crate) fn pin(&mut self, key: MapKey) -> Result<Option<Entry>, StoreError> {
+        match self.map.get_mut(&key) {
+            Some(e) if e.ready() => {
+                e.pins = e.pins.checked_add(1).ok_or(StoreError::TooManyPins)?;
+                Ok(Some(*e))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Drops one pin of the block that was in `slot` under `key`; true when that freed the slot
+    /// (the block had been removed while pinned and this was its last pin).
+    pub(crate) fn unpin(&mut self, key: MapKey, slot: Slot) -> bool {
+        if let Some(e) = self.map.get_mut(&key) {
+            if e.slot() == slot {
+                debug_assert!(e.pins > 0, "unpin without a pin");
+                e.pins = e.pins.saturating_sub(1);
+                return false;
+            }
+        }
+        match self.doomed.get_mut(&slot) {
+            Some(p) => {
+                *p -= 1;
+                if *p == 0 {
+                    self.doomed.remove(&slot);
+                    return true;
+                }
+                false
+            }
+            None => {
+                debug_assert!(false, "unpin of an unknown slot");
+                false
+            }
+        }
+    }
+
+    /// Removes a block from view (see [`Removed`]).
+    pub(crate) fn remove(&mut self, key: MapKey) -> Removed {
+        let Some(e) = self.map.get_mut(&key) else {
+            return Removed::Absent;
+        };
+        match e.life() {
+            Life::Filling | Life::Promoting => {
+                e.set_life(Life::Cancelled);
+                Removed::Cancelled
+            }
+            Life::Cancelled => Removed::Absent,
+            Life::Ready => {
+                let e = *e;
+                self.map.remove(&key);
+                if e.pins > 0 {
+                    self.doomed.insert(e.slot(), e.pins);
+                    Removed::Doomed(e.len, e.ns)
+                } else {
+                    Removed::Freed(e.slot(), e.len, e.ns)
+                }
+            }
+        }
+    }
+
+    /// Ends a write (a put's or a promotion's) of `key` into `slot`: Ready if still wanted,
+    /// else the entry is dropped and the caller frees the slot. Returns the entry published.
+    pub(crate) fn publish(&mut self, key: MapKey, slot: Slot, copy: Copy) -> Option<Entry> {
+        let e = self.map.get_mut(&key).filter(|e| e.slot() == slot)?;
+        match e.life() {
+            Life::Filling | Life::Promoting => {
+                e.set_life(Life::Ready);
+                e.set_copy(copy);
+                Some(*e)
+            }
+            _ => {
+                // Cancelled: the removal wins. A promotion's pins belong to its waiters, who
+                // will find the key gone.
+                self.map.remove(&key);
+                None
+            }
+        }
+    }
+
+    /// Drops an unpublished write of `key` into `slot` (abort): true if the entry was there.
+    pub(crate) fn abort(&mut self, key: MapKey, slot: Slot) -> bool {
+        if self
+            .map
+            .get(&key)
+            .is_some_and(|e| !e.ready() && e.slot() == slot)
+        {
+            self.map.remove(&key);
+            return true;
+        }
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::key::BlockKey;
+
+    fn mk(i: u128) -> MapKey {
+        MapKey::from(BlockKey(i))
+    }
+    const S: Slot = Slot { class: 1, idx: 7 };
+
+    #[test]
+    fn entry_state_packs() {
+        let mut e = Entry::new(S, 10, 3, Life::Filling, 0);
+        assert_eq!(
+            (e.life(), e.copy(), e.accessed()),
+            (Life::Filling, Copy::Dirty, false)
+        );
+        e.set_life(Life::Ready);
+        e.set_copy(Copy::Unwritable);
+        e.set_accessed();
+        assert_eq!(
+            (e.life(), e.copy(), e.accessed()),
+            (Life::Ready, Copy::Unwritable, true)
+        );
+        e.set_copy(Copy::Clean);
+        assert_eq!((e.life(), e.copy()), (Life::Ready, Copy::Clean));
+        assert_eq!(e.slot(), S);
+    }
+
+    #[test]
+    fn remove_while_pinned_defers_the_free_to_the_last_unpin() {
+        let mut sh = Shard::default();
+        sh.map.insert(mk(1), Entry::new(S, 10, 0, Life::Ready, 0));
+        assert!(sh.pin(mk(1)).unwrap().is_some());
+        assert!(sh.pin(mk(1)).unwrap().is_some());
+        assert_eq!(sh.remove(mk(1)), Removed::Doomed(10, 0));
+        assert!(
+            sh.pin(mk(1)).unwrap().is_none(),
+            "removed blocks cannot be pinned"
+        );
+        assert!(!sh.unpin(mk(1), S));
+        assert!(sh.unpin(mk(1), S), "last unpin frees");
+        assert!(sh.doomed.is_empty());
+    }
+
+    #[test]
+    fn removal_wins_over_a_write_in_flight() {
+        let mut sh = Shard::default();
+        sh.map.insert(mk(2), Entry::new(S, 10, 0, Life::Filling, 0));
+        assert!(sh.pin(mk(2)).unwrap().is_none(), "invisible until commit");
+        assert_eq!(sh.remove(mk(2)), Removed::Cancelled);
+        assert!(sh.publish(mk(2), S, Copy::Dirty).is_none());
+        assert!(sh.map.is_empty());
+    }
+
+    #[test]
+    fn pins_saturate_with_an_error() {
+        let mut sh = Shard::default();
+        sh.map
+            .insert(mk(3), Entry::new(S, 10, 0, Life::Ready, u32::MAX));
+        assert_eq!(sh.pin(mk(3)), Err(StoreError::TooManyPins));
+        assert_eq!(sh.map[&mk(3)].pins, u32::MAX);
+    }
+}

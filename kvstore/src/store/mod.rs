@@ -1,0 +1,561 @@
+//! The store: a sharded index over the host arena, with an ordered chain of lower tiers below
+//! it (the disk tier today) and a background tiering worker that moves blocks between them.
+//!
+//! Module map: `config` (StoreConfig), `index` (entries, shards and their transitions), `slab`
+//! (size classes and segments), `alloc` (finding a slot: never I/O), `lease` (the lease table),
+//! `write` (reserve/commit), `read` (lookups and the one load-and-pin path), `remove`,
+//! `tiering` (the worker: demotions, promotions, population of the arena).
+//!
+//! Lock order: a size-class lock, then a shard lock, then leaf locks (segment pool, doorkeeper,
+//! lease table, work queues). No code holds two class locks or two shard locks at once (the
+//! empty-segment step only `try_lock`s other classes), and no store lock is held while calling
+//! into a lower tier. A lower tier may call back into the index (`still_wanted`, under the tier's
+//! own lock): tier locks come before shard locks, never after.
+
+mod alloc;
+mod config;
+mod index;
+mod lease;
+mod read;
+mod remove;
+mod slab;
+mod tiering;
+mod write;
+
+use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::hash::BuildHasherDefault;
+use std::sync::atomic::{
+    AtomicU32, AtomicU64,
+    Ordering::{Relaxed, SeqCst},
+};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex, RwLock};
+
+use crate::arena::Arena;
+use crate::disk::{Admission, DiskTier};
+use crate::error::{ConfigError, KeyError};
+use crate::events::{BlockEvent, Events};
+use crate::io::IoEngine;
+use crate::key::{BlockKey, Fingerprint, Namespace};
+use crate::policy::PolicyKind;
+use crate::tier::{LowerTier, TierStats};
+use crate::types::{FoldHasher, NsId, Tier};
+
+pub use config::{Populate, StoreConfig};
+pub use read::{BlockLoc, BlockRef, Lease, Loaded, PrefixMatch};
+pub use write::{PutOutcome, Reservation, Reserve};
+
+use config::PAGE;
+use index::Shard;
+use lease::Leases;
+use slab::Class;
+use tiering::Work;
+
+/// Keys remembered by the seen-twice admission doorkeeper.
+const DOORKEEPER: usize = 1 << 20;
+
+/// Counters and gauges of a store.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StoreStats {
+    /// Bytes of host block memory (whole segments).
+    pub capacity_bytes: u64,
+    /// Bytes of committed block payload in host memory.
+    pub used_bytes: u64,
+    /// Committed, visible blocks in host memory.
+    pub blocks: u64,
+    /// Blocks served by gets and loads (host, or promoted from a lower tier).
+    pub hits: u64,
+    /// Gets and loads that ended before their last key.
+    pub misses: u64,
+    /// Blocks dropped from host memory to make room (demoted ones included).
+    pub evictions: u64,
+    /// Payload bytes committed.
+    pub bytes_in: u64,
+    /// Payload bytes handed out by gets and loads.
+    pub bytes_out: u64,
+    /// Leases outstanding.
+    pub leases: u64,
+    /// Blocks pinned by those leases.
+    pub leased_blocks: u64,
+    /// Leases that lapsed without release.
+    pub leases_expired: u64,
+    /// Segments in the free pool.
+    pub free_segments: u64,
+    /// Segments faulted in and usable (== `total_segments` once population is done).
+    pub populated_segments: u64,
+    /// Segments of the arena.
+    pub total_segments: u64,
+    /// Blocks copied from a lower tier into host memory.
+    pub promotions: u64,
+    /// Blocks written from host memory to a lower tier.
+    pub demotions: u64,
+    /// Blocks not written to a lower tier because admission refused them.
+    pub admission_rejects: u64,
+    /// Host blocks whose bytes no longer matched their commit checksum (an engine wrote into a
+    /// slot it no longer owned): dropped, served as misses, never as data.
+    pub checksum_failures: u64,
+    /// Times a request waited for room or for another request's promotion.
+    pub waits: u64,
+    /// Blocks queued for the tiering worker to write, and their bytes.
+    pub demote_queue_blocks: u64,
+    /// See `demote_queue_blocks`.
+    pub demote_queue_bytes: u64,
+    /// Promotion batches queued for the tiering worker.
+    pub promote_queue: u64,
+    /// The lower tiers' counters, in chain order.
+    pub tiers: Vec<TierStats>,
+}
+
+impl StoreStats {
+    /// The disk tier's counters, if there is one.
+    pub fn disk(&self) -> Option<&TierStats> {
+        self.tiers.iter().find(|t| t.tier == Some(Tier::Disk))
+    }
+}
+
+/// Blocks and bytes of one namespace per tier.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NamespaceStats {
+    /// Namespace id.
+    pub id: u16,
+    /// Host blocks.
+    pub host_blocks: u64,
+    /// Host bytes.
+    pub host_bytes: u64,
+    /// Disk blocks.
+    pub disk_blocks: u64,
+    /// Disk bytes.
+    pub disk_bytes: u64,
+    /// Remote blocks.
+    pub remote_blocks: u64,
+    /// Remote bytes.
+    pub remote_bytes: u64,
+}
+
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub used_bytes: AtomicU64,
+    pub blocks: AtomicU64,
+    pub hits: AtomicU64,
+    pub misses: AtomicU64,
+    pub evictions: AtomicU64,
+    pub bytes_in: AtomicU64,
+    pub bytes_out: AtomicU64,
+    pub leases_expired: AtomicU64,
+    pub promotions: AtomicU64,
+    pub demotions: AtomicU64,
+    pub admission_rejects: AtomicU64,
+    pub checksum_failures: AtomicU64,
+    pub waits: AtomicU64,
+}
+
+#[derive(Default)]
+struct Doorkeeper {
+    order: VecDeque<u64>,
+    set: HashSet<u64, BuildHasherDefault<FoldHasher>>,
+}
+
+/// Wakes whoever waits for the store to change (a slot freed, a block published, a write
+/// done, a segment populated). Waiters re-check their condition; one deadline per request. A
+/// bump with nobody waiting costs one atomic increment.
+#[derive(Default)]
+pub(crate) struct Progress {
+    gen: AtomicU64,
+    waiters: AtomicU64,
+    lock: Mutex<()>,
+    cv: Condvar,
+}
+
+impl Progress {
+    pub(crate) fn bump(&self) {
+        self.gen.fetch_add(1, SeqCst);
+        if self.waiters.load(SeqCst) > 0 {
+            drop(self.lock.lock());
+            self.cv.notify_all();
+        }
+    }
+
+    pub(crate) fn current(&self) -> u64 {
+        self.gen.load(SeqCst)
+    }
+
+    /// Waits until something changed after generation `seen`, or `until`.
+    pub(crate) fn wait(&self, seen: u64, until: std::time::Instant) {
+        let mut g = self.lock.lock();
+        self.waiters.fetch_add(1, SeqCst);
+        while self.gen.load(SeqCst) == seen {
+            if self.cv.wait_until(&mut g, until).timed_out() {
+                break;
+            }
+        }
+        self.waiters.fetch_sub(1, SeqCst);
+    }
+}
+
+/// Everything the store is, shared with its worker threads and its guards.
+pub(crate) struct Inner {
+    // Fields drop in order: the lower tiers (whose io_uring registered the arena as fixed
+    // buffers) go before the arena.
+    pub(crate) tiers: Vec<Box<dyn LowerTier>>,
+    pub(crate) arena: Arena,
+    pub(crate) seg_pages: u32,
+    pub(crate) class_sizes: Vec<usize>,
+    pub(crate) classes: Vec<Mutex<Class>>,
+    /// Populated segments not held by any class.
+    pub(crate) segments: Mutex<Vec<u32>>,
+    pub(crate) n_segments: u32,
+    pub(crate) populated: AtomicU32,
+    pub(crate) shards: Box<[Mutex<Shard>]>,
+    shard_bits: u32,
+    namespaces: RwLock<Vec<Fingerprint>>,
+    registering: Mutex<()>,
+    pub(crate) leases: Mutex<Leases>,
+    pub(crate) max_leases: usize,
+    policy: PolicyKind,
+    pub(crate) stats: Counters,
+    doorkeeper: Mutex<Doorkeeper>,
+    pub(crate) events: Arc<Events>,
+    pub(crate) admission: Admission,
+    pub(crate) write_through: bool,
+    pub(crate) max_batch_bytes: u64,
+    pub(crate) verify_reads: bool,
+    pub(crate) wait: Duration,
+    pub(crate) progress: Progress,
+    pub(crate) work: Work,
+}
+
+/// The kvtier store: sharded index, host-memory tier, a chain of lower tiers, eviction,
+/// leases, and the tiering worker. Cheap to share by reference across threads; guards
+/// ([`Reservation`], [`BlockRef`], [`Loaded`]) own a handle to it and may outlive the borrow.
+pub struct Store {
+    inner: Arc<Inner>,
+    threads: tiering::Threads,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store")
+            .field("capacity_bytes", &self.capacity_bytes())
+            .field("classes", &self.inner.class_sizes.len())
+            .field("shards", &self.inner.shards.len())
+            .field("tiers", &self.inner.tiers.len())
+            .finish()
+    }
+}
+
+impl Store {
+    pub(crate) fn new(mut cfg: StoreConfig) -> Result<Self, ConfigError> {
+        cfg.validate()?;
+        let class_sizes = cfg.classes()?;
+        let n_segments = cfg.capacity_bytes / cfg.segment_bytes;
+        let seg_pages = (cfg.segment_bytes / PAGE as u64) as u32;
+        let arena = Arena::new(
+            n_segments * cfg.segment_bytes,
+            cfg.huge_pages,
+            cfg.populate == Populate::Now,
+        )?;
+        let events: Arc<Events> = Arc::default();
+        let mut tiers: Vec<Box<dyn LowerTier>> = Vec::new();
+        let (mut admission, mut write_through, mut max_batch_bytes) =
+            (Admission::Always, false, 256 << 20);
+        if let Some(mut d) = cfg.disk.take() {
+            d.io.fixed_buffers = vec![(arena.base() as usize, arena.len())];
+            admission = d.admission;
+            write_through = d.write_through;
+            max_batch_bytes = d.max_batch_bytes.max(1);
+            tiers.push(Box::new(
+                DiskTier::open(d, events.clone()).map_err(ConfigError::Disk)?,
+            ));
+        }
+        let mut namespaces: Vec<Fingerprint> = Vec::new();
+        for t in &tiers {
+            let ns = t.recovered_namespaces();
+            if ns.len() > namespaces.len() {
+                namespaces = ns;
+            }
+        }
+        let classes = class_sizes
+            .iter()
+            .map(|&sz| Mutex::new(Class::new(sz, cfg.segment_bytes, cfg.policy.build())))
+            .collect();
+        let shards = (0..cfg.shards).map(|_| Mutex::default()).collect();
+        let background = cfg.populate == Populate::Background;
+        let pool: Vec<u32> = if background {
+            Vec::new()
+        } else {
+            (0..n_segments as u32).rev().collect()
+        };
+        tracing::info!(
+            capacity = n_segments * cfg.segment_bytes,
+            segments = n_segments,
+            classes = class_sizes.len(),
+            policy = ?cfg.policy,
+            tiers = tiers.len(),
+            populate = ?cfg.populate,
+            "store ready"
+        );
+        let inner = Arc::new(Inner {
+            tiers,
+            arena,
+            seg_pages,
+            class_sizes,
+            classes,
+            populated: AtomicU32::new(pool.len() as u32),
+            segments: Mutex::new(pool),
+            n_segments: n_segments as u32,
+            shards,
+            shard_bits: cfg.shards.trailing_zeros(),
+            namespaces: RwLock::new(namespaces),
+            registering: Mutex::new(()),
+            leases: Mutex::default(),
+            max_leases: cfg.max_leases,
+            policy: cfg.policy,
+            stats: Counters::default(),
+            doorkeeper: Mutex::default(),
+            events,
+            admission,
+            write_through,
+            max_batch_bytes,
+            verify_reads: cfg.verify_reads,
+            wait: cfg.wait,
+            progress: Progress::default(),
+            work: Work::default(),
+        });
+        let threads = tiering::Threads::start(&inner, background)
+            .map_err(|e| ConfigError::Thread(e.to_string()))?;
+        Ok(Self { inner, threads })
+    }
+
+    /// Total bytes of host block memory.
+    pub fn capacity_bytes(&self) -> u64 {
+        self.inner.capacity_bytes()
+    }
+
+    /// The slot sizes in use, ascending.
+    pub fn size_classes(&self) -> &[usize] {
+        &self.inner.class_sizes
+    }
+
+    /// The eviction policy.
+    pub fn policy(&self) -> PolicyKind {
+        self.inner.policy
+    }
+
+    /// The shared arena (for handing its fd to another process).
+    pub fn arena(&self) -> &Arena {
+        &self.inner.arena
+    }
+
+    /// Whether a disk tier is configured.
+    pub fn has_disk(&self) -> bool {
+        self.inner.tiers.iter().any(|t| t.kind() == Tier::Disk)
+    }
+
+    /// The lower tiers, in chain order.
+    pub fn tiers(&self) -> Vec<Tier> {
+        self.inner.tiers.iter().map(|t| t.kind()).collect()
+    }
+
+    /// The registered namespaces' fingerprints, by id.
+    pub fn namespaces(&self) -> Vec<Fingerprint> {
+        self.inner.namespaces.read().clone()
+    }
+
+    /// Subscribes to block events through a channel of `capacity`; a subscriber that falls
+    /// behind loses events (see [`Store::events_dropped`]). Dropping the receiver unsubscribes.
+    pub fn subscribe(&self, capacity: usize) -> crossbeam_channel::Receiver<BlockEvent> {
+        self.inner.events.subscribe(capacity)
+    }
+
+    /// Events lost because a subscriber's channel was full.
+    pub fn events_dropped(&self) -> u64 {
+        self.inner.events.dropped()
+    }
+
+    /// Blocks and bytes per namespace and tier. Scans the index: for admin use, not the hot
+    /// path.
+    pub fn namespace_stats(&self) -> Vec<NamespaceStats> {
+        let mut m: BTreeMap<u16, NamespaceStats> = BTreeMap::new();
+        for s in self.inner.shards.iter() {
+            for e in s.lock().map.values().filter(|e| e.ready()) {
+                let x = m.entry(e.ns).or_default();
+                x.host_blocks += 1;
+                x.host_bytes += u64::from(e.len);
+            }
+        }
+        for t in &self.inner.tiers {
+            for u in t.namespace_usage() {
+                let x = m.entry(u.ns).or_default();
+                let (b, y) = match t.kind() {
+                    Tier::Disk => (&mut x.disk_blocks, &mut x.disk_bytes),
+                    _ => (&mut x.remote_blocks, &mut x.remote_bytes),
+                };
+                *b += u.blocks;
+                *y += u.bytes;
+            }
+        }
+        m.into_iter()
+            .map(|(id, mut s)| {
+                s.id = id;
+                s
+            })
+            .collect()
+    }
+
+    /// Wraps the disk tier's I/O engine (fault injection in tests); a no-op without a disk
+    /// tier.
+    pub fn wrap_disk_engine(&mut self, f: impl FnOnce(Arc<dyn IoEngine>) -> Arc<dyn IoEngine>) {
+        for t in &self.inner.tiers {
+            if let Some(d) = t.as_any().downcast_ref::<DiskTier>() {
+                d.wrap_engine(f);
+                return;
+            }
+        }
+    }
+
+    /// Registers a namespace (idempotent) and returns its id in this store. With a disk tier
+    /// the id is durable: the same namespace gets the same id after a restart.
+    pub fn register_namespace(&self, ns: &Namespace) -> Result<NsId, KeyError> {
+        ns.validate()?;
+        let inner = &self.inner;
+        let fp = ns.fingerprint();
+        if let Some(i) = inner.namespaces.read().iter().position(|f| *f == fp) {
+            return Ok(NsId(i as u32));
+        }
+        // Registrations are serialised here; readers of the table are not blocked while the
+        // id is journaled.
+        let _one_at_a_time = inner.registering.lock();
+        let v = inner.namespaces.read();
+        if let Some(i) = v.iter().position(|f| *f == fp) {
+            return Ok(NsId(i as u32));
+        }
+        if v.len() > usize::from(u16::MAX) {
+            return Err(KeyError::BadNamespace(format!(
+                "the namespace table is full ({} namespaces): clear unused namespaces",
+                usize::from(u16::MAX) + 1
+            )));
+        }
+        let id = v.len() as u16;
+        drop(v);
+        for t in &inner.tiers {
+            t.note_namespace(id, fp).map_err(|e| {
+                KeyError::BadNamespace(format!("cannot record the namespace on disk: {e}"))
+            })?;
+        }
+        inner.namespaces.write().push(fp);
+        Ok(NsId(u32::from(id)))
+    }
+
+    /// Whether namespace id `ns` is registered.
+    pub fn has_namespace(&self, ns: NsId) -> bool {
+        (ns.0 as usize) < self.inner.namespaces.read().len()
+    }
+
+    /// Writes every dirty, admitted host block to the lower tiers, waits until every queued
+    /// write is done and checkpoints them (clean shutdown). Returns how many blocks were
+    /// written.
+    pub fn flush(&self) -> usize {
+        self.inner.flush()
+    }
+
+    /// Waits until the tiering worker has finished every queued write (or `timeout` passed);
+    /// true if it has. After a write-through commit, this makes the block durable.
+    pub fn sync(&self, timeout: Duration) -> bool {
+        self.inner.sync(timeout)
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> StoreStats {
+        let inner = &self.inner;
+        let s = &inner.stats;
+        let (leases, leased_blocks) = {
+            let l = inner.leases.lock();
+            (l.len() as u64, l.pinned() as u64)
+        };
+        let q = inner.work.depths();
+        StoreStats {
+            capacity_bytes: inner.capacity_bytes(),
+            used_bytes: s.used_bytes.load(Relaxed),
+            blocks: s.blocks.load(Relaxed),
+            hits: s.hits.load(Relaxed),
+            misses: s.misses.load(Relaxed),
+            evictions: s.evictions.load(Relaxed),
+            bytes_in: s.bytes_in.load(Relaxed),
+            bytes_out: s.bytes_out.load(Relaxed),
+            leases,
+            leased_blocks,
+            leases_expired: s.leases_expired.load(Relaxed),
+            free_segments: inner.segments.lock().len() as u64,
+            populated_segments: u64::from(inner.populated.load(Relaxed)),
+            total_segments: u64::from(inner.n_segments),
+            promotions: s.promotions.load(Relaxed),
+            demotions: s.demotions.load(Relaxed),
+            admission_rejects: s.admission_rejects.load(Relaxed),
+            checksum_failures: s.checksum_failures.load(Relaxed),
+            waits: s.waits.load(Relaxed),
+            demote_queue_blocks: q.demote_blocks,
+            demote_queue_bytes: q.demote_bytes,
+            promote_queue: q.promote_jobs,
+            tiers: inner.tiers.iter().map(|t| t.stats()).collect(),
+        }
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        self.threads.stop(&self.inner);
+    }
+}
+
+impl Inner {
+    pub(crate) fn capacity_bytes(&self) -> u64 {
+        u64::from(self.n_segments) * u64::from(self.seg_pages) * PAGE as u64
+    }
+
+    pub(crate) fn shard(&self, key: BlockKey) -> &Mutex<Shard> {
+        let hi = (key.0 >> 64) as u64;
+        let i = hi.checked_shr(64 - self.shard_bits).unwrap_or(0) as usize;
+        &self.shards[i]
+    }
+
+    pub(crate) fn ptr(&self, page: u32) -> *mut u8 {
+        // SAFETY: pages come from `Class::page_of`, which only yields offsets of slots inside
+        // segments `0..n_segments`, all within the arena mapping.
+        unsafe { self.arena.base().add(page as usize * PAGE) }
+    }
+
+    pub(crate) fn namespace_count(&self) -> usize {
+        self.namespaces.read().len()
+    }
+
+    /// Whether a block with this key and access history goes to the lower tiers.
+    pub(crate) fn admitted(&self, key: BlockKey, accessed: bool) -> bool {
+        if self.tiers.is_empty() {
+            return false;
+        }
+        match self.admission {
+            Admission::Always => true,
+            Admission::SeenTwice => {
+                accessed || self.doorkeeper.lock().set.contains(&(key.0 as u64))
+            }
+        }
+    }
+
+    /// Remembers a key dropped without admission (it is admitted if it comes back).
+    pub(crate) fn remember(&self, key: BlockKey) {
+        let mut d = self.doorkeeper.lock();
+        if d.set.insert(key.0 as u64) {
+            d.order.push_back(key.0 as u64);
+            if d.order.len() > DOORKEEPER {
+                if let Some(old) = d.order.pop_front() {
+                    d.set.remove(&old);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

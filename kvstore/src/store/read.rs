@@ -1,0 +1,639 @@
+//! Reads: the side-effect-free lookup, and the one path that makes a prefix resident and pins
+//! it (`pin_prefix`), on which `get`, `load` and the daemon's load-and-lease stand. A block
+//! promoted from a lower tier is reserved with the caller's pin already on it, so the pin that
+//! the promotion took *is* the caller's: there is no moment at which it could be evicted.
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::error::StoreError;
+use crate::events::EventKind;
+use crate::key::BlockKey;
+use crate::types::{LeaseId, MapKey, Tier};
+
+use super::config::PAGE;
+use super::index::{Entry, Life, Removed, Slot};
+use super::lease::Pin;
+use super::tiering::{Promote, Ticket};
+use super::{Inner, Store};
+
+/// Result of a longest-prefix lookup.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PrefixMatch {
+    /// How many leading keys are present.
+    pub n: usize,
+    /// The tier of each of the `n` leading keys (the fastest tier holding it).
+    pub tiers: Vec<Tier>,
+}
+
+/// Leading present keys pinned until [`Store::release`] or expiry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lease {
+    /// The lease, or `None` when nothing was found (nothing to release).
+    pub id: Option<LeaseId>,
+    /// Leading keys found and pinned.
+    pub n: usize,
+    /// The tier of each pinned key.
+    pub tiers: Vec<Tier>,
+    /// When the pins lapse on their own.
+    pub expires: Instant,
+}
+
+/// Where a loaded block lies in the arena.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockLoc {
+    /// Byte offset in the arena.
+    pub offset: u64,
+    /// Block length.
+    pub len: u32,
+    /// Its commit checksum (xxh3-64).
+    pub checksum: u64,
+}
+
+/// A block pinned in host memory.
+#[derive(Clone, Copy)]
+pub(crate) struct Pinned {
+    key: BlockKey,
+    slot: Slot,
+    page: u32,
+    len: u32,
+    checksum: u64,
+}
+
+enum Step {
+    Host(Pinned),
+    /// Our own promotion: item `1` of batch `0`.
+    Own(usize, usize),
+    /// Someone else is promoting it.
+    Wait(BlockKey),
+}
+
+impl Store {
+    /// Longest run of leading keys that are present, and the fastest tier of each. No side
+    /// effects: no pins, no policy updates, no hit counters.
+    pub fn match_prefix(&self, keys: &[BlockKey]) -> PrefixMatch {
+        self.inner.match_prefix(keys)
+    }
+
+    /// Whether a committed block with this key is present in any tier (no side effects).
+    pub fn contains(&self, key: &BlockKey) -> bool {
+        self.match_prefix(std::slice::from_ref(key)).n == 1
+    }
+
+    /// Whether a committed block with this key is in host memory (no side effects).
+    pub fn in_host(&self, key: &BlockKey) -> bool {
+        self.inner
+            .shard(*key)
+            .lock()
+            .map
+            .get(&MapKey::from(*key))
+            .is_some_and(|e| e.ready())
+    }
+
+    /// Pins a committed block and borrows its bytes; `None` is a miss. A block found only in a
+    /// lower tier is first promoted into host memory (checksum verified; a failed check is a
+    /// miss).
+    pub fn get(&self, key: &BlockKey) -> Option<BlockRef> {
+        let deadline = Instant::now() + self.inner.wait;
+        let mut p = self
+            .inner
+            .pin_prefix(std::slice::from_ref(key), deadline)
+            .ok()?;
+        let p = p.pop()?;
+        Some(BlockRef {
+            inner: self.inner.clone(),
+            p,
+        })
+    }
+
+    /// Copies a committed block into `dst`; `Ok(None)` is a miss, `Ok(Some(len))` a hit.
+    pub fn get_into(&self, key: &BlockKey, dst: &mut [u8]) -> Result<Option<usize>, StoreError> {
+        let Some(b) = self.get(key) else {
+            return Ok(None);
+        };
+        if dst.len() < b.len() {
+            return Err(StoreError::BufferTooSmall {
+                need: b.len(),
+                got: dst.len(),
+            });
+        }
+        dst[..b.len()].copy_from_slice(&b);
+        Ok(Some(b.len()))
+    }
+
+    /// Makes the longest present prefix of `keys` resident in host memory (reading the blocks
+    /// that are only below in one batch per tier) and pins it; the pins go when the returned
+    /// guard drops. A block that fails its checksum, a read that fails and a promotion that
+    /// takes longer than the store's `wait` end the prefix.
+    pub fn load(&self, keys: &[BlockKey]) -> Result<Loaded, StoreError> {
+        let deadline = Instant::now() + self.inner.wait;
+        let pins = self.inner.pin_prefix(keys, deadline)?;
+        Ok(Loaded {
+            inner: self.inner.clone(),
+            pins,
+        })
+    }
+
+    /// [`Store::load`] for another process that mapped the arena: the pins become a lease
+    /// (released by [`Store::release`] or after `ttl`), and each block's arena location is
+    /// returned. `deadline` bounds the wait for promotions.
+    pub fn load_and_lease(
+        &self,
+        keys: &[BlockKey],
+        ttl: Duration,
+        deadline: Instant,
+    ) -> Result<(Lease, Vec<BlockLoc>), StoreError> {
+        let inner = &self.inner;
+        inner.reap_expired_leases_at(Instant::now());
+        if inner.leases.lock().len() >= inner.max_leases {
+            return Err(StoreError::TooManyLeases(inner.max_leases));
+        }
+        let pins = inner.pin_prefix(keys, deadline)?;
+        let locs = pins
+            .iter()
+            .map(|p| BlockLoc {
+                offset: u64::from(p.page) * PAGE as u64,
+                len: p.len,
+                checksum: p.checksum,
+            })
+            .collect();
+        let n = pins.len();
+        let expires = Instant::now() + ttl;
+        let id = (n > 0).then(|| {
+            inner.leases.lock().insert(
+                pins.iter().map(|p| Pin::Host(p.key, p.slot)).collect(),
+                expires,
+            )
+        });
+        Ok((
+            Lease {
+                id,
+                n,
+                tiers: vec![Tier::Host; n],
+                expires,
+            },
+            locs,
+        ))
+    }
+
+    /// Pins the leading present keys (in any tier, without loading them) until
+    /// [`Store::release`] or until `ttl` passes. Repeated keys are pinned once.
+    pub fn lease(&self, keys: &[BlockKey], ttl: Duration) -> Result<Lease, StoreError> {
+        let inner = &self.inner;
+        inner.reap_expired_leases_at(Instant::now());
+        let expires = Instant::now() + ttl;
+        if inner.leases.lock().len() >= inner.max_leases {
+            return Err(StoreError::TooManyLeases(inner.max_leases));
+        }
+        let mut pinned = Vec::new();
+        let mut tiers = Vec::new();
+        let mut seen = crate::types::FoldMap::default();
+        for k in keys {
+            if seen.insert(MapKey::from(*k), ()).is_some() {
+                continue;
+            }
+            let host = inner.shard(*k).lock().pin(MapKey::from(*k));
+            match host {
+                Ok(Some(e)) => {
+                    pinned.push(Pin::Host(*k, e.slot()));
+                    tiers.push(Tier::Host);
+                    continue;
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    inner.drop_pins(pinned);
+                    return Err(e);
+                }
+            }
+            let below = inner
+                .tiers
+                .iter()
+                .enumerate()
+                .find(|(_, t)| t.local() && t.pin(k));
+            match below {
+                Some((i, t)) => {
+                    pinned.push(Pin::Lower(i as u8, *k));
+                    tiers.push(t.kind());
+                }
+                None => break,
+            }
+        }
+        let n = pinned.len();
+        let id = (n > 0).then(|| inner.leases.lock().insert(pinned, expires));
+        Ok(Lease {
+            id,
+            n,
+            tiers,
+            expires,
+        })
+    }
+
+    /// Releases a lease; `false` if it was unknown (already released or expired).
+    pub fn release(&self, id: LeaseId) -> bool {
+        let pins = self.inner.leases.lock().remove(id);
+        match pins {
+            Some(p) => {
+                self.inner.drop_pins(p);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Releases every lease whose deadline has passed; returns how many.
+    pub fn reap_expired_leases(&self) -> usize {
+        self.inner.reap_expired_leases_at(Instant::now())
+    }
+
+    /// Releases every lease whose deadline is at or before `now`; returns how many.
+    pub fn reap_expired_leases_at(&self, now: Instant) -> usize {
+        self.inner.reap_expired_leases_at(now)
+    }
+}
+
+impl Inner {
+    pub(crate) fn match_prefix(&self, keys: &[BlockKey]) -> PrefixMatch {
+        let mut tiers = Vec::new();
+        for k in keys {
+            let host = self
+                .shard(*k)
+                .lock()
+                .map
+                .get(&MapKey::from(*k))
+                .is_some_and(|e| e.ready());
+            let tier = if host {
+                Tier::Host
+            } else if let Some(t) = self
+                .tiers
+                .iter()
+                .find(|t| t.local() && t.lookup(k).is_some())
+            {
+                t.kind()
+            } else {
+                break;
+            };
+            tiers.push(tier);
+        }
+        PrefixMatch {
+            n: tiers.len(),
+            tiers,
+        }
+    }
+
+    /// The one load path: pins the longest prefix of `keys` that is (or can be made) resident
+    /// in host memory by `deadline`, promoting blocks from the lower tiers. Every returned block
+    /// holds one pin for the caller.
+    pub(crate) fn pin_prefix(
+        &self,
+        keys: &[BlockKey],
+        deadline: Instant,
+    ) -> Result<Vec<Pinned>, StoreError> {
+        let mut steps: Vec<Step> = Vec::with_capacity(keys.len());
+        // Own promotions, one batch per lower tier.
+        let mut batches: Vec<(usize, Vec<Promote>)> = Vec::new();
+        let mut seen = crate::types::FoldMap::default();
+        'keys: for k in keys {
+            let mk = MapKey::from(*k);
+            if seen.insert(mk, ()).is_some() {
+                // A repeated key cannot be a prefix of distinct blocks: stop here.
+                break;
+            }
+            for attempt in 0..2 {
+                match self.try_pin(*k)? {
+                    Found::Pinned(p) => {
+                        steps.push(Step::Host(p));
+                        continue 'keys;
+                    }
+                    Found::Promoting => {
+                        steps.push(Step::Wait(*k));
+                        continue 'keys;
+                    }
+                    Found::Busy => break 'keys,
+                    Found::Absent if attempt == 1 => break 'keys,
+                    Found::Absent => {}
+                }
+                let Some((ti, info)) = self
+                    .tiers
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, t)| t.local())
+                    .find_map(|(i, t)| t.lookup(k).map(|info| (i, info)))
+                else {
+                    break 'keys;
+                };
+                let Ok(class) = self.class_for(info.len as usize) else {
+                    break 'keys;
+                };
+                let Ok((slot, page)) = self.alloc(class, *k, info.len as usize, deadline) else {
+                    break 'keys;
+                };
+                let mut sh = self.shard(*k).lock();
+                if sh.map.contains_key(&mk) {
+                    // Someone got there first: give the slot back, look again.
+                    drop(sh);
+                    self.free_slot(slot);
+                    continue;
+                }
+                sh.map
+                    .insert(mk, Entry::new(slot, info.len, info.ns, Life::Promoting, 1));
+                drop(sh);
+                let b = match batches.iter().position(|(t, _)| *t == ti) {
+                    Some(b) => b,
+                    None => {
+                        batches.push((ti, Vec::new()));
+                        batches.len() - 1
+                    }
+                };
+                batches[b].1.push(Promote {
+                    key: *k,
+                    slot,
+                    page,
+                    cap: self.class_sizes[class],
+                    len: info.len,
+                });
+                steps.push(Step::Own(b, batches[b].1.len() - 1));
+                continue 'keys;
+            }
+        }
+        // Submit our promotions, then wait for them and for others', with one deadline.
+        let mut promoted: Vec<(Vec<Promote>, Arc<Ticket>)> = batches
+            .into_iter()
+            .map(|(ti, items)| (items.clone(), self.enqueue_promotions(ti, items)))
+            .collect();
+        if !promoted.is_empty() || steps.iter().any(|s| matches!(s, Step::Wait(_))) {
+            self.stats.waits.fetch_add(1, Relaxed);
+        }
+        let outcomes: Vec<Option<Vec<bool>>> =
+            promoted.iter().map(|(_, t)| t.wait(deadline)).collect();
+        let mut out = Vec::with_capacity(steps.len());
+        let mut ended = false;
+        for s in steps {
+            let got = if ended {
+                None
+            } else {
+                match s {
+                    Step::Host(p) => Some(p),
+                    Step::Own(b, i) => match &outcomes[b] {
+                        Some(ok) if ok[i] => {
+                            self.pinned_now(promoted[b].0[i].key, promoted[b].0[i].slot)
+                        }
+                        _ => None,
+                    },
+                    Step::Wait(k) => self.wait_promoted(k, deadline),
+                }
+            };
+            match got {
+                Some(p) => out.push(p),
+                None => {
+                    ended = true;
+                    // Pins past the end are dropped (ours, by promotions that succeeded).
+                    match s {
+                        Step::Host(p) => self.unpin(p.key, p.slot),
+                        Step::Own(b, i) => {
+                            if outcomes[b].as_ref().is_some_and(|ok| ok[i]) {
+                                let p = &promoted[b].0[i];
+                                self.unpin(p.key, p.slot);
+                            }
+                        }
+                        Step::Wait(_) => {}
+                    }
+                }
+            }
+        }
+        promoted.clear();
+        // Host blocks are checked against their commit checksum before anyone copies them.
+        if self.verify_reads {
+            if let Some(bad) = out.iter().position(|p| !self.verify(p)) {
+                for p in out.drain(bad..) {
+                    self.unpin(p.key, p.slot);
+                }
+            }
+        }
+        let served: u64 = out.iter().map(|p| u64::from(p.len)).sum();
+        self.stats.hits.fetch_add(out.len() as u64, Relaxed);
+        self.stats.bytes_out.fetch_add(served, Relaxed);
+        if out.len() < keys.len() {
+            self.stats.misses.fetch_add(1, Relaxed);
+        }
+        Ok(out)
+    }
+
+    /// Pins `key` if Ready; says why not otherwise.
+    fn try_pin(&self, key: BlockKey) -> Result<Found, StoreError> {
+        let mk = MapKey::from(key);
+        let e = {
+            let mut sh = self.shard(key).lock();
+            match sh.map.get(&mk).map(|e| e.life()) {
+                None => return Ok(Found::Absent),
+                Some(Life::Promoting) => return Ok(Found::Promoting),
+                Some(Life::Filling | Life::Cancelled) => return Ok(Found::Busy),
+                Some(Life::Ready) => {}
+            }
+            let Some(e) = sh.pin(mk)? else {
+                return Ok(Found::Absent);
+            };
+            if let Some(x) = sh.map.get_mut(&mk) {
+                x.set_accessed();
+            }
+            e
+        };
+        Ok(Found::Pinned(self.pinned(key, &e)))
+    }
+
+    /// The location and checksum of a block we hold a pin on.
+    fn pinned(&self, key: BlockKey, e: &Entry) -> Pinned {
+        let slot = e.slot();
+        let (page, checksum) = {
+            let mut c = self.classes[slot.class as usize].lock();
+            c.policy.access(slot.idx);
+            (
+                c.page_of(slot.idx, self.seg_pages),
+                c.sums[slot.idx as usize],
+            )
+        };
+        Pinned {
+            key,
+            slot,
+            page,
+            len: e.len,
+            checksum,
+        }
+    }
+
+    /// A promoted block (published Ready with our pin on it).
+    fn pinned_now(&self, key: BlockKey, slot: Slot) -> Option<Pinned> {
+        let e = *self
+            .shard(key)
+            .lock()
+            .map
+            .get(&MapKey::from(key))
+            .filter(|e| e.slot() == slot && e.ready())?;
+        Some(self.pinned(key, &e))
+    }
+
+    /// Waits for another request's promotion of `key`, then pins it.
+    fn wait_promoted(&self, key: BlockKey, deadline: Instant) -> Option<Pinned> {
+        loop {
+            let seen = self.progress.current();
+            match self.try_pin(key).ok()? {
+                Found::Pinned(p) => return Some(p),
+                Found::Promoting if Instant::now() < deadline => {
+                    self.progress.wait(seen, deadline);
+                }
+                _ => return None,
+            }
+        }
+    }
+
+    /// Whether a pinned host block still has the bytes it was committed with; a damaged one is
+    /// dropped (counted, logged, never served).
+    fn verify(&self, p: &Pinned) -> bool {
+        // SAFETY: the block is committed and pinned: its slot is neither freed nor reused.
+        let bytes = unsafe { std::slice::from_raw_parts(self.ptr(p.page), p.len as usize) };
+        if xxh3_64(bytes) == p.checksum {
+            return true;
+        }
+        self.stats.checksum_failures.fetch_add(1, Relaxed);
+        tracing::warn!(key = %p.key, "host block no longer matches its commit checksum (written after its commit?): served as a miss and dropped");
+        let removed = {
+            let mut sh = self.shard(p.key).lock();
+            let mk = MapKey::from(p.key);
+            let same = sh.map.get(&mk).is_some_and(|e| e.slot() == p.slot);
+            if same {
+                sh.remove(mk)
+            } else {
+                Removed::Absent
+            }
+        };
+        if let Removed::Doomed(len, ns) | Removed::Freed(_, len, ns) = removed {
+            self.stats.blocks.fetch_sub(1, Relaxed);
+            self.stats.used_bytes.fetch_sub(u64::from(len), Relaxed);
+            self.events.emit(EventKind::Removed, p.key, Tier::Host, ns);
+        }
+        false
+    }
+
+    /// Drops one pin of a host block (freeing its slot if it was removed meanwhile).
+    pub(crate) fn unpin(&self, key: BlockKey, slot: Slot) {
+        let freed = self.shard(key).lock().unpin(MapKey::from(key), slot);
+        if freed {
+            self.free_slot(slot);
+        } else {
+            self.progress.bump();
+        }
+    }
+
+    pub(crate) fn drop_pins(&self, pins: Vec<Pin>) {
+        for p in pins {
+            match p {
+                Pin::Host(k, slot) => self.unpin(k, slot),
+                Pin::Lower(t, k) => {
+                    if let Some(t) = self.tiers.get(t as usize) {
+                        t.unpin(&k);
+                    }
+                }
+            }
+        }
+    }
+
+    pub(crate) fn reap_expired_leases_at(&self, now: Instant) -> usize {
+        let expired = self.leases.lock().expired(now);
+        let n = expired.len();
+        for pins in expired {
+            self.drop_pins(pins);
+        }
+        if n > 0 {
+            self.stats.leases_expired.fetch_add(n as u64, Relaxed);
+            tracing::debug!(n, "leases expired");
+        }
+        n
+    }
+}
+
+enum Found {
+    Pinned(Pinned),
+    Promoting,
+    /// Being written by a put (or cancelled): not loadable now.
+    Busy,
+    Absent,
+}
+
+/// Blocks made resident and pinned by [`Store::load`]; the pins go when this drops.
+pub struct Loaded {
+    inner: Arc<Inner>,
+    pins: Vec<Pinned>,
+}
+
+impl Loaded {
+    /// Leading keys loaded.
+    pub fn len(&self) -> usize {
+        self.pins.len()
+    }
+
+    /// Whether nothing was loaded.
+    pub fn is_empty(&self) -> bool {
+        self.pins.is_empty()
+    }
+
+    /// Block `i`'s bytes.
+    pub fn block(&self, i: usize) -> &[u8] {
+        let p = &self.pins[i];
+        // SAFETY: the block is committed and pinned by this guard: its slot is neither freed,
+        // evicted nor reserved until the guard drops, so nobody writes it; it lies in the arena.
+        unsafe { std::slice::from_raw_parts(self.inner.ptr(p.page), p.len as usize) }
+    }
+
+    /// Block `i`'s commit checksum.
+    pub fn checksum(&self, i: usize) -> u64 {
+        self.pins[i].checksum
+    }
+}
+
+impl Drop for Loaded {
+    fn drop(&mut self) {
+        for p in self.pins.drain(..) {
+            self.inner.unpin(p.key, p.slot);
+        }
+    }
+}
+
+/// A pinned, committed block. Dereferences to its bytes; unpins on drop.
+pub struct BlockRef {
+    inner: Arc<Inner>,
+    p: Pinned,
+}
+
+impl BlockRef {
+    /// The block's key.
+    pub fn key(&self) -> BlockKey {
+        self.p.key
+    }
+
+    /// Byte offset of the block in the arena.
+    pub fn arena_offset(&self) -> u64 {
+        u64::from(self.p.page) * PAGE as u64
+    }
+
+    /// The block's commit checksum (xxh3-64).
+    pub fn checksum(&self) -> u64 {
+        self.p.checksum
+    }
+}
+
+impl std::ops::Deref for BlockRef {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: the block is committed and pinned: its slot cannot be freed, evicted or
+        // reserved until this guard drops, so nobody writes it, and it lies in the arena.
+        unsafe { std::slice::from_raw_parts(self.inner.ptr(self.p.page), self.p.len as usize) }
+    }
+}
+
+impl Drop for BlockRef {
+    fn drop(&mut self) {
+        self.inner.unpin(self.p.key, self.p.slot);
+    }
+}

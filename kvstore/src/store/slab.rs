@@ -1,0 +1,151 @@
+//! Size classes and segments: the arena is cut into segments; a segment serves one size class at
+//! a time, carved into equal slots. Slots are dense indices per class; nothing here does I/O or
+//! knows about keys beyond remembering which key each slot holds (for eviction).
+
+use crate::key::BlockKey;
+use crate::policy::EvictionPolicy;
+
+use super::config::PAGE;
+
+/// One size class.
+pub(crate) struct Class {
+    pub slot_bytes: usize,
+    pub per_seg: u32,
+    /// Chunk `c` holds slots `c*per_seg .. (c+1)*per_seg`, backed by segment `chunks[c]`.
+    pub chunks: Vec<Option<u32>>,
+    pub free_chunks: Vec<u32>,
+    /// Slots in use (reserved or committed) per chunk.
+    pub live: Vec<u32>,
+    pub free: Vec<u32>,
+    /// Key of the block in each slot (valid while `used`).
+    pub keys: Vec<BlockKey>,
+    /// Commit checksum (xxh3-64) of the block in each slot (valid once committed).
+    pub sums: Vec<u64>,
+    pub used: Vec<bool>,
+    pub policy: Box<dyn EvictionPolicy>,
+}
+
+/// Arena page of slot `idx` of a class with the given chunk table.
+pub(crate) fn page_of(
+    chunks: &[Option<u32>],
+    per_seg: u32,
+    slot_bytes: usize,
+    idx: u32,
+    seg_pages: u32,
+) -> u32 {
+    let seg = chunks[(idx / per_seg) as usize].unwrap_or(0);
+    seg * seg_pages + (idx % per_seg) * (slot_bytes / PAGE) as u32
+}
+
+impl Class {
+    pub(crate) fn new(
+        slot_bytes: usize,
+        segment_bytes: u64,
+        policy: Box<dyn EvictionPolicy>,
+    ) -> Self {
+        Self {
+            slot_bytes,
+            per_seg: (segment_bytes as usize / slot_bytes) as u32,
+            chunks: Vec::new(),
+            free_chunks: Vec::new(),
+            live: Vec::new(),
+            free: Vec::new(),
+            keys: Vec::new(),
+            sums: Vec::new(),
+            used: Vec::new(),
+            policy,
+        }
+    }
+
+    pub(crate) fn page_of(&self, idx: u32, seg_pages: u32) -> u32 {
+        page_of(&self.chunks, self.per_seg, self.slot_bytes, idx, seg_pages)
+    }
+
+    /// Takes a segment: its slots become free slots of this class.
+    pub(crate) fn add_segment(&mut self, seg: u32) {
+        let chunk = match self.free_chunks.pop() {
+            Some(c) => {
+                self.chunks[c as usize] = Some(seg);
+                c
+            }
+            None => {
+                self.chunks.push(Some(seg));
+                self.live.push(0);
+                (self.chunks.len() - 1) as u32
+            }
+        };
+        let start = chunk * self.per_seg;
+        let end = start + self.per_seg;
+        if self.keys.len() < end as usize {
+            self.keys.resize(end as usize, BlockKey::default());
+            self.sums.resize(end as usize, 0);
+            self.used.resize(end as usize, false);
+        }
+        self.free.extend((start..end).rev());
+    }
+
+    /// Marks a free slot used by `key`.
+    pub(crate) fn take(&mut self, idx: u32, key: BlockKey) {
+        self.keys[idx as usize] = key;
+        self.used[idx as usize] = true;
+        self.live[(idx / self.per_seg) as usize] += 1;
+    }
+
+    /// Gives a slot back (no-op for a free one).
+    pub(crate) fn release(&mut self, idx: u32) {
+        self.policy.remove(idx);
+        if std::mem::replace(&mut self.used[idx as usize], false) {
+            self.live[(idx / self.per_seg) as usize] -= 1;
+            self.free.push(idx);
+        }
+    }
+
+    /// Gives up chunk `ch` (every slot in it free): returns its segment.
+    pub(crate) fn drop_chunk(&mut self, ch: u32) -> Option<u32> {
+        let start = ch * self.per_seg;
+        let end = start + self.per_seg;
+        self.free.retain(|&i| i < start || i >= end);
+        let seg = self.chunks[ch as usize].take();
+        self.free_chunks.push(ch);
+        seg
+    }
+
+    /// Chunks backed by a segment, those with the fewest live slots first (`only_empty`: only
+    /// chunks with none).
+    pub(crate) fn chunks_by_liveness(&self, only_empty: bool) -> Vec<u32> {
+        let mut order: Vec<u32> = (0..self.chunks.len() as u32)
+            .filter(|&ch| self.chunks[ch as usize].is_some())
+            .filter(|&ch| !only_empty || self.live[ch as usize] == 0)
+            .collect();
+        order.sort_by_key(|&ch| self.live[ch as usize]);
+        order
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::PolicyKind;
+
+    #[test]
+    fn segments_carve_into_slots_and_come_back() {
+        let mut c = Class::new(64 << 10, 1 << 20, PolicyKind::Lru.build());
+        assert_eq!(c.per_seg, 16);
+        c.add_segment(3);
+        assert_eq!(c.free.len(), 16);
+        let idx = c.free.pop().unwrap();
+        assert_eq!(idx, 0);
+        c.take(idx, BlockKey(9));
+        assert_eq!(c.page_of(idx, 256), 3 * 256);
+        assert_eq!(c.page_of(5, 256), 3 * 256 + 5 * 16);
+        assert_eq!(c.chunks_by_liveness(true), Vec::<u32>::new());
+        c.release(idx);
+        c.release(idx); // twice: no double free
+        assert_eq!(c.free.len(), 16);
+        assert_eq!(c.chunks_by_liveness(true), vec![0]);
+        assert_eq!(c.drop_chunk(0), Some(3));
+        assert!(c.free.is_empty());
+        c.add_segment(4);
+        assert_eq!(c.page_of(0, 256), 4 * 256, "the chunk id is reused");
+    }
+}

@@ -1,0 +1,287 @@
+//! Unit tests of the store as a whole (host tier only; the disk tier's in kvstore/tests).
+
+use std::time::{Duration, Instant};
+
+use super::*;
+use crate::error::StoreError;
+use crate::key::TpShard;
+
+fn ns() -> Namespace {
+    Namespace {
+        model: "test".into(),
+        dtype: "bf16".into(),
+        layout: "nhd".into(),
+        block_tokens: 16,
+        tp: TpShard::Shared,
+        tenant: String::new(),
+        lora: String::new(),
+    }
+}
+
+fn small(policy: PolicyKind) -> (Store, NsId) {
+    let s = StoreConfig {
+        capacity_bytes: 4 << 20,
+        segment_bytes: 1 << 20,
+        size_classes: vec![64 << 10, 256 << 10],
+        shards: 4,
+        policy,
+        ..Default::default()
+    }
+    .build()
+    .unwrap();
+    let id = s.register_namespace(&ns()).unwrap();
+    (s, id)
+}
+
+fn k(i: u128) -> BlockKey {
+    BlockKey(i.wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835) | 1)
+}
+
+#[test]
+fn bad_config_is_rejected() {
+    let e = StoreConfig {
+        capacity_bytes: 1,
+        ..Default::default()
+    }
+    .build()
+    .unwrap_err();
+    assert!(e.to_string().contains("capacity"), "{e}");
+    assert!(StoreConfig {
+        shards: 3,
+        ..Default::default()
+    }
+    .build()
+    .is_err());
+    assert!(StoreConfig {
+        size_classes: vec![2 << 20],
+        segment_bytes: 1 << 20,
+        ..Default::default()
+    }
+    .build()
+    .is_err());
+}
+
+#[test]
+fn put_get_roundtrip_and_errors() {
+    let (s, n) = small(PolicyKind::Lru);
+    let data: Vec<u8> = (0..100_000u32).map(|i| i as u8).collect();
+    assert_eq!(s.put(n, k(1), &data).unwrap(), PutOutcome::Stored);
+    assert_eq!(s.put(n, k(1), &data).unwrap(), PutOutcome::AlreadyPresent);
+    assert_eq!(&*s.get(&k(1)).unwrap(), &data[..]);
+    assert!(s.get(&k(2)).is_none());
+    let mut small_buf = vec![0u8; 10];
+    assert!(matches!(
+        s.get_into(&k(1), &mut small_buf),
+        Err(StoreError::BufferTooSmall { .. })
+    ));
+    assert_eq!(s.put(n, k(3), &[]), Err(StoreError::Empty));
+    assert!(matches!(
+        s.put(n, k(3), &vec![0u8; 300 << 10]),
+        Err(StoreError::TooLarge { .. })
+    ));
+    assert_eq!(
+        s.put(NsId(9), k(3), &[1]),
+        Err(StoreError::UnknownNamespace(9))
+    );
+    let st = s.stats();
+    assert_eq!(st.blocks, 1);
+    assert_eq!(st.used_bytes, 100_000);
+    assert_eq!(st.hits, 2);
+    assert_eq!(st.misses, 1);
+}
+
+#[test]
+fn uncommitted_is_invisible_and_dropped_frees() {
+    let (s, n) = small(PolicyKind::Lru);
+    let Reserve::Slot(mut r) = s.reserve(n, k(1), 1000).unwrap() else {
+        panic!("expected slot")
+    };
+    r.as_mut_slice().fill(7);
+    assert!(s.get(&k(1)).is_none());
+    assert_eq!(s.match_prefix(&[k(1)]).n, 0);
+    assert!(matches!(
+        s.reserve(n, k(1), 1000).unwrap(),
+        Reserve::InFlight
+    ));
+    drop(r);
+    assert!(s.get(&k(1)).is_none());
+    // The key can be written again after the abort.
+    let Reserve::Slot(mut r) = s.reserve(n, k(1), 1000).unwrap() else {
+        panic!("expected slot")
+    };
+    r.as_mut_slice().fill(9);
+    r.commit().unwrap();
+    assert_eq!(&*s.get(&k(1)).unwrap(), &[9u8; 1000][..]);
+}
+
+#[test]
+fn eviction_respects_capacity_and_pins() {
+    for policy in [PolicyKind::Lru, PolicyKind::S3Fifo] {
+        let (s, n) = small(policy);
+        // 4 segments of 1 MiB, 16 slots of 64 KiB each = 64 slots.
+        let block = vec![1u8; 60_000];
+        s.put(n, k(0), &block).unwrap();
+        let lease = s.lease(&[k(0)], Duration::from_secs(60)).unwrap();
+        assert_eq!(lease.n, 1);
+        for i in 1..200 {
+            assert_eq!(s.put(n, k(i), &block).unwrap(), PutOutcome::Stored);
+            let st = s.stats();
+            assert!(st.blocks <= 64);
+            assert!(st.used_bytes <= st.capacity_bytes);
+        }
+        assert!(s.get(&k(0)).is_some(), "{policy:?}: leased block evicted");
+        assert_eq!(s.stats().evictions, 200 - 64);
+        assert!(s.release(lease.id.unwrap()));
+        assert!(!s.release(lease.id.unwrap()));
+    }
+}
+
+#[test]
+fn segments_move_between_classes() {
+    let (s, n) = small(PolicyKind::S3Fifo);
+    for i in 0..64 {
+        s.put(n, k(i), &[1u8; 1000]).unwrap();
+    }
+    assert_eq!(s.stats().free_segments, 0);
+    // Large class has no segment: one must be reclaimed from the small class.
+    s.put(n, k(1000), &vec![2u8; 200_000]).unwrap();
+    assert_eq!(s.stats().blocks, 64 - 16 + 1);
+    assert_eq!(&*s.get(&k(1000)).unwrap(), &vec![2u8; 200_000][..]);
+}
+
+#[test]
+fn all_pinned_is_no_space() {
+    let s = StoreConfig {
+        capacity_bytes: 1 << 20,
+        segment_bytes: 1 << 20,
+        size_classes: vec![512 << 10],
+        shards: 1,
+        ..Default::default()
+    }
+    .build()
+    .unwrap();
+    let n = s.register_namespace(&ns()).unwrap();
+    s.put(n, k(1), &[1]).unwrap();
+    s.put(n, k(2), &[2]).unwrap();
+    let g1 = s.get(&k(1)).unwrap();
+    let l = s.lease(&[k(2)], Duration::from_secs(60)).unwrap();
+    assert_eq!(s.put(n, k(3), &[3]), Err(StoreError::NoSpace { len: 1 }));
+    drop(g1);
+    assert_eq!(s.put(n, k(3), &[3]).unwrap(), PutOutcome::Stored);
+    assert!(s.contains(&k(2)));
+    s.release(l.id.unwrap());
+}
+
+#[test]
+fn remove_while_borrowed_defers_free() {
+    let (s, n) = small(PolicyKind::Lru);
+    s.put(n, k(1), &[5u8; 4000]).unwrap();
+    let g = s.get(&k(1)).unwrap();
+    assert!(s.remove(&k(1)));
+    assert!(!s.remove(&k(1)));
+    assert!(s.get(&k(1)).is_none());
+    // Fill everything: the borrowed slot must not be reused while borrowed.
+    for i in 2..200 {
+        s.put(n, k(i), &[9u8; 4000]).unwrap();
+    }
+    assert_eq!(&*g, &[5u8; 4000][..]);
+    drop(g);
+    s.put(n, k(1), &[6u8; 4000]).unwrap();
+    assert_eq!(&*s.get(&k(1)).unwrap(), &[6u8; 4000][..]);
+}
+
+#[test]
+fn remove_during_write_wins_over_commit() {
+    let (s, n) = small(PolicyKind::Lru);
+    let Reserve::Slot(mut r) = s.reserve(n, k(1), 1000).unwrap() else {
+        panic!("expected slot")
+    };
+    r.as_mut_slice().fill(3);
+    assert!(
+        s.remove(&k(1)),
+        "an in-flight write counts as present for remove"
+    );
+    r.commit().unwrap();
+    assert!(
+        s.get(&k(1)).is_none(),
+        "a removed in-flight block became visible"
+    );
+    assert_eq!(s.stats().blocks, 0);
+    // Its slot came back: the whole capacity is usable.
+    for i in 2..66 {
+        s.put(n, k(i), &[1u8; 60_000]).unwrap();
+    }
+    assert_eq!(s.stats().evictions, 0);
+    // clear_namespace cancels in-flight writes too.
+    let Reserve::Slot(r) = s.reserve(n, k(100), 10).unwrap() else {
+        panic!("expected slot")
+    };
+    s.clear_namespace(n);
+    r.commit().unwrap();
+    assert!(!s.contains(&k(100)));
+}
+
+#[test]
+fn match_prefix_and_leases() {
+    let (s, n) = small(PolicyKind::S3Fifo);
+    for i in 0..5 {
+        s.put(n, k(i), &[i as u8; 100]).unwrap();
+    }
+    let chain: Vec<BlockKey> = (0..8).map(k).collect();
+    let before = s.stats();
+    let m = s.match_prefix(&chain);
+    assert_eq!(m.n, 5);
+    assert_eq!(m.tiers, vec![Tier::Host; 5]);
+    assert_eq!(s.stats(), before, "match_prefix must have no side effects");
+    s.remove(&k(2));
+    assert_eq!(s.match_prefix(&chain).n, 2);
+    let l = s.lease(&chain, Duration::from_millis(1)).unwrap();
+    assert_eq!(l.n, 2);
+    assert_eq!(s.stats().leases, 1);
+    assert_eq!(
+        s.reap_expired_leases_at(Instant::now() + Duration::from_secs(1)),
+        1
+    );
+    assert_eq!(s.stats().leases, 0);
+    assert_eq!(s.stats().leases_expired, 1);
+    assert!(!s.release(l.id.unwrap()));
+    let none = s.lease(&[k(99)], Duration::from_secs(1)).unwrap();
+    assert_eq!((none.id, none.n), (None, 0));
+}
+
+#[test]
+fn clear_namespace_only_touches_its_own() {
+    let (s, n1) = small(PolicyKind::Lru);
+    let mut other = ns();
+    other.tenant = "b".into();
+    let n2 = s.register_namespace(&other).unwrap();
+    assert_eq!(s.register_namespace(&other).unwrap(), n2);
+    for i in 0..10 {
+        s.put(n1, k(i), &[1]).unwrap();
+        s.put(n2, k(100 + i), &[2]).unwrap();
+    }
+    let g = s.get(&k(0)).unwrap();
+    assert_eq!(s.clear_namespace(n1), 10);
+    assert_eq!(s.stats().blocks, 10);
+    assert!((100..110).all(|i| s.contains(&k(i))));
+    assert_eq!(&*g, &[1]);
+}
+
+#[test]
+fn too_many_leases() {
+    let s = StoreConfig {
+        capacity_bytes: 1 << 20,
+        segment_bytes: 1 << 20,
+        size_classes: vec![64 << 10],
+        max_leases: 2,
+        ..Default::default()
+    }
+    .build()
+    .unwrap();
+    let n = s.register_namespace(&ns()).unwrap();
+    s.put(n, k(1), &[1]).unwrap();
+    let ttl = Duration::from_secs(60);
+    s.lease(&[k(1)], ttl).unwrap();
+    s.lease(&[k(1)], ttl).unwrap();
+    assert_eq!(s.lease(&[k(1)], ttl), Err(StoreError::TooManyLeases(2)));
+}

@@ -1,0 +1,548 @@
+//! The tiering worker: the threads that move blocks between the host arena and the lower tiers,
+//! so that no engine request ever does I/O it did not ask for.
+//!
+//! - **writer**: demotions (dirty blocks written to the first lower tier, in batches of at most
+//!   `max_batch_bytes`), queued by allocations (write-back) and commits (write-through). A
+//!   removal cancels a queued demotion (it is skipped) and an in-flight one (the tier asks
+//!   `still_wanted` before the block becomes visible below).
+//! - **reader**: promotions (blocks read from a lower tier into reserved host slots), queued by
+//!   loads; a load waits for its own batch with one deadline and may abandon it.
+//! - **populator** (with `Populate::Background`): faults the arena in segment by segment and
+//!   hands each segment to the allocator as it is ready.
+//!
+//! Queues are bounded: demotions by bytes (an allocation that finds the queue full waits for
+//! room, counted in `waits`).
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::events::EventKind;
+use crate::io::IoBuf;
+use crate::key::BlockKey;
+use crate::tier::{ReadItem, ReadOutcome, WriteItem, WriteOutcome};
+use crate::types::{FoldMap, MapKey, Tier};
+
+use super::index::{Copy, Removed, Slot};
+use super::Inner;
+
+/// A host block queued for writing below; it holds one pin until written.
+pub(crate) struct Demote {
+    pub key: BlockKey,
+    pub slot: Slot,
+    pub page: u32,
+    pub cap: usize,
+    pub len: u32,
+    pub ns: u16,
+}
+
+/// A host slot reserved (Promoting, one pin held for the load that asked) to read a block into.
+#[derive(Clone, Copy)]
+pub(crate) struct Promote {
+    pub key: BlockKey,
+    pub slot: Slot,
+    pub page: u32,
+    pub cap: usize,
+    pub len: u32,
+}
+
+/// How a load and the reader meet: the reader fills in the outcome; a load that stops waiting
+/// abandons it, and then the reader drops the pins it would have handed over.
+#[derive(Default)]
+pub(crate) struct Ticket {
+    state: Mutex<TicketState>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
+enum TicketState {
+    #[default]
+    Pending,
+    Done(Vec<bool>),
+    Abandoned,
+}
+
+impl Ticket {
+    /// The outcome (one bool per item: published and pinned for the caller), or `None` if
+    /// `until` passed first (the ticket is then abandoned: nothing is pinned for the caller).
+    pub(crate) fn wait(&self, until: Instant) -> Option<Vec<bool>> {
+        let mut s = self.state.lock();
+        loop {
+            match std::mem::take(&mut *s) {
+                TicketState::Done(v) => return Some(v),
+                TicketState::Abandoned => return None,
+                TicketState::Pending => {}
+            }
+            if self.cv.wait_until(&mut s, until).timed_out() {
+                if let TicketState::Done(v) = std::mem::take(&mut *s) {
+                    return Some(v);
+                }
+                *s = TicketState::Abandoned;
+                return None;
+            }
+        }
+    }
+
+    /// Hands the outcome over; false if the load gave up (the caller then owns the pins).
+    fn complete(&self, outcome: Vec<bool>) -> bool {
+        let mut s = self.state.lock();
+        match *s {
+            TicketState::Pending => {
+                *s = TicketState::Done(outcome);
+                self.cv.notify_all();
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+struct PromoteJob {
+    tier: usize,
+    items: Vec<Promote>,
+    ticket: Arc<Ticket>,
+}
+
+#[derive(Default)]
+struct Queues {
+    demote: VecDeque<Demote>,
+    demote_bytes: u64,
+    /// Demotions taken by the writer and not finished.
+    writing: usize,
+    promote: VecDeque<PromoteJob>,
+    stop: bool,
+}
+
+/// The worker's queues.
+#[derive(Default)]
+pub(crate) struct Work {
+    q: Mutex<Queues>,
+    writer_cv: Condvar,
+    reader_cv: Condvar,
+}
+
+/// Queue depths, for stats.
+pub(crate) struct Depths {
+    pub demote_blocks: u64,
+    pub demote_bytes: u64,
+    pub promote_jobs: u64,
+}
+
+impl Work {
+    pub(crate) fn depths(&self) -> Depths {
+        let q = self.q.lock();
+        Depths {
+            demote_blocks: q.demote.len() as u64,
+            demote_bytes: q.demote_bytes,
+            promote_jobs: q.promote.len() as u64,
+        }
+    }
+
+    /// Whether demotions are queued or being written (room is coming).
+    pub(crate) fn demotions_pending(&self) -> bool {
+        let q = self.q.lock();
+        !q.demote.is_empty() || q.writing > 0
+    }
+
+    /// Whether the demotion queue takes more (bounded to a few batches).
+    pub(crate) fn demote_room(&self, batch: u64) -> bool {
+        self.q.lock().demote_bytes < 4 * batch
+    }
+
+    fn stopped(&self) -> bool {
+        self.q.lock().stop
+    }
+}
+
+impl Inner {
+    /// Queues demotions (their blocks are pinned and marked Demoting).
+    pub(crate) fn enqueue_demotions(&self, items: Vec<Demote>) {
+        let mut q = self.work.q.lock();
+        for d in items {
+            q.demote_bytes += u64::from(d.len);
+            q.demote.push_back(d);
+        }
+        self.work.writer_cv.notify_one();
+    }
+
+    /// Queues a promotion batch from lower tier `tier`; returns its ticket.
+    pub(crate) fn enqueue_promotions(&self, tier: usize, items: Vec<Promote>) -> Arc<Ticket> {
+        let ticket = Arc::new(Ticket::default());
+        let mut q = self.work.q.lock();
+        if q.stop {
+            drop(q);
+            // No reader any more: the items fail now (nothing was read).
+            self.finish_promotions(&items, &[]);
+            ticket.complete(vec![false; items.len()]);
+            return ticket;
+        }
+        q.promote.push_back(PromoteJob {
+            tier,
+            items,
+            ticket: ticket.clone(),
+        });
+        self.work.reader_cv.notify_one();
+        ticket
+    }
+
+    /// The writer: one batch of queued demotions at a time.
+    fn writer_loop(&self) {
+        loop {
+            let batch = {
+                let mut q = self.work.q.lock();
+                while q.demote.is_empty() && !q.stop {
+                    self.work.writer_cv.wait(&mut q);
+                }
+                if q.demote.is_empty() {
+                    return;
+                }
+                let mut batch = Vec::new();
+                let mut bytes = 0u64;
+                while let Some(d) = q.demote.front() {
+                    if !batch.is_empty() && bytes + u64::from(d.len) > self.max_batch_bytes {
+                        break;
+                    }
+                    bytes += u64::from(d.len);
+                    q.demote_bytes -= u64::from(d.len);
+                    batch.extend(q.demote.pop_front());
+                }
+                q.writing += batch.len();
+                batch
+            };
+            let n = batch.len();
+            self.write_back(batch);
+            self.work.q.lock().writing -= n;
+            self.progress.bump();
+        }
+    }
+
+    /// Writes demotions to the first lower tier and settles each block's copy state.
+    fn write_back(&self, batch: Vec<Demote>) {
+        let Some(tier) = self.tiers.first() else {
+            for d in batch {
+                self.settle(&d, WriteOutcome::Failed);
+            }
+            return;
+        };
+        // A block removed since it was queued is skipped (its removal wins).
+        let (live, gone): (Vec<Demote>, Vec<Demote>) = batch.into_iter().partition(|d| {
+            let sh = self.shard(d.key).lock();
+            sh.map
+                .get(&MapKey::from(d.key))
+                .is_some_and(|e| e.slot() == d.slot && e.copy() == Copy::Demoting)
+        });
+        for d in &gone {
+            self.settle(d, WriteOutcome::Cancelled);
+        }
+        if live.is_empty() {
+            return;
+        }
+        let slots: FoldMap<MapKey, Slot> =
+            live.iter().map(|d| (MapKey::from(d.key), d.slot)).collect();
+        let items = live
+            .iter()
+            .map(|d| {
+                let checksum = self.classes[d.slot.class as usize].lock().sums[d.slot.idx as usize];
+                WriteItem {
+                    key: d.key,
+                    ns: d.ns,
+                    // SAFETY: the block is committed and pinned by its Demoting pin until
+                    // `settle` below, so its slot is neither freed nor reused while the tier
+                    // reads it.
+                    buf: unsafe { IoBuf::from_raw(self.ptr(d.page), d.cap) },
+                    len: d.len,
+                    checksum,
+                }
+            })
+            .collect();
+        let still_wanted = |k: &BlockKey| {
+            let mk = MapKey::from(*k);
+            let sh = self.shard(*k).lock();
+            sh.map
+                .get(&mk)
+                .is_some_and(|e| e.ready() && Some(&e.slot()) == slots.get(&mk))
+        };
+        let outcomes = tier.write(items, &still_wanted);
+        for (d, o) in live.iter().zip(outcomes) {
+            self.settle(d, o);
+        }
+    }
+
+    /// Records a demotion's outcome on its host block and drops the demotion's pin.
+    fn settle(&self, d: &Demote, o: WriteOutcome) {
+        if o == WriteOutcome::Written {
+            self.stats.demotions.fetch_add(1, Relaxed);
+        }
+        let mk = MapKey::from(d.key);
+        let mut damaged = false;
+        let freed = {
+            let mut sh = self.shard(d.key).lock();
+            if let Some(e) = sh.map.get_mut(&mk).filter(|e| e.slot() == d.slot) {
+                e.set_copy(match o {
+                    WriteOutcome::Written | WriteOutcome::Present => Copy::Clean,
+                    // Another write of it is in flight, or an older copy is being removed:
+                    // dirty again, written at a later eviction.
+                    WriteOutcome::Busy | WriteOutcome::Cancelled => Copy::Dirty,
+                    WriteOutcome::Failed => Copy::Unwritable,
+                    WriteOutcome::Corrupt => Copy::Unwritable,
+                });
+                if o == WriteOutcome::Corrupt {
+                    damaged = true;
+                    if let Removed::Doomed(len, _) = sh.remove(mk) {
+                        self.stats.blocks.fetch_sub(1, Relaxed);
+                        self.stats.used_bytes.fetch_sub(u64::from(len), Relaxed);
+                    }
+                }
+            }
+            sh.unpin(mk, d.slot)
+        };
+        if damaged {
+            self.stats.checksum_failures.fetch_add(1, Relaxed);
+            tracing::warn!(key = %d.key, "host block no longer matches its commit checksum (written after its commit?): dropped, never written below");
+            self.events
+                .emit(EventKind::Removed, d.key, Tier::Host, d.ns);
+        }
+        if freed {
+            self.free_slot(d.slot);
+        }
+    }
+
+    /// The reader: one promotion batch at a time.
+    fn reader_loop(&self) {
+        loop {
+            let job = {
+                let mut q = self.work.q.lock();
+                while q.promote.is_empty() && !q.stop {
+                    self.work.reader_cv.wait(&mut q);
+                }
+                match q.promote.pop_front() {
+                    Some(j) => j,
+                    None => return,
+                }
+            };
+            let items: Vec<ReadItem> = job
+                .items
+                .iter()
+                .map(|p| ReadItem {
+                    key: p.key,
+                    // SAFETY: the slot is reserved for this promotion (Promoting: invisible,
+                    // in no free list) until `finish_promotions` publishes or frees it.
+                    buf: unsafe { IoBuf::from_raw(self.ptr(p.page), p.cap) },
+                })
+                .collect();
+            let outcomes = match self.tiers.get(job.tier) {
+                Some(t) => t.read(items),
+                None => vec![ReadOutcome::Miss; job.items.len()],
+            };
+            let ok = self.finish_promotions(&job.items, &outcomes);
+            if !job.ticket.complete(ok.clone()) {
+                // The load gave up waiting: the pins it would have taken over are dropped.
+                for (p, _) in job.items.iter().zip(&ok).filter(|(_, ok)| **ok) {
+                    self.unpin(p.key, p.slot);
+                }
+            }
+            self.progress.bump();
+        }
+    }
+
+    /// Publishes promoted blocks whose read succeeded with the expected length (Ready, clean,
+    /// still pinned for the load); frees the others' slots. One bool per item.
+    fn finish_promotions(&self, items: &[Promote], outcomes: &[ReadOutcome]) -> Vec<bool> {
+        let mut ok = Vec::with_capacity(items.len());
+        for (i, p) in items.iter().enumerate() {
+            let info = match outcomes.get(i) {
+                Some(ReadOutcome::Hit(info)) if info.len == p.len => Some(*info),
+                _ => None,
+            };
+            let mk = MapKey::from(p.key);
+            let published = match info {
+                Some(info) => {
+                    {
+                        let mut c = self.classes[p.slot.class as usize].lock();
+                        c.sums[p.slot.idx as usize] = info.checksum;
+                        c.policy.insert(p.slot.idx, p.key.0 as u64);
+                    }
+                    let e = self.shard(p.key).lock().publish(mk, p.slot, Copy::Clean);
+                    if let Some(e) = e {
+                        self.stats.blocks.fetch_add(1, Relaxed);
+                        self.stats.used_bytes.fetch_add(u64::from(e.len), Relaxed);
+                        self.stats.promotions.fetch_add(1, Relaxed);
+                        self.events.emit(EventKind::Stored, p.key, Tier::Host, e.ns);
+                        true
+                    } else {
+                        false
+                    }
+                }
+                None => {
+                    self.shard(p.key).lock().abort(mk, p.slot);
+                    false
+                }
+            };
+            if !published {
+                self.free_slot(p.slot);
+            }
+            ok.push(published);
+        }
+        ok
+    }
+
+    /// Faults the arena in segment by segment, handing each to the allocator when ready.
+    fn populate_loop(&self) {
+        let seg_bytes = self.seg_pages as usize * super::PAGE;
+        let start = Instant::now();
+        let mut next_log = 0.1;
+        for seg in 0..self.n_segments {
+            if self.work.stopped() {
+                return;
+            }
+            let base = self.ptr(seg * self.seg_pages);
+            // SAFETY: the range is one segment inside the arena mapping; no slot of it is in
+            // use yet (the segment is in no class and not in the pool), so writing zeros into
+            // its first byte per page (the fallback) changes no block.
+            unsafe { populate(base, seg_bytes) };
+            self.segments.lock().push(seg);
+            let done = self.populated.fetch_add(1, Relaxed) + 1;
+            self.progress.bump();
+            let frac = f64::from(done) / f64::from(self.n_segments);
+            if frac >= next_log || done == self.n_segments {
+                next_log += 0.1;
+                tracing::info!(
+                    segments = done,
+                    of = self.n_segments,
+                    secs = format!("{:.1}", start.elapsed().as_secs_f64()),
+                    "host arena populated {:.0}%",
+                    frac * 100.0
+                );
+            }
+        }
+    }
+
+    /// Every dirty admitted block written below, then every lower tier checkpointed.
+    pub(crate) fn flush(&self) -> usize {
+        if self.tiers.is_empty() {
+            return 0;
+        }
+        let before = self.stats.demotions.load(Relaxed);
+        for s in self.shards.iter() {
+            let mut queue = Vec::new();
+            {
+                let mut sh = s.lock();
+                for (k, e) in sh.map.iter_mut() {
+                    let key = BlockKey::from(*k);
+                    if e.ready() && e.copy() == Copy::Dirty && self.admitted(key, e.accessed()) {
+                        e.set_copy(Copy::Demoting);
+                        e.pins += 1;
+                        queue.push((key, e.slot(), e.len, e.ns));
+                    }
+                }
+            }
+            let demote = queue
+                .into_iter()
+                .map(|(key, slot, len, ns)| Demote {
+                    key,
+                    slot,
+                    page: self.classes[slot.class as usize]
+                        .lock()
+                        .page_of(slot.idx, self.seg_pages),
+                    cap: self.class_sizes[slot.class as usize],
+                    len,
+                    ns,
+                })
+                .collect::<Vec<_>>();
+            if !demote.is_empty() {
+                self.enqueue_demotions(demote);
+            }
+        }
+        if !self.sync(Duration::from_secs(600)) {
+            tracing::warn!("flush: writes still queued after 10 minutes");
+        }
+        for t in &self.tiers {
+            if let Err(e) = t.checkpoint() {
+                tracing::warn!(error = %e, "checkpoint failed (the journal stays valid)");
+            }
+        }
+        (self.stats.demotions.load(Relaxed) - before) as usize
+    }
+
+    /// Waits until no demotion is queued or being written.
+    pub(crate) fn sync(&self, timeout: Duration) -> bool {
+        let until = Instant::now() + timeout;
+        loop {
+            let seen = self.progress.current();
+            if !self.work.demotions_pending() {
+                return true;
+            }
+            if self.work.stopped() || Instant::now() >= until {
+                return false;
+            }
+            self.progress
+                .wait(seen, until.min(Instant::now() + Duration::from_millis(50)));
+        }
+    }
+}
+
+/// Faults `len` bytes at `base` in, writable.
+///
+/// # Safety
+/// `base..base+len` must be mapped shared memory that nobody reads or writes meanwhile.
+unsafe fn populate(base: *mut u8, len: usize) {
+    // SAFETY: the caller's range; MADV_POPULATE_WRITE does not change data.
+    let r = unsafe { libc::madvise(base.cast(), len, libc::MADV_POPULATE_WRITE) };
+    if r != 0 {
+        // Before Linux 5.14: touch each page (a write keeps the page from being a shared zero
+        // page; the byte written is 0, which is what a fresh memfd page holds).
+        for off in (0..len).step_by(4096) {
+            // SAFETY: within the caller's range.
+            unsafe { std::ptr::write_volatile(base.add(off), 0) };
+        }
+    }
+}
+
+/// The worker's threads.
+pub(crate) struct Threads {
+    handles: Vec<JoinHandle<()>>,
+}
+
+impl Threads {
+    pub(crate) fn start(inner: &Arc<Inner>, populate: bool) -> std::io::Result<Self> {
+        let mut handles = Vec::new();
+        let spawn = |name: &str, f: fn(&Inner)| {
+            let i = inner.clone();
+            std::thread::Builder::new()
+                .name(name.into())
+                .spawn(move || f(&i))
+        };
+        if !inner.tiers.is_empty() {
+            handles.push(spawn("kvtier-writer", Inner::writer_loop)?);
+            handles.push(spawn("kvtier-reader", Inner::reader_loop)?);
+        }
+        if populate {
+            handles.push(spawn("kvtier-populate", Inner::populate_loop)?);
+        }
+        Ok(Self { handles })
+    }
+
+    /// Stops the threads: queued demotions are written first (the writer drains its queue),
+    /// queued promotions fail.
+    pub(crate) fn stop(&mut self, inner: &Inner) {
+        {
+            let mut q = inner.work.q.lock();
+            q.stop = true;
+        }
+        inner.work.writer_cv.notify_all();
+        inner.work.reader_cv.notify_all();
+        for h in self.handles.drain(..) {
+            let _ = h.join();
+        }
+        // Promotions nobody will read: fail them so their slots come back.
+        let left: Vec<PromoteJob> = inner.work.q.lock().promote.drain(..).collect();
+        for job in left {
+            let ok = inner.finish_promotions(&job.items, &[]);
+            job.ticket.complete(ok);
+        }
+    }
+}

@@ -1,0 +1,244 @@
+//! Writes: reserve a slot, fill it, commit it (with its checksum). A reservation is an owned
+//! guard: dropped uncommitted, it frees its slot.
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Instant;
+
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::error::StoreError;
+use crate::events::EventKind;
+use crate::key::BlockKey;
+use crate::types::{MapKey, NsId, Tier};
+
+use super::config::PAGE;
+use super::index::{Copy, Entry, Life, Slot};
+use super::tiering::Demote;
+use super::{Inner, Store};
+
+/// Outcome of a copying put.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PutOutcome {
+    /// Stored now.
+    Stored,
+    /// A committed block with this key exists already (keys are content addresses).
+    AlreadyPresent,
+    /// Another writer is filling this key right now.
+    InFlight,
+}
+
+/// Outcome of [`Store::reserve`].
+pub enum Reserve {
+    /// A slot to fill, then commit.
+    Slot(Reservation),
+    /// A committed block with this key exists already.
+    AlreadyPresent,
+    /// Another writer is filling this key right now.
+    InFlight,
+}
+
+impl Store {
+    /// Reserves a slot for `len` bytes under `key`. Fill it through
+    /// [`Reservation::as_mut_slice`] and [`Reservation::commit`]; dropping it uncommitted frees
+    /// the slot. Until commit the block is invisible. Never does I/O: when room must first be
+    /// written below, it waits (at most the store's `wait`) for the tiering worker.
+    pub fn reserve(&self, ns: NsId, key: BlockKey, len: usize) -> Result<Reserve, StoreError> {
+        self.inner.reserve(ns, key, len)
+    }
+
+    /// Copies `data` into the store under `key` (reserve, copy, commit).
+    pub fn put(&self, ns: NsId, key: BlockKey, data: &[u8]) -> Result<PutOutcome, StoreError> {
+        match self.reserve(ns, key, data.len())? {
+            Reserve::Slot(mut r) => {
+                r.as_mut_slice().copy_from_slice(data);
+                let sum = xxh3_64(data);
+                r.commit_with_checksum(sum)?;
+                Ok(PutOutcome::Stored)
+            }
+            Reserve::AlreadyPresent => Ok(PutOutcome::AlreadyPresent),
+            Reserve::InFlight => Ok(PutOutcome::InFlight),
+        }
+    }
+}
+
+impl Inner {
+    fn reserve(
+        self: &Arc<Self>,
+        ns: NsId,
+        key: BlockKey,
+        len: usize,
+    ) -> Result<Reserve, StoreError> {
+        let class = self.class_for(len)?;
+        if ns.0 as usize >= self.namespace_count() {
+            return Err(StoreError::UnknownNamespace(ns.0));
+        }
+        let mk = MapKey::from(key);
+        let existing = |e: Option<&Entry>| {
+            e.map(|e| {
+                if e.ready() {
+                    Reserve::AlreadyPresent
+                } else {
+                    Reserve::InFlight
+                }
+            })
+        };
+        if let Some(r) = existing(self.shard(key).lock().map.get(&mk)) {
+            return Ok(r);
+        }
+        let (slot, page) = self.alloc(class, key, len, Instant::now() + self.wait)?;
+        let mut sh = self.shard(key).lock();
+        if let Some(r) = existing(sh.map.get(&mk)) {
+            drop(sh);
+            self.free_slot(slot);
+            return Ok(r);
+        }
+        sh.map.insert(
+            mk,
+            Entry::new(slot, len as u32, ns.0 as u16, Life::Filling, 0),
+        );
+        Ok(Reserve::Slot(Reservation {
+            inner: self.clone(),
+            key,
+            slot,
+            page,
+            len,
+            ns: ns.0 as u16,
+            done: false,
+        }))
+    }
+
+    /// Publishes a filled reservation; false if it was removed meanwhile (its slot is freed).
+    fn commit(&self, r: &Reservation, sum: u64) -> bool {
+        let (key, slot, len) = (r.key, r.slot, r.len);
+        let round = len.div_ceil(PAGE) * PAGE;
+        if round > len {
+            // Zero the tail of the last page, so a copy below holds no stale bytes of an
+            // earlier block. SAFETY: the slot is at least `round` bytes (classes are multiples
+            // of 4096) and exclusively ours until commit.
+            unsafe { std::ptr::write_bytes(self.ptr(r.page).add(len), 0, round - len) };
+        }
+        // Into the policy first: an evictor that meets the slot before it is Ready skips it.
+        {
+            let mut c = self.classes[slot.class as usize].lock();
+            c.sums[slot.idx as usize] = sum;
+            c.policy.insert(slot.idx, key.0 as u64);
+        }
+        let mut through = None;
+        {
+            let mut sh = self.shard(key).lock();
+            let mk = MapKey::from(key);
+            match sh.publish(mk, slot, Copy::Dirty) {
+                None => {
+                    drop(sh);
+                    self.free_slot(slot);
+                    return false;
+                }
+                Some(_) => {
+                    if self.write_through && self.admitted(key, false) {
+                        if let Some(e) = sh.map.get_mut(&mk) {
+                            e.set_copy(Copy::Demoting);
+                            e.pins += 1;
+                            through = Some(Demote {
+                                key,
+                                slot,
+                                page: r.page,
+                                cap: self.class_sizes[slot.class as usize],
+                                len: len as u32,
+                                ns: r.ns,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        self.stats.blocks.fetch_add(1, Relaxed);
+        self.stats.used_bytes.fetch_add(len as u64, Relaxed);
+        self.stats.bytes_in.fetch_add(len as u64, Relaxed);
+        self.events.emit(EventKind::Stored, key, Tier::Host, r.ns);
+        if let Some(d) = through {
+            self.enqueue_demotions(vec![d]);
+        }
+        self.progress.bump();
+        true
+    }
+
+    fn abort(&self, key: BlockKey, slot: Slot) {
+        self.shard(key).lock().abort(MapKey::from(key), slot);
+        self.free_slot(slot);
+    }
+}
+
+/// A reserved, invisible slot. Write the block, then [`commit`](Reservation::commit); dropping
+/// it uncommitted frees the slot.
+pub struct Reservation {
+    inner: Arc<Inner>,
+    key: BlockKey,
+    slot: Slot,
+    page: u32,
+    len: usize,
+    ns: u16,
+    done: bool,
+}
+
+impl Reservation {
+    /// The key being written.
+    pub fn key(&self) -> BlockKey {
+        self.key
+    }
+
+    /// The slot's bytes. They hold stale data of an earlier block until overwritten: write all
+    /// `len` bytes before committing.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: the slot lies inside the arena and is at least `len` bytes long (its class is
+        // >= len). It is owned exclusively by this reservation: it is not in any free list, its
+        // index entry is not Ready (invisible to readers and evictors) until commit, and `&mut
+        // self` prevents a second mutable borrow. The memory is initialized (zero-filled or
+        // earlier block data), so exposing it as `&mut [u8]` is sound.
+        unsafe { std::slice::from_raw_parts_mut(self.inner.ptr(self.page), self.len) }
+    }
+
+    /// Raw pointer to the slot, for a copy engine (DMA, io_uring) that fills it.
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.inner.ptr(self.page)
+    }
+
+    /// Byte offset of the slot in the arena (for another process that mapped the arena).
+    pub fn arena_offset(&self) -> u64 {
+        u64::from(self.page) * PAGE as u64
+    }
+
+    /// Length of the block.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the reservation is zero-length (never: empty blocks are rejected).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Makes the block visible (and, with write-through, queues it for the tier below),
+    /// computing its checksum over the slot. `Ok(false)`: it was removed meanwhile and is not
+    /// stored (the removal wins).
+    pub fn commit(mut self) -> Result<bool, StoreError> {
+        let sum = xxh3_64(self.as_mut_slice());
+        self.commit_with_checksum(sum)
+    }
+
+    /// Like [`Reservation::commit`], with the block's xxh3-64 computed by the writer as it
+    /// filled the slot (so the store does not read the block again). The checksum is checked
+    /// whenever the block is loaded or written below: a wrong one makes the block a miss.
+    pub fn commit_with_checksum(mut self, checksum: u64) -> Result<bool, StoreError> {
+        self.done = true;
+        Ok(self.inner.commit(&self, checksum))
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if !self.done {
+            self.inner.abort(self.key, self.slot);
+        }
+    }
+}
