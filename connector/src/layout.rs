@@ -228,9 +228,9 @@ impl PagedKv {
     /// they are written (each 64 KiB of `dst` is hashed right after it is filled, while it is
     /// still in cache), so the block need not be read again to checksum it.
     pub fn gather_hashed(&self, ids: &[usize], dst: &mut [u8]) -> Result<u64, LayoutError> {
-        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        let mut h = kvstore::Checksummer::new();
         self.gather_with(ids, dst, &mut |chunk| h.update(chunk))?;
-        Ok(h.digest())
+        Ok(h.finish())
     }
 
     /// Gathers, handing every filled stretch of `dst` (in order, each at least 64 KiB but the
@@ -250,15 +250,11 @@ impl PagedKv {
                 let base = p.ptr as isize + id as isize * p.block_stride;
                 walk(p, base, &mut |src, len| {
                     // SAFETY: `src` lies in the layer tensor (PagedKv::new's contract, indices
-                    // within shape), `dst[at..at+len]` is in bounds (check() sized it), and the
-                    // two do not overlap (dst is a separate buffer).
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            src as *const u8,
-                            dst.as_mut_ptr().add(at),
-                            len,
-                        )
-                    };
+                    // within shape) and nobody writes it during the gather; it does not overlap
+                    // `dst` (a separate buffer).
+                    let from = unsafe { std::slice::from_raw_parts(src as *const u8, len) };
+                    // Large runs stream past the cache: the block is not read back soon.
+                    kvstore::copy_nt(&mut dst[at..at + len], from);
                     at += len;
                     if at - done >= CHUNK {
                         filled(&dst[done..at]);
@@ -275,7 +271,27 @@ impl PagedKv {
 
     /// Copies `src` (canonical form of engine blocks `ids`) into the engine's tensors.
     pub fn scatter(&self, ids: &[usize], src: &[u8]) -> Result<(), LayoutError> {
+        self.scatter_with(ids, src, &mut |_| {})
+    }
+
+    /// [`PagedKv::scatter`] that also returns the checksum of `src`, each 64 KiB hashed right
+    /// after it was copied out (still in cache): the caller compares it with the block's
+    /// commit checksum without reading the block again.
+    pub fn scatter_hashed(&self, ids: &[usize], src: &[u8]) -> Result<u64, LayoutError> {
+        let mut h = kvstore::Checksummer::new();
+        self.scatter_with(ids, src, &mut |chunk| h.update(chunk))?;
+        Ok(h.finish())
+    }
+
+    fn scatter_with(
+        &self,
+        ids: &[usize],
+        src: &[u8],
+        copied: &mut dyn FnMut(&[u8]),
+    ) -> Result<(), LayoutError> {
+        const CHUNK: usize = 64 << 10;
         self.check(ids, src.len())?;
+        let mut done = 0;
         let mut at = 0;
         for &id in ids {
             for p in &self.plans {
@@ -283,12 +299,18 @@ impl PagedKv {
                 walk(p, base, &mut |dst, len| {
                     // SAFETY: as in gather, with roles swapped; the engine tensor is not read or
                     // written by anyone else during the scatter (PagedKv::new's contract).
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(src.as_ptr().add(at), dst as *mut u8, len)
-                    };
+                    let to = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len) };
+                    to.copy_from_slice(&src[at..at + len]);
                     at += len;
+                    if at - done >= CHUNK {
+                        copied(&src[done..at]);
+                        done = at;
+                    }
                 });
             }
+        }
+        if at > done {
+            copied(&src[done..at]);
         }
         Ok(())
     }

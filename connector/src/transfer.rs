@@ -14,7 +14,6 @@ use std::time::Duration;
 
 use kvstore::{BlockKey, LeaseId, Namespace, NsId, Reserve, Store, StoreError};
 use kvtier_ipc::{IpcClient, IpcError, SlotStatus};
-use xxhash_rust::xxh3::xxh3_64;
 
 use crate::layout::{LayoutError, PagedKv};
 
@@ -68,31 +67,51 @@ fn check_pairs(keys: &[BlockKey], block_ids: &[Vec<usize>]) -> Result<(), Transf
 /// How one block gets its bytes into a slot: returns the xxh3-64 of what it wrote.
 type Fill<'a> = dyn Fn(usize, &mut [u8]) -> Result<u64, TransferError> + Sync + 'a;
 
-/// What a load does with block `i` while it is pinned: false refuses it (ends the prefix).
-pub type Each<'a> = dyn FnMut(usize, &[u8]) -> Result<bool, TransferError> + 'a;
+/// What a load does with block `i` (its bytes and commit checksum) while it is pinned: false
+/// refuses it (ends the prefix).
+pub type Each<'a> = dyn FnMut(usize, &[u8], u64) -> Result<bool, TransferError> + 'a;
 
 /// Copies `src` segments, in order, into `slot` (exactly their total length); returns the
 /// checksum of the slot's bytes.
 fn gather_segments(src: &[&[u8]], slot: &mut [u8]) -> u64 {
     let mut at = 0;
-    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    let mut h = kvstore::Checksummer::new();
     for s in src {
-        slot[at..at + s.len()].copy_from_slice(s);
-        h.update(&slot[at..at + s.len()]);
-        at += s.len();
+        for c in s.chunks(kvstore::checksum::CHUNK) {
+            kvstore::copy_nt(&mut slot[at..at + c.len()], c);
+            h.update(c);
+            at += c.len();
+        }
     }
-    h.digest()
+    h.finish()
 }
 
-/// Copies `block` into the segments, in order; false (nothing copied) unless the sizes match.
-fn fill_segments(block: &[u8], segs: &mut [&mut [u8]]) -> bool {
+/// Copies `block` into the segments, in order; false unless the sizes match (nothing copied)
+/// and the bytes match `sum` (checked as they are copied).
+fn fill_segments(block: &[u8], segs: &mut [&mut [u8]], sum: u64) -> bool {
     if segs.iter().map(|s| s.len()).sum::<usize>() != block.len() {
         return false;
     }
     let mut at = 0;
+    let mut h = kvstore::Checksummer::new();
     for s in segs.iter_mut() {
-        s.copy_from_slice(&block[at..at + s.len()]);
-        at += s.len();
+        for d in s.chunks_mut(kvstore::checksum::CHUNK) {
+            d.copy_from_slice(&block[at..at + d.len()]);
+            h.update(d);
+            at += d.len();
+        }
+    }
+    verified(h.finish(), sum)
+}
+
+/// Whether what was copied matches the block's commit checksum; a mismatch (the block was
+/// written after its commit) is logged: the copy is a miss, never data.
+fn verified(got: u64, want: u64) -> bool {
+    if got != want {
+        tracing::warn!(
+            "kvtier: a loaded block does not match its commit checksum: treated as a miss"
+        );
+        return false;
     }
     true
 }
@@ -204,12 +223,13 @@ impl Backend {
             paged.check_ids(ids)?;
         }
         let bb = paged.block_bytes();
-        self.read_with(keys, ttl, &mut |i, block| {
+        self.read_with(keys, ttl, &mut |i, block, sum| {
             if block.len() != block_ids[i].len() * bb {
                 return Ok(false);
             }
-            paged.scatter(&block_ids[i], block)?;
-            Ok(true)
+            // Checked as it is copied: a damaged block is reported as not loaded, and the
+            // engine recomputes (and overwrites) what was copied.
+            Ok(verified(paged.scatter_hashed(&block_ids[i], block)?, sum))
         })
     }
 
@@ -269,8 +289,8 @@ impl Backend {
                 pages.len()
             )));
         }
-        let n = self.read_with(keys, ttl, &mut |i, block| {
-            Ok(fill_segments(block, &mut pages[i]))
+        let n = self.read_with(keys, ttl, &mut |i, block, sum| {
+            Ok(fill_segments(block, &mut pages[i], sum))
         })?;
         Ok((0..keys.len()).map(|i| i < n).collect())
     }
@@ -394,7 +414,7 @@ impl Backend {
                 let l = s.load(keys)?;
                 let mut n = 0;
                 while n < l.len().min(keys.len()) {
-                    if !each(n, l.block(n))? {
+                    if !each(n, l.block(n), l.checksum(n))? {
                         break;
                     }
                     n += 1;
@@ -411,7 +431,8 @@ impl Backend {
                 let mut n = 0;
                 // Never past what was asked for, whatever the daemon answered.
                 while n < l.blocks.len().min(keys.len()) {
-                    if !guard.c.with_block(&l, n, |b| each(n, b))?? {
+                    let sum = l.blocks[n].checksum;
+                    if !guard.c.with_block(&l, n, |b| each(n, b, sum))?? {
                         break;
                     }
                     n += 1;
@@ -455,7 +476,5 @@ pub enum Stored {
     NoRoom,
 }
 
-/// The checksum a commit carries for `data` (xxh3-64).
-pub fn checksum(data: &[u8]) -> u64 {
-    xxh3_64(data)
-}
+/// The checksum a commit carries for `data` (XXH3-64).
+pub use kvstore::checksum;

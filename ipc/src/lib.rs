@@ -17,8 +17,8 @@ use kvtier_proto::IPC_VERSION;
 use memmap2::MmapRaw;
 use prost::Message;
 
+use kvstore::{checksum, copy_hashed, copy_out_hashed};
 use kvstore::{BlockKey, LeaseId, Namespace, NsId, Tier};
-use xxhash_rust::xxh3::xxh3_64;
 
 /// Largest frame either side accepts.
 pub const MAX_FRAME: usize = 8 << 20;
@@ -42,6 +42,9 @@ pub enum IpcError {
     /// The daemon answered something unexpected.
     #[error("kvtierd protocol error: {0}")]
     Protocol(String),
+    /// A loaded block's bytes do not match its commit checksum (discard what was copied).
+    #[error("block {0} of the load does not match its commit checksum: discard it")]
+    Damaged(usize),
 }
 
 /// Keys packed for the wire: 16 big-endian bytes each, back to back.
@@ -375,7 +378,7 @@ impl IpcClient {
         }
         let r = self.exchange(body);
         if let Err(e) = &r {
-            if !matches!(e, IpcError::Remote(_)) {
+            if !matches!(e, IpcError::Remote(_) | IpcError::Damaged(_)) {
                 self.broken = Some(e.to_string());
             }
         }
@@ -590,7 +593,7 @@ impl IpcClient {
                 Some(p) => {
                     // SAFETY: in bounds (checked at reserve); our slot until this commit.
                     let b = unsafe { self.slot(p.offset, p.len) };
-                    xxh3_64(b)
+                    checksum(b)
                 }
                 None => 0,
             };
@@ -677,7 +680,7 @@ impl IpcClient {
     ) -> Result<R, IpcError> {
         self.fill_slot_hashed(token, |slot| {
             let r = fill(slot);
-            let sum = xxh3_64(slot);
+            let sum = checksum(slot);
             (r, sum)
         })
     }
@@ -733,24 +736,33 @@ impl IpcClient {
                 data.len()
             )));
         }
-        self.fill_slot_hashed(token, |slot| {
-            slot.copy_from_slice(data);
-            ((), xxh3_64(data))
-        })
+        self.fill_slot_hashed(token, |slot| ((), copy_hashed(slot, data)))
     }
 
-    /// Copies block `i` of a load out of the arena into `dst` (exactly its length). Valid
-    /// while the load's lease is held; check [`IpcClient::release`] before trusting the bytes.
+    /// Copies block `i` of a load out of the arena into `dst` (exactly its length), checking
+    /// its commit checksum as it copies: an error if the bytes do not match (the block was
+    /// written after its commit; discard the copy). Valid while the load's lease is held; check
+    /// [`IpcClient::release`] before trusting the bytes.
     pub fn read(&self, loaded: &Loaded, i: usize, dst: &mut [u8]) -> Result<(), IpcError> {
-        let want = loaded.blocks.get(i).map(|b| b.len as usize);
-        if want.is_some_and(|w| w != dst.len()) {
+        let Some(b) = loaded.blocks.get(i) else {
+            return Err(IpcError::Protocol(format!(
+                "block {i} is not part of this load ({} blocks)",
+                loaded.n
+            )));
+        };
+        if b.len as usize != dst.len() {
             return Err(IpcError::Protocol(format!(
                 "block {i} is {} bytes, the buffer {}",
-                want.unwrap_or(0),
+                b.len,
                 dst.len()
             )));
         }
-        self.with_block(loaded, i, |b| dst.copy_from_slice(b))
+        let want = b.checksum;
+        let got = self.with_block(loaded, i, |b| copy_out_hashed(dst, b))?;
+        if got != want {
+            return Err(IpcError::Damaged(i));
+        }
+        Ok(())
     }
 
     /// Base address and length of the mapped arena (for GPU copy engines that register it).

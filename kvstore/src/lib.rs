@@ -18,6 +18,7 @@
 //! ```
 
 mod arena;
+pub mod checksum;
 pub mod disk;
 mod error;
 mod events;
@@ -29,6 +30,7 @@ mod tier;
 mod types;
 
 pub use arena::{fill_pattern, AlignedBuf, Arena};
+pub use checksum::{checksum, copy_hashed, copy_nt, copy_out_hashed, Checksummer};
 pub use disk::{Admission, DiskConfig, DiskError, DiskTier};
 pub use error::{ConfigError, KeyError, StoreError};
 pub use events::{BlockEvent, EventKind, Events};

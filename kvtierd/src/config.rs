@@ -113,7 +113,7 @@ impl Default for HostSection {
             huge_pages: false,
             populate: true,
             max_leases: 1 << 16,
-            verify_reads: true,
+            verify_reads: false,
         }
     }
 }

@@ -333,8 +333,12 @@ impl Backend {
         let mut out = None;
         let got = self
             .b
-            .read_with(&[k], Duration::from_secs(10), &mut |_, b| {
-                out = Some(PyBytes::new(py, b));
+            .read_with(&[k], Duration::from_secs(10), &mut |_, b, sum| {
+                let copy = PyBytes::new(py, b);
+                if kvstore::checksum(copy.as_bytes()) != sum {
+                    return Ok(false);
+                }
+                out = Some(copy);
                 Ok(true)
             })
             .map_err(transfer_err)?;

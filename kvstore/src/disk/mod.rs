@@ -25,7 +25,6 @@ use std::time::Instant;
 
 use hdrhistogram::Histogram;
 use parking_lot::Mutex;
-use xxhash_rust::xxh3::xxh3_64;
 
 use crate::events::{EventKind, Events};
 use crate::io::{self as kio, IoConfig, IoEngine, IoKind, IoReq, ALIGN};
@@ -211,7 +210,7 @@ impl DiskTier {
                     // against its capacity above), which the request still owns.
                     let data =
                         unsafe { std::slice::from_raw_parts(d.req.buf.as_ptr(), e.len as usize) };
-                    if xxh3_64(data) == e.checksum {
+                    if crate::checksum::checksum(data) == e.checksum {
                         out[i] = ReadOutcome::Hit(BlockInfo {
                             len: e.len,
                             ns: e.ns,
@@ -344,7 +343,7 @@ impl DiskTier {
             // SAFETY: the buffer holds at least `len` bytes (checked above); it is only read,
             // by the disk and by us.
             let data = unsafe { std::slice::from_raw_parts(d.req.buf.as_ptr(), len) };
-            sums[d.req.tag as usize] = xxh3_64(data);
+            sums[d.req.tag as usize] = crate::checksum::checksum(data);
         });
         let mut ok: Vec<bool> = done.iter().map(|d| d.result.is_ok()).collect();
         for d in &done {

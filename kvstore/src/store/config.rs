@@ -43,8 +43,12 @@ pub struct StoreConfig {
     pub populate: Populate,
     /// Most leases outstanding at once.
     pub max_leases: usize,
-    /// Verify a host block's commit checksum every time it is loaded (a block an engine
-    /// damaged after its commit is then a miss, never served).
+    /// Verify a host block's commit checksum every time it is pinned for a load, before the
+    /// caller copies it (a block an engine damaged after its commit is then a miss, never
+    /// served). Off by default: it costs a read of every block (~30% of a single-thread copy,
+    /// bench/RESULTS.md), and every copy out of the store through `get_into` and the connector
+    /// checks the checksum as it copies at little cost. On for clients that copy blocks without
+    /// checking (raw IPC clients).
     pub verify_reads: bool,
     /// Longest a request waits for room (the tiering worker writing dirty blocks back) or for
     /// a block being promoted by someone else, before it gives up (no space / a miss).
@@ -64,7 +68,7 @@ impl Default for StoreConfig {
             huge_pages: false,
             populate: Populate::Now,
             max_leases: 1 << 16,
-            verify_reads: true,
+            verify_reads: false,
             wait: Duration::from_secs(5),
             disk: None,
         }

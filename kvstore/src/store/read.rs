@@ -7,8 +7,6 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use xxhash_rust::xxh3::xxh3_64;
-
 use crate::error::StoreError;
 use crate::events::EventKind;
 use crate::key::BlockKey;
@@ -109,7 +107,9 @@ impl Store {
         })
     }
 
-    /// Copies a committed block into `dst`; `Ok(None)` is a miss, `Ok(Some(len))` a hit.
+    /// Copies a committed block into `dst`; `Ok(None)` is a miss, `Ok(Some(len))` a hit. The
+    /// bytes are checked against the block's commit checksum as they are copied (each chunk
+    /// hashed while in cache): a damaged block is dropped and is a miss.
     pub fn get_into(&self, key: &BlockKey, dst: &mut [u8]) -> Result<Option<usize>, StoreError> {
         let Some(b) = self.get(key) else {
             return Ok(None);
@@ -120,7 +120,11 @@ impl Store {
                 got: dst.len(),
             });
         }
-        dst[..b.len()].copy_from_slice(&b);
+        let sum = crate::checksum::copy_out_hashed(&mut dst[..b.len()], &b);
+        if sum != b.p.checksum {
+            self.inner.damaged(&b.p);
+            return Ok(None);
+        }
         Ok(Some(b.len()))
     }
 
@@ -493,9 +497,16 @@ impl Inner {
     fn verify(&self, p: &Pinned) -> bool {
         // SAFETY: the block is committed and pinned: its slot is neither freed nor reused.
         let bytes = unsafe { std::slice::from_raw_parts(self.ptr(p.page), p.len as usize) };
-        if xxh3_64(bytes) == p.checksum {
+        if crate::checksum::checksum(bytes) == p.checksum {
             return true;
         }
+        self.damaged(p);
+        false
+    }
+
+    /// Drops a pinned host block whose bytes no longer match its commit checksum (counted,
+    /// logged; its slot is freed by the last unpin).
+    fn damaged(&self, p: &Pinned) {
         self.stats.checksum_failures.fetch_add(1, Relaxed);
         tracing::warn!(key = %p.key, "host block no longer matches its commit checksum (written after its commit?): served as a miss and dropped");
         let removed = {
@@ -513,7 +524,6 @@ impl Inner {
             self.stats.used_bytes.fetch_sub(u64::from(len), Relaxed);
             self.events.emit(EventKind::Removed, p.key, Tier::Host, ns);
         }
-        false
     }
 
     /// Drops one pin of a host block (freeing its slot if it was removed meanwhile).

@@ -5,8 +5,6 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Instant;
 
-use xxhash_rust::xxh3::xxh3_64;
-
 use crate::error::StoreError;
 use crate::events::EventKind;
 use crate::key::BlockKey;
@@ -51,8 +49,7 @@ impl Store {
     pub fn put(&self, ns: NsId, key: BlockKey, data: &[u8]) -> Result<PutOutcome, StoreError> {
         match self.reserve(ns, key, data.len())? {
             Reserve::Slot(mut r) => {
-                r.as_mut_slice().copy_from_slice(data);
-                let sum = xxh3_64(data);
+                let sum = crate::checksum::copy_hashed(r.as_mut_slice(), data);
                 r.commit_with_checksum(sum)?;
                 Ok(PutOutcome::Stored)
             }
@@ -222,7 +219,7 @@ impl Reservation {
     /// computing its checksum over the slot. `Ok(false)`: it was removed meanwhile and is not
     /// stored (the removal wins).
     pub fn commit(mut self) -> Result<bool, StoreError> {
-        let sum = xxh3_64(self.as_mut_slice());
+        let sum = crate::checksum::checksum(self.as_mut_slice());
         self.commit_with_checksum(sum)
     }
 
