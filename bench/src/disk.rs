@@ -140,6 +140,7 @@ fn fresh_tier(
                 queue_depth: qd,
                 sqpoll: false,
                 fixed_buffers: vec![(buf.as_ptr() as usize, buf.len())],
+                ..Default::default()
             },
             policy: PolicyKind::Lru,
             admission: Admission::Always,

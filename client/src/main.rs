@@ -90,17 +90,27 @@ async fn run() -> Result<()> {
                 .await
                 .map_err(explain)?
                 .into_inner();
+            let pct = if h.total_segments == 0 {
+                100.0
+            } else {
+                h.populated_segments as f64 * 100.0 / h.total_segments as f64
+            };
             if cli.json {
                 println!(
                     "{}",
-                    json!({"version": h.version, "uptime_ms": h.uptime_ms, "io_engine": h.io_engine})
+                    json!({"version": h.version, "uptime_ms": h.uptime_ms, "io_engine": h.io_engine,
+                        "host_capacity_bytes": h.host_capacity_bytes,
+                        "populated_segments": h.populated_segments,
+                        "total_segments": h.total_segments})
                 );
             } else {
                 println!(
-                    "kvtierd {} up {:.1} s, disk engine {}",
+                    "kvtierd {} up {:.1} s, disk engine {}, host arena {} ({:.0}% populated)",
                     h.version,
                     h.uptime_ms as f64 / 1000.0,
-                    h.io_engine
+                    h.io_engine,
+                    gib(h.host_capacity_bytes),
+                    pct
                 );
             }
         }

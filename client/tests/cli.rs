@@ -82,7 +82,21 @@ fn ok(o: &Output) -> String {
 #[test]
 fn status_stats_lookup_pin_and_clear() {
     let d = start(None);
-    assert!(ok(&kvtier(&d.grpc, &["status"])).contains("kvtierd"));
+    let st = ok(&kvtier(&d.grpc, &["status"]));
+    assert!(st.contains("kvtierd") && st.contains("populated"), "{st}");
+    // The arena is populated in the background: status says how far, and it gets there.
+    let mut done = false;
+    for _ in 0..100 {
+        let v: serde_json::Value =
+            serde_json::from_str(ok(&kvtier(&d.grpc, &["status", "--json"])).trim()).unwrap();
+        assert!(v["total_segments"].as_u64().unwrap() > 0);
+        if v["populated_segments"] == v["total_segments"] {
+            done = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(done, "the host arena never finished populating");
     let v: serde_json::Value =
         serde_json::from_str(ok(&kvtier(&d.grpc, &["stats", "--json"])).trim()).unwrap();
     assert_eq!(v["tiers"][0]["tier"], "host");

@@ -212,6 +212,23 @@ impl S3Fifo {
         }
         m.queue = 0;
         m.generation = m.generation.wrapping_add(1);
+        self.compact();
+    }
+
+    /// Drops stale queue entries once they outnumber the live ones (put/remove churn on a
+    /// cache that never evicts would otherwise grow the queues without bound).
+    fn compact(&mut self) {
+        let meta = &self.meta;
+        let live = |&(id, g): &(u32, u32), q: u8| {
+            let m = &meta[id as usize];
+            m.generation == g && m.queue == q
+        };
+        if self.small.len() > 2 * self.n_small + 64 {
+            self.small.retain(|e| live(e, 1));
+        }
+        if self.main.len() > 2 * self.n_main + 64 {
+            self.main.retain(|e| live(e, 2));
+        }
     }
 
     fn remember_ghost(&mut self, key_hash: u64) {
@@ -323,9 +340,9 @@ impl EvictionPolicy for S3Fifo {
             }
         }
         // The main queue may hold only refused blocks while the small queue is below its share:
-        // offer the small queue's blocks too before giving up.
-        let candidates: Vec<(u32, u32)> = self.small.iter().copied().collect();
-        for e in candidates {
+        // offer the small queue's blocks too before giving up (by index: no copy of the queue).
+        for i in 0..self.small.len() {
+            let e = self.small[i];
             if self.live(e, 1) && try_evict(e.0) {
                 let m = &mut self.meta[e.0 as usize];
                 m.queue = 0;
@@ -417,6 +434,23 @@ mod tests {
             assert!(p.is_empty());
             assert_eq!(p.evict(&mut |_| true), None);
         }
+    }
+
+    #[test]
+    fn s3fifo_queues_stay_bounded_under_put_remove_churn() {
+        let mut p = S3Fifo::default();
+        for i in 0..100_000u32 {
+            let id = i % 8;
+            p.insert(id, u64::from(i));
+            p.remove(id);
+        }
+        assert!(p.is_empty());
+        assert!(
+            p.small.len() + p.main.len() <= 2 * 8 + 2 * 64,
+            "stale entries piled up: {} + {}",
+            p.small.len(),
+            p.main.len()
+        );
     }
 
     #[test]

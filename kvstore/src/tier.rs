@@ -155,6 +155,9 @@ pub trait LowerTier: Send + Sync {
     fn checkpoint(&self) -> io::Result<()> {
         Ok(())
     }
+    /// Memory the tier's I/O will target (the host arena, once populated), to register with
+    /// its engine for faster I/O; a no-op by default. It stays mapped for the tier's life.
+    fn register_memory(&self, _regions: Vec<(usize, usize)>) {}
     /// The tier as `Any` (tests reach a concrete tier to inject faults).
     fn as_any(&self) -> &dyn std::any::Any;
 }

@@ -402,3 +402,99 @@ fn remove_during_a_disk_write_is_not_undone() {
         std::fs::remove_dir_all(&d).unwrap();
     }
 }
+
+fn disk_config(d: &Path) -> DiskConfig {
+    DiskConfig {
+        dir: d.to_path_buf(),
+        capacity_bytes: 8 << 20,
+        files: 2,
+        io: IoConfig {
+            kind: IoEngineKind::Auto,
+            queue_depth: 4,
+            ..Default::default()
+        },
+        ..Default::default()
+    }
+}
+
+#[test]
+fn a_write_longer_than_its_buffer_is_refused_not_read_past() {
+    use kvstore::{DiskTier, LowerTier, WriteItem, WriteOutcome};
+    let d = dir("len-cap", IoEngineKind::Auto);
+    let tier = DiskTier::open(disk_config(&d), Default::default()).unwrap();
+    let mut buf = kvstore::AlignedBuf::new(4096).unwrap();
+    buf.fill_pattern(3);
+    let sum = kvstore::checksum(&buf);
+    let items = vec![WriteItem {
+        key: key(1),
+        ns: 0,
+        // SAFETY: `buf` outlives the call and is only read.
+        buf: unsafe { kvstore::io::IoBuf::from_raw(buf.as_mut_ptr(), 4096) },
+        len: 3 * 4096, // claims more than the buffer holds
+        checksum: sum,
+    }];
+    assert_eq!(tier.write(items, &|_| true), vec![WriteOutcome::Failed]);
+    assert!(tier.lookup(&key(1)).is_none());
+    assert_eq!(tier.stats().write_errors, 1);
+    // A commit checksum that does not match the bytes: nothing stored, the host copy damaged.
+    let items = vec![WriteItem {
+        key: key(2),
+        ns: 0,
+        // SAFETY: as above.
+        buf: unsafe { kvstore::io::IoBuf::from_raw(buf.as_mut_ptr(), 4096) },
+        len: 4096,
+        checksum: sum ^ 1,
+    }];
+    assert_eq!(tier.write(items, &|_| true), vec![WriteOutcome::Corrupt]);
+    assert!(tier.lookup(&key(2)).is_none());
+    drop(tier);
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn an_interrupted_creation_is_reinitialised_not_fatal() {
+    use kvstore::DiskTier;
+    let d = dir("creation", IoEngineKind::Auto);
+    std::fs::create_dir_all(&d).unwrap();
+    // What a crash (or a failed preallocation) during creation leaves: data files, some
+    // empty, and no journal.
+    std::fs::write(d.join("data-0.kvd"), vec![7u8; 8192]).unwrap();
+    std::fs::write(d.join("data-1.kvd"), b"").unwrap();
+    let tier = DiskTier::open(disk_config(&d), Default::default()).unwrap();
+    use kvstore::LowerTier;
+    assert_eq!(tier.stats().blocks, 0);
+    drop(tier);
+    // And it opens again, as a tier now.
+    let tier = DiskTier::open(disk_config(&d), Default::default()).unwrap();
+    drop(tier);
+    // A preallocation that cannot succeed leaves nothing that would block the next start.
+    let mut big = disk_config(&dir("prealloc", IoEngineKind::Auto));
+    big.capacity_bytes = 8 << 40; // more than this file system has free
+    big.files = 1;
+    assert!(DiskTier::open(big.clone(), Default::default()).is_err());
+    assert!(
+        !big.dir.join("data-0.kvd").exists(),
+        "a half-made data file was left behind"
+    );
+    assert!(!big.dir.join("journal.kvj").exists());
+    std::fs::remove_dir_all(&d).unwrap();
+    let _ = std::fs::remove_dir_all(&big.dir);
+}
+
+#[test]
+fn two_stores_cannot_share_a_disk_directory() {
+    let d = dir("locked", IoEngineKind::Auto);
+    let a = config(&d, IoEngineKind::Auto, Admission::Always, false)
+        .build()
+        .unwrap();
+    let e = config(&d, IoEngineKind::Auto, Admission::Always, false)
+        .build()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("in use by another process"), "{e}");
+    drop(a);
+    config(&d, IoEngineKind::Auto, Admission::Always, false)
+        .build()
+        .unwrap();
+    std::fs::remove_dir_all(&d).unwrap();
+}

@@ -79,6 +79,9 @@ impl Admin for AdminService {
                 .disk()
                 .map(|d| d.engine.to_string())
                 .unwrap_or_else(|| "none".into()),
+            populated_segments: s.populated_segments,
+            total_segments: s.total_segments,
+            host_capacity_bytes: s.capacity_bytes,
         }))
     }
 
@@ -212,39 +215,67 @@ impl Admin for AdminService {
     type WatchStream = EventStream;
 
     async fn watch(&self, _: Request<pb::WatchRequest>) -> Result<Response<EventStream>, Status> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let max = u64::from(self.d.cfg.server.max_watchers);
+        // Each Watch holds a thread: bounded, refused beyond.
+        if self
+            .d
+            .watchers
+            .fetch_update(SeqCst, SeqCst, |n| (n < max).then_some(n + 1))
+            .is_err()
+        {
+            return Err(Status::resource_exhausted(format!(
+                "{max} Watch streams are open already (server.max_watchers): close one first"
+            )));
+        }
         let rx = self.d.store.subscribe(4096);
         let (tx, out) = tokio::sync::mpsc::channel(1024);
         let d = self.d.clone();
         // Bridge the store's channel to the async stream; ends when the watcher goes away.
-        std::thread::spawn(move || {
-            while !d.stopping() {
-                let ev = match rx.recv_timeout(Duration::from_millis(200)) {
-                    Ok(ev) => ev,
-                    Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
-                        if tx.is_closed() {
-                            return;
-                        }
-                        continue;
+        let spawned = std::thread::Builder::new()
+            .name("kvtierd-watch".into())
+            .spawn(move || {
+                struct Done(Arc<crate::Daemon>);
+                impl Drop for Done {
+                    fn drop(&mut self) {
+                        self.0.watchers.fetch_sub(1, SeqCst);
                     }
-                    Err(_) => return,
-                };
-                let msg = pb::BlockEvent {
-                    kind: match ev.kind {
-                        EventKind::Stored => block_event::Kind::Stored as i32,
-                        EventKind::Removed => block_event::Kind::Removed as i32,
-                    },
-                    key: ev.key.to_bytes().to_vec(),
-                    tier: tier(ev.tier),
-                    namespace_id: u32::from(ev.ns),
-                    unix_ms: SystemTime::now()
-                        .duration_since(UNIX_EPOCH)
-                        .map_or(0, |d| d.as_millis() as u64),
-                };
-                if tx.blocking_send(Ok(msg)).is_err() {
-                    return;
                 }
-            }
-        });
+                let _done = Done(d.clone());
+                while !d.stopping() {
+                    let ev = match rx.recv_timeout(Duration::from_millis(200)) {
+                        Ok(ev) => ev,
+                        Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                            if tx.is_closed() {
+                                return;
+                            }
+                            continue;
+                        }
+                        Err(_) => return,
+                    };
+                    let msg = pb::BlockEvent {
+                        kind: match ev.kind {
+                            EventKind::Stored => block_event::Kind::Stored as i32,
+                            EventKind::Removed => block_event::Kind::Removed as i32,
+                        },
+                        key: ev.key.to_bytes().to_vec(),
+                        tier: tier(ev.tier),
+                        namespace_id: u32::from(ev.ns),
+                        unix_ms: SystemTime::now()
+                            .duration_since(UNIX_EPOCH)
+                            .map_or(0, |d| d.as_millis() as u64),
+                    };
+                    if tx.blocking_send(Ok(msg)).is_err() {
+                        return;
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            self.d.watchers.fetch_sub(1, SeqCst);
+            return Err(Status::resource_exhausted(format!(
+                "cannot start a watch thread: {e}"
+            )));
+        }
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(out),
         )))

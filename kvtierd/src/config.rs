@@ -186,6 +186,8 @@ pub struct ServerSection {
     pub max_clients: u32,
     /// Most keys in one engine request.
     pub max_keys: u32,
+    /// Most admin Watch streams open at once.
+    pub max_watchers: u32,
     /// Longest an engine's Load waits for blocks being promoted from a lower tier (and a
     /// save for room being written back), milliseconds.
     pub load_wait_ms: u64,
@@ -203,6 +205,7 @@ impl Default for ServerSection {
             reservation_ttl_ms: 60_000,
             max_clients: 256,
             max_keys: 65_536,
+            max_watchers: 16,
             load_wait_ms: 5_000,
         }
     }
@@ -392,7 +395,7 @@ impl Config {
                     kind: IoEngineKind::parse(&self.disk.engine).unwrap_or_default(),
                     queue_depth: self.disk.queue_depth,
                     sqpoll: self.disk.sqpoll,
-                    fixed_buffers: Vec::new(),
+                    ..Default::default()
                 },
                 policy: PolicyKind::parse(&self.disk.policy).unwrap_or_default(),
                 admission: Admission::parse(&self.disk.admission).unwrap_or_default(),
@@ -558,6 +561,7 @@ mod tests {
             "max_clients",
             "reservation_ttl_ms",
             "max_keys",
+            "max_watchers",
             "load_wait_ms",
             "verify_reads",
             "data_dir",

@@ -69,6 +69,8 @@ pub struct Daemon {
     pub ipc_clients: AtomicU64,
     /// Engine requests answered with an error.
     pub ipc_errors: AtomicU64,
+    /// Admin Watch streams open now (bounded by server.max_watchers).
+    pub watchers: AtomicU64,
     latency: Mutex<HashMap<&'static str, Histogram<u64>>>,
 }
 
@@ -196,8 +198,19 @@ fn run() -> Result<()> {
         std::fs::remove_file(&socket)
             .with_context(|| format!("removing the stale socket {}", socket.display()))?;
     }
-    let store: &'static Store =
-        Box::leak(Box::new(cfg.store()?.build().context("opening the store")?));
+    let scfg = cfg.store()?;
+    tracing::info!(
+        host_bytes = scfg.capacity_bytes,
+        disk_bytes = scfg.disk.as_ref().map_or(0, |d| d.capacity_bytes),
+        disk_dir = ?scfg.disk.as_ref().map(|d| d.dir.display().to_string()),
+        "kvtierd starting: opening the store (the host arena is faulted in in the background)"
+    );
+    let opened = Instant::now();
+    let store: &'static Store = Box::leak(Box::new(scfg.build().context("opening the store")?));
+    tracing::info!(
+        secs = format!("{:.2}", opened.elapsed().as_secs_f64()),
+        "store open"
+    );
     let ipc = UnixListener::bind(&socket)
         .with_context(|| format!("binding the engine socket {}", socket.display()))?;
     // Whoever connects gets the whole arena: owner and group only.
@@ -218,6 +231,7 @@ fn run() -> Result<()> {
         stop: AtomicBool::new(false),
         ipc_clients: AtomicU64::new(0),
         ipc_errors: AtomicU64::new(0),
+        watchers: AtomicU64::new(0),
         latency: Mutex::new(HashMap::new()),
     });
     rt.block_on(async {

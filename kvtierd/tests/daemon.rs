@@ -533,3 +533,94 @@ fn a_client_cannot_resize_the_arena_under_the_daemon() {
     assert_eq!(get_all(&mut good, 0..8), 8);
     assert!(d.term().success());
 }
+
+#[test]
+fn watch_streams_are_capped() {
+    let d = Kvtierd::start("watchers", &["--set", "server.max_watchers=2"], true);
+    rt().block_on(async {
+        let mut c = AdminClient::connect(format!("http://{}", d.grpc))
+            .await
+            .unwrap();
+        let a = c.watch(pb::WatchRequest {}).await.unwrap().into_inner();
+        let b = c.watch(pb::WatchRequest {}).await.unwrap().into_inner();
+        let e = c.watch(pb::WatchRequest {}).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
+        assert!(e.message().contains("max_watchers"), "{}", e.message());
+        drop((a, b));
+        // The watch threads notice their streams closed within their poll interval.
+        let mut ok = false;
+        for _ in 0..50 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if c.watch(pb::WatchRequest {}).await.is_ok() {
+                ok = true;
+                break;
+            }
+        }
+        assert!(ok, "closed watches were never counted down");
+    });
+}
+
+/// A writer stalled past its reservation's TTL still has the slot mapped. If it writes after
+/// the slot went to another block, that block's bytes no longer match its commit checksum:
+/// every reader sees a miss (never the damaged bytes), it is never written to disk, and the
+/// late commit is refused.
+#[test]
+fn a_late_writer_into_an_expired_slot_damages_nothing_that_is_served() {
+    let d = Kvtierd::start(
+        "late-writer",
+        &["--set", "server.reservation_ttl_ms=300"],
+        true,
+    );
+    let mut stale = d.client();
+    let ns = stale.register_namespace(&namespace()).unwrap();
+    let len = data(1).len() as u32;
+    let slots = stale.reserve(ns, &[key(1)], &[len]).unwrap();
+    let SlotStatus::Slot { token, offset } = slots[0] else {
+        panic!("{slots:?}")
+    };
+    // The stalled writer does nothing past the TTL; the daemon reclaims the slot.
+    std::thread::sleep(Duration::from_millis(700));
+    stale.stats().unwrap(); // any request lets its connection expire the reservation
+    let mut good = d.client();
+    // The freed slot goes to another engine's block (same size class, the only free slot
+    // reused first).
+    let len2 = data(2).len() as u32;
+    let slots = good.reserve(ns, &[key(2)], &[len2]).unwrap();
+    let SlotStatus::Slot {
+        token: t2,
+        offset: o2,
+    } = slots[0]
+    else {
+        panic!("{slots:?}")
+    };
+    assert_eq!(o2, offset, "the test needs the slot to be reused");
+    good.write(t2, &data(2)).unwrap();
+    assert_eq!(good.commit(&[t2]).unwrap().committed, 1);
+    // Now the stalled writer wakes up and writes its block into the slot it still maps.
+    stale.write(token, &data(1)).unwrap();
+    let r = stale.commit(&[token]).unwrap();
+    assert_eq!((r.committed, r.expired), (0, vec![token]));
+    // Block 2's bytes were overwritten: a reader gets an error saying so, never the bytes.
+    let mut reader = d.client();
+    let l = reader
+        .load(&[key(2)], Duration::from_secs(10), None)
+        .unwrap();
+    assert_eq!(l.n, 1);
+    let mut buf = vec![0u8; len2 as usize];
+    let e = reader.read(&l, 0, &mut buf).unwrap_err();
+    assert!(e.to_string().contains("checksum"), "{e}");
+    reader.release(l.lease.unwrap()).unwrap();
+    // It is never written to disk: a clean shutdown flushes, and after the restart it is gone.
+    assert!(d.term().success());
+    let d = Kvtierd::start(
+        "late-writer",
+        &["--set", "server.reservation_ttl_ms=300"],
+        false,
+    );
+    let mut c = d.client();
+    assert_eq!(
+        c.lookup(&[key(2)], None).unwrap().n,
+        0,
+        "damaged block reached disk"
+    );
+}

@@ -375,12 +375,41 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 
+    #[test]
+    fn a_crash_between_checkpoint_write_and_rename_keeps_the_old_journal() {
+        let dir = tempdir();
+        let p = dir.join("journal.kvj");
+        let mut j = Journal::create(&p, 5).unwrap();
+        j.append(&[rec(1), rec(2)]).unwrap();
+        j.sync().unwrap();
+        drop(j);
+        // What a checkpoint that died before its rename leaves: a complete or partial
+        // journal.tmp beside the journal.
+        let tmp = p.with_extension("tmp");
+        std::fs::write(&tmp, &std::fs::read(&p).unwrap()[..100]).unwrap();
+        let (mut j, inst, recs, bad) = Journal::open(&p).unwrap();
+        assert_eq!((inst, recs, bad), (5, vec![rec(1), rec(2)], 0));
+        // The next checkpoint replaces the leftover and the journal.
+        j.rewrite(5, &[rec(2)]).unwrap();
+        assert!(!tmp.exists());
+        let (_, _, recs, _) = Journal::open(&p).unwrap();
+        assert_eq!(recs, vec![rec(2)]);
+        // A creation that died before its rename leaves journal.new and no journal.
+        std::fs::remove_file(&p).unwrap();
+        std::fs::write(p.with_extension("new"), b"half").unwrap();
+        Journal::create(&p, 6).unwrap();
+        assert!(!p.with_extension("new").exists());
+        assert_eq!(Journal::open(&p).unwrap().1, 6);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
     fn tempdir() -> PathBuf {
         let d = std::env::temp_dir().join(format!(
             "kvtier-journal-{}-{:?}",
             std::process::id(),
             std::thread::current().id()
         ));
+        // Each test runs on its own thread: its own directory.
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
         d

@@ -716,6 +716,10 @@ impl LowerTier for DiskTier {
         DiskTier::checkpoint(self)
     }
 
+    fn register_memory(&self, regions: Vec<(usize, usize)>) {
+        self.engine.read().register_buffers(regions);
+    }
+
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }

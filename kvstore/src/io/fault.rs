@@ -103,6 +103,10 @@ impl IoEngine for FaultEngine {
         self.inner.queue_depth()
     }
 
+    fn register_buffers(&self, regions: Vec<(usize, usize)>) {
+        self.inner.register_buffers(regions);
+    }
+
     fn submit(&self, reqs: Vec<IoReq>, done: Sender<IoDone>) {
         let mut forward = Vec::new();
         let mut memo: HashMap<u64, (u64, u32, Action)> = HashMap::new();

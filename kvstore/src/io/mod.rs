@@ -116,6 +116,10 @@ pub trait IoEngine: Send + Sync {
     fn queue_depth(&self) -> u32;
     /// Queues requests; each completion is sent to `done` (in any order).
     fn submit(&self, reqs: Vec<IoReq>, done: Sender<IoDone>);
+    /// Registers memory regions for faster I/O (io_uring fixed buffers), in the background;
+    /// a no-op for engines without such a notion. The regions must stay mapped for the
+    /// engine's life.
+    fn register_buffers(&self, _regions: Vec<(usize, usize)>) {}
 }
 
 /// Checks O_DIRECT alignment rules; engines complete a bad request with this error unsent.
@@ -180,6 +184,9 @@ pub struct IoConfig {
     /// io_uring: memory regions to register as fixed buffers (e.g. the host arena). Requests
     /// whose buffer lies inside one use READ_FIXED / WRITE_FIXED.
     pub fixed_buffers: Vec<(usize, usize)>,
+    /// Do not register `fixed_buffers` at open (registering pins, and so faults in, every
+    /// page): the owner calls [`IoEngine::register_buffers`] once the memory is populated.
+    pub defer_fixed_buffers: bool,
 }
 
 impl Default for IoConfig {
@@ -189,6 +196,7 @@ impl Default for IoConfig {
             queue_depth: 32,
             sqpoll: false,
             fixed_buffers: Vec::new(),
+            defer_fixed_buffers: false,
         }
     }
 }

@@ -15,9 +15,63 @@ use super::{check, IoConfig, IoDone, IoEngine, IoKind, IoReq};
 
 type Batch = (Vec<IoReq>, Sender<IoDone>);
 
+/// What the ring's thread is asked to do.
+enum Msg {
+    Batch(Batch),
+    /// Register these regions as fixed buffers (once; later requests inside them use
+    /// READ_FIXED / WRITE_FIXED).
+    Register(Vec<(usize, usize)>),
+}
+
+/// Splits regions into iovecs of at most 1 GiB each (the kernel's limit per fixed buffer).
+fn split_regions(regions: &[(usize, usize)]) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    for &(start, len) in regions {
+        let mut off = 0;
+        while off < len {
+            let l = (len - off).min(1 << 30);
+            out.push((start + off, l));
+            off += l;
+        }
+    }
+    out
+}
+
+/// Registers regions as the ring's fixed buffers; the regions registered (none on failure).
+fn register(ring: &IoUring, regions: &[(usize, usize)]) -> Vec<(usize, usize)> {
+    let regions = split_regions(regions);
+    let iovecs: Vec<libc::iovec> = regions
+        .iter()
+        .map(|&(s, l)| libc::iovec {
+            iov_base: s as *mut libc::c_void,
+            iov_len: l,
+        })
+        .collect();
+    if iovecs.is_empty() || iovecs.len() > u16::MAX as usize {
+        return Vec::new();
+    }
+    let start = std::time::Instant::now();
+    // SAFETY: the regions are memory the caller keeps mapped for the engine's life (the host
+    // arena, which outlives the store's engine: `IoEngine::register_buffers`'s contract).
+    match unsafe { ring.submitter().register_buffers(&iovecs) } {
+        Ok(()) => {
+            tracing::info!(
+                regions = regions.len(),
+                secs = format!("{:.2}", start.elapsed().as_secs_f64()),
+                "io_uring: host arena registered as fixed buffers"
+            );
+            regions
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "io_uring: fixed buffers not registered (RLIMIT_MEMLOCK?); using plain reads/writes");
+            Vec::new()
+        }
+    }
+}
+
 /// The io_uring engine.
 pub struct UringEngine {
-    tx: Option<Sender<Batch>>,
+    tx: Option<Sender<Msg>>,
     thread: Option<JoinHandle<()>>,
     qd: u32,
 }
@@ -33,37 +87,14 @@ impl UringEngine {
         let ring = builder.build(entries)?;
         let fds: Vec<i32> = files.iter().map(|f| f.as_raw_fd()).collect();
         ring.submitter().register_files(&fds)?;
-        // Fixed buffers: at most 1 GiB each, so split large regions.
-        let mut regions = Vec::new();
-        for &(start, len) in &cfg.fixed_buffers {
-            let mut off = 0;
-            while off < len {
-                let l = (len - off).min(1 << 30);
-                regions.push((start + off, l));
-                off += l;
-            }
-        }
-        let iovecs: Vec<libc::iovec> = regions
-            .iter()
-            .map(|&(s, l)| libc::iovec {
-                iov_base: s as *mut libc::c_void,
-                iov_len: l,
-            })
-            .collect();
-        let fixed = if iovecs.is_empty() || iovecs.len() > u16::MAX as usize {
+        // Registering pins (and faults in) the regions: with `defer_fixed_buffers` that is
+        // left for `register_buffers`, later, on the ring's own thread.
+        let fixed = if cfg.defer_fixed_buffers {
             Vec::new()
         } else {
-            // SAFETY: the regions are memory the caller keeps mapped for the engine's life
-            // (the host arena, which outlives the store's engine).
-            match unsafe { ring.submitter().register_buffers(&iovecs) } {
-                Ok(()) => regions,
-                Err(e) => {
-                    tracing::warn!(error = %e, "io_uring: fixed buffers not registered (RLIMIT_MEMLOCK?); using plain reads/writes");
-                    Vec::new()
-                }
-            }
+            register(&ring, &cfg.fixed_buffers)
         };
-        let (tx, rx) = crossbeam_channel::unbounded::<Batch>();
+        let (tx, rx) = crossbeam_channel::unbounded::<Msg>();
         let thread = std::thread::Builder::new()
             .name("kvtier-uring".into())
             .spawn(move || Worker::new(ring, files, fixed, qd).run(rx))?;
@@ -87,7 +118,9 @@ impl IoEngine for UringEngine {
 
     fn submit(&self, reqs: Vec<IoReq>, done: Sender<IoDone>) {
         if let Some(tx) = &self.tx {
-            if let Err(crossbeam_channel::SendError((reqs, done))) = tx.send((reqs, done)) {
+            if let Err(crossbeam_channel::SendError(Msg::Batch((reqs, done)))) =
+                tx.send(Msg::Batch((reqs, done)))
+            {
                 for req in reqs {
                     let _ = done.send(IoDone {
                         req,
@@ -95,6 +128,12 @@ impl IoEngine for UringEngine {
                     });
                 }
             }
+        }
+    }
+
+    fn register_buffers(&self, regions: Vec<(usize, usize)>) {
+        if let Some(tx) = &self.tx {
+            let _ = tx.send(Msg::Register(regions));
         }
     }
 }
@@ -148,6 +187,19 @@ impl Worker {
         self.qd - self.free.len()
     }
 
+    fn take(&mut self, m: Msg) {
+        match m {
+            Msg::Batch(b) => self.take_batch(b),
+            Msg::Register(regions) => {
+                if self.fixed.is_empty() {
+                    // Requests in flight keep using plain reads/writes until they complete;
+                    // the kernel quiesces the ring for the registration.
+                    self.fixed = register(&self.ring, &regions);
+                }
+            }
+        }
+    }
+
     fn take_batch(&mut self, (reqs, done): Batch) {
         for req in reqs {
             if let Err(e) = check(&req, self.nfiles) {
@@ -161,7 +213,7 @@ impl Worker {
         }
     }
 
-    fn run(mut self, rx: Receiver<Batch>) {
+    fn run(mut self, rx: Receiver<Msg>) {
         let mut open = true;
         loop {
             if self.inflight() == 0 && self.pending.is_empty() {
@@ -169,13 +221,13 @@ impl Worker {
                     return;
                 }
                 match rx.recv() {
-                    Ok(b) => self.take_batch(b),
+                    Ok(m) => self.take(m),
                     Err(_) => return,
                 }
             }
             while open {
                 match rx.try_recv() {
-                    Ok(b) => self.take_batch(b),
+                    Ok(m) => self.take(m),
                     Err(TryRecvError::Empty) => break,
                     Err(TryRecvError::Disconnected) => open = false,
                 }

@@ -262,6 +262,9 @@ impl Store {
             (Admission::Always, false, 256 << 20);
         if let Some(mut d) = cfg.disk.take() {
             d.io.fixed_buffers = vec![(arena.base() as usize, arena.len())];
+            // Registering the arena with io_uring faults all of it in: with background
+            // population that waits until the populator is done.
+            d.io.defer_fixed_buffers = cfg.populate == Populate::Background;
             admission = d.admission;
             write_through = d.write_through;
             max_batch_bytes = d.max_batch_bytes.max(1);
@@ -557,5 +560,7 @@ impl Inner {
     }
 }
 
+#[cfg(test)]
+mod protocol_tests;
 #[cfg(test)]
 mod tests;

@@ -408,6 +408,12 @@ impl Inner {
             let done = self.populated.fetch_add(1, Relaxed) + 1;
             self.progress.bump();
             let frac = f64::from(done) / f64::from(self.n_segments);
+            if done == self.n_segments {
+                // Now the whole arena is resident: register it for the lower tiers' I/O.
+                for t in &self.tiers {
+                    t.register_memory(vec![(self.arena.base() as usize, self.arena.len())]);
+                }
+            }
             if frac >= next_log || done == self.n_segments {
                 next_log += 0.1;
                 tracing::info!(
