@@ -9,11 +9,17 @@ use std::time::Duration;
 use anyhow::{bail, ensure, Context, Result};
 use kvstore::io::{IoConfig, IoEngineKind};
 use kvstore::{Admission, DiskConfig, PolicyKind, Populate, StoreConfig};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// A byte size: an integer or a string like "4G".
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Size(pub u64);
+
+impl Serialize for Size {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(self.0)
+    }
+}
 
 impl<'de> Deserialize<'de> for Size {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -54,7 +60,7 @@ pub fn parse_size(s: &str) -> Result<u64> {
 }
 
 /// The whole configuration.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     /// Where the disk tier and the engine socket live.
@@ -82,7 +88,7 @@ impl Default for Config {
 }
 
 /// `[host]`
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct HostSection {
     /// Bytes of shared host memory for blocks; default min(25% of RAM, 8 GiB).
@@ -119,7 +125,7 @@ impl Default for HostSection {
 }
 
 /// `[disk]`
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DiskSection {
     /// Whether the disk tier is on.
@@ -165,7 +171,7 @@ impl Default for DiskSection {
 }
 
 /// `[server]`
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ServerSection {
     /// Engine socket; default `<data_dir>/kvtierd.sock`.
@@ -211,18 +217,32 @@ impl Default for ServerSection {
     }
 }
 
-/// Sets `path = value` in a TOML table, guessing the value's type like TOML would.
-fn set_path(table: &mut toml::Table, path: &[&str], raw: &str, origin: &str) -> Result<()> {
-    let value = if let Ok(i) = raw.parse::<i64>() {
-        toml::Value::Integer(i)
-    } else if let Ok(b) = raw.parse::<bool>() {
-        toml::Value::Boolean(b)
-    } else if raw.starts_with('[') {
-        let t: toml::Table = toml::from_str(&format!("v = {raw}"))
-            .with_context(|| format!("{origin}: {raw:?} is not a TOML array"))?;
-        t["v"].clone()
-    } else {
-        toml::Value::String(raw.to_string())
+/// Sets `path = raw` in a TOML table, typed as the key is: a key whose default is a string
+/// (an address, a token, a name) takes `raw` verbatim, so `[::1]:7070` or a numeric token stay
+/// strings; any other key takes `raw` as a TOML value (`8`, `true`, `[64K, 2M]`, `"4G"`), and a
+/// bare word where TOML sees none (`4G`) as a string.
+fn set_path(
+    table: &mut toml::Table,
+    defaults: &toml::Table,
+    path: &[&str],
+    raw: &str,
+    origin: &str,
+) -> Result<()> {
+    let mut d: Option<&toml::Value> = None;
+    let mut t = Some(defaults);
+    for p in path {
+        d = t.and_then(|t| t.get(*p));
+        t = d.and_then(|v| v.as_table());
+    }
+    let value = match d {
+        Some(toml::Value::String(_)) => toml::Value::String(raw.to_string()),
+        _ => match toml::from_str::<toml::Table>(&format!("v = {raw}")) {
+            Ok(t) => t["v"].clone(),
+            Err(_) if raw.starts_with('[') || raw.starts_with('{') => {
+                bail!("{origin}: {raw:?} is not a TOML value")
+            }
+            Err(_) => toml::Value::String(raw.to_string()),
+        },
     };
     let (last, parents) = path.split_last().context("empty key")?;
     let mut t = table;
@@ -261,6 +281,8 @@ pub fn load(src: Sources<'_>) -> Result<Config> {
         }
         None => toml::Table::new(),
     };
+    let defaults = toml::Table::try_from(Config::default())
+        .context("serializing the default configuration")?;
     for (k, v) in &src.env {
         let Some(name) = k.strip_prefix("KVTIERD_") else {
             continue;
@@ -270,14 +292,20 @@ pub fn load(src: Sources<'_>) -> Result<Config> {
             Some((sec, rest)) if SECTIONS.contains(&sec) => vec![sec, rest],
             _ => vec![name.as_str()],
         };
-        set_path(&mut table, &path, v, &format!("environment variable {k}"))?;
+        set_path(
+            &mut table,
+            &defaults,
+            &path,
+            v,
+            &format!("environment variable {k}"),
+        )?;
     }
     for s in &src.sets {
         let (k, v) = s
             .split_once('=')
             .with_context(|| format!("--set {s:?}: expected section.key=value"))?;
         let path: Vec<&str> = k.trim().split('.').collect();
-        set_path(&mut table, &path, v.trim(), &format!("--set {k}"))?;
+        set_path(&mut table, &defaults, &path, v.trim(), &format!("--set {k}"))?;
     }
     let cfg = Config::deserialize(toml::Value::Table(table))
         .map_err(|e| anyhow::anyhow!("invalid configuration: {e}"))?;
@@ -523,6 +551,41 @@ mod tests {
         let c = load_with("", &[], &["host.segment=0", "host.capacity=1G"]).unwrap();
         let e = format!("{:#}", c.store().unwrap_err());
         assert!(e.contains("host.segment"), "{e}");
+    }
+
+    #[test]
+    fn env_and_flags_type_values_as_the_toml_file_does() {
+        // Values a TOML file takes must be taken from --set and the environment too.
+        let c = load_with(
+            "",
+            &[("KVTIERD_SERVER_TOKEN", "12345")],
+            &[
+                "server.grpc=[::1]:0",
+                "server.metrics=127.0.0.1:0",
+                "host.size_classes=[65536, \"2M\"]",
+                "disk.queue_depth=64",
+                "disk.write_through=true",
+                "host.capacity=4G",
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.server.token, "12345");
+        assert_eq!(c.server.grpc, "[::1]:0");
+        assert_eq!(c.host.size_classes, vec![Size(65536), Size(2 << 20)]);
+        assert_eq!(c.disk.queue_depth, 64);
+        assert!(c.disk.write_through);
+        assert_eq!(c.host.capacity, Some(Size(4 << 30)));
+        // A wrong type still names the key and where it came from.
+        let e = format!(
+            "{:#}",
+            load_with("", &[], &["disk.queue_depth=lots"]).unwrap_err()
+        );
+        assert!(e.contains("queue_depth"), "{e}");
+        let e = format!(
+            "{:#}",
+            load_with("", &[], &["host.size_classes=[1,"]).unwrap_err()
+        );
+        assert!(e.contains("size_classes") && e.contains("--set"), "{e}");
     }
 
     #[test]
