@@ -49,9 +49,10 @@ fn start(token: Option<&str>) -> Daemon {
         "--set",
         "log=warn",
     ]);
-    if let Some(t) = token {
-        cmd.args(["--set", &format!("server.token={t}")]);
-    }
+    match token {
+        Some(t) => cmd.args(["--set", &format!("server.token={t}")]),
+        None => cmd.args(["--set", "server.allow_unauthenticated_admin=true"]),
+    };
     let mut child = cmd.stdout(Stdio::piped()).spawn().unwrap();
     let mut line = String::new();
     std::io::BufReader::new(child.stdout.take().unwrap())

@@ -23,6 +23,11 @@ pub enum KeyError {
     /// A namespace field is invalid.
     #[error("invalid namespace: {0}")]
     BadNamespace(String),
+    /// The store's namespace table is full.
+    #[error(
+        "the namespace table is full ({0} namespaces): clear namespaces that are no longer used"
+    )]
+    TableFull(usize),
 }
 
 /// Errors of the host arena and store configuration.

@@ -65,6 +65,19 @@ pub fn same(a: &[u8], b: &[u8]) -> bool {
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::BlockEvent, Status>> + Send>>;
 
+impl AdminService {
+    /// Admin writes (pin, unpin, clear) need a token unless the operator allowed otherwise.
+    fn write_allowed(&self) -> Result<(), Status> {
+        let s = &self.d.cfg.server;
+        if s.token.is_empty() && !s.allow_unauthenticated_admin {
+            return Err(Status::permission_denied(
+                "admin writes (pin, unpin, clear) need server.token (clients send it as a bearer token), or server.allow_unauthenticated_admin = true",
+            ));
+        }
+        Ok(())
+    }
+}
+
 #[tonic::async_trait]
 impl Admin for AdminService {
     async fn health(
@@ -168,8 +181,9 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::ClearRequest>,
     ) -> Result<Response<pb::ClearReply>, Status> {
+        self.write_allowed()?;
         let id = req.get_ref().namespace_id;
-        if id as usize >= self.d.store.namespaces().len() {
+        if !self.d.store.has_namespace(NsId(id)) {
             return Err(Status::not_found(format!(
                 "namespace {id} is not registered"
             )));
@@ -185,8 +199,23 @@ impl Admin for AdminService {
     }
 
     async fn pin(&self, req: Request<pb::PinRequest>) -> Result<Response<pb::PinReply>, Status> {
+        self.write_allowed()?;
         let r = req.get_ref();
+        let max_keys = self.d.cfg.server.max_keys as usize;
+        if r.keys.len() > max_keys {
+            return Err(Status::invalid_argument(format!(
+                "{} keys in one request; the limit is {max_keys} (server.max_keys)",
+                r.keys.len()
+            )));
+        }
         let ks = keys(&r.keys)?;
+        let max = self.d.cfg.server.max_admin_pinned;
+        let pinned: u64 = self.d.admin_leases.lock().values().sum();
+        if pinned + ks.len() as u64 > max {
+            return Err(Status::resource_exhausted(format!(
+                "admin pins hold {pinned} blocks; the limit is {max} (server.max_admin_pinned): unpin some first"
+            )));
+        }
         let ttl = if r.ttl_ms == 0 {
             self.d.cfg.lease_ttl()
         } else {
@@ -197,6 +226,9 @@ impl Admin for AdminService {
             .store
             .lease(&ks, ttl)
             .map_err(|e| Status::resource_exhausted(e.to_string()))?;
+        if let Some(id) = lease.id {
+            self.d.admin_leases.lock().insert(id.0, lease.n as u64);
+        }
         Ok(Response::new(pb::PinReply {
             lease_id: lease.id.map_or(0, |i| i.0),
             n: lease.n as u32,
@@ -207,8 +239,14 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::UnpinRequest>,
     ) -> Result<Response<pb::UnpinReply>, Status> {
+        self.write_allowed()?;
+        let id = req.get_ref().lease_id;
+        // Only pins made through this API: an engine's leases are its own.
+        if self.d.admin_leases.lock().remove(&id).is_none() {
+            return Ok(Response::new(pb::UnpinReply { released: false }));
+        }
         Ok(Response::new(pb::UnpinReply {
-            released: self.d.store.release(LeaseId(req.get_ref().lease_id)),
+            released: self.d.store.release(LeaseId(id)),
         }))
     }
 

@@ -194,6 +194,18 @@ pub struct ServerSection {
     pub max_keys: u32,
     /// Most admin Watch streams open at once.
     pub max_watchers: u32,
+    /// A connection must send Hello within this long, milliseconds.
+    pub hello_timeout_ms: u64,
+    /// Bytes of engine frames being received at once, over every connection.
+    pub max_inflight_frame_bytes: Size,
+    /// Most blocks one engine connection may hold pinned by its leases.
+    pub max_pinned_per_connection: u64,
+    /// Most namespaces one engine connection may register.
+    pub max_namespaces_per_connection: u32,
+    /// Admin writes (pin, unpin, clear) without a token: only when set explicitly.
+    pub allow_unauthenticated_admin: bool,
+    /// Most blocks pinned through the admin API at once.
+    pub max_admin_pinned: u64,
     /// Longest an engine's Load waits for blocks being promoted from a lower tier (and a
     /// save for room being written back), milliseconds.
     pub load_wait_ms: u64,
@@ -212,6 +224,12 @@ impl Default for ServerSection {
             max_clients: 256,
             max_keys: 65_536,
             max_watchers: 16,
+            hello_timeout_ms: 5_000,
+            max_inflight_frame_bytes: Size(64 << 20),
+            max_pinned_per_connection: 1 << 20,
+            max_namespaces_per_connection: 64,
+            allow_unauthenticated_admin: false,
+            max_admin_pinned: 1 << 16,
             load_wait_ms: 5_000,
         }
     }
@@ -305,7 +323,13 @@ pub fn load(src: Sources<'_>) -> Result<Config> {
             .split_once('=')
             .with_context(|| format!("--set {s:?}: expected section.key=value"))?;
         let path: Vec<&str> = k.trim().split('.').collect();
-        set_path(&mut table, &defaults, &path, v.trim(), &format!("--set {k}"))?;
+        set_path(
+            &mut table,
+            &defaults,
+            &path,
+            v.trim(),
+            &format!("--set {k}"),
+        )?;
     }
     let cfg = Config::deserialize(toml::Value::Table(table))
         .map_err(|e| anyhow::anyhow!("invalid configuration: {e}"))?;
@@ -367,6 +391,15 @@ impl Config {
             "server.max_clients must be positive"
         );
         ensure!(self.server.max_keys > 0, "server.max_keys must be positive");
+        ensure!(
+            self.server.hello_timeout_ms > 0,
+            "server.hello_timeout_ms must be positive"
+        );
+        ensure!(
+            self.server.max_inflight_frame_bytes.0 >= kvtier_ipc::MAX_FRAME as u64,
+            "server.max_inflight_frame_bytes must hold at least one whole frame ({} bytes)",
+            kvtier_ipc::MAX_FRAME
+        );
         Ok(())
     }
 
@@ -625,6 +658,12 @@ mod tests {
             "reservation_ttl_ms",
             "max_keys",
             "max_watchers",
+            "hello_timeout_ms",
+            "max_inflight_frame_bytes",
+            "max_pinned_per_connection",
+            "max_namespaces_per_connection",
+            "allow_unauthenticated_admin",
+            "max_admin_pinned",
             "load_wait_ms",
             "verify_reads",
             "data_dir",

@@ -21,6 +21,8 @@ use crate::Daemon;
 const MAX_RESERVATIONS: usize = 1 << 16;
 /// Most leases one connection may hold (the store's max_leases bounds all of them together).
 const MAX_CONN_LEASES: usize = 1 << 12;
+/// Frames up to this size are not counted against server.max_inflight_frame_bytes.
+const SMALL_FRAME: usize = 64 << 10;
 /// Expired reservation tokens remembered per connection, to answer a late commit with an
 /// error instead of "unknown".
 const EXPIRED_MEMORY: usize = 1 << 12;
@@ -31,26 +33,59 @@ pub fn serve(listener: UnixListener, d: Arc<Daemon>) {
         tracing::error!(error = %e, "engine socket: cannot poll for shutdown");
     }
     let mut workers = Vec::new();
+    let max_pending = pending_cap(&d);
     while !d.stopping() {
         match listener.accept() {
             Ok((stream, _)) => {
-                if d.ipc_clients.load(Relaxed) >= u64::from(d.cfg.server.max_clients) {
-                    tracing::warn!("engine socket: connection refused, max_clients reached");
+                // Connections that have not said Hello have their own, smaller cap (and a
+                // handshake deadline), so idle sockets cannot lock engines out.
+                let refuse = if d.ipc_pending.load(Relaxed) >= max_pending {
+                    Some("too many connections that have not sent Hello; try again")
+                } else if d.ipc_clients.load(Relaxed) + d.ipc_pending.load(Relaxed)
+                    >= u64::from(d.cfg.server.max_clients)
+                {
+                    Some("too many clients: raise server.max_clients")
+                } else {
+                    None
+                };
+                if let Some(why) = refuse {
+                    tracing::warn!("engine socket: connection refused: {why}");
                     let _ = stream.set_nonblocking(false);
-                    let _ = write_frame(
-                        &mut &stream,
-                        &error_response(0, "too many clients: raise server.max_clients"),
-                    );
+                    let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
+                    let _ = write_frame(&mut &stream, &error_response(0, why));
                     continue;
                 }
                 let d = d.clone();
-                d.ipc_clients.fetch_add(1, Relaxed);
-                workers.push(std::thread::spawn(move || {
-                    if let Err(e) = Conn::new(&d, stream).and_then(Conn::run) {
-                        tracing::debug!(error = %e, "engine connection ended");
+                d.ipc_pending.fetch_add(1, Relaxed);
+                let spawned = std::thread::Builder::new()
+                    .name("kvtierd-conn".into())
+                    .spawn({
+                        let d = d.clone();
+                        move || {
+                            let mut said_hello = false;
+                            match Conn::new(&d, stream) {
+                                Ok(mut c) => {
+                                    if let Err(e) = c.run() {
+                                        tracing::debug!(error = %e, "engine connection ended");
+                                    }
+                                    said_hello = c.hello;
+                                }
+                                Err(e) => tracing::debug!(error = %e, "engine connection failed"),
+                            }
+                            if said_hello {
+                                d.ipc_clients.fetch_sub(1, Relaxed);
+                            } else {
+                                d.ipc_pending.fetch_sub(1, Relaxed);
+                            }
+                        }
+                    });
+                match spawned {
+                    Ok(h) => workers.push(h),
+                    Err(e) => {
+                        d.ipc_pending.fetch_sub(1, Relaxed);
+                        tracing::warn!(error = %e, "engine socket: cannot start a connection thread");
                     }
-                    d.ipc_clients.fetch_sub(1, Relaxed);
-                }));
+                }
                 workers.retain(|w| !w.is_finished());
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
@@ -66,6 +101,11 @@ pub fn serve(listener: UnixListener, d: Arc<Daemon>) {
     for w in workers {
         let _ = w.join();
     }
+}
+
+/// Connections allowed at once before their Hello.
+fn pending_cap(d: &Daemon) -> u64 {
+    (u64::from(d.cfg.server.max_clients) / 4).max(4)
 }
 
 fn error_response(id: u64, msg: &str) -> pb::Response {
@@ -96,7 +136,13 @@ struct Conn<'d> {
     expired: std::collections::VecDeque<u64>,
     /// Their bytes (bounded to half the host tier per connection).
     reserved_bytes: u64,
-    leases: HashSet<u64>,
+    /// Leases held, with the blocks each pins.
+    leases: HashMap<u64, u64>,
+    /// Blocks pinned by those leases.
+    pinned: u64,
+    /// Namespace ids this connection registered.
+    namespaces: HashSet<u32>,
+    connected: Instant,
 }
 
 impl<'d> Conn<'d> {
@@ -114,7 +160,10 @@ impl<'d> Conn<'d> {
             reservations: HashMap::new(),
             expired: std::collections::VecDeque::new(),
             reserved_bytes: 0,
-            leases: HashSet::new(),
+            leases: HashMap::new(),
+            pinned: 0,
+            namespaces: HashSet::new(),
+            connected: Instant::now(),
         })
     }
 
@@ -182,9 +231,17 @@ impl<'d> Conn<'d> {
         }
     }
 
-    fn run(mut self) -> io::Result<()> {
+    fn run(&mut self) -> io::Result<()> {
+        let hello_timeout = Duration::from_millis(self.d.cfg.server.hello_timeout_ms);
         loop {
             if self.d.stopping() {
+                return Ok(());
+            }
+            if !self.hello && self.connected.elapsed() > hello_timeout {
+                let _ = write_frame(
+                    &mut &self.stream,
+                    &error_response(0, "no Hello within server.hello_timeout_ms: closing"),
+                );
                 return Ok(());
             }
             self.expire_reservations();
@@ -204,8 +261,29 @@ impl<'d> Conn<'d> {
                 let _ = write_frame(&mut &self.stream, &error_response(0, &msg));
                 return Ok(());
             }
+            // Frames in flight across all connections are bounded in bytes: clients that
+            // each start an 8 MiB frame and trickle it cannot pin the daemon's memory.
+            // Small frames (every Hello, lookups of a few hundred keys) always get in: only
+            // large ones count against the budget.
+            let budget = self.d.cfg.server.max_inflight_frame_bytes.0;
+            let counted = if len > SMALL_FRAME { len as u64 } else { 0 };
+            if self
+                .d
+                .frame_bytes
+                .fetch_update(Relaxed, Relaxed, |b| {
+                    (b + counted <= budget).then_some(b + counted)
+                })
+                .is_err()
+            {
+                self.d.ipc_errors.fetch_add(1, Relaxed);
+                let msg = "the daemon is receiving too many large frames now (server.max_inflight_frame_bytes): retry";
+                let _ = write_frame(&mut &self.stream, &error_response(0, msg));
+                return Ok(());
+            }
             let mut body = vec![0u8; len];
-            self.read_full(&mut body, false)?;
+            let got = self.read_full(&mut body, false);
+            self.d.frame_bytes.fetch_sub(counted, Relaxed);
+            got?;
             let req = match pb::Request::decode(&body[..]) {
                 Ok(r) => r,
                 Err(e) => {
@@ -268,23 +346,37 @@ impl<'d> Conn<'d> {
                 send_with_fd(&self.stream, &frame, store.arena().fd().as_raw_fd())
                     .map_err(|e| e.to_string())?;
                 self.hello = true;
+                self.d.ipc_pending.fetch_sub(1, Relaxed);
+                self.d.ipc_clients.fetch_add(1, Relaxed);
                 tracing::info!(client = %h.client, "engine connected");
                 return Ok(None);
             }
             request::Body::RegisterNamespace(r) => {
                 let ns = Namespace::decode(&r.encoded).map_err(|e| e.to_string())?;
-                let id = store.register_namespace(&ns).map_err(|e| e.to_string())?;
+                let max = self.d.cfg.server.max_namespaces_per_connection as usize;
+                let id = self.d.register_namespace(&ns, |id| {
+                    if self.namespaces.contains(&id.0) || self.namespaces.len() < max {
+                        Ok(())
+                    } else {
+                        Err(format!(
+                            "this connection registered {max} namespaces already (server.max_namespaces_per_connection)"
+                        ))
+                    }
+                })?;
+                if self.namespaces.insert(id.0) {
+                    self.d.hold_namespace(id, true);
+                }
                 response::Body::Namespace(pb::NamespaceReply { id: id.0 })
             }
             request::Body::Lookup(l) => {
                 let ks = self.keys(&l.keys)?;
                 if l.lease {
-                    self.lease_room()?;
+                    self.lease_room(ks.len())?;
                     let lease = store
                         .lease(&ks, self.ttl(l.ttl_ms))
                         .map_err(|e| e.to_string())?;
                     if let Some(id) = lease.id {
-                        self.leases.insert(id.0);
+                        self.hold(id.0, lease.n);
                     }
                     response::Body::Lookup(pb::LookupReply {
                         n: lease.n as u32,
@@ -302,7 +394,7 @@ impl<'d> Conn<'d> {
             }
             request::Body::Load(l) => {
                 let ks = self.keys(&l.keys)?;
-                self.lease_room()?;
+                self.lease_room(ks.len())?;
                 let wait = if l.wait_ms == 0 {
                     self.d.cfg.load_wait()
                 } else {
@@ -312,7 +404,7 @@ impl<'d> Conn<'d> {
                     .load_and_lease(&ks, self.ttl(l.ttl_ms), Instant::now() + wait)
                     .map_err(|e| e.to_string())?;
                 if let Some(id) = lease.id {
-                    self.leases.insert(id.0);
+                    self.hold(id.0, lease.n);
                 }
                 response::Body::Load(pb::LoadReply {
                     n: lease.n as u32,
@@ -418,12 +510,14 @@ impl<'d> Conn<'d> {
                 response::Body::Empty(pb::Empty {})
             }
             request::Body::Release(r) => {
-                if !self.leases.remove(&r.lease_id) {
+                let Some(n) = self.leases.remove(&r.lease_id) else {
                     return Err(format!(
                         "lease {} is not held by this connection",
                         r.lease_id
                     ));
-                }
+                };
+                self.pinned -= n;
+                self.d.leases_held.fetch_sub(1, Relaxed);
                 if !store.release(LeaseId(r.lease_id)) {
                     // It lapsed while the client held it: the slots may have been reused.
                     return Err(format!(
@@ -472,13 +566,34 @@ impl<'d> Conn<'d> {
         Some(r)
     }
 
-    fn lease_room(&self) -> Result<(), String> {
-        if self.leases.len() >= MAX_CONN_LEASES {
+    /// Whether this connection may take one more lease of up to `keys` blocks: at most its
+    /// fair share of the store's leases (max_leases over the engines connected, at least 64),
+    /// at most MAX_CONN_LEASES, and at most `server.max_pinned_per_connection` blocks pinned.
+    fn lease_room(&self, keys: usize) -> Result<(), String> {
+        let engines = self.d.ipc_clients.load(Relaxed).max(1);
+        let share = (self.d.cfg.host.max_leases / engines).clamp(64, MAX_CONN_LEASES as u64);
+        if self.leases.len() as u64 >= share {
+            self.d.lease_refusals.fetch_add(1, Relaxed);
             return Err(format!(
-                "this connection holds {MAX_CONN_LEASES} leases: release some first"
+                "this connection holds {} leases, its share of host.max_leases with {engines} engines connected: release some first",
+                self.leases.len()
+            ));
+        }
+        let max_pinned = self.d.cfg.server.max_pinned_per_connection;
+        if self.pinned + keys as u64 > max_pinned {
+            self.d.lease_refusals.fetch_add(1, Relaxed);
+            return Err(format!(
+                "this connection pins {} blocks and asks for up to {keys} more; the limit is {max_pinned} (server.max_pinned_per_connection): release some first",
+                self.pinned
             ));
         }
         Ok(())
+    }
+
+    fn hold(&mut self, id: u64, n: usize) {
+        self.leases.insert(id, n as u64);
+        self.pinned += n as u64;
+        self.d.leases_held.fetch_add(1, Relaxed);
     }
 
     fn ttl(&self, ms: u64) -> Duration {
@@ -495,8 +610,12 @@ impl Drop for Conn<'_> {
         // Client gone: uncommitted slots are freed (Reservation's drop), leases released.
         let (r, l) = (self.reservations.len(), self.leases.len());
         self.reservations.clear();
-        for id in self.leases.drain() {
+        for (id, _) in self.leases.drain() {
             self.d.store.release(LeaseId(id));
+            self.d.leases_held.fetch_sub(1, Relaxed);
+        }
+        for id in self.namespaces.drain() {
+            self.d.hold_namespace(kvstore::NsId(id), false);
         }
         if r + l > 0 {
             tracing::info!(

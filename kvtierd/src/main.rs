@@ -5,6 +5,7 @@
 mod admin;
 mod config;
 mod ipc_server;
+mod logging;
 mod metrics;
 
 use std::collections::HashMap;
@@ -65,16 +66,70 @@ pub struct Daemon {
     /// Start time.
     pub started: Instant,
     stop: AtomicBool,
-    /// Engine connections now.
+    /// Engine connections now (after their Hello).
     pub ipc_clients: AtomicU64,
+    /// Connections that have not sent Hello yet.
+    pub ipc_pending: AtomicU64,
+    /// Bytes of engine frames being received now, over every connection.
+    pub frame_bytes: AtomicU64,
+    /// Engine leases held now.
+    pub leases_held: AtomicU64,
+    /// Leases refused for a connection's fair share or pinned-block bound.
+    pub lease_refusals: AtomicU64,
+    /// Namespace ids registered by live connections (kept when the table is reclaimed).
+    ns_held: Mutex<HashMap<u32, usize>>,
+    /// Leases made through the admin API (id → blocks pinned).
+    pub admin_leases: Mutex<HashMap<u64, u64>>,
     /// Engine requests answered with an error.
     pub ipc_errors: AtomicU64,
     /// Admin Watch streams open now (bounded by server.max_watchers).
     pub watchers: AtomicU64,
+    /// Log lines dropped (stderr gone or stalled).
+    pub log: Arc<logging::LogStats>,
     latency: Mutex<HashMap<&'static str, Histogram<u64>>>,
 }
 
 impl Daemon {
+    /// Registers a namespace for a connection (`check` may refuse a new one); when the table
+    /// is full, ids of namespaces with no blocks that no live connection holds are reclaimed
+    /// first.
+    pub fn register_namespace(
+        &self,
+        ns: &kvstore::Namespace,
+        check: impl Fn(kvstore::NsId) -> Result<(), String>,
+    ) -> Result<kvstore::NsId, String> {
+        let fp = ns.fingerprint();
+        if let Some(i) = self.store.namespaces().iter().position(|f| *f == fp) {
+            let id = kvstore::NsId(i as u32);
+            check(id)?;
+            return Ok(id);
+        }
+        check(kvstore::NsId(u32::MAX))?;
+        match self.store.register_namespace(ns) {
+            Err(kvstore::KeyError::TableFull(_)) => {
+                let held = self.ns_held.lock().clone();
+                self.store
+                    .reclaim_namespaces(&|id| held.contains_key(&id.0));
+                self.store.register_namespace(ns).map_err(|e| e.to_string())
+            }
+            r => r.map_err(|e| e.to_string()),
+        }
+    }
+
+    /// Counts a live connection's hold on a namespace id (`hold`), or drops it.
+    pub fn hold_namespace(&self, id: kvstore::NsId, hold: bool) {
+        let mut m = self.ns_held.lock();
+        let n = m.entry(id.0).or_default();
+        if hold {
+            *n += 1;
+        } else {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                m.remove(&id.0);
+            }
+        }
+    }
+
     /// Whether shutdown began.
     pub fn stopping(&self) -> bool {
         self.stop.load(Relaxed)
@@ -118,7 +173,7 @@ fn main() -> ExitCode {
     match run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("kvtierd: {e:#}");
+            logging::say(std::io::stderr(), &format!("kvtierd: {e:#}"));
             ExitCode::from(2)
         }
     }
@@ -150,12 +205,16 @@ fn run() -> Result<()> {
         env: std::env::vars().collect(),
         sets,
     })?;
+    // Logging never panics and never blocks a request: a writer thread, a bounded queue, lines
+    // dropped (and counted) when stderr is gone or stalled.
+    let (log_writer, log_stats) = logging::non_blocking(std::io::stderr())?;
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_new(&cfg.log)
                 .with_context(|| format!("log = {:?} is not a tracing filter", cfg.log))?,
         )
-        .with_writer(std::io::stderr)
+        .with_writer(log_writer)
+        .log_internal_errors(false)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
 
@@ -230,8 +289,15 @@ fn run() -> Result<()> {
         started: Instant::now(),
         stop: AtomicBool::new(false),
         ipc_clients: AtomicU64::new(0),
+        ipc_pending: AtomicU64::new(0),
+        frame_bytes: AtomicU64::new(0),
+        leases_held: AtomicU64::new(0),
+        lease_refusals: AtomicU64::new(0),
+        ns_held: Mutex::new(HashMap::new()),
+        admin_leases: Mutex::new(HashMap::new()),
         ipc_errors: AtomicU64::new(0),
         watchers: AtomicU64::new(0),
+        log: log_stats,
         latency: Mutex::new(HashMap::new()),
     });
     rt.block_on(async {
@@ -243,16 +309,17 @@ fn run() -> Result<()> {
             .with_context(|| format!("binding server.metrics = {}", cfg.server.metrics))?;
         let (grpc_addr, metrics_addr) = (grpc.local_addr()?, metrics_l.local_addr()?);
         let st = store.stats();
-        println!(
-            "kvtierd ready: socket={} grpc={grpc_addr} metrics={metrics_addr} data_dir={} host_bytes={} disk_bytes={} io_engine={}",
-            socket.display(),
-            cfg.data_dir.display(),
-            st.capacity_bytes,
-            st.disk().map_or(0, |k| k.capacity_bytes),
-            st.disk().map_or("none", |k| k.engine),
+        logging::say(
+            std::io::stdout(),
+            &format!(
+                "kvtierd ready: socket={} grpc={grpc_addr} metrics={metrics_addr} data_dir={} host_bytes={} disk_bytes={} io_engine={}",
+                socket.display(),
+                cfg.data_dir.display(),
+                st.capacity_bytes,
+                st.disk().map_or(0, |k| k.capacity_bytes),
+                st.disk().map_or("none", |k| k.engine),
+            ),
         );
-        use std::io::Write as _;
-        let _ = std::io::stdout().flush();
 
         let ipc_thread = {
             let d = d.clone();

@@ -186,6 +186,48 @@ pub fn render(d: &Daemon) -> String {
         "Block events lost because a watcher fell behind.",
         &[("", d.store.events_dropped() as f64)],
     );
+    metric(
+        "host_checksum_failures_total",
+        "counter",
+        "Host blocks whose bytes no longer matched their commit checksum (dropped, never served).",
+        &[("", s.checksum_failures as f64)],
+    );
+    metric(
+        "waits_total",
+        "counter",
+        "Requests that waited for room or for another request's promotion.",
+        &[("", s.waits as f64)],
+    );
+    metric(
+        "demote_queue_bytes",
+        "gauge",
+        "Bytes queued for the tiering worker to write below.",
+        &[("", s.demote_queue_bytes as f64)],
+    );
+    metric(
+        "promote_queue",
+        "gauge",
+        "Promotion batches queued for the tiering worker.",
+        &[("", s.promote_queue as f64)],
+    );
+    metric(
+        "host_populated_ratio",
+        "gauge",
+        "Share of the host arena faulted in and usable.",
+        &[(
+            "",
+            s.populated_segments as f64 / (s.total_segments.max(1)) as f64,
+        )],
+    );
+    metric(
+        "log_lines_dropped_total",
+        "counter",
+        "Log lines dropped because stderr was gone, failing or stalled.",
+        &[(
+            "",
+            (d.log.dropped_full.load(Relaxed) + d.log.dropped_errors.load(Relaxed)) as f64,
+        )],
+    );
     o
 }
 

@@ -5,144 +5,18 @@
 // tonic fixes `Status` as the error type of interceptors.
 #![allow(clippy::result_large_err)]
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvstore::{fill_pattern, BlockKey, Namespace, NsId, Tier, TpShard};
+use common::*;
+use kvstore::{BlockKey, NsId, Tier};
 use kvtier_ipc::{IpcClient, SlotStatus};
 use kvtier_proto::admin as pb;
 use kvtier_proto::admin::admin_client::AdminClient;
-
-struct Kvtierd {
-    child: Child,
-    dir: PathBuf,
-    socket: PathBuf,
-    grpc: String,
-    metrics: String,
-}
-
-impl Kvtierd {
-    fn start(name: &str, extra: &[&str], fresh: bool) -> Self {
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("kvtierd-{name}-{}", std::process::id()));
-        if fresh {
-            let _ = std::fs::remove_dir_all(&dir);
-        }
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvtierd"))
-            .arg("--data-dir")
-            .arg(&dir)
-            .args([
-                "--host-capacity",
-                "64M",
-                "--disk-capacity",
-                "128M",
-                "--grpc",
-                "127.0.0.1:0",
-                "--metrics",
-                "127.0.0.1:0",
-            ])
-            .args(["--set", "host.segment=4M", "--set", "log=warn"])
-            .args(extra)
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        assert!(
-            line.starts_with("kvtierd ready:"),
-            "unexpected first line: {line:?}"
-        );
-        let field = |k: &str| {
-            line.split_whitespace()
-                .find_map(|w| w.strip_prefix(&format!("{k}=")))
-                .unwrap()
-                .to_string()
-        };
-        Self {
-            socket: PathBuf::from(field("socket")),
-            grpc: field("grpc"),
-            metrics: field("metrics"),
-            child,
-            dir,
-        }
-    }
-
-    fn client(&self) -> IpcClient {
-        IpcClient::connect(&self.socket, "test").unwrap()
-    }
-
-    fn term(mut self) -> std::process::ExitStatus {
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let s = self.child.wait().unwrap();
-        std::mem::forget(self);
-        s
-    }
-}
-
-impl Drop for Kvtierd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn namespace() -> Namespace {
-    Namespace {
-        model: "test/model".into(),
-        dtype: "bfloat16".into(),
-        layout: "nhd".into(),
-        block_tokens: 16,
-        tp: TpShard::Rank { size: 1, rank: 0 },
-        tenant: String::new(),
-        lora: String::new(),
-    }
-}
-
-fn key(i: u64) -> BlockKey {
-    BlockKey((u128::from(i) + 3).wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835))
-}
-
-fn data(i: u64) -> Vec<u8> {
-    let mut v = vec![0u8; 100_000 + i as usize * 17];
-    fill_pattern(&mut v, i);
-    v
-}
-
-fn put_all(c: &mut IpcClient, ns: NsId, ids: std::ops::Range<u64>) {
-    let keys: Vec<BlockKey> = ids.clone().map(key).collect();
-    let lens: Vec<u32> = ids.clone().map(|i| data(i).len() as u32).collect();
-    let slots = c.reserve(ns, &keys, &lens).unwrap();
-    let mut tokens = Vec::new();
-    for (i, s) in ids.zip(slots) {
-        let SlotStatus::Slot { token, .. } = s else {
-            panic!("no slot for {i}: {s:?}")
-        };
-        c.write(token, &data(i)).unwrap();
-        tokens.push(token);
-    }
-    assert_eq!(c.commit(&tokens).unwrap().committed as usize, tokens.len());
-}
-
-fn get_all(c: &mut IpcClient, ids: std::ops::Range<u64>) -> usize {
-    let keys: Vec<BlockKey> = ids.clone().map(key).collect();
-    let loaded = c.load(&keys, Duration::from_secs(10), None).unwrap();
-    for (j, (i, b)) in ids.zip(&loaded.blocks).enumerate() {
-        let mut buf = vec![0u8; b.len as usize];
-        c.read(&loaded, j, &mut buf).unwrap();
-        assert!(buf == data(i), "block {i}: wrong bytes through the arena");
-    }
-    if let Some(l) = loaded.lease {
-        c.release(l).unwrap();
-    }
-    loaded.n
-}
 
 #[test]
 fn engine_ipc_roundtrip_through_the_shared_arena() {
@@ -260,23 +134,6 @@ fn sigterm_then_restart_keeps_disk_blocks() {
     assert_eq!(get_all(&mut c, 0..30), 30);
 }
 
-fn frame(body: &[u8]) -> Vec<u8> {
-    let mut v = (body.len() as u32).to_le_bytes().to_vec();
-    v.extend_from_slice(body);
-    v
-}
-
-fn read_reply(s: &mut UnixStream) -> String {
-    let mut len = [0u8; 4];
-    s.read_exact(&mut len).unwrap();
-    let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
-    s.read_exact(&mut body).unwrap();
-    use prost::Message;
-    kvtier_proto::ipc::Response::decode(&body[..])
-        .unwrap()
-        .error
-}
-
 #[test]
 fn malformed_frames_are_rejected_while_others_keep_working() {
     let d = Kvtierd::start("malformed", &[], true);
@@ -313,13 +170,6 @@ fn malformed_frames_are_rejected_while_others_keep_working() {
     // The good client is unaffected.
     put_all(&mut good, ns, 0..3);
     assert_eq!(get_all(&mut good, 0..3), 3);
-}
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
 }
 
 #[test]
@@ -490,50 +340,6 @@ fn uncommitted_reservations_expire_and_are_bounded() {
     assert!(e.contains("half the host tier"), "{e}");
 }
 
-/// Hello by hand, keeping the arena fd a well-behaved client would only map.
-fn raw_hello(socket: &std::path::Path) -> (UnixStream, std::os::fd::OwnedFd) {
-    use prost::Message;
-    let s = UnixStream::connect(socket).unwrap();
-    let hello = kvtier_proto::ipc::Request {
-        id: 1,
-        body: Some(kvtier_proto::ipc::request::Body::Hello(
-            kvtier_proto::ipc::Hello {
-                version: kvtier_proto::IPC_VERSION,
-                client: "hostile".into(),
-            },
-        )),
-    };
-    (&s).write_all(&frame(&hello.encode_to_vec())).unwrap();
-    let mut buf = vec![0u8; 4096];
-    let (n, fd) = kvtier_ipc::recv_with_fd(&s, &mut buf).unwrap();
-    assert!(n > 4);
-    (s, fd.expect("hello reply carries the arena fd"))
-}
-
-#[test]
-fn a_client_cannot_resize_the_arena_under_the_daemon() {
-    let d = Kvtierd::start("seal", &[], true);
-    let mut good = d.client();
-    let ns = good.register_namespace(&namespace()).unwrap();
-    put_all(&mut good, ns, 0..4);
-    let (_s, fd) = raw_hello(&d.socket);
-    let f = std::fs::File::from(fd);
-    // Shrinking it would SIGBUS the daemon's next access to the arena; growing is refused too.
-    for len in [0, 4096, 1 << 40] {
-        let e = f.set_len(len).unwrap_err();
-        assert_eq!(e.raw_os_error(), Some(libc::EPERM), "set_len({len}): {e}");
-    }
-    // The seals cannot be lifted.
-    // SAFETY: fcntl on a valid fd.
-    let r = unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&f), libc::F_ADD_SEALS, 0) };
-    assert_eq!(r, -1);
-    // The daemon still serves every block, and more.
-    assert_eq!(get_all(&mut good, 0..4), 4);
-    put_all(&mut good, ns, 4..8);
-    assert_eq!(get_all(&mut good, 0..8), 8);
-    assert!(d.term().success());
-}
-
 #[test]
 fn watch_streams_are_capped() {
     let d = Kvtierd::start("watchers", &["--set", "server.max_watchers=2"], true);
@@ -558,69 +364,4 @@ fn watch_streams_are_capped() {
         }
         assert!(ok, "closed watches were never counted down");
     });
-}
-
-/// A writer stalled past its reservation's TTL still has the slot mapped. If it writes after
-/// the slot went to another block, that block's bytes no longer match its commit checksum:
-/// every reader sees a miss (never the damaged bytes), it is never written to disk, and the
-/// late commit is refused.
-#[test]
-fn a_late_writer_into_an_expired_slot_damages_nothing_that_is_served() {
-    let d = Kvtierd::start(
-        "late-writer",
-        &["--set", "server.reservation_ttl_ms=300"],
-        true,
-    );
-    let mut stale = d.client();
-    let ns = stale.register_namespace(&namespace()).unwrap();
-    let len = data(1).len() as u32;
-    let slots = stale.reserve(ns, &[key(1)], &[len]).unwrap();
-    let SlotStatus::Slot { token, offset } = slots[0] else {
-        panic!("{slots:?}")
-    };
-    // The stalled writer does nothing past the TTL; the daemon reclaims the slot.
-    std::thread::sleep(Duration::from_millis(700));
-    stale.stats().unwrap(); // any request lets its connection expire the reservation
-    let mut good = d.client();
-    // The freed slot goes to another engine's block (same size class, the only free slot
-    // reused first).
-    let len2 = data(2).len() as u32;
-    let slots = good.reserve(ns, &[key(2)], &[len2]).unwrap();
-    let SlotStatus::Slot {
-        token: t2,
-        offset: o2,
-    } = slots[0]
-    else {
-        panic!("{slots:?}")
-    };
-    assert_eq!(o2, offset, "the test needs the slot to be reused");
-    good.write(t2, &data(2)).unwrap();
-    assert_eq!(good.commit(&[t2]).unwrap().committed, 1);
-    // Now the stalled writer wakes up and writes its block into the slot it still maps.
-    stale.write(token, &data(1)).unwrap();
-    let r = stale.commit(&[token]).unwrap();
-    assert_eq!((r.committed, r.expired), (0, vec![token]));
-    // Block 2's bytes were overwritten: a reader gets an error saying so, never the bytes.
-    let mut reader = d.client();
-    let l = reader
-        .load(&[key(2)], Duration::from_secs(10), None)
-        .unwrap();
-    assert_eq!(l.n, 1);
-    let mut buf = vec![0u8; len2 as usize];
-    let e = reader.read(&l, 0, &mut buf).unwrap_err();
-    assert!(e.to_string().contains("checksum"), "{e}");
-    reader.release(l.lease.unwrap()).unwrap();
-    // It is never written to disk: a clean shutdown flushes, and after the restart it is gone.
-    assert!(d.term().success());
-    let d = Kvtierd::start(
-        "late-writer",
-        &["--set", "server.reservation_ttl_ms=300"],
-        false,
-    );
-    let mut c = d.client();
-    assert_eq!(
-        c.lookup(&[key(2)], None).unwrap().n,
-        0,
-        "damaged block reached disk"
-    );
 }

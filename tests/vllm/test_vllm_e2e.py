@@ -63,7 +63,8 @@ class Daemon:
             [str(REPO / "target" / "debug" / "kvtierd"), "--data-dir", str(self.data_dir),
              "--host-capacity", "256M", "--disk-capacity", "256M", "--grpc", "127.0.0.1:0",
              "--metrics", "127.0.0.1:0", "--set", "host.segment=16M",
-             "--set", "disk.admission=always", "--set", "log=warn"],
+             "--set", "disk.admission=always", "--set", "log=warn",
+             "--set", "server.token=e2e-token"],
             stdout=subprocess.PIPE, text=True)
         line = self.p.stdout.readline()
         f = dict(w.split("=", 1) for w in line.split() if "=" in w)
@@ -76,7 +77,8 @@ class Daemon:
 
     def cli(self, *args):
         out = subprocess.run([str(REPO / "target" / "debug" / "kvtier"), "--addr", self.grpc,
-                              "--json", *args], capture_output=True, text=True, check=True)
+                              "--token", "e2e-token", "--json", *args],
+                             capture_output=True, text=True, check=True)
         return json.loads(out.stdout)
 
     def conn(self, **kw):

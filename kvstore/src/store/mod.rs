@@ -56,6 +56,9 @@ use tiering::Work;
 /// Keys remembered by the seen-twice admission doorkeeper.
 const DOORKEEPER: usize = 1 << 20;
 
+/// The fingerprint of a freed (reclaimable) namespace id: no namespace hashes to zero.
+const FREE_NS: Fingerprint = Fingerprint(BlockKey(0));
+
 /// Counters and gauges of a store.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StoreStats {
@@ -434,26 +437,72 @@ impl Store {
         if let Some(i) = v.iter().position(|f| *f == fp) {
             return Ok(NsId(i as u32));
         }
-        if v.len() > usize::from(u16::MAX) {
-            return Err(KeyError::BadNamespace(format!(
-                "the namespace table is full ({} namespaces): clear unused namespaces",
-                usize::from(u16::MAX) + 1
-            )));
-        }
-        let id = v.len() as u16;
+        // A free id (reclaimed) first, else a new one.
+        let id = match v.iter().position(|f| *f == FREE_NS) {
+            Some(i) => i as u16,
+            None if v.len() <= usize::from(u16::MAX) => v.len() as u16,
+            None => {
+                return Err(KeyError::TableFull(usize::from(u16::MAX) + 1));
+            }
+        };
         drop(v);
         for t in &inner.tiers {
             t.note_namespace(id, fp).map_err(|e| {
                 KeyError::BadNamespace(format!("cannot record the namespace on disk: {e}"))
             })?;
         }
-        inner.namespaces.write().push(fp);
+        let mut v = inner.namespaces.write();
+        if usize::from(id) == v.len() {
+            v.push(fp);
+        } else {
+            v[usize::from(id)] = fp;
+        }
         Ok(NsId(u32::from(id)))
+    }
+
+    /// Frees the ids of namespaces that hold no block in any tier and that `keep` does not
+    /// want kept (the daemon keeps those its connections registered); returns how many. A
+    /// freed id is reused by the next new namespace. Scans the index: for when the table is
+    /// full, not the hot path.
+    pub fn reclaim_namespaces(&self, keep: &dyn Fn(NsId) -> bool) -> usize {
+        let _one_at_a_time = self.inner.registering.lock();
+        let used: HashSet<u16> = self
+            .namespace_stats()
+            .into_iter()
+            .filter(|n| n.host_blocks + n.disk_blocks + n.remote_blocks > 0)
+            .map(|n| n.id)
+            .collect();
+        // Blocks being written count too: an entry exists for them in the index.
+        let mut writing: HashSet<u16> = HashSet::new();
+        for s in self.inner.shards.iter() {
+            writing.extend(s.lock().map.values().map(|e| e.ns));
+        }
+        let mut v = self.inner.namespaces.write();
+        let mut n = 0;
+        for (i, f) in v.iter_mut().enumerate() {
+            let id = i as u16;
+            if *f != FREE_NS
+                && !used.contains(&id)
+                && !writing.contains(&id)
+                && !keep(NsId(u32::from(id)))
+            {
+                *f = FREE_NS;
+                n += 1;
+            }
+        }
+        if n > 0 {
+            tracing::info!(freed = n, "namespace ids without blocks reclaimed");
+        }
+        n
     }
 
     /// Whether namespace id `ns` is registered.
     pub fn has_namespace(&self, ns: NsId) -> bool {
-        (ns.0 as usize) < self.inner.namespaces.read().len()
+        self.inner
+            .namespaces
+            .read()
+            .get(ns.0 as usize)
+            .is_some_and(|f| *f != FREE_NS)
     }
 
     /// Writes every dirty, admitted host block to the lower tiers, waits until every queued
@@ -529,8 +578,12 @@ impl Inner {
         unsafe { self.arena.base().add(page as usize * PAGE) }
     }
 
-    pub(crate) fn namespace_count(&self) -> usize {
-        self.namespaces.read().len()
+    /// Whether `ns` is a registered (not freed) namespace id.
+    pub(crate) fn namespace_ok(&self, ns: NsId) -> bool {
+        self.namespaces
+            .read()
+            .get(ns.0 as usize)
+            .is_some_and(|f| *f != FREE_NS)
     }
 
     /// Whether a block with this key and access history goes to the lower tiers.

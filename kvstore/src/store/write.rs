@@ -67,7 +67,7 @@ impl Inner {
         len: usize,
     ) -> Result<Reserve, StoreError> {
         let class = self.class_for(len)?;
-        if ns.0 as usize >= self.namespace_count() {
+        if !self.namespace_ok(ns) {
             return Err(StoreError::UnknownNamespace(ns.0));
         }
         let mk = MapKey::from(key);
