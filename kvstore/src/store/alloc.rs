@@ -44,8 +44,26 @@ impl Inner {
         until: Instant,
     ) -> Result<(Slot, u32), StoreError> {
         let mut waited = false;
+        self.note_demand(class);
         loop {
             let seen = self.progress.current();
+            // A class holding fewer segments than its share of recent demand takes one from
+            // the class most above its share before evicting its own blocks, so block sizes do
+            // not starve each other.
+            if let Some(found) = self.try_alloc_free(class, key) {
+                return Ok(found);
+            }
+            if let Some(from) = self.over_provisioned(class) {
+                let mut demote = Vec::new();
+                let seg = self.take_chunk_of(from, &mut demote);
+                if !demote.is_empty() {
+                    self.enqueue_demotions(demote);
+                }
+                if let Some(seg) = seg {
+                    self.segments.lock().push(seg);
+                    continue;
+                }
+            }
             let mut demote = Vec::new();
             let found = self.try_alloc(class, key, &mut demote);
             if !demote.is_empty() {
@@ -68,8 +86,11 @@ impl Inner {
                 continue;
             }
             // Nothing can leave now. Room appears when the worker has written dirty blocks
-            // back, a segment is populated, or a pin goes: wait for that, once per request.
-            let busy = self.work.demotions_pending() || self.populating();
+            // back, a segment is populated, or a lease goes: wait for that, with the
+            // request's one deadline.
+            let busy = self.work.demotions_pending()
+                || self.populating()
+                || self.leases.lock().len() > 0;
             if !busy || Instant::now() >= until {
                 return Err(StoreError::NoSpace { len });
             }
@@ -83,6 +104,107 @@ impl Inner {
 
     pub(crate) fn populating(&self) -> bool {
         self.populated.load(Relaxed) < self.n_segments
+    }
+
+    /// Counts an allocation of `class` (recent demand decays by halving every 2^16
+    /// allocations), and warns once when more size classes are in use than there are
+    /// segments: some block sizes then cannot be held at all.
+    fn note_demand(&self, class: usize) {
+        let d = &self.demand[class];
+        if d.fetch_add(1, Relaxed) == 0 {
+            let used = self.demand.iter().filter(|d| d.load(Relaxed) > 0).count();
+            if used > self.n_segments as usize && !self.warned_classes.swap(true, Relaxed) {
+                tracing::warn!(
+                    size_classes_in_use = used,
+                    segments = self.n_segments,
+                    "more block sizes in use than host segments: some sizes will be refused; lower host.segment or raise host.capacity"
+                );
+            }
+        }
+        if self.demand_total.fetch_add(1, Relaxed) + 1 >= 1 << 16 {
+            self.demand_total.store(0, Relaxed);
+            for d in &self.demand {
+                let v = d.load(Relaxed);
+                d.store(v.div_ceil(2), Relaxed);
+            }
+        }
+    }
+
+    /// The class most above its share of segments by recent demand, when `class` holds at
+    /// least one segment fewer than its own share.
+    fn over_provisioned(&self, class: usize) -> Option<usize> {
+        let demand: Vec<u64> = self.demand.iter().map(|d| d.load(Relaxed)).collect();
+        let total: u64 = demand.iter().sum();
+        if total == 0 {
+            return None;
+        }
+        let held = |c: usize| self.classes[c].try_lock().map(|x| x.held_segments() as f64);
+        let share = |c: usize| f64::from(self.n_segments) * demand[c] as f64 / total as f64;
+        let mine = held(class)?;
+        if mine + 1.0 > share(class) {
+            return None;
+        }
+        (0..self.classes.len())
+            .filter(|&c| c != class)
+            .filter_map(|c| Some((c, held(c)? - share(c))))
+            .filter(|&(_, surplus)| surplus >= 1.0)
+            .max_by(|a, b| a.1.total_cmp(&b.1))
+            .map(|(c, _)| c)
+    }
+
+    /// Evicts one whole chunk of class `from` (the one with the fewest live blocks) and
+    /// returns its segment; None if every chunk holds a pinned or busy block (dirty ones are
+    /// queued for the writer).
+    fn take_chunk_of(&self, from: usize, demote: &mut Vec<Demote>) -> Option<u32> {
+        let mut queued = 0u64;
+        let mut c = self.classes[from].lock();
+        for ch in c.chunks_by_liveness(false) {
+            let start = ch * c.per_seg;
+            let end = start + c.per_seg;
+            let mut ok = true;
+            for idx in start..end {
+                if !c.used[idx as usize] {
+                    continue;
+                }
+                let page = c.page_of(idx, self.seg_pages);
+                let key = c.keys[idx as usize];
+                if self.try_evict(key, from, idx, page, &mut queued, demote) {
+                    c.release(idx);
+                } else {
+                    ok = false;
+                    break;
+                }
+            }
+            if ok {
+                return c.drop_chunk(ch);
+            }
+        }
+        None
+    }
+
+    /// A free slot, a pooled segment or an empty segment of another class; no eviction.
+    fn try_alloc_free(&self, class: usize, key: BlockKey) -> Option<(Slot, u32)> {
+        let mut c = self.classes[class].lock();
+        let c = &mut *c;
+        let idx = if let Some(idx) = c.free.pop() {
+            idx
+        } else if let Some(seg) = self.segments.lock().pop() {
+            c.add_segment(seg);
+            c.free.pop()?
+        } else {
+            let mut demote = Vec::new();
+            let seg = self.reclaim_segment(class, false, &mut demote)?;
+            c.add_segment(seg);
+            c.free.pop()?
+        };
+        c.take(idx, key);
+        Some((
+            Slot {
+                class: class as u8,
+                idx,
+            },
+            c.page_of(idx, self.seg_pages),
+        ))
     }
 
     /// One pass under the class lock.

@@ -227,6 +227,10 @@ pub(crate) struct Inner {
     pub(crate) wait: Duration,
     pub(crate) progress: Progress,
     pub(crate) work: Work,
+    /// Recent allocations per size class (halved every 2^16 allocations).
+    pub(crate) demand: Vec<AtomicU64>,
+    pub(crate) demand_total: AtomicU64,
+    pub(crate) warned_classes: std::sync::atomic::AtomicBool,
 }
 
 /// The kvtier store: sharded index, host-memory tier, a chain of lower tiers, eviction,
@@ -282,6 +286,7 @@ impl Store {
                 namespaces = ns;
             }
         }
+        let n_classes = class_sizes.len();
         let classes = class_sizes
             .iter()
             .map(|&sz| Mutex::new(Class::new(sz, cfg.segment_bytes, cfg.policy.build())))
@@ -328,6 +333,9 @@ impl Store {
             wait: cfg.wait,
             progress: Progress::default(),
             work: Work::default(),
+            demand: (0..n_classes).map(|_| AtomicU64::new(0)).collect(),
+            demand_total: AtomicU64::new(0),
+            warned_classes: std::sync::atomic::AtomicBool::new(false),
         });
         let threads = tiering::Threads::start(&inner, background)
             .map_err(|e| ConfigError::Thread(e.to_string()))?;

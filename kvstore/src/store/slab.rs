@@ -110,6 +110,11 @@ impl Class {
         seg
     }
 
+    /// Segments this class holds.
+    pub(crate) fn held_segments(&self) -> usize {
+        self.chunks.iter().filter(|c| c.is_some()).count()
+    }
+
     /// Chunks backed by a segment, those with the fewest live slots first (`only_empty`: only
     /// chunks with none).
     pub(crate) fn chunks_by_liveness(&self, only_empty: bool) -> Vec<u32> {

@@ -156,6 +156,8 @@ fn all_pinned_is_no_space() {
         segment_bytes: 1 << 20,
         size_classes: vec![512 << 10],
         shards: 1,
+        // A put waits this long for a lease to go before it is NoSpace.
+        wait: Duration::from_millis(100),
         ..Default::default()
     }
     .build()
@@ -334,4 +336,31 @@ fn damaged_host_bytes_are_a_miss() {
     assert_eq!(s.get_into(&k(1), &mut dst).unwrap(), None);
     assert_eq!(s.stats().checksum_failures, 1);
     assert!(!s.contains(&k(1)), "the damaged block was dropped");
+}
+
+#[test]
+fn segments_follow_demand_between_size_classes() {
+    let s = StoreConfig {
+        capacity_bytes: 8 << 20,
+        segment_bytes: 1 << 20,
+        size_classes: vec![64 << 10, 256 << 10],
+        shards: 4,
+        policy: PolicyKind::Lru,
+        ..Default::default()
+    }
+    .build()
+    .unwrap();
+    let n = s.register_namespace(&ns()).unwrap();
+    // Small blocks take every segment.
+    for i in 0..128 {
+        s.put(n, k(i), &[1u8; 60_000]).unwrap();
+    }
+    assert_eq!(s.stats().free_segments, 0);
+    // Then the traffic turns to large blocks: the large class must grow past one segment
+    // (4 blocks) instead of evicting its own blocks forever.
+    for i in 1000..1400 {
+        s.put(n, k(i), &vec![2u8; 200_000]).unwrap();
+    }
+    let large = (1000..1400).filter(|&i| s.in_host(&k(i))).count();
+    assert!(large >= 16, "only {large} large blocks resident");
 }
