@@ -434,9 +434,17 @@ impl<'d> Conn<'d> {
                 }
                 let mut slots = Vec::with_capacity(ks.len());
                 let mut made = Vec::new();
+                // One deadline for the whole request: under pressure the first keys may wait
+                // for room, the rest do not wait again.
+                let deadline = Instant::now() + self.d.cfg.load_wait();
                 for (k, &len) in ks.iter().zip(&r.lens) {
                     use pb::reserved_slot::Status;
-                    let slot = match store.reserve(NsId(r.namespace_id), *k, len as usize) {
+                    let slot = match store.reserve_until(
+                        NsId(r.namespace_id),
+                        *k,
+                        len as usize,
+                        deadline,
+                    ) {
                         Ok(Reserve::Slot(res)) => {
                             let token = self.next_token;
                             self.next_token += 1;

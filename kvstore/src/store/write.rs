@@ -42,7 +42,20 @@ impl Store {
     /// the slot. Until commit the block is invisible. Never does I/O: when room must first be
     /// written below, it waits (at most the store's `wait`) for the tiering worker.
     pub fn reserve(&self, ns: NsId, key: BlockKey, len: usize) -> Result<Reserve, StoreError> {
-        self.inner.reserve(ns, key, len)
+        self.inner
+            .reserve(ns, key, len, Instant::now() + self.inner.wait)
+    }
+
+    /// [`Store::reserve`] waiting for room at most until `deadline` (one deadline for a whole
+    /// batch of reservations: after it passes, the rest are `NoSpace` at once).
+    pub fn reserve_until(
+        &self,
+        ns: NsId,
+        key: BlockKey,
+        len: usize,
+        deadline: Instant,
+    ) -> Result<Reserve, StoreError> {
+        self.inner.reserve(ns, key, len, deadline)
     }
 
     /// Copies `data` into the store under `key` (reserve, copy, commit).
@@ -83,7 +96,7 @@ impl Inner {
         if let Some(r) = existing(self.shard(key).lock().map.get(&mk)) {
             return Ok(r);
         }
-        let (slot, page) = self.alloc(class, key, len, Instant::now() + self.wait)?;
+        let (slot, page) = self.alloc(class, key, len, deadline)?;
         let mut sh = self.shard(key).lock();
         if let Some(r) = existing(sh.map.get(&mk)) {
             drop(sh);
