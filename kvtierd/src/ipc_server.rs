@@ -439,44 +439,41 @@ impl<'d> Conn<'d> {
                 let deadline = Instant::now() + self.d.cfg.load_wait();
                 for (k, &len) in ks.iter().zip(&r.lens) {
                     use pb::reserved_slot::Status;
-                    let slot = match store.reserve_until(
-                        NsId(r.namespace_id),
-                        *k,
-                        len as usize,
-                        deadline,
-                    ) {
-                        Ok(Reserve::Slot(res)) => {
-                            let token = self.next_token;
-                            self.next_token += 1;
-                            let offset = res.arena_offset();
-                            self.reserved_bytes += res.len() as u64;
-                            self.reservations.insert(token, (res, Instant::now()));
-                            made.push(token);
-                            pb::ReservedSlot {
-                                status: Status::Slot as i32,
-                                offset,
-                                token,
+                    let slot =
+                        match store.reserve_until(NsId(r.namespace_id), *k, len as usize, deadline)
+                        {
+                            Ok(Reserve::Slot(res)) => {
+                                let token = self.next_token;
+                                self.next_token += 1;
+                                let offset = res.arena_offset();
+                                self.reserved_bytes += res.len() as u64;
+                                self.reservations.insert(token, (res, Instant::now()));
+                                made.push(token);
+                                pb::ReservedSlot {
+                                    status: Status::Slot as i32,
+                                    offset,
+                                    token,
+                                }
                             }
-                        }
-                        Ok(Reserve::AlreadyPresent) => pb::ReservedSlot {
-                            status: Status::Present as i32,
-                            ..Default::default()
-                        },
-                        Ok(Reserve::InFlight) => pb::ReservedSlot {
-                            status: Status::InFlight as i32,
-                            ..Default::default()
-                        },
-                        Err(StoreError::NoSpace { .. }) => pb::ReservedSlot {
-                            status: Status::NoSpace as i32,
-                            ..Default::default()
-                        },
-                        Err(e) => {
-                            for t in made {
-                                self.take(t);
+                            Ok(Reserve::AlreadyPresent) => pb::ReservedSlot {
+                                status: Status::Present as i32,
+                                ..Default::default()
+                            },
+                            Ok(Reserve::InFlight) => pb::ReservedSlot {
+                                status: Status::InFlight as i32,
+                                ..Default::default()
+                            },
+                            Err(StoreError::NoSpace { .. }) => pb::ReservedSlot {
+                                status: Status::NoSpace as i32,
+                                ..Default::default()
+                            },
+                            Err(e) => {
+                                for t in made {
+                                    self.take(t);
+                                }
+                                return Err(format!("key {k}: {e}"));
                             }
-                            return Err(format!("key {k}: {e}"));
-                        }
-                    };
+                        };
                     slots.push(slot);
                 }
                 response::Body::Reserve(pb::ReserveReply { slots })

@@ -88,9 +88,8 @@ impl Inner {
             // Nothing can leave now. Room appears when the worker has written dirty blocks
             // back, a segment is populated, or a lease goes: wait for that, with the
             // request's one deadline.
-            let busy = self.work.demotions_pending()
-                || self.populating()
-                || self.leases.lock().len() > 0;
+            let busy =
+                self.work.demotions_pending() || self.populating() || self.leases.lock().len() > 0;
             if !busy || Instant::now() >= until {
                 return Err(StoreError::NoSpace { len });
             }

@@ -78,6 +78,7 @@ impl Inner {
         ns: NsId,
         key: BlockKey,
         len: usize,
+        deadline: Instant,
     ) -> Result<Reserve, StoreError> {
         let class = self.class_for(len)?;
         if !self.namespace_ok(ns) {
