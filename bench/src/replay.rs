@@ -405,7 +405,7 @@ pub fn run_sidecar(
         .build()?;
     let s = rt.block_on(async {
         let mut a = kvtier_client::connect(&side.grpc, None).await?;
-        a.stats(kvtier_client::pb::StatsRequest {})
+        a.stats(kvtier_client::pb::StatsRequest::default())
             .await
             .map_err(kvtier_client::explain)
             .map(|r| r.into_inner())

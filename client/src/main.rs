@@ -116,7 +116,7 @@ async fn run() -> Result<()> {
         }
         Cmd::Stats => {
             let s = c
-                .stats(pb::StatsRequest {})
+                .stats(pb::StatsRequest::default())
                 .await
                 .map_err(explain)?
                 .into_inner();
@@ -200,7 +200,10 @@ async fn run() -> Result<()> {
                 .map(|k| parse_key(k))
                 .collect::<Result<Vec<_>>>()?;
             let r = c
-                .lookup(pb::LookupRequest { keys })
+                .lookup(pb::LookupRequest {
+                    keys,
+                    ..Default::default()
+                })
                 .await
                 .map_err(explain)?
                 .into_inner();
@@ -215,6 +218,7 @@ async fn run() -> Result<()> {
             let r = c
                 .clear_namespace(pb::ClearRequest {
                     namespace_id: namespace,
+                    ..Default::default()
                 })
                 .await
                 .map_err(explain)?
@@ -234,6 +238,7 @@ async fn run() -> Result<()> {
                 .pin(pb::PinRequest {
                     keys,
                     ttl_ms: ttl.saturating_mul(1000),
+                    ..Default::default()
                 })
                 .await
                 .map_err(explain)?
@@ -248,7 +253,10 @@ async fn run() -> Result<()> {
         }
         Cmd::Unpin { lease } => {
             let r = c
-                .unpin(pb::UnpinRequest { lease_id: lease })
+                .unpin(pb::UnpinRequest {
+                    lease_id: lease,
+                    ..Default::default()
+                })
                 .await
                 .map_err(explain)?
                 .into_inner();
@@ -262,7 +270,7 @@ async fn run() -> Result<()> {
         }
         Cmd::Watch { count } => {
             let mut stream = c
-                .watch(pb::WatchRequest {})
+                .watch(pb::WatchRequest::default())
                 .await
                 .map_err(explain)?
                 .into_inner();

@@ -145,8 +145,20 @@ impl Drop for LeaseGuard<'_> {
 impl Backend {
     /// Connects to a `kvtierd` engine socket.
     pub fn sidecar(socket: &std::path::Path, client: &str) -> Result<Self, TransferError> {
-        Ok(Self::Sidecar(Mutex::new(IpcClient::connect(
-            socket, client,
+        Self::sidecar_as(socket, client, "")
+    }
+
+    /// Connects to a `kvtierd` engine socket presenting a tenant secret (a daemon with
+    /// `server.isolation = "tenant"`).
+    pub fn sidecar_as(
+        socket: &std::path::Path,
+        client: &str,
+        tenant_secret: &str,
+    ) -> Result<Self, TransferError> {
+        Ok(Self::Sidecar(Mutex::new(IpcClient::connect_as(
+            socket,
+            client,
+            tenant_secret,
         )?)))
     }
 

@@ -262,6 +262,7 @@ pub struct IpcClient {
     /// Set when the stream lost sync (timeout, I/O error, mismatched reply): every later call
     /// fails instead of reading someone else's reply.
     broken: Option<String>,
+    tenant: String,
 }
 
 fn tier(t: i32) -> Tier {
@@ -277,6 +278,12 @@ fn tier(t: i32) -> Tier {
 impl IpcClient {
     /// Connects, checks the protocol version and maps the arena.
     pub fn connect(path: &Path, client: &str) -> Result<Self, IpcError> {
+        Self::connect_as(path, client, "")
+    }
+
+    /// Like [`IpcClient::connect`], presenting a tenant secret (a daemon with
+    /// `server.isolation = "tenant"` then hands over that tenant's arena only).
+    pub fn connect_as(path: &Path, client: &str, tenant_secret: &str) -> Result<Self, IpcError> {
         let sock = UnixStream::connect(path).map_err(|e| {
             IpcError::Io(io::Error::new(
                 e.kind(),
@@ -292,6 +299,7 @@ impl IpcClient {
             body: Some(request::Body::Hello(pb::Hello {
                 version: IPC_VERSION,
                 client: client.to_string(),
+                tenant_secret: tenant_secret.to_string(),
             })),
         };
         write_frame(&mut &sock, &hello)?;
@@ -340,6 +348,7 @@ impl IpcClient {
             tracing::warn!(error = %io::Error::last_os_error(), "MADV_POPULATE_WRITE refused: the first write into each arena page will fault");
         }
         Ok(Self {
+            tenant: h.tenant,
             reader: io::BufReader::with_capacity(64 << 10, sock.try_clone()?),
             sock,
             arena,
@@ -368,6 +377,11 @@ impl IpcClient {
     /// Most keys one request may carry.
     pub fn max_keys(&self) -> usize {
         self.max_keys
+    }
+
+    /// The tenant the daemon placed this connection in ("" in shared isolation).
+    pub fn tenant(&self) -> &str {
+        &self.tenant
     }
 
     fn call(&mut self, body: request::Body) -> Result<response::Body, IpcError> {

@@ -66,6 +66,13 @@ pub fn same(a: &[u8], b: &[u8]) -> bool {
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::BlockEvent, Status>> + Send>>;
 
 impl AdminService {
+    /// The store a request names (its `tenant`; "" = the default store).
+    fn store(&self, tenant: &str) -> Result<(usize, &'static kvstore::Store), Status> {
+        self.d
+            .store_named(tenant)
+            .ok_or_else(|| Status::not_found(format!("no tenant named {tenant:?}")))
+    }
+
     /// Admin writes (pin, unpin, clear) need a token unless the operator allowed otherwise.
     fn write_allowed(&self) -> Result<(), Status> {
         let s = &self.d.cfg.server;
@@ -100,14 +107,33 @@ impl Admin for AdminService {
 
     async fn stats(
         &self,
-        _: Request<pb::StatsRequest>,
+        req: Request<pb::StatsRequest>,
     ) -> Result<Response<pb::StatsReply>, Status> {
+        let (_, store) = self.store(&req.get_ref().tenant)?;
         let d = self.d.clone();
-        let (s, ns, fps) = tokio::task::spawn_blocking(move || {
+        let (s, ns, fps, tenants) = tokio::task::spawn_blocking(move || {
+            let tenants: Vec<pb::TenantStats> = d
+                .tenants
+                .iter()
+                .map(|t| {
+                    let s = t.store.stats();
+                    let disk = s.disk().cloned().unwrap_or_default();
+                    pb::TenantStats {
+                        name: t.cfg.name.clone(),
+                        host_capacity_bytes: s.capacity_bytes,
+                        host_used_bytes: s.used_bytes,
+                        host_blocks: s.blocks,
+                        disk_capacity_bytes: disk.capacity_bytes,
+                        disk_used_bytes: disk.used_bytes,
+                        disk_blocks: disk.blocks,
+                    }
+                })
+                .collect();
             (
-                d.store.stats(),
-                d.store.namespace_stats(),
-                d.store.namespaces(),
+                store.stats(),
+                store.namespace_stats(),
+                store.namespaces(),
+                tenants,
             )
         })
         .await
@@ -151,6 +177,7 @@ impl Admin for AdminService {
             })
             .collect();
         Ok(Response::new(pb::StatsReply {
+            tenants,
             tiers,
             namespaces,
             hits: s.hits,
@@ -170,7 +197,8 @@ impl Admin for AdminService {
         req: Request<pb::LookupRequest>,
     ) -> Result<Response<pb::LookupReply>, Status> {
         let ks = keys(&req.get_ref().keys)?;
-        let m = self.d.store.match_prefix(&ks);
+        let (_, store) = self.store(&req.get_ref().tenant)?;
+        let m = store.match_prefix(&ks);
         Ok(Response::new(pb::LookupReply {
             n: m.n as u32,
             tiers: m.tiers.into_iter().map(tier).collect(),
@@ -183,13 +211,13 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::ClearReply>, Status> {
         self.write_allowed()?;
         let id = req.get_ref().namespace_id;
-        if !self.d.store.has_namespace(NsId(id)) {
+        let (_, store) = self.store(&req.get_ref().tenant)?;
+        if !store.has_namespace(NsId(id)) {
             return Err(Status::not_found(format!(
                 "namespace {id} is not registered"
             )));
         }
-        let d = self.d.clone();
-        let removed = tokio::task::spawn_blocking(move || d.store.clear_namespace(NsId(id)))
+        let removed = tokio::task::spawn_blocking(move || store.clear_namespace(NsId(id)))
             .await
             .map_err(|e| Status::internal(e.to_string()))?;
         tracing::info!(namespace = id, removed, "namespace cleared");
@@ -209,8 +237,9 @@ impl Admin for AdminService {
             )));
         }
         let ks = keys(&r.keys)?;
+        let (t, store) = self.store(&r.tenant)?;
         let max = self.d.cfg.server.max_admin_pinned;
-        let pinned: u64 = self.d.admin_leases.lock().values().sum();
+        let pinned: u64 = self.d.admin_leases.lock().values().map(|(_, n)| n).sum();
         if pinned + ks.len() as u64 > max {
             return Err(Status::resource_exhausted(format!(
                 "admin pins hold {pinned} blocks; the limit is {max} (server.max_admin_pinned): unpin some first"
@@ -221,13 +250,11 @@ impl Admin for AdminService {
         } else {
             Duration::from_millis(r.ttl_ms.min(3_600_000))
         };
-        let lease = self
-            .d
-            .store
+        let lease = store
             .lease(&ks, ttl)
             .map_err(|e| Status::resource_exhausted(e.to_string()))?;
         if let Some(id) = lease.id {
-            self.d.admin_leases.lock().insert(id.0, lease.n as u64);
+            self.d.admin_leases.lock().insert(id.0, (t, lease.n as u64));
         }
         Ok(Response::new(pb::PinReply {
             lease_id: lease.id.map_or(0, |i| i.0),
@@ -242,17 +269,18 @@ impl Admin for AdminService {
         self.write_allowed()?;
         let id = req.get_ref().lease_id;
         // Only pins made through this API: an engine's leases are its own.
-        if self.d.admin_leases.lock().remove(&id).is_none() {
+        let Some((t, _)) = self.d.admin_leases.lock().remove(&id) else {
             return Ok(Response::new(pb::UnpinReply { released: false }));
-        }
+        };
         Ok(Response::new(pb::UnpinReply {
-            released: self.d.store.release(LeaseId(id)),
+            released: self.d.store_at(t).release(LeaseId(id)),
         }))
     }
 
     type WatchStream = EventStream;
 
-    async fn watch(&self, _: Request<pb::WatchRequest>) -> Result<Response<EventStream>, Status> {
+    async fn watch(&self, req: Request<pb::WatchRequest>) -> Result<Response<EventStream>, Status> {
+        let (_, store) = self.store(&req.get_ref().tenant)?;
         use std::sync::atomic::Ordering::SeqCst;
         let max = u64::from(self.d.cfg.server.max_watchers);
         // Each Watch holds a thread: bounded, refused beyond.
@@ -266,7 +294,7 @@ impl Admin for AdminService {
                 "{max} Watch streams are open already (server.max_watchers): close one first"
             )));
         }
-        let rx = self.d.store.subscribe(4096);
+        let rx = store.subscribe(4096);
         let (tx, out) = tokio::sync::mpsc::channel(1024);
         let d = self.d.clone();
         // Bridge the store's channel to the async stream; ends when the watcher goes away.

@@ -73,6 +73,39 @@ pub struct Config {
     pub disk: DiskSection,
     /// Listeners.
     pub server: ServerSection,
+    /// Tenants (`server.isolation = "tenant"`): each gets its own arena and quota.
+    pub tenants: Vec<TenantSection>,
+}
+
+/// `[[tenants]]`
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TenantSection {
+    /// The tenant's name (labels its stats and its disk subdirectory).
+    pub name: String,
+    /// Peer uids (SO_PEERCRED) that belong to this tenant.
+    pub uids: Vec<u32>,
+    /// Peer primary gids that belong to this tenant.
+    pub gids: Vec<u32>,
+    /// A secret a client presents in Hello instead (empty: none).
+    pub secret: String,
+    /// The tenant's host arena (its own memfd): its host quota.
+    pub host_capacity: Size,
+    /// Its disk quota (0: no disk tier for it).
+    pub disk_capacity: Size,
+}
+
+impl Default for TenantSection {
+    fn default() -> Self {
+        Self {
+            name: String::new(),
+            uids: Vec::new(),
+            gids: Vec::new(),
+            secret: String::new(),
+            host_capacity: Size(1 << 30),
+            disk_capacity: Size(0),
+        }
+    }
 }
 
 impl Default for Config {
@@ -83,6 +116,7 @@ impl Default for Config {
             host: HostSection::default(),
             disk: DiskSection::default(),
             server: ServerSection::default(),
+            tenants: Vec::new(),
         }
     }
 }
@@ -206,6 +240,9 @@ pub struct ServerSection {
     pub allow_unauthenticated_admin: bool,
     /// Most blocks pinned through the admin API at once.
     pub max_admin_pinned: u64,
+    /// "shared": one arena every engine maps (engines on the node trust each other); "tenant":
+    /// each `[[tenants]]` entry gets its own arena, and a client only ever receives its own.
+    pub isolation: String,
     /// Longest an engine's Load waits for blocks being promoted from a lower tier (and a
     /// save for room being written back), milliseconds.
     pub load_wait_ms: u64,
@@ -230,6 +267,7 @@ impl Default for ServerSection {
             max_namespaces_per_connection: 64,
             allow_unauthenticated_admin: false,
             max_admin_pinned: 1 << 16,
+            isolation: "shared".into(),
             load_wait_ms: 5_000,
         }
     }
@@ -391,6 +429,40 @@ impl Config {
             "server.max_clients must be positive"
         );
         ensure!(self.server.max_keys > 0, "server.max_keys must be positive");
+        match self.server.isolation.as_str() {
+            "shared" => ensure!(
+                self.tenants.is_empty(),
+                "[[tenants]] are configured but server.isolation = \"shared\": set it to \"tenant\""
+            ),
+            "tenant" => {
+                ensure!(
+                    !self.tenants.is_empty(),
+                    "server.isolation = \"tenant\" needs at least one [[tenants]] entry"
+                );
+                let mut names = std::collections::HashSet::new();
+                for t in &self.tenants {
+                    ensure!(
+                        !t.name.is_empty()
+                            && t.name
+                                .chars()
+                                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_'),
+                        "tenant name {:?}: use letters, digits, - and _",
+                        t.name
+                    );
+                    ensure!(
+                        names.insert(&t.name),
+                        "tenant {:?} is configured twice",
+                        t.name
+                    );
+                    ensure!(
+                        !t.uids.is_empty() || !t.gids.is_empty() || !t.secret.is_empty(),
+                        "tenant {:?} has no uids, gids or secret: no client could reach it",
+                        t.name
+                    );
+                }
+            }
+            other => bail!("server.isolation = {other:?}: use \"shared\" or \"tenant\""),
+        }
         ensure!(
             self.server.hello_timeout_ms > 0,
             "server.hello_timeout_ms must be positive"
@@ -419,6 +491,37 @@ impl Config {
     /// Default wait of a Load for promotions.
     pub fn load_wait(&self) -> Duration {
         Duration::from_millis(self.server.load_wait_ms)
+    }
+
+    /// The store configuration of each tenant (`server.isolation = "tenant"`): the shared
+    /// configuration with the tenant's own host and disk quotas and disk subdirectory.
+    pub fn tenant_stores(&self) -> Result<Vec<(TenantSection, StoreConfig)>> {
+        let base = self.store()?;
+        let seg = base.segment_bytes;
+        self.tenants
+            .iter()
+            .map(|t| {
+                let host = t.host_capacity.0 / seg * seg;
+                ensure!(
+                    host >= seg,
+                    "tenant {:?}: host_capacity {} is smaller than one segment ({seg})",
+                    t.name,
+                    t.host_capacity.0
+                );
+                let mut c = base.clone();
+                c.capacity_bytes = host;
+                c.disk = match (&base.disk, t.disk_capacity.0) {
+                    (Some(d), cap) if cap > 0 => {
+                        let mut d = d.clone();
+                        d.dir = d.dir.join(format!("tenant-{}", t.name));
+                        d.capacity_bytes = cap;
+                        Some(d)
+                    }
+                    _ => None,
+                };
+                Ok((t.clone(), c))
+            })
+            .collect()
     }
 
     /// The store configuration, with defaults sized to this machine.
@@ -622,6 +725,25 @@ mod tests {
     }
 
     #[test]
+    fn tenant_isolation_is_checked() {
+        let ok = "[server]\nisolation = \"tenant\"\n[[tenants]]\nname = \"a\"\nsecret = \"x\"\nhost_capacity = \"128M\"\n";
+        let c = load_with(ok, &[], &[]).unwrap();
+        assert_eq!(c.tenants[0].name, "a");
+        for (bad, why) in [
+            ("[server]\nisolation = \"tenant\"\n", "at least one"),
+            ("[[tenants]]\nname = \"a\"\nsecret = \"x\"\n", "shared"),
+            (
+                "[server]\nisolation = \"tenant\"\n[[tenants]]\nname = \"a\"\n",
+                "no uids",
+            ),
+            ("[server]\nisolation = \"both\"\n", "isolation"),
+        ] {
+            let e = format!("{:#}", load_with(bad, &[], &[]).unwrap_err());
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+    }
+
+    #[test]
     fn the_example_config_is_valid_and_complete() {
         let example = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/kvtierd.toml");
         let c = load(Sources {
@@ -664,6 +786,7 @@ mod tests {
             "max_namespaces_per_connection",
             "allow_unauthenticated_admin",
             "max_admin_pinned",
+            "isolation",
             "load_wait_ms",
             "verify_reads",
             "data_dir",

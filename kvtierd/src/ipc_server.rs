@@ -108,6 +108,30 @@ fn pending_cap(d: &Daemon) -> u64 {
     (u64::from(d.cfg.server.max_clients) / 4).max(4)
 }
 
+/// The peer's uid and gid (SO_PEERCRED).
+fn peer_cred(s: &UnixStream) -> io::Result<(u32, u32)> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt on a valid socket fd into a properly sized, writable ucred.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((cred.uid, cred.gid))
+}
+
 fn error_response(id: u64, msg: &str) -> pb::Response {
     pb::Response {
         id,
@@ -126,6 +150,10 @@ fn tier(t: &Tier) -> i32 {
 
 struct Conn<'d> {
     d: &'d Daemon,
+    /// The store this connection's tenant owns (the shared one in shared isolation), known
+    /// from Hello on.
+    t: usize,
+    store: &'static kvstore::Store,
     stream: UnixStream,
     reader: io::BufReader<UnixStream>,
     hello: bool,
@@ -153,6 +181,8 @@ impl<'d> Conn<'d> {
         stream.set_write_timeout(Some(Duration::from_secs(10)))?;
         Ok(Self {
             d,
+            t: 0,
+            store: d.store,
             reader: io::BufReader::with_capacity(64 << 10, stream.try_clone()?),
             stream,
             hello: false,
@@ -316,7 +346,7 @@ impl<'d> Conn<'d> {
     }
 
     fn handle(&mut self, req: pb::Request) -> Result<Option<response::Body>, String> {
-        let store = self.d.store;
+        let store = self.store;
         let Some(body) = req.body else {
             return Err("request without a body".into());
         };
@@ -331,6 +361,20 @@ impl<'d> Conn<'d> {
                         h.version
                     ));
                 }
+                if self.hello {
+                    return Err("Hello was sent already".into());
+                }
+                // The tenant decides which arena this client ever sees.
+                let (uid, gid) = peer_cred(&self.stream).map_err(|e| e.to_string())?;
+                self.t = self.d.tenant_of(&h.tenant_secret, uid, gid)?;
+                self.store = self.d.store_at(self.t);
+                let store = self.store;
+                let tenant = self
+                    .d
+                    .tenants
+                    .get(self.t)
+                    .map(|t| t.cfg.name.clone())
+                    .unwrap_or_default();
                 let reply = pb::Response {
                     id: req.id,
                     error: String::new(),
@@ -339,6 +383,7 @@ impl<'d> Conn<'d> {
                         arena_bytes: store.arena().len() as u64,
                         max_reserve_bytes: self.reserve_quota(),
                         max_keys: self.d.cfg.server.max_keys,
+                        tenant: tenant.clone(),
                     })),
                 };
                 let mut frame = Vec::new();
@@ -348,13 +393,13 @@ impl<'d> Conn<'d> {
                 self.hello = true;
                 self.d.ipc_pending.fetch_sub(1, Relaxed);
                 self.d.ipc_clients.fetch_add(1, Relaxed);
-                tracing::info!(client = %h.client, "engine connected");
+                tracing::info!(client = %h.client, tenant = %tenant, "engine connected");
                 return Ok(None);
             }
             request::Body::RegisterNamespace(r) => {
                 let ns = Namespace::decode(&r.encoded).map_err(|e| e.to_string())?;
                 let max = self.d.cfg.server.max_namespaces_per_connection as usize;
-                let id = self.d.register_namespace(&ns, |id| {
+                let id = self.d.register_namespace(self.t, &ns, |id| {
                     if self.namespaces.contains(&id.0) || self.namespaces.len() < max {
                         Ok(())
                     } else {
@@ -364,7 +409,7 @@ impl<'d> Conn<'d> {
                     }
                 })?;
                 if self.namespaces.insert(id.0) {
-                    self.d.hold_namespace(id, true);
+                    self.d.hold_namespace(self.t, id, true);
                 }
                 response::Body::Namespace(pb::NamespaceReply { id: id.0 })
             }
@@ -561,7 +606,7 @@ impl<'d> Conn<'d> {
 
     /// Bytes one connection may hold reserved at once.
     fn reserve_quota(&self) -> u64 {
-        self.d.store.capacity_bytes() / 2
+        self.store.capacity_bytes() / 2
     }
 
     /// Removes a reservation from the books (committing or dropping it is the caller's).
@@ -616,11 +661,11 @@ impl Drop for Conn<'_> {
         let (r, l) = (self.reservations.len(), self.leases.len());
         self.reservations.clear();
         for (id, _) in self.leases.drain() {
-            self.d.store.release(LeaseId(id));
+            self.store.release(LeaseId(id));
             self.d.leases_held.fetch_sub(1, Relaxed);
         }
         for id in self.namespaces.drain() {
-            self.d.hold_namespace(kvstore::NsId(id), false);
+            self.d.hold_namespace(self.t, kvstore::NsId(id), false);
         }
         if r + l > 0 {
             tracing::info!(

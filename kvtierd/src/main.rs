@@ -57,10 +57,21 @@ struct Args {
     sets: Vec<String>,
 }
 
+/// A tenant (`server.isolation = "tenant"`).
+pub struct Tenant {
+    /// Its configuration.
+    pub cfg: config::TenantSection,
+    /// Its store.
+    pub store: &'static Store,
+}
+
 /// State shared by the servers.
 pub struct Daemon {
-    /// The store (lives as long as the process).
+    /// The store (lives as long as the process): the only one in shared isolation, the first
+    /// tenant's in tenant isolation (what an admin request naming no tenant addresses).
     pub store: &'static Store,
+    /// Tenant isolation: each tenant's own store (arena, disk subdirectory, quotas).
+    pub tenants: Vec<Tenant>,
     /// The configuration in force.
     pub cfg: config::Config,
     /// Start time.
@@ -76,10 +87,11 @@ pub struct Daemon {
     pub leases_held: AtomicU64,
     /// Leases refused for a connection's fair share or pinned-block bound.
     pub lease_refusals: AtomicU64,
-    /// Namespace ids registered by live connections (kept when the table is reclaimed).
-    ns_held: Mutex<HashMap<u32, usize>>,
-    /// Leases made through the admin API (id → blocks pinned).
-    pub admin_leases: Mutex<HashMap<u64, u64>>,
+    /// Namespace ids registered by live connections, per store (kept when the table is
+    /// reclaimed).
+    ns_held: Mutex<HashMap<(usize, u32), usize>>,
+    /// Leases made through the admin API (id → store, blocks pinned).
+    pub admin_leases: Mutex<HashMap<u64, (usize, u64)>>,
     /// Engine requests answered with an error.
     pub ipc_errors: AtomicU64,
     /// Admin Watch streams open now (bounded by server.max_watchers).
@@ -95,39 +107,89 @@ impl Daemon {
     /// first.
     pub fn register_namespace(
         &self,
+        t: usize,
         ns: &kvstore::Namespace,
         check: impl Fn(kvstore::NsId) -> Result<(), String>,
     ) -> Result<kvstore::NsId, String> {
+        let store = self.store_at(t);
         let fp = ns.fingerprint();
-        if let Some(i) = self.store.namespaces().iter().position(|f| *f == fp) {
+        if let Some(i) = store.namespaces().iter().position(|f| *f == fp) {
             let id = kvstore::NsId(i as u32);
             check(id)?;
             return Ok(id);
         }
         check(kvstore::NsId(u32::MAX))?;
-        match self.store.register_namespace(ns) {
+        match store.register_namespace(ns) {
             Err(kvstore::KeyError::TableFull(_)) => {
                 let held = self.ns_held.lock().clone();
-                self.store
-                    .reclaim_namespaces(&|id| held.contains_key(&id.0));
-                self.store.register_namespace(ns).map_err(|e| e.to_string())
+                store.reclaim_namespaces(&|id| held.contains_key(&(t, id.0)));
+                store.register_namespace(ns).map_err(|e| e.to_string())
             }
             r => r.map_err(|e| e.to_string()),
         }
     }
 
-    /// Counts a live connection's hold on a namespace id (`hold`), or drops it.
-    pub fn hold_namespace(&self, id: kvstore::NsId, hold: bool) {
+    /// Counts a live connection's hold on a namespace id of store `t` (`hold`), or drops it.
+    pub fn hold_namespace(&self, t: usize, id: kvstore::NsId, hold: bool) {
         let mut m = self.ns_held.lock();
-        let n = m.entry(id.0).or_default();
+        let n = m.entry((t, id.0)).or_default();
         if hold {
             *n += 1;
         } else {
             *n = n.saturating_sub(1);
             if *n == 0 {
-                m.remove(&id.0);
+                m.remove(&(t, id.0));
             }
         }
+    }
+
+    /// Store `t`: the shared store (t = 0 in shared isolation) or tenant t's.
+    pub fn store_at(&self, t: usize) -> &'static Store {
+        self.tenants.get(t).map_or(self.store, |x| x.store)
+    }
+
+    /// The store an admin request names by tenant ("" = the default store).
+    pub fn store_named(&self, tenant: &str) -> Option<(usize, &'static Store)> {
+        if tenant.is_empty() {
+            return Some((0, self.store));
+        }
+        self.tenants
+            .iter()
+            .position(|t| t.cfg.name == tenant)
+            .map(|i| (i, self.tenants[i].store))
+    }
+
+    /// Every store (one in shared isolation).
+    pub fn stores(&self) -> Vec<&'static Store> {
+        if self.tenants.is_empty() {
+            vec![self.store]
+        } else {
+            self.tenants.iter().map(|t| t.store).collect()
+        }
+    }
+
+    /// The tenant a new connection belongs to: the one whose secret it presented, else the
+    /// one its peer uid or gid maps to. Shared isolation: always store 0.
+    pub fn tenant_of(&self, secret: &str, uid: u32, gid: u32) -> Result<usize, String> {
+        if self.tenants.is_empty() {
+            return Ok(0);
+        }
+        if !secret.is_empty() {
+            return self
+                .tenants
+                .iter()
+                .position(|t| {
+                    !t.cfg.secret.is_empty()
+                        && admin::same(t.cfg.secret.as_bytes(), secret.as_bytes())
+                })
+                .ok_or_else(|| "no tenant has this secret".to_string());
+        }
+        self.tenants
+            .iter()
+            .position(|t| t.cfg.uids.contains(&uid) || t.cfg.gids.contains(&gid))
+            .ok_or_else(|| {
+                format!("uid {uid} / gid {gid} belongs to no tenant: present a tenant secret in Hello, or map it in [[tenants]]")
+            })
     }
 
     /// Whether shutdown began.
@@ -257,15 +319,33 @@ fn run() -> Result<()> {
         std::fs::remove_file(&socket)
             .with_context(|| format!("removing the stale socket {}", socket.display()))?;
     }
-    let scfg = cfg.store()?;
-    tracing::info!(
-        host_bytes = scfg.capacity_bytes,
-        disk_bytes = scfg.disk.as_ref().map_or(0, |d| d.capacity_bytes),
-        disk_dir = ?scfg.disk.as_ref().map(|d| d.dir.display().to_string()),
-        "kvtierd starting: opening the store (the host arena is faulted in in the background)"
-    );
     let opened = Instant::now();
-    let store: &'static Store = Box::leak(Box::new(scfg.build().context("opening the store")?));
+    let mut tenants = Vec::new();
+    let store: &'static Store = if cfg.server.isolation == "tenant" {
+        for (t, scfg) in cfg.tenant_stores()? {
+            tracing::info!(
+                tenant = %t.name,
+                host_bytes = scfg.capacity_bytes,
+                disk_bytes = scfg.disk.as_ref().map_or(0, |d| d.capacity_bytes),
+                "kvtierd starting: opening a tenant's store (its own arena)"
+            );
+            let s: &'static Store = Box::leak(Box::new(
+                scfg.build()
+                    .with_context(|| format!("opening tenant {}'s store", t.name))?,
+            ));
+            tenants.push(Tenant { cfg: t, store: s });
+        }
+        tenants[0].store
+    } else {
+        let scfg = cfg.store()?;
+        tracing::info!(
+            host_bytes = scfg.capacity_bytes,
+            disk_bytes = scfg.disk.as_ref().map_or(0, |d| d.capacity_bytes),
+            disk_dir = ?scfg.disk.as_ref().map(|d| d.dir.display().to_string()),
+            "kvtierd starting: opening the store (the host arena is faulted in in the background)"
+        );
+        Box::leak(Box::new(scfg.build().context("opening the store")?))
+    };
     tracing::info!(
         secs = format!("{:.2}", opened.elapsed().as_secs_f64()),
         "store open"
@@ -285,6 +365,7 @@ fn run() -> Result<()> {
         .build()?;
     let d = Arc::new(Daemon {
         store,
+        tenants,
         cfg: cfg.clone(),
         started: Instant::now(),
         stop: AtomicBool::new(false),
@@ -369,7 +450,7 @@ fn run() -> Result<()> {
         anyhow::Ok(())
     })?;
     // Make the disk tier durable and its journal compact.
-    let written = store.flush();
+    let written: usize = d.stores().iter().map(|s| s.flush()).sum();
     tracing::info!(written, "flushed dirty blocks to disk; bye");
     let _ = std::fs::remove_file(&socket);
     drop(lock);

@@ -219,6 +219,39 @@ pub fn render(d: &Daemon) -> String {
             s.populated_segments as f64 / (s.total_segments.max(1)) as f64,
         )],
     );
+    if !d.tenants.is_empty() {
+        let per: Vec<(String, kvstore::StoreStats)> = d
+            .tenants
+            .iter()
+            .map(|t| (format!("tenant=\"{}\"", t.cfg.name), t.store.stats()))
+            .collect();
+        for (name, help, f) in [
+            (
+                "tenant_host_capacity_bytes",
+                "A tenant's host quota.",
+                (|s: &kvstore::StoreStats| s.capacity_bytes) as fn(&kvstore::StoreStats) -> u64,
+            ),
+            (
+                "tenant_host_used_bytes",
+                "A tenant's host blocks, bytes.",
+                |s| s.used_bytes,
+            ),
+            (
+                "tenant_disk_capacity_bytes",
+                "A tenant's disk quota.",
+                |s| s.disk().map_or(0, |k| k.capacity_bytes),
+            ),
+            (
+                "tenant_disk_used_bytes",
+                "A tenant's disk blocks, bytes.",
+                |s| s.disk().map_or(0, |k| k.used_bytes),
+            ),
+        ] {
+            let samples: Vec<(&str, f64)> =
+                per.iter().map(|(l, s)| (l.as_str(), f(s) as f64)).collect();
+            metric(name, "gauge", help, &samples);
+        }
+    }
     metric(
         "log_lines_dropped_total",
         "counter",

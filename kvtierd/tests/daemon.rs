@@ -207,6 +207,7 @@ fn admin_api_limits_token_metrics_and_events() {
         // Oversized: 10,000 keys × 18 bytes > 64 KiB.
         let big = pb::LookupRequest {
             keys: vec![vec![0u8; 16]; 10_000],
+            ..Default::default()
         };
         let e = c.lookup(big).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::OutOfRange, "{e:?}");
@@ -214,12 +215,17 @@ fn admin_api_limits_token_metrics_and_events() {
         let e = c
             .lookup(pb::LookupRequest {
                 keys: vec![vec![1u8; 15]],
+                ..Default::default()
             })
             .await
             .unwrap_err();
         assert!(e.message().contains("key 0"), "{}", e.message());
         // Events: watch, then store a block through the engine socket.
-        let mut events = c.watch(pb::WatchRequest {}).await.unwrap().into_inner();
+        let mut events = c
+            .watch(pb::WatchRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
         let mut ipc = d.client();
         let ns = ipc.register_namespace(&namespace()).unwrap();
         put_all(&mut ipc, ns, 0..2);
@@ -234,12 +240,17 @@ fn admin_api_limits_token_metrics_and_events() {
         assert_eq!(ev.kind, pb::block_event::Kind::Stored as i32);
         assert_eq!(ev.key, key(0).to_bytes().to_vec());
         assert_eq!(ev.tier, pb::Tier::Host as i32);
-        let s = c.stats(pb::StatsRequest {}).await.unwrap().into_inner();
+        let s = c
+            .stats(pb::StatsRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
         assert_eq!(s.namespaces.len(), 1);
         assert_eq!(s.namespaces[0].host_blocks, 2);
         let r = c
             .lookup(pb::LookupRequest {
                 keys: vec![key(0).to_bytes().to_vec(), key(1).to_bytes().to_vec()],
+                ..Default::default()
             })
             .await
             .unwrap()
@@ -249,6 +260,7 @@ fn admin_api_limits_token_metrics_and_events() {
             .pin(pb::PinRequest {
                 keys: vec![key(0).to_bytes().to_vec()],
                 ttl_ms: 60_000,
+                ..Default::default()
             })
             .await
             .unwrap()
@@ -256,7 +268,8 @@ fn admin_api_limits_token_metrics_and_events() {
         assert_eq!(p.n, 1);
         assert!(
             c.unpin(pb::UnpinRequest {
-                lease_id: p.lease_id
+                lease_id: p.lease_id,
+                ..Default::default()
             })
             .await
             .unwrap()
@@ -264,7 +277,10 @@ fn admin_api_limits_token_metrics_and_events() {
             .released
         );
         let r = c
-            .clear_namespace(pb::ClearRequest { namespace_id: ns.0 })
+            .clear_namespace(pb::ClearRequest {
+                namespace_id: ns.0,
+                ..Default::default()
+            })
             .await
             .unwrap()
             .into_inner();
@@ -347,9 +363,17 @@ fn watch_streams_are_capped() {
         let mut c = AdminClient::connect(format!("http://{}", d.grpc))
             .await
             .unwrap();
-        let a = c.watch(pb::WatchRequest {}).await.unwrap().into_inner();
-        let b = c.watch(pb::WatchRequest {}).await.unwrap().into_inner();
-        let e = c.watch(pb::WatchRequest {}).await.unwrap_err();
+        let a = c
+            .watch(pb::WatchRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
+        let b = c
+            .watch(pb::WatchRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
+        let e = c.watch(pb::WatchRequest::default()).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
         assert!(e.message().contains("max_watchers"), "{}", e.message());
         drop((a, b));
@@ -357,7 +381,7 @@ fn watch_streams_are_capped() {
         let mut ok = false;
         for _ in 0..50 {
             tokio::time::sleep(Duration::from_millis(100)).await;
-            if c.watch(pb::WatchRequest {}).await.is_ok() {
+            if c.watch(pb::WatchRequest::default()).await.is_ok() {
                 ok = true;
                 break;
             }

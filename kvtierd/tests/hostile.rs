@@ -357,7 +357,10 @@ fn admin_writes_need_a_token_and_cannot_touch_engine_leases() {
             .await
             .unwrap();
         let e = a
-            .clear_namespace(pb::ClearRequest { namespace_id: ns.0 })
+            .clear_namespace(pb::ClearRequest {
+                namespace_id: ns.0,
+                ..Default::default()
+            })
             .await
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::PermissionDenied);
@@ -367,12 +370,15 @@ fn admin_writes_need_a_token_and_cannot_touch_engine_leases() {
             e.message()
         );
         let e = a
-            .unpin(pb::UnpinRequest { lease_id: lease.0 })
+            .unpin(pb::UnpinRequest {
+                lease_id: lease.0,
+                ..Default::default()
+            })
             .await
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::PermissionDenied);
         // Reads need no token on loopback.
-        a.stats(pb::StatsRequest {}).await.unwrap();
+        a.stats(pb::StatsRequest::default()).await.unwrap();
     });
     drop(d);
     let d = Kvtierd::start(
@@ -393,7 +399,10 @@ fn admin_writes_need_a_token_and_cannot_touch_engine_leases() {
             .await
             .unwrap();
         let r = a
-            .unpin(pb::UnpinRequest { lease_id: lease.0 })
+            .unpin(pb::UnpinRequest {
+                lease_id: lease.0,
+                ..Default::default()
+            })
             .await
             .unwrap()
             .into_inner();
@@ -402,13 +411,15 @@ fn admin_writes_need_a_token_and_cannot_touch_engine_leases() {
             .pin(pb::PinRequest {
                 keys: vec![key(0).to_bytes().to_vec()],
                 ttl_ms: 60_000,
+                ..Default::default()
             })
             .await
             .unwrap()
             .into_inner();
         assert!(
             a.unpin(pb::UnpinRequest {
-                lease_id: p.lease_id
+                lease_id: p.lease_id,
+                ..Default::default()
             })
             .await
             .unwrap()
@@ -418,4 +429,83 @@ fn admin_writes_need_a_token_and_cannot_touch_engine_leases() {
     });
     // The engine's lease is still its own.
     c.release(lease).unwrap();
+}
+
+/// `server.isolation = "tenant"`: each tenant has its own arena; a client receives only its
+/// tenant's, so a client of tenant B can neither read nor alter tenant A's blocks.
+#[test]
+fn tenants_cannot_read_or_alter_each_others_blocks() {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("tenants-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // SAFETY: getuid has no preconditions.
+    let uid = unsafe { libc::getuid() };
+    let cfg = dir.join("kvtierd.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[server]\nisolation = \"tenant\"\n\
+             [[tenants]]\nname = \"a\"\nsecret = \"secret-a\"\nhost_capacity = \"32M\"\ndisk_capacity = \"64M\"\n\
+             [[tenants]]\nname = \"b\"\nsecret = \"secret-b\"\nhost_capacity = \"16M\"\n\
+             [[tenants]]\nname = \"c\"\nuids = [{uid}]\nhost_capacity = \"8M\"\n"
+        ),
+    )
+    .unwrap();
+    let d = Kvtierd::start("tenants", &["--config", cfg.to_str().unwrap()], true);
+    let mut a = kvtier_ipc::IpcClient::connect_as(&d.socket, "a", "secret-a").unwrap();
+    assert_eq!(a.tenant(), "a");
+    assert_eq!(a.arena().1, 32 << 20);
+    let ns = a.register_namespace(&namespace()).unwrap();
+    put_all(&mut a, ns, 0..4);
+    let mut b = kvtier_ipc::IpcClient::connect_as(&d.socket, "b", "secret-b").unwrap();
+    assert_eq!(b.tenant(), "b");
+    assert_eq!(b.arena().1, 16 << 20, "b got another tenant's arena");
+    let nb = b.register_namespace(&namespace()).unwrap();
+    let keys: Vec<kvstore::BlockKey> = (0..4).map(key).collect();
+    assert_eq!(b.lookup(&keys, None).unwrap().n, 0, "b sees a's blocks");
+    assert_eq!(b.load(&keys, Duration::from_secs(5), None).unwrap().n, 0);
+    // B maps what it was given: none of A's bytes are in it; it scribbles over all of it.
+    let (_s, fd) = raw_hello_as(&d.socket, "secret-b");
+    let f = std::fs::File::from(fd);
+    // SAFETY: a test-only mapping of the memfd b received; nothing else in this process uses it.
+    let mut m = unsafe { memmap2::MmapOptions::new().map_mut(&f) }.unwrap();
+    let probe = &data(0)[4096..4160];
+    assert!(
+        !m.windows(probe.len()).step_by(64).any(|w| w == probe),
+        "a's block bytes are visible in b's mapping"
+    );
+    m.fill(0xff);
+    drop(m);
+    // A's blocks are intact, byte for byte.
+    assert_eq!(get_all(&mut a, 0..4), 4);
+    // B's own blocks work in its own arena.
+    put_all(&mut b, nb, 10..12);
+    assert_eq!(get_all(&mut b, 10..12), 2);
+    // The peer's uid maps to tenant c; unknown secrets are refused.
+    let c = kvtier_ipc::IpcClient::connect(&d.socket, "c").unwrap();
+    assert_eq!((c.tenant(), c.arena().1), ("c", 8 << 20));
+    let e = kvtier_ipc::IpcClient::connect_as(&d.socket, "x", "guess")
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("no tenant has this secret"), "{e}");
+    // Per-tenant usage and quota through the admin API.
+    rt().block_on(async {
+        use kvtier_proto::admin as pb;
+        let mut adm = pb::admin_client::AdminClient::connect(format!("http://{}", d.grpc))
+            .await
+            .unwrap();
+        let s = adm
+            .stats(pb::StatsRequest { tenant: "a".into() })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(s.tiers[0].blocks, 4);
+        let names: Vec<_> = s.tenants.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["a", "b", "c"]);
+        assert_eq!(s.tenants[1].host_capacity_bytes, 16 << 20);
+        assert_eq!(s.tenants[1].host_blocks, 2);
+    });
+    drop(d);
+    let _ = std::fs::remove_dir_all(&dir);
 }

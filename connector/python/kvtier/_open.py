@@ -26,7 +26,8 @@ def open_store(extra: dict, default_mode: str, client: str) -> Any:
     with _LOCK:
         if key not in _STORES:
             if mode == "sidecar":
-                _STORES[key] = Sidecar(extra["socket"], client)
+                _STORES[key] = Sidecar(extra["socket"], client,
+                                       str(extra.get("tenant_secret", "")))
             else:
                 _STORES[key] = Store(
                     int(extra.get("host_bytes", 1 << 30)),

@@ -440,10 +440,15 @@ struct Sidecar {}
 #[pymethods]
 impl Sidecar {
     #[new]
-    #[pyo3(signature = (socket, client="kvtier-python"))]
-    fn new(py: Python<'_>, socket: std::path::PathBuf, client: &str) -> PyResult<(Self, Backend)> {
+    #[pyo3(signature = (socket, client="kvtier-python", tenant_secret=""))]
+    fn new(
+        py: Python<'_>,
+        socket: std::path::PathBuf,
+        client: &str,
+        tenant_secret: &str,
+    ) -> PyResult<(Self, Backend)> {
         let b = py
-            .allow_threads(|| kvtier_connector::Backend::sidecar(&socket, client))
+            .allow_threads(|| kvtier_connector::Backend::sidecar_as(&socket, client, tenant_secret))
             .map_err(transfer_err)?;
         Ok((Self {}, Backend { b }))
     }

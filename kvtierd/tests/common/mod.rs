@@ -171,6 +171,11 @@ pub fn rt() -> tokio::runtime::Runtime {
 
 /// Hello by hand, keeping the arena fd a well-behaved client would only map.
 pub fn raw_hello(socket: &std::path::Path) -> (UnixStream, std::os::fd::OwnedFd) {
+    raw_hello_as(socket, "")
+}
+
+/// Like `raw_hello`, presenting a tenant secret.
+pub fn raw_hello_as(socket: &std::path::Path, secret: &str) -> (UnixStream, std::os::fd::OwnedFd) {
     use prost::Message;
     let s = UnixStream::connect(socket).unwrap();
     let hello = kvtier_proto::ipc::Request {
@@ -179,6 +184,7 @@ pub fn raw_hello(socket: &std::path::Path) -> (UnixStream, std::os::fd::OwnedFd)
             kvtier_proto::ipc::Hello {
                 version: kvtier_proto::IPC_VERSION,
                 client: "hostile".into(),
+                tenant_secret: secret.into(),
             },
         )),
     };
