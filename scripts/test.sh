@@ -26,7 +26,8 @@ fi
 VIRTUAL_ENV="$PWD/.venv" .venv/bin/maturin develop -q --manifest-path connector/python/Cargo.toml
 
 echo "== cargo test"
-cargo test --workspace --locked
+# Fuzz targets (kvtier-fuzz) replay their corpus and mutate for this many seconds each.
+KVTIER_FUZZ_SECS="${KVTIER_FUZZ_SECS:-20}" cargo test --workspace --locked
 # The CUDA gather/scatter builds without CUDA; its tests say SKIPPED without a GPU
 # (scripts/gpu-check.sh runs them on one).
 cargo test --locked -p kvtier-connector --features cuda

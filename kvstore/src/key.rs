@@ -197,7 +197,10 @@ impl Namespace {
         let size = u32_at(&mut pos)?;
         let rank = u32_at(&mut pos)?;
         let tp = match tag {
-            0 => TpShard::Shared,
+            // One encoding per namespace: a shared TP carries zeros (anything else would be a
+            // second encoding, and so a second fingerprint, of the same namespace).
+            0 if size == 0 && rank == 0 => TpShard::Shared,
+            0 => return Err(bad("shared TP with a size or rank")),
             1 => TpShard::Rank { size, rank },
             _ => return Err(bad("unknown TP tag")),
         };

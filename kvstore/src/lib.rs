@@ -22,6 +22,8 @@ pub mod checksum;
 pub mod disk;
 mod error;
 mod events;
+#[cfg(test)]
+mod fuzz_tests;
 pub mod io;
 mod key;
 pub mod policy;

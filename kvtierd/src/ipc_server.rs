@@ -148,7 +148,7 @@ fn tier(t: &Tier) -> i32 {
     }
 }
 
-struct Conn<'d> {
+pub(crate) struct Conn<'d> {
     d: &'d Daemon,
     /// The store this connection's tenant owns (the shared one in shared isolation), known
     /// from Hello on.
@@ -174,7 +174,7 @@ struct Conn<'d> {
 }
 
 impl<'d> Conn<'d> {
-    fn new(d: &'d Daemon, stream: UnixStream) -> io::Result<Self> {
+    pub(crate) fn new(d: &'d Daemon, stream: UnixStream) -> io::Result<Self> {
         stream.set_nonblocking(false)?;
         stream.set_read_timeout(Some(Duration::from_millis(200)))?;
         // A client that stops reading its replies cannot hold a worker (or shutdown) forever.
@@ -261,7 +261,7 @@ impl<'d> Conn<'d> {
         }
     }
 
-    fn run(&mut self) -> io::Result<()> {
+    pub(crate) fn run(&mut self) -> io::Result<()> {
         let hello_timeout = Duration::from_millis(self.d.cfg.server.hello_timeout_ms);
         loop {
             if self.d.stopping() {

@@ -4,6 +4,8 @@
 
 mod admin;
 mod config;
+#[cfg(test)]
+mod fuzz_tests;
 mod ipc_server;
 mod logging;
 mod metrics;
@@ -102,6 +104,33 @@ pub struct Daemon {
 }
 
 impl Daemon {
+    /// The daemon's shared state around its stores.
+    pub fn new(
+        store: &'static Store,
+        tenants: Vec<Tenant>,
+        cfg: config::Config,
+        log: Arc<logging::LogStats>,
+    ) -> Self {
+        Self {
+            store,
+            tenants,
+            cfg,
+            started: Instant::now(),
+            stop: AtomicBool::new(false),
+            ipc_clients: AtomicU64::new(0),
+            ipc_pending: AtomicU64::new(0),
+            frame_bytes: AtomicU64::new(0),
+            leases_held: AtomicU64::new(0),
+            lease_refusals: AtomicU64::new(0),
+            ns_held: Mutex::new(HashMap::new()),
+            admin_leases: Mutex::new(HashMap::new()),
+            ipc_errors: AtomicU64::new(0),
+            watchers: AtomicU64::new(0),
+            log,
+            latency: Mutex::new(HashMap::new()),
+        }
+    }
+
     /// Registers a namespace for a connection (`check` may refuse a new one); when the table
     /// is full, ids of namespaces with no blocks that no live connection holds are reclaimed
     /// first.
@@ -363,24 +392,7 @@ fn run() -> Result<()> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let d = Arc::new(Daemon {
-        store,
-        tenants,
-        cfg: cfg.clone(),
-        started: Instant::now(),
-        stop: AtomicBool::new(false),
-        ipc_clients: AtomicU64::new(0),
-        ipc_pending: AtomicU64::new(0),
-        frame_bytes: AtomicU64::new(0),
-        leases_held: AtomicU64::new(0),
-        lease_refusals: AtomicU64::new(0),
-        ns_held: Mutex::new(HashMap::new()),
-        admin_leases: Mutex::new(HashMap::new()),
-        ipc_errors: AtomicU64::new(0),
-        watchers: AtomicU64::new(0),
-        log: log_stats,
-        latency: Mutex::new(HashMap::new()),
-    });
+    let d = Arc::new(Daemon::new(store, tenants, cfg.clone(), log_stats));
     rt.block_on(async {
         let grpc = tokio::net::TcpListener::bind(&cfg.server.grpc)
             .await

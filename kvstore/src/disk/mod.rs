@@ -12,6 +12,8 @@
 
 mod config;
 mod extent;
+#[cfg(test)]
+mod fuzz_tests;
 mod journal;
 mod recovery;
 mod state;
