@@ -56,6 +56,10 @@ pub struct ConnectorArgs {
     /// Only the embedded mode (no kvtierd).
     #[arg(long)]
     pub embedded_only: bool,
+    /// Copy-thread counts to measure (comma-separated); `N` > 1 adds cases `… xNt` against a
+    /// memcpy of the same bytes on N threads.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub threads: Vec<usize>,
     /// Print the JSON report as the last line.
     #[arg(long)]
     pub json: bool,
@@ -150,11 +154,23 @@ pub fn run(args: ConnectorArgs) -> Result<()> {
     let mut from = AlignedBuf::new(total)?;
     from.fill_pattern(7);
     let mut to = AlignedBuf::new(total)?;
-    let memcpy = |to: &mut AlignedBuf| {
+    ensure!(
+        !args.threads.is_empty() && args.threads.iter().all(|&t| t > 0),
+        "--threads: thread counts must be positive"
+    );
+    // On `threads` threads: contiguous shares of the blocks, one per thread.
+    let memcpy = |to: &mut AlignedBuf, threads: usize| {
+        let share = blocks.div_ceil(threads) * bb;
         let t = Instant::now();
-        for (d, s) in to.chunks_mut(bb).zip(from.chunks(bb)) {
-            d.copy_from_slice(s);
-        }
+        std::thread::scope(|sc| {
+            for (d, s) in to.chunks_mut(share).zip(from.chunks(share)) {
+                sc.spawn(move || {
+                    for (d, s) in d.chunks_mut(bb).zip(s.chunks(bb)) {
+                        d.copy_from_slice(s);
+                    }
+                });
+            }
+        });
         total as f64 / t.elapsed().as_secs_f64() / 1e9
     };
 
@@ -168,7 +184,7 @@ pub fn run(args: ConnectorArgs) -> Result<()> {
         ..Default::default()
     }
     .build()?;
-    modes.push(("embedded", Backend::Embedded(Box::new(embedded))));
+    modes.push(("embedded", Backend::embedded(embedded)));
     let mut _daemon = None;
     if !args.embedded_only {
         let bin = sidecar::binary(args.kvtierd.as_deref())?;
@@ -191,54 +207,63 @@ pub fn run(args: ConnectorArgs) -> Result<()> {
 
     let mut rows: Vec<Row> = Vec::new();
     let ttl = Duration::from_secs(30);
-    for (mode, backend) in &modes {
-        let nsid: NsId = backend.register_namespace(&ns(&args))?;
-        let mut save = Vec::new();
-        let mut load = Vec::new();
-        for round in 0..=args.rounds {
-            let keys: Vec<BlockKey> = (0..blocks).map(|i| key(round, i)).collect();
-            if let Backend::Embedded(s) = backend {
-                if round > 0 {
-                    for i in 0..blocks {
-                        s.remove(&key(round - 1, i));
+    let mut generation = 0;
+    for &threads in &args.threads {
+        for (mode, backend) in &mut modes {
+            backend.set_copy_threads(threads);
+            let nsid: NsId = backend.register_namespace(&ns(&args))?;
+            let mut save = Vec::new();
+            let mut load = Vec::new();
+            for round in 0..=args.rounds {
+                generation += 1;
+                let keys: Vec<BlockKey> = (0..blocks).map(|i| key(generation, i)).collect();
+                let base = memcpy(&mut to, threads);
+                let t = Instant::now();
+                let n = backend.save(nsid, &src.paged, &keys, &ids)?;
+                let s_bw = total as f64 / t.elapsed().as_secs_f64() / 1e9;
+                ensure!(n == blocks, "{mode}: saved {n} of {blocks} blocks");
+                let t = Instant::now();
+                let n = backend.load(&dst.paged, &keys, &ids, ttl)?;
+                let l_bw = total as f64 / t.elapsed().as_secs_f64() / 1e9;
+                ensure!(n == blocks, "{mode}: loaded {n} of {blocks} blocks");
+                // The next round's keys are fresh: room for them (the embedded store can remove).
+                if let Some(s) = backend.store() {
+                    for k in &keys {
+                        s.remove(k);
                     }
                 }
+                if round == 0 {
+                    // Byte-exact: the engine tensors round-tripped through the store.
+                    for (l, (a, b)) in src.layers.iter().zip(&dst.layers).enumerate() {
+                        ensure!(a[..] == b[..], "{mode}: layer {l} differs after save+load");
+                    }
+                    for (l, buf) in dst.layers.iter_mut().enumerate() {
+                        buf.fill_pattern(1000 + l as u64);
+                    }
+                } else {
+                    save.push((s_bw, base));
+                    load.push((l_bw, base));
+                }
             }
-            let base = memcpy(&mut to);
-            let t = Instant::now();
-            let n = backend.save(nsid, &src.paged, &keys, &ids)?;
-            let s_bw = total as f64 / t.elapsed().as_secs_f64() / 1e9;
-            ensure!(n == blocks, "{mode}: saved {n} of {blocks} blocks");
-            let t = Instant::now();
-            let n = backend.load(&dst.paged, &keys, &ids, ttl)?;
-            let l_bw = total as f64 / t.elapsed().as_secs_f64() / 1e9;
-            ensure!(n == blocks, "{mode}: loaded {n} of {blocks} blocks");
-            if round == 0 {
-                // Byte-exact: the engine tensors round-tripped through the store.
-                for (l, (a, b)) in src.layers.iter().zip(&dst.layers).enumerate() {
-                    ensure!(a[..] == b[..], "{mode}: layer {l} differs after save+load");
-                }
-                for (l, buf) in dst.layers.iter_mut().enumerate() {
-                    buf.fill_pattern(1000 + l as u64);
-                }
+            let t = args.tokens;
+            let (suffix, baseline) = if threads == 1 {
+                (String::new(), "memcpy")
             } else {
-                save.push((s_bw, base));
-                load.push((l_bw, base));
-            }
+                (format!(" x{threads}t"), "memcpy on as many threads")
+            };
+            rows.push(row(
+                format!("save {t} tokens, {mode}{suffix}"),
+                "GB/s",
+                baseline,
+                &save,
+            ));
+            rows.push(row(
+                format!("load {t} tokens, {mode}{suffix}"),
+                "GB/s",
+                baseline,
+                &load,
+            ));
         }
-        let t = args.tokens;
-        rows.push(row(
-            format!("save {t} tokens, {mode}"),
-            "GB/s",
-            "memcpy",
-            &save,
-        ));
-        rows.push(row(
-            format!("load {t} tokens, {mode}"),
-            "GB/s",
-            "memcpy",
-            &load,
-        ));
     }
     drop(modes);
     Report {

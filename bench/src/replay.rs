@@ -250,7 +250,7 @@ pub fn run_embedded(
     }
     .build()
     .context("building the replay store")?;
-    let backend = Backend::Embedded(Box::new(store));
+    let backend = Backend::embedded(store);
     let mut out = replay_through(&backend, reqs, cfg, progress)?;
     if let Some(d) = backend
         .store()

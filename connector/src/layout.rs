@@ -225,25 +225,24 @@ impl PagedKv {
     }
 
     /// [`PagedKv::gather`] that also returns the xxh3-64 of the bytes written, computed as
-    /// they are written (each 64 KiB of `dst` is hashed right after it is filled, while it is
-    /// still in cache), so the block need not be read again to checksum it.
+    /// they are copied: each run is hashed from its source right after it was read (still in
+    /// cache; the destination is written with streaming stores and is not), in destination
+    /// order, so the block need not be read again to checksum it.
     pub fn gather_hashed(&self, ids: &[usize], dst: &mut [u8]) -> Result<u64, LayoutError> {
         let mut h = kvstore::Checksummer::new();
-        self.gather_with(ids, dst, &mut |chunk| h.update(chunk))?;
+        self.gather_with(ids, dst, &mut |run| h.update(run))?;
         Ok(h.finish())
     }
 
-    /// Gathers, handing every filled stretch of `dst` (in order, each at least 64 KiB but the
-    /// last) to `filled`.
+    /// Gathers, handing every run copied (its source bytes, in destination order) to
+    /// `copied`.
     fn gather_with(
         &self,
         ids: &[usize],
         dst: &mut [u8],
-        filled: &mut dyn FnMut(&[u8]),
+        copied: &mut dyn FnMut(&[u8]),
     ) -> Result<(), LayoutError> {
-        const CHUNK: usize = 64 << 10;
         self.check(ids, dst.len())?;
-        let mut done = 0;
         let mut at = 0;
         for &id in ids {
             for p in &self.plans {
@@ -253,18 +252,15 @@ impl PagedKv {
                     // within shape) and nobody writes it during the gather; it does not overlap
                     // `dst` (a separate buffer).
                     let from = unsafe { std::slice::from_raw_parts(src as *const u8, len) };
-                    // Large runs stream past the cache: the block is not read back soon.
-                    kvstore::copy_nt(&mut dst[at..at + len], from);
-                    at += len;
-                    if at - done >= CHUNK {
-                        filled(&dst[done..at]);
-                        done = at;
+                    // Large runs stream past the cache (the block is not read back soon), in
+                    // pieces hashed while their source is still in cache.
+                    for piece in from.chunks(64 << 10) {
+                        kvstore::copy_nt(&mut dst[at..at + piece.len()], piece);
+                        copied(piece);
+                        at += piece.len();
                     }
                 });
             }
-        }
-        if at > done {
-            filled(&dst[done..at]);
         }
         Ok(())
     }

@@ -2,10 +2,14 @@
 //! between an engine's paged KV tensors and kvtier's contiguous blocks, and the transfers of
 //! those blocks to and from the store, embedded or through `kvtierd` (one API, two modes).
 
+mod copies;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod layout;
+mod sidecar;
 mod transfer;
 
+pub use copies::Copies;
 pub use layout::{Dim, LayerView, LayoutError, PagedKv, Piece};
+pub use sidecar::{Sidecar, SidecarStats};
 pub use transfer::{checksum, Backend, Stored, TransferError};

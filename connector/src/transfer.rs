@@ -9,11 +9,13 @@
 //! `save`/`load`, and per-page lists of memory segments (SGLang's host pool pages) with
 //! `write_segments`/`read_segments`.
 
-use std::sync::Mutex;
 use std::time::Duration;
 
 use kvstore::{BlockKey, LeaseId, Namespace, NsId, Reserve, Store, StoreError};
 use kvtier_ipc::{IpcClient, IpcError, SlotStatus};
+
+use crate::copies::Copies;
+use crate::sidecar::Sidecar;
 
 use crate::layout::{LayoutError, PagedKv};
 
@@ -40,13 +42,23 @@ pub enum TransferError {
     Poisoned,
 }
 
-/// Where blocks go: one API, two modes.
-pub enum Backend {
+/// Where blocks go: one API, two modes; copies of large transfers split across a small pool of
+/// copy threads.
+pub struct Backend {
+    kind: Kind,
+    copies: Copies,
+}
+
+enum Kind {
     /// The store lives in this process.
     Embedded(Box<Store>),
-    /// A node's `kvtierd`, through its engine socket.
-    Sidecar(Mutex<IpcClient>),
+    /// A node's `kvtierd`, through its engine socket (riding out daemon restarts: while it is
+    /// unreachable every call is a miss).
+    Sidecar(Box<Sidecar>),
 }
+
+/// Blocks reserved (embedded mode) per round of parallel fills.
+const EMBEDDED_CHUNK: usize = 64;
 
 fn check_pairs(keys: &[BlockKey], block_ids: &[Vec<usize>]) -> Result<(), TransferError> {
     if keys.len() != block_ids.len() {
@@ -64,8 +76,13 @@ fn check_pairs(keys: &[BlockKey], block_ids: &[Vec<usize>]) -> Result<(), Transf
     Ok(())
 }
 
-/// How one block gets its bytes into a slot: returns the xxh3-64 of what it wrote.
+/// How one block gets its bytes into a slot: returns the xxh3-64 of what it wrote. Called for
+/// several blocks at once from the copy threads.
 type Fill<'a> = dyn Fn(usize, &mut [u8]) -> Result<u64, TransferError> + Sync + 'a;
+
+/// What a parallel load does with block `i` (its bytes and commit checksum), given its own
+/// item (e.g. its destination segments): false refuses it (ends the prefix).
+type EachPar<'a, T> = dyn Fn(usize, &mut T, &[u8], u64) -> Result<bool, TransferError> + Sync + 'a;
 
 /// What a load does with block `i` (its bytes and commit checksum) while it is pinned: false
 /// refuses it (ends the prefix).
@@ -142,35 +159,62 @@ impl Drop for LeaseGuard<'_> {
     }
 }
 
+/// Whether no engine block id appears twice (then blocks can be scattered in parallel).
+fn distinct(block_ids: &[Vec<usize>]) -> bool {
+    let mut all: Vec<usize> = block_ids.iter().flatten().copied().collect();
+    all.sort_unstable();
+    all.windows(2).all(|w| w[0] != w[1])
+}
+
 impl Backend {
-    /// Connects to a `kvtierd` engine socket.
-    pub fn sidecar(socket: &std::path::Path, client: &str) -> Result<Self, TransferError> {
-        Self::sidecar_as(socket, client, "")
+    fn new(kind: Kind) -> Self {
+        Self {
+            kind,
+            copies: Copies::default(),
+        }
     }
 
-    /// Connects to a `kvtierd` engine socket presenting a tenant secret (a daemon with
-    /// `server.isolation = "tenant"`).
-    pub fn sidecar_as(
-        socket: &std::path::Path,
-        client: &str,
-        tenant_secret: &str,
-    ) -> Result<Self, TransferError> {
-        Ok(Self::Sidecar(Mutex::new(IpcClient::connect_as(
+    /// A store in this process.
+    pub fn embedded(store: Store) -> Self {
+        Self::new(Kind::Embedded(Box::new(store)))
+    }
+
+    /// Connects to a `kvtierd` engine socket, now: an error if the daemon is not there.
+    pub fn sidecar(socket: &std::path::Path, client: &str) -> Result<Self, TransferError> {
+        Ok(Self::new(Kind::Sidecar(Box::new(Sidecar::connect_now(
+            socket, client, "",
+        )?))))
+    }
+
+    /// A handle to a `kvtierd` engine socket that rides out daemon restarts (and a daemon not
+    /// started yet), presenting a tenant secret (`""`: none; see `server.isolation`).
+    pub fn sidecar_as(socket: &std::path::Path, client: &str, tenant_secret: &str) -> Self {
+        Self::new(Kind::Sidecar(Box::new(Sidecar::new(
             socket,
             client,
             tenant_secret,
-        )?)))
+        ))))
     }
 
-    fn client(m: &Mutex<IpcClient>) -> Result<std::sync::MutexGuard<'_, IpcClient>, TransferError> {
-        m.lock().map_err(|_| TransferError::Poisoned)
+    /// Copies with `threads` threads (0: the cores available to this process, at most 8; 1:
+    /// on the calling thread). Small transfers stay on the calling thread whatever this says.
+    pub fn set_copy_threads(&mut self, threads: usize) {
+        if threads != self.copies.threads() {
+            self.copies = Copies::new(threads);
+        }
     }
 
-    /// Registers a namespace; returns its id (in the store or daemon).
+    /// How many threads copies may use.
+    pub fn copy_threads(&self) -> usize {
+        self.copies.threads()
+    }
+
+    /// Registers a namespace; returns its id (the store's, or this handle's in sidecar mode,
+    /// stable across daemon restarts).
     pub fn register_namespace(&self, ns: &Namespace) -> Result<NsId, TransferError> {
-        match self {
-            Self::Embedded(s) => Ok(s.register_namespace(ns)?),
-            Self::Sidecar(c) => Ok(Self::client(c)?.register_namespace(ns)?),
+        match &self.kind {
+            Kind::Embedded(s) => Ok(s.register_namespace(ns)?),
+            Kind::Sidecar(c) => c.register_namespace(ns),
         }
     }
 
@@ -181,15 +225,18 @@ impl Backend {
 
     /// How many leading keys are present, and the tier of each (no side effects).
     pub fn lookup(&self, keys: &[BlockKey]) -> Result<kvstore::PrefixMatch, TransferError> {
-        match self {
-            Self::Embedded(s) => Ok(s.match_prefix(keys)),
-            Self::Sidecar(c) => {
-                let l = Self::client(c)?.lookup(keys, None)?;
-                Ok(kvstore::PrefixMatch {
+        match &self.kind {
+            Kind::Embedded(s) => Ok(s.match_prefix(keys)),
+            Kind::Sidecar(c) => Ok(c.call(|c, _| c.lookup(keys, None))?.map_or(
+                kvstore::PrefixMatch {
+                    n: 0,
+                    tiers: Vec::new(),
+                },
+                |l| kvstore::PrefixMatch {
                     n: l.n,
                     tiers: l.tiers,
-                })
-            }
+                },
+            )),
         }
     }
 
@@ -235,7 +282,15 @@ impl Backend {
             paged.check_ids(ids)?;
         }
         let bb = paged.block_bytes();
-        self.read_with(keys, ttl, &mut |i, block, sum| {
+        // Blocks are scattered in parallel only into distinct engine blocks.
+        let one = Copies::new(1);
+        let copies = if distinct(block_ids) {
+            &self.copies
+        } else {
+            &one
+        };
+        let mut items = vec![(); keys.len()];
+        self.read_par(keys, ttl, copies, &mut items, &|i, _, block, sum| {
             if block.len() != block_ids[i].len() * bb {
                 return Ok(false);
             }
@@ -301,8 +356,8 @@ impl Backend {
                 pages.len()
             )));
         }
-        let n = self.read_with(keys, ttl, &mut |i, block, sum| {
-            Ok(fill_segments(block, &mut pages[i], sum))
+        let n = self.read_par(keys, ttl, &self.copies, pages, &|_, page, block, sum| {
+            Ok(fill_segments(block, page, sum))
         })?;
         Ok((0..keys.len()).map(|i| i < n).collect())
     }
@@ -318,26 +373,39 @@ impl Backend {
         fill: &Fill<'_>,
     ) -> Result<Vec<Stored>, TransferError> {
         let mut out = vec![Stored::NoRoom; keys.len()];
-        match self {
-            Self::Embedded(s) => {
-                for (i, k) in keys.iter().enumerate() {
-                    out[i] = match s.reserve(ns, *k, lens[i]) {
-                        Ok(Reserve::Slot(mut r)) => {
-                            let sum = fill(i, r.as_mut_slice())?;
-                            if r.commit_with_checksum(sum)? {
+        match &self.kind {
+            Kind::Embedded(s) => {
+                let mut at = 0;
+                while at < keys.len() {
+                    let end = (at + EMBEDDED_CHUNK).min(keys.len());
+                    // Reserve a round of slots, fill them in parallel, commit them.
+                    let mut slots = Vec::new();
+                    for i in at..end {
+                        out[i] = match s.reserve(ns, keys[i], lens[i]) {
+                            Ok(Reserve::Slot(r)) => {
+                                slots.push((i, r));
                                 Stored::Now
-                            } else {
-                                Stored::Already
                             }
+                            Ok(Reserve::AlreadyPresent | Reserve::InFlight) => Stored::Already,
+                            Err(StoreError::NoSpace { .. }) => Stored::NoRoom,
+                            Err(e) => return Err(e.into()),
+                        };
+                    }
+                    let sizes: Vec<usize> = slots.iter().map(|(i, _)| lens[*i]).collect();
+                    let sums = self
+                        .copies
+                        .map_mut(&mut slots, &sizes, |_, (i, r)| fill(*i, r.as_mut_slice()));
+                    // A fill that failed: the round's reservations are dropped (aborted).
+                    let sums = sums.into_iter().collect::<Result<Vec<u64>, _>>()?;
+                    for ((i, r), sum) in slots.into_iter().zip(sums) {
+                        if !r.commit_with_checksum(sum)? {
+                            out[i] = Stored::Already;
                         }
-                        Ok(Reserve::AlreadyPresent | Reserve::InFlight) => Stored::Already,
-                        Err(StoreError::NoSpace { .. }) => Stored::NoRoom,
-                        Err(e) => return Err(e.into()),
-                    };
+                    }
+                    at = end;
                 }
             }
-            Self::Sidecar(c) => {
-                let mut c = Self::client(c)?;
+            Kind::Sidecar(side) => {
                 let lens32 = lens
                     .iter()
                     .map(|&l| {
@@ -345,70 +413,83 @@ impl Backend {
                             .map_err(|_| TransferError::Input(format!("a {l}-byte block")))
                     })
                     .collect::<Result<Vec<u32>, _>>()?;
-                let limit = c.max_reserve_bytes().max(1);
-                let max_keys = c.max_keys();
-                let mut at = 0;
-                while at < keys.len() {
-                    // Reserve in chunks: the daemon bounds what one connection holds
-                    // uncommitted (a block larger than the limit goes alone, and is refused
-                    // by the daemon as a clear error).
-                    let mut end = at + 1;
-                    let mut bytes = u64::from(lens32[at]);
-                    while end < keys.len()
-                        && end - at < max_keys
-                        && bytes + u64::from(lens32[end]) <= limit
-                    {
-                        bytes += u64::from(lens32[end]);
-                        end += 1;
+                // None: the daemon is unreachable; nothing was stored (a miss, not an error).
+                let saved = side.call(|c, map| {
+                    let ns = map.get(c, ns)?;
+                    // Connection errors go to `call` (a lost daemon is a miss); the save's own
+                    // errors come back to the caller.
+                    match save_chunks(c, ns, keys, &lens32, fill, &self.copies, &mut out) {
+                        Err(TransferError::Ipc(e)) => Err(e),
+                        r => Ok(r),
                     }
-                    let slots = c.reserve(ns, &keys[at..end], &lens32[at..end])?;
-                    let mut tokens = Vec::with_capacity(slots.len());
-                    let mut failed = None;
-                    for (j, s) in slots.iter().enumerate() {
-                        let i = at + j;
-                        out[i] = match *s {
-                            SlotStatus::Slot { token, .. } => {
-                                tokens.push((i, token));
-                                if failed.is_none() {
-                                    match c.fill_slot_hashed(token, |slot| match fill(i, slot) {
-                                        Ok(sum) => (None, sum),
-                                        Err(e) => (Some(e), 0),
-                                    })? {
-                                        None => {}
-                                        Some(e) => failed = Some(e),
-                                    }
-                                }
-                                Stored::Now
-                            }
-                            SlotStatus::Present | SlotStatus::InFlight => Stored::Already,
-                            SlotStatus::NoSpace => Stored::NoRoom,
-                        };
-                    }
-                    let toks: Vec<u64> = tokens.iter().map(|(_, t)| *t).collect();
-                    if let Some(e) = failed {
-                        // Nothing half-written is ever committed.
-                        c.abort(&toks)?;
-                        return Err(e);
-                    }
-                    let r = c.commit(&toks)?;
-                    for (i, t) in &tokens {
-                        if r.expired.contains(t) {
-                            out[*i] = Stored::NoRoom;
-                        } else if r.cancelled.contains(t) {
-                            out[*i] = Stored::Already;
-                        }
-                    }
-                    if !r.expired.is_empty() {
-                        tracing::warn!(
-                            n = r.expired.len(),
-                            "kvtier: reservations expired before their commit: those blocks are not stored"
-                        );
-                    }
-                    at = end;
+                })?;
+                match saved {
+                    Some(r) => r?,
+                    None => out.iter_mut().for_each(|o| *o = Stored::NoRoom),
                 }
             }
         }
         Ok(out)
+    }
+
+    /// [`Backend::read_with`] with the blocks handed to `each` from the copy threads, block `i`
+    /// with `items[i]`: every pinned block is handed over (in parallel), and the count is the
+    /// leading blocks accepted. `each` for a block after a refused one may have copied bytes
+    /// (they are reported as not loaded; the caller recomputes over them).
+    fn read_par<T: Send>(
+        &self,
+        keys: &[BlockKey],
+        ttl: Duration,
+        copies: &Copies,
+        items: &mut [T],
+        each: &EachPar<'_, T>,
+    ) -> Result<usize, TransferError> {
+        // Leading accepted blocks; an error before the first refusal is the call's error.
+        fn prefix(results: Vec<Result<bool, TransferError>>) -> Result<usize, TransferError> {
+            let mut n = 0;
+            for r in results {
+                if !r? {
+                    break;
+                }
+                n += 1;
+            }
+            Ok(n)
+        }
+        let m = keys.len().min(items.len());
+        match &self.kind {
+            Kind::Embedded(s) => {
+                let l = s.load(&keys[..m])?;
+                let m = l.len().min(m);
+                let sizes: Vec<usize> = (0..m).map(|i| l.block(i).len()).collect();
+                prefix(copies.map_mut(&mut items[..m], &sizes, |i, t| {
+                    each(i, t, l.block(i), l.checksum(i))
+                }))
+            }
+            Kind::Sidecar(side) => {
+                let got = side.call(|c, _| {
+                    let l = c.load(&keys[..m], ttl.max(Duration::from_millis(1)), None)?;
+                    let guard = LeaseGuard { id: l.lease, c };
+                    // Never past what was asked for, whatever the daemon answered.
+                    let k = l.blocks.len().min(m);
+                    let sums: Vec<u64> = l.blocks[..k].iter().map(|b| b.checksum).collect();
+                    let results = guard.c.with_blocks(&l, |blocks| {
+                        let sizes: Vec<usize> = blocks[..k].iter().map(|b| b.len()).collect();
+                        copies.map_mut(&mut items[..k], &sizes, |i, t| {
+                            each(i, t, blocks[i], sums[i])
+                        })
+                    })?;
+                    let kept = guard.release();
+                    Ok((kept, results))
+                })?;
+                match got {
+                    None => Ok(0),
+                    Some((kept, results)) => {
+                        let n = prefix(results)?;
+                        Ok(if kept { n } else { 0 })
+                    }
+                }
+            }
+        }
     }
 
     /// Loads the longest present prefix of `keys` and hands block `i` to `each` while it is
@@ -421,8 +502,8 @@ impl Backend {
         ttl: Duration,
         each: &mut Each<'_>,
     ) -> Result<usize, TransferError> {
-        match self {
-            Self::Embedded(s) => {
+        match &self.kind {
+            Kind::Embedded(s) => {
                 let l = s.load(keys)?;
                 let mut n = 0;
                 while n < l.len().min(keys.len()) {
@@ -433,48 +514,144 @@ impl Backend {
                 }
                 Ok(n)
             }
-            Self::Sidecar(c) => {
-                let mut c = Self::client(c)?;
-                let l = c.load(keys, ttl.max(Duration::from_millis(1)), None)?;
-                let guard = LeaseGuard {
-                    id: l.lease,
-                    c: &mut c,
-                };
-                let mut n = 0;
-                // Never past what was asked for, whatever the daemon answered.
-                while n < l.blocks.len().min(keys.len()) {
-                    let sum = l.blocks[n].checksum;
-                    if !guard.c.with_block(&l, n, |b| each(n, b, sum))?? {
-                        break;
+            Kind::Sidecar(side) => {
+                let got = side.call(|c, _| {
+                    let l = c.load(keys, ttl.max(Duration::from_millis(1)), None)?;
+                    let guard = LeaseGuard { id: l.lease, c };
+                    let mut n = 0;
+                    let mut failed = None;
+                    // Never past what was asked for, whatever the daemon answered.
+                    while n < l.blocks.len().min(keys.len()) {
+                        let sum = l.blocks[n].checksum;
+                        match guard.c.with_block(&l, n, |b| each(n, b, sum))? {
+                            Ok(true) => n += 1,
+                            Ok(false) => break,
+                            Err(e) => {
+                                failed = Some(e);
+                                break;
+                            }
+                        }
                     }
-                    n += 1;
+                    let kept = guard.release();
+                    Ok((if kept { n } else { 0 }, failed))
+                })?;
+                match got {
+                    None => Ok(0),
+                    Some((_, Some(e))) => Err(e),
+                    Some((n, None)) => Ok(n),
                 }
-                if !guard.release() {
-                    return Ok(0);
-                }
-                Ok(n)
             }
         }
     }
 
     /// The embedded store, if this is one.
     pub fn store(&self) -> Option<&Store> {
-        match self {
-            Self::Embedded(s) => Some(s),
-            Self::Sidecar(_) => None,
+        match &self.kind {
+            Kind::Embedded(s) => Some(s),
+            Kind::Sidecar(_) => None,
         }
     }
 
-    /// Runs `f` on the sidecar connection, if this is one.
+    /// Runs `f` on the sidecar connection, if this is one and the daemon is reachable.
     pub fn with_client<R>(
         &self,
         f: impl FnOnce(&mut IpcClient) -> Result<R, IpcError>,
     ) -> Result<Option<R>, TransferError> {
-        match self {
-            Self::Embedded(_) => Ok(None),
-            Self::Sidecar(c) => Ok(Some(f(&mut *Self::client(c)?)?)),
+        match &self.kind {
+            Kind::Embedded(_) => Ok(None),
+            Kind::Sidecar(c) => c.call(|c, _| f(c)),
         }
     }
+
+    /// Counters of the sidecar connection (outages, calls missed, reconnections).
+    pub fn sidecar_stats(&self) -> Option<crate::sidecar::SidecarStats> {
+        match &self.kind {
+            Kind::Embedded(_) => None,
+            Kind::Sidecar(c) => Some(c.stats()),
+        }
+    }
+}
+
+/// A save through a live connection, in reservations of at most the daemon's per-connection
+/// limit; fills `out`. The outer error is the connection's (it is gone); the inner one the
+/// save's own (a fill that failed: its chunk was aborted, nothing half-written committed).
+fn save_chunks(
+    c: &mut IpcClient,
+    ns: NsId,
+    keys: &[BlockKey],
+    lens32: &[u32],
+    fill: &Fill<'_>,
+    copies: &Copies,
+    out: &mut [Stored],
+) -> Result<(), TransferError> {
+    let limit = c.max_reserve_bytes().max(1);
+    let max_keys = c.max_keys();
+    let mut at = 0;
+    while at < keys.len() {
+        // Reserve in chunks: the daemon bounds what one connection holds uncommitted (a block
+        // larger than the limit goes alone, and is refused by the daemon as a clear error).
+        let mut end = at + 1;
+        let mut bytes = u64::from(lens32[at]);
+        while end < keys.len() && end - at < max_keys && bytes + u64::from(lens32[end]) <= limit {
+            bytes += u64::from(lens32[end]);
+            end += 1;
+        }
+        let slots = c.reserve(ns, &keys[at..end], &lens32[at..end])?;
+        let mut tokens = Vec::with_capacity(slots.len());
+        for (j, s) in slots.iter().enumerate() {
+            let i = at + j;
+            out[i] = match *s {
+                SlotStatus::Slot { token, .. } => {
+                    tokens.push((i, token));
+                    Stored::Now
+                }
+                SlotStatus::Present | SlotStatus::InFlight => Stored::Already,
+                SlotStatus::NoSpace => Stored::NoRoom,
+            };
+        }
+        let toks: Vec<u64> = tokens.iter().map(|(_, t)| *t).collect();
+        // Every slot of the round filled at once, in parallel when large enough.
+        let failed = c.fill_slots_hashed(&toks, |slots| {
+            let sizes: Vec<usize> = slots.iter().map(|s| s.len()).collect();
+            let results = copies.map_mut(slots, &sizes, |j, slot| fill(tokens[j].0, slot));
+            let mut failed = None;
+            let sums = results
+                .into_iter()
+                .map(|r| match r {
+                    Ok(sum) => Some(sum),
+                    Err(e) => {
+                        failed.get_or_insert(e);
+                        None
+                    }
+                })
+                .collect();
+            (failed, sums)
+        })?;
+        if let Some(e) = failed {
+            // Nothing half-written is ever committed.
+            c.abort(&toks)?;
+            for (i, _) in &tokens {
+                out[*i] = Stored::NoRoom;
+            }
+            return Err(e);
+        }
+        let r = c.commit(&toks)?;
+        for (i, t) in &tokens {
+            if r.expired.contains(t) {
+                out[*i] = Stored::NoRoom;
+            } else if r.cancelled.contains(t) {
+                out[*i] = Stored::Already;
+            }
+        }
+        if !r.expired.is_empty() {
+            tracing::warn!(
+                n = r.expired.len(),
+                "kvtier: reservations expired before their commit: those blocks are not stored"
+            );
+        }
+        at = end;
+    }
+    Ok(())
 }
 
 /// What became of one block a save asked to store.

@@ -65,7 +65,7 @@ fn key(i: u64) -> BlockKey {
 }
 
 fn store() -> Backend {
-    Backend::Embedded(Box::new(
+    Backend::embedded(
         StoreConfig {
             capacity_bytes: 16 << 20,
             segment_bytes: 1 << 20,
@@ -73,7 +73,7 @@ fn store() -> Backend {
         }
         .build()
         .expect("store"),
-    ))
+    )
 }
 
 #[test]
@@ -163,4 +163,103 @@ fn bad_input_is_refused_and_stored_blocks_survive() {
     ps.gather(&[1], &mut x).unwrap();
     pd.gather(&[2], &mut y).unwrap();
     assert_eq!(x, y);
+}
+
+/// Large transfers split across copy threads: byte-exact, prefix semantics kept (a missing
+/// block in the middle ends the prefix even though later blocks were copied in parallel), and
+/// engine block ids that repeat are scattered in order (the last wins), not raced.
+#[test]
+fn parallel_copies_are_byte_exact_and_keep_prefix_semantics() {
+    const BIG: [usize; 5] = [2, 12, 256, 8, 64]; // 512 KiB per layer per block
+    let mut b = Backend::embedded(
+        StoreConfig {
+            capacity_bytes: 64 << 20,
+            segment_bytes: 4 << 20,
+            ..Default::default()
+        }
+        .build()
+        .expect("store"),
+    );
+    b.set_copy_threads(2);
+    assert_eq!(b.copy_threads(), 2);
+    let id = b.register_namespace(&ns()).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let mut mem: Vec<Vec<u8>> = (0..4)
+        .map(|_| {
+            let mut v = vec![0u8; BIG.iter().product::<usize>() * 2];
+            rng.fill(&mut v[..]);
+            v
+        })
+        .collect();
+    let mut st = vec![1isize; 5];
+    for j in (0..4).rev() {
+        st[j] = st[j + 1] * BIG[j + 1] as isize;
+    }
+    let views: Vec<LayerView> = mem
+        .iter_mut()
+        .map(|m| LayerView {
+            ptr: m.as_mut_ptr() as usize,
+            shape: BIG.to_vec(),
+            strides: st.clone(),
+            dims: vec![Dim::Kv, Dim::Blocks, Dim::Tokens, Dim::Inner, Dim::Inner],
+            elem: 2,
+        })
+        .collect();
+    // SAFETY: each view covers exactly its own Vec, which outlives `p`; nothing else touches
+    // them during a copy.
+    let p = unsafe { PagedKv::new(views).expect("valid layout") };
+    assert_eq!(p.block_bytes(), 2 << 20);
+    let keys: Vec<BlockKey> = (100..106).map(key).collect();
+    let ids: Vec<Vec<usize>> = (0..6).map(|i| vec![i]).collect();
+    // Keys 0, 1, 2, 4, 5 stored (3 missing).
+    let stored: Vec<usize> = vec![0, 1, 2, 4, 5];
+    let sk: Vec<BlockKey> = stored.iter().map(|&i| keys[i]).collect();
+    let si: Vec<Vec<usize>> = stored.iter().map(|&i| ids[i].clone()).collect();
+    assert_eq!(b.save(id, &p, &sk, &si).unwrap(), 5);
+    let want = |blocks: &[usize]| {
+        let mut v = vec![0u8; blocks.len() * p.block_bytes()];
+        p.gather(blocks, &mut v).unwrap();
+        v
+    };
+    let before = want(&[0, 1, 2]);
+    // Into blocks 6..12: three loaded, the rest untouched or ignored.
+    let into: Vec<Vec<usize>> = (6..12).map(|i| vec![i]).collect();
+    assert_eq!(b.load(&p, &keys, &into, Duration::ZERO).unwrap(), 3);
+    assert_eq!(want(&[6, 7, 8]), before);
+    // A repeated engine block id: scattered in order, the last key wins.
+    let dup = vec![vec![9], vec![9]];
+    assert_eq!(
+        b.load(&p, &[keys[4], keys[5]], &dup, Duration::ZERO)
+            .unwrap(),
+        2
+    );
+    assert_eq!(want(&[9]), want(&[5]));
+    // Pages of segments (SGLang's v1 calls), split across threads the same way.
+    let pages_src: Vec<Vec<u8>> = (0..8)
+        .map(|_| {
+            let mut v = vec![0u8; 1 << 20];
+            rng.fill(&mut v[..]);
+            v
+        })
+        .collect();
+    let pk: Vec<BlockKey> = (200..208).map(key).collect();
+    let src: Vec<Vec<&[u8]>> = pages_src
+        .iter()
+        .map(|v| vec![&v[..1000], &v[1000..]])
+        .collect();
+    assert_eq!(b.write_segments(id, &pk, &src).unwrap(), vec![true; 8]);
+    let mut out: Vec<Vec<u8>> = (0..8).map(|_| vec![0u8; 1 << 20]).collect();
+    let mut dst: Vec<Vec<&mut [u8]>> = out
+        .iter_mut()
+        .map(|v| {
+            let (a, c) = v.split_at_mut(4096);
+            vec![a, c]
+        })
+        .collect();
+    assert_eq!(
+        b.read_segments(&pk, &mut dst, Duration::ZERO).unwrap(),
+        vec![true; 8]
+    );
+    drop(dst);
+    assert_eq!(out, pages_src);
 }

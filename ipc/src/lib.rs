@@ -719,6 +719,70 @@ impl IpcClient {
         Ok(r)
     }
 
+    /// Lends the slots reserved under `tokens` to `fill` all at once (so they can be filled in
+    /// parallel); `fill` returns, per slot, the checksum of what it wrote (`None`: hashed at
+    /// commit as it is then). Refused if a token repeats, is not this client's, or two slots
+    /// overlap (a daemon that handed out one slot twice).
+    pub fn fill_slots_hashed<R>(
+        &mut self,
+        tokens: &[u64],
+        fill: impl FnOnce(&mut [&mut [u8]]) -> (R, Vec<Option<u64>>),
+    ) -> Result<R, IpcError> {
+        let mut spans = Vec::with_capacity(tokens.len());
+        for &t in tokens {
+            let p = self.pending(t)?;
+            self.check(p.offset, p.len as usize)?;
+            spans.push((p.offset, u64::from(p.len), t));
+        }
+        let mut sorted = spans.clone();
+        sorted.sort_unstable();
+        for w in sorted.windows(2) {
+            if w[0].2 == w[1].2 || w[0].0 + w[0].1 > w[1].0 {
+                return Err(IpcError::Protocol(format!(
+                    "slots of tokens {} and {} overlap (or a token repeats)",
+                    w[0].2, w[1].2
+                )));
+            }
+        }
+        let mut slots: Vec<&mut [u8]> = spans
+            .iter()
+            // SAFETY: in bounds (checked); pairwise disjoint (checked above); the daemon gave
+            // each slot to this client alone until it commits or aborts it, and `&mut self`
+            // keeps any other borrow of them out while `fill` runs.
+            .map(|&(offset, len, _)| unsafe { self.slot(offset, len as u32) })
+            .collect();
+        let (r, sums) = fill(&mut slots);
+        drop(slots);
+        for (t, sum) in tokens.iter().zip(sums) {
+            if let (Some(p), Some(sum)) = (self.pending.get_mut(t), sum) {
+                p.checksum = Some(sum);
+            }
+        }
+        Ok(r)
+    }
+
+    /// Lends every block of a load to `read` at once (e.g. to copy them out in parallel; valid
+    /// while the lease holds).
+    pub fn with_blocks<R>(
+        &self,
+        loaded: &Loaded,
+        read: impl FnOnce(&[&[u8]]) -> R,
+    ) -> Result<R, IpcError> {
+        let mut blocks = Vec::with_capacity(loaded.blocks.len());
+        for b in &loaded.blocks {
+            self.check(b.offset, b.len as usize)?;
+            // SAFETY: in bounds (checked); committed and pinned by the load's lease, so the
+            // daemon neither reuses nor writes the slot during the borrow.
+            blocks.push(unsafe {
+                std::slice::from_raw_parts(
+                    self.arena.as_ptr().add(b.offset as usize),
+                    b.len as usize,
+                )
+            });
+        }
+        Ok(read(&blocks))
+    }
+
     /// Lends block `i` of a load to `read` (copied out in place; valid while the lease holds).
     pub fn with_block<R>(
         &self,

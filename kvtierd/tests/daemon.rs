@@ -389,3 +389,59 @@ fn watch_streams_are_capped() {
         assert!(ok, "closed watches were never counted down");
     });
 }
+
+/// The connector's sidecar backend rides out a daemon restart: while the daemon is away every
+/// call is a miss (no error, nothing stored), and after it comes back the connection is made
+/// again, the namespace registered again, and the blocks (flushed to disk at its SIGTERM) hit.
+#[test]
+fn a_sidecar_backend_rides_out_a_daemon_restart() {
+    use kvtier_connector::Backend;
+    let args = ["--set", "disk.admission=always"];
+    let d = Kvtierd::start("ride-out", &args, true);
+    let b = Backend::sidecar_as(&d.socket, "ride-out", "");
+    let ns = b.register_namespace(&namespace()).unwrap();
+    let keys: Vec<BlockKey> = (0..4).map(key).collect();
+    let blocks: Vec<Vec<u8>> = (0..4).map(data).collect();
+    let pages: Vec<Vec<&[u8]>> = blocks.iter().map(|v| vec![&v[..]]).collect();
+    assert_eq!(b.write_segments(ns, &keys, &pages).unwrap(), vec![true; 4]);
+    assert_eq!(b.match_prefix(&keys).unwrap(), 4);
+    let st = d.term();
+    assert!(st.success());
+    // Away: misses, not errors.
+    assert_eq!(b.match_prefix(&keys).unwrap(), 0);
+    assert_eq!(b.write_segments(ns, &keys, &pages).unwrap(), vec![false; 4]);
+    let mut out: Vec<Vec<u8>> = blocks.iter().map(|v| vec![0u8; v.len()]).collect();
+    let mut dst: Vec<Vec<&mut [u8]>> = out.iter_mut().map(|v| vec![&mut v[..]]).collect();
+    assert_eq!(
+        b.read_segments(&keys, &mut dst, Duration::from_secs(5))
+            .unwrap(),
+        vec![false; 4]
+    );
+    drop(dst);
+    let s = b.sidecar_stats().unwrap();
+    assert_eq!(s.outages, 1);
+    assert!(s.missed_calls >= 3);
+    // Back: hits resume once the backoff allows the next attempt (at most 2 s).
+    let d = Kvtierd::start("ride-out", &args, false);
+    let until = Instant::now() + Duration::from_secs(10);
+    while b.match_prefix(&keys).unwrap() < 4 {
+        assert!(
+            Instant::now() < until,
+            "never reconnected: {:?}, direct: {:?}",
+            b.sidecar_stats(),
+            IpcClient::connect(&d.socket, "probe")
+                .and_then(|mut c| c.lookup(&keys, None).map(|l| l.n))
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let mut dst: Vec<Vec<&mut [u8]>> = out.iter_mut().map(|v| vec![&mut v[..]]).collect();
+    assert_eq!(
+        b.read_segments(&keys, &mut dst, Duration::from_secs(5))
+            .unwrap(),
+        vec![true; 4]
+    );
+    drop(dst);
+    assert_eq!(out, blocks);
+    assert_eq!(b.sidecar_stats().unwrap().reconnects, 1);
+    drop(d);
+}

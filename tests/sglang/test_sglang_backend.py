@@ -7,6 +7,7 @@ store), embedded and through kvtierd. The v1 tests use SGLang's own host pools
 pool as SGLang's cache controller builds them."""
 
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -101,7 +102,10 @@ def test_namespaces_keep_ranks_and_models_apart(extra, request):
     k = "ab" * 32
     assert r0.set(k, page(1))
     assert r0.exists(k) and not r1.exists(k) and not other.exists(k)
-    # MLA: one copy shared by all ranks; only the writer rank stores it.
+    # MLA: one copy shared by all ranks; only the writer rank stores it (through kvtierd: an
+    # embedded store is per process, and refused for MLA with TP > 1).
+    if extra["mode"] == "embedded":
+        return
     m0 = make(extra, model=name + "-mla", mla=True, tp_rank=0, tp_size=2)
     m1 = make(extra, model=name + "-mla", mla=True, tp_rank=1, tp_size=2)
     assert m1.set(k, page(2)) and not m1.exists(k)
@@ -249,6 +253,73 @@ def test_bad_input_is_a_clear_error(extra):
                                             "overlaps"), ([(0, 8)], "address")]:
         with pytest.raises(ValueError, match=why):
             b._store.read_pages([b._key("00" * 32)], [segs])
+    # Two pages sharing memory (copied from several threads at once): refused.
+    with pytest.raises(ValueError, match="overlaps"):
+        b._store.read_pages([b._key("00" * 32), b._key("01" * 32)],
+                            [[(t.data_ptr(), 64)], [(t.data_ptr() + 32, 32)]])
     if extra["mode"] == "sidecar":
         with pytest.raises(ValueError, match="socket"):
             make({"mode": "sidecar"})
+        # MLA with TP > 1 through kvtierd: rank 1 reads what rank 0 wrote.
+        w = make(extra, tp_rank=0, tp_size=2, mla=True, model="m/mla-tp2")
+        r = make(extra, tp_rank=1, tp_size=2, mla=True, model="m/mla-tp2")
+        assert w.set("cd" * 32, page(3)) and r.exists("cd" * 32)
+    else:
+        # Embedded, MLA with TP > 1: only rank 0 writes in SGLang, so per-process stores
+        # would never hit; refused, naming the fix.
+        with pytest.raises(ValueError, match="mode='sidecar'"):
+            make(extra, tp_rank=1, tp_size=2, mla=True)
+        make(extra, tp_rank=0, tp_size=1, mla=True)
+
+
+def test_kvtierd_restart_under_a_running_engine_is_misses_then_hits(tmp_path):
+    """A rolling upgrade of kvtierd: while it is away every call is a miss (exists 0, get None,
+    set False, v1 all False), nothing raises; when it is back the backend reconnects by itself
+    and the pages it flushed to disk at SIGTERM hit again."""
+    def start():
+        p = subprocess.Popen(
+            [str(REPO / "target" / "debug" / "kvtierd"), "--data-dir", str(tmp_path),
+             "--host-capacity", "64M", "--disk-capacity", "128M", "--grpc", "127.0.0.1:0",
+             "--metrics", "127.0.0.1:0", "--set", "host.segment=16M", "--set",
+             "disk.admission=always", "--set", "log=warn"], stdout=subprocess.PIPE, text=True)
+        line = p.stdout.readline()
+        return p, dict(w.split("=", 1) for w in line.split() if "=" in w)["socket"]
+
+    p, sock = start()
+    extra = {"mode": "sidecar", "socket": sock}
+    b = make(extra, model="m/restart")
+    v1 = make(dict(extra, interface_v1=1), model="m/restart")
+    pool = mha_pool("page_first")
+    v1.register_mem_pool_host(pool)
+    keys = [f"{i:064x}" for i in range(300, 304)]
+    vals = [page(i) for i in range(4)]
+    assert b.batch_set(keys, vals)
+    assert b.batch_exists(keys) == 4
+    p.terminate()
+    assert p.wait(timeout=60) == 0
+    # Away: misses, not exceptions.
+    assert b.batch_exists(keys) == 0 and not b.exists(keys[0])
+    assert b.get(keys[0], torch.empty_like(vals[0])) is None
+    assert b.batch_get(keys, [torch.empty_like(v) for v in vals]) == [None] * 4
+    assert not b.set("aa" * 32, vals[0])
+    assert v1.batch_set_v1(["bb" * 32], slots(0, 1)) == [False]
+    assert v1.batch_get_v1(keys[:1], slots(1, 1)) == [False]
+    st = b._store.connection_stats()
+    assert st["outages"] == 1 and st["missed_calls"] >= 4 and st["reconnects"] == 0, st
+    # Back (same socket path): within the reconnection backoff (at most 2 s), hits again.
+    p, sock2 = start()
+    try:
+        assert sock2 == sock
+        deadline = time.monotonic() + 10
+        while b.batch_exists(keys) < 4:
+            assert time.monotonic() < deadline, b._store.connection_stats()
+            time.sleep(0.1)
+        out = torch.zeros_like(vals[2])
+        assert b.get(keys[2], out) is out and torch.equal(out, vals[2])
+        assert b._store.connection_stats()["reconnects"] == 1
+        # Nothing was stored while it was away.
+        assert not b.exists("aa" * 32)
+        assert v1.batch_set_v1(["bb" * 32], slots(0, 1)) == [True]
+    finally:
+        p.terminate()
+        assert p.wait(timeout=60) == 0

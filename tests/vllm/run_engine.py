@@ -51,6 +51,18 @@ def main() -> None:
         if not engine.has_unfinished_requests():
             break
         engine.step()
+    phases = args.get("phases")
+    if phases:
+        # Prompt groups run one after the other; after each, one PHASE line, then the engine
+        # waits for a line on stdin (the test changes the world meanwhile, e.g. restarts
+        # kvtierd under this running engine).
+        for i, group in enumerate(phases):
+            outs = [result(llm.generate([TokensPrompt(prompt_token_ids=p)], sp,
+                                        use_tqdm=False)[0]) for p in group]
+            print("PHASE " + json.dumps({"outputs": outs}), flush=True)
+            if i < len(phases) - 1:
+                sys.stdin.readline()
+        return
     out = []
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in args["prompts"]]
     try:

@@ -19,6 +19,7 @@ VLLM_ENABLE_V1_MULTIPROCESSING=0, uni executor) with a disk tier that a fresh en
 import json
 import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -51,6 +52,31 @@ def engine(model, prompts, connector=None, in_process=False, **kw):
     lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
     assert p.returncode == 0 and lines, p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT "):])
+
+
+class PhasedEngine:
+    """An engine that runs prompt groups one after the other and waits between them, so a test
+    can act on the world (restart kvtierd) under a running engine."""
+
+    def __init__(self, model, phases, connector):
+        args = {"model": str(model), "prompts": [], "executor": "mp", "phases": phases,
+                "connector": connector}
+        self.p = subprocess.Popen([sys.executable, str(HERE / "run_engine.py"), json.dumps(args)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                  env=ENV)
+
+    def phase(self):
+        for line in self.p.stdout:
+            if line.startswith("PHASE "):
+                return json.loads(line[len("PHASE "):])["outputs"]
+        raise AssertionError(f"the engine ended without a phase (exit {self.p.wait()})")
+
+    def go(self):
+        self.p.stdin.write("go\n")
+        self.p.stdin.flush()
+
+    def close(self):
+        assert self.p.wait(timeout=300) == 0
 
 
 class Daemon:
@@ -175,6 +201,26 @@ def test_vllm_engines_share_kv_through_kvtierd(model, ref, tmp_path):
         side = Sidecar(d.socket, "e2e-test")
         for prompt in (A, *P, C, D, E):
             assert side.match_prefix(keys(prompt)) == len(prompt) // BS
+
+        # kvtierd restarted under a running engine: during the outage every lookup is a miss
+        # (same output, computed); after it the engine reconnects and hits resume.
+        running = PhasedEngine(model, [[B], [F], [P[0]]], d.conn())
+        out = running.phase()
+        assert out[0]["num_cached_tokens"] >= BS  # B shares a block with A
+        same(out[0], ref["B"])
+        d.stop()
+        running.go()
+        out = running.phase()
+        assert out[0]["num_cached_tokens"] == 0, "a hit while kvtierd was down"
+        same(out[0], ref["F"])
+        d.start()
+        time.sleep(2.5)  # the engine's next reconnection attempt (backoff at most 2 s)
+        running.go()
+        out = running.phase()
+        assert out[0]["num_cached_tokens"] >= 2 * BS, "no hits after kvtierd came back"
+        same(out[0], ref["P0"])
+        running.close()
+        side = Sidecar(d.socket, "e2e-test")
 
         # A fresh engine: asynchronous loads, all but the last block from kvtier.
         again = engine(model, [A, B, *P], d.conn(), abort=[E])

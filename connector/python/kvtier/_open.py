@@ -18,16 +18,18 @@ def open_store(extra: dict, default_mode: str, client: str) -> Any:
     if mode == "sidecar":
         if "socket" not in extra:
             raise ValueError("kvtier: mode 'sidecar' needs 'socket' (kvtierd's engine socket)")
-        key = ("sidecar", extra["socket"], client)
+        key = ("sidecar", extra["socket"], client, int(extra.get("copy_threads", 0)))
     elif mode == "embedded":
-        key = ("embedded", extra.get("disk_dir"), int(extra.get("host_bytes", 1 << 30)))
+        key = ("embedded", extra.get("disk_dir"), int(extra.get("host_bytes", 1 << 30)),
+               int(extra.get("copy_threads", 0)))
     else:
         raise ValueError(f"kvtier: mode must be embedded or sidecar, not {mode!r}")
     with _LOCK:
         if key not in _STORES:
             if mode == "sidecar":
                 _STORES[key] = Sidecar(extra["socket"], client,
-                                       str(extra.get("tenant_secret", "")))
+                                       str(extra.get("tenant_secret", "")),
+                                       copy_threads=int(extra.get("copy_threads", 0)))
             else:
                 _STORES[key] = Store(
                     int(extra.get("host_bytes", 1 << 30)),
@@ -36,5 +38,6 @@ def open_store(extra: dict, default_mode: str, client: str) -> Any:
                     disk_bytes=int(extra.get("disk_bytes", 1 << 30)),
                     admission=extra.get("admission", "always"),
                     write_through=bool(extra.get("write_through", True)),
+                    copy_threads=int(extra.get("copy_threads", 0)),
                 )
         return _STORES[key]

@@ -9,9 +9,14 @@ Extra config keys (besides the three the factory needs):
   mode: "sidecar" (default; kvtierd on this node, shared by every engine there) or "embedded"
   socket: kvtierd's engine socket (sidecar mode)
   host_bytes, disk_dir, disk_bytes: the embedded store (one per process: SGLang's TP ranks
-         are processes, so only kvtierd lets them share, e.g. an MLA model's single copy)
+         are processes, so only kvtierd lets them share, e.g. an MLA model's single copy; an
+         MLA model with TP > 1 is refused in embedded mode, since SGLang writes it from rank 0
+         only)
   dtype: the KV dtype, part of the namespace (default "unspecified": set it when engines with
          different KV dtypes share one store)
+  tenant_secret: the secret of this engine's tenant (kvtierd with server.isolation = "tenant")
+  copy_threads: threads a large batch is split across (default 0: the cores available to the
+         process, at most 8; 1: the calling thread only)
   interface_v1: 1 makes SGLang call batch_get_v1/batch_set_v1, which copy each page once,
          straight between the host pool and the store (recommended); without it SGLang copies
          pages through a temporary tensor (its generic path). The two lay a page's bytes out
@@ -27,7 +32,10 @@ Host indices are checked before any copy: their count must be pages x page size,
 must lie inside the pool, and (in Rust) every memory segment inside the pool's buffers. A page whose size differs from the buffer it is
 read into is a miss, never a partial copy; ``batch_exists`` counts leading pages only; a store
 or daemon failure is a logged miss (get) or a False (set), never an exception into SGLang's
-cache controller.
+cache controller. kvtierd may restart under a running engine: while it is away every call is a
+miss (exists 0, get None/False, set False; logged once, counted in ``connection_stats()``), and
+the backend reconnects by itself with backoff (100 ms doubling to 2 s), registering its
+namespaces again.
 """
 
 from __future__ import annotations
@@ -87,6 +95,14 @@ class KvtierHiCache(HiCacheStorage):
         extra = dict(storage_config.extra_config or {})
         self.config = storage_config
         mode = extra.get("mode", "sidecar")
+        if mode == "embedded" and storage_config.is_mla_model and storage_config.tp_size > 1:
+            # SGLang backs up an MLA model's pages from one rank only (is_storage_writer); an
+            # embedded store lives in each rank's process, so the other ranks' stores would stay
+            # empty and the MIN-reduced hit count would always be 0.
+            raise ValueError(
+                "kvtier: an MLA model with TP > 1 needs mode='sidecar' (kvtierd on this node): "
+                "SGLang writes an MLA page from one rank only, and embedded stores are per "
+                f"process (tp_size={storage_config.tp_size})")
         self._store = open_store(extra, "sidecar", "sglang")
         self._embedded = mode == "embedded"
         self._v1 = bool(extra.get("interface_v1"))

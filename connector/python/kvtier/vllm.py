@@ -15,6 +15,14 @@ Extra config keys:
         compute (the request waits in WAITING_FOR_REMOTE_KVS); false: loads finish in
         ``start_load_kv`` before the forward pass
   lease_ms: lease TTL for sidecar loads (default 30000)
+  tenant_secret: the secret of this engine's tenant when kvtierd runs with
+        server.isolation = "tenant" (default: placed by the process's uid/gid)
+  copy_threads: threads a large save or load is split across (default 0: the cores available
+        to the process, at most 8; 1: the calling thread only)
+
+kvtierd may restart under a running engine (a rolling upgrade): while it is away every lookup,
+load and save is a miss (logged once, counted), and the connection is made again with backoff
+(100 ms doubling to 2 s); hits resume by themselves.
 
 Keys are vLLM's own ``request.block_hashes`` (one kvtier block per vLLM block) mixed with a
 namespace fingerprint (model, KV dtype, layout, block size, TP rank), so engines only share

@@ -102,7 +102,9 @@ unsafe fn raw_segments<'a>(
 /// Each page's memory, as a list of segments.
 type Pages<'a> = Vec<Vec<&'a mut [u8]>>;
 
-/// Every page's segments, checked (see `raw_segments`), before anything is copied.
+/// Every page's segments, checked (see `raw_segments`), before anything is copied; pages may
+/// not overlap each other either (they are copied from several threads at once, and are
+/// lent as `&mut`).
 ///
 /// # Safety
 /// As for `raw_segments`, for every page.
@@ -122,6 +124,17 @@ unsafe fn raw_pages<'a>(
         check_regions(r)?;
     }
     let ks = self::keys(keys)?;
+    let mut all: Vec<(usize, usize)> = pages.iter().flatten().copied().collect();
+    all.sort_unstable();
+    for w in all.windows(2) {
+        if w[0].0.saturating_add(w[0].1) > w[1].0 {
+            return Err(PyValueError::new_err(format!(
+                "bad buffer segments: {:#x} overlaps another segment (every page must be \
+                 distinct memory)",
+                w[1].0
+            )));
+        }
+    }
     let segs = pages
         .iter()
         // SAFETY: the caller's contract, page by page.
@@ -221,6 +234,13 @@ struct Backend {
 
 #[pymethods]
 impl Backend {
+    /// How many threads large copies are split across (0 at construction: the cores available
+    /// to this process, at most 8).
+    #[getter]
+    fn copy_threads(&self) -> usize {
+        self.b.copy_threads()
+    }
+
     /// Registers a namespace from its canonical encoding; returns its id.
     fn register_namespace(&self, py: Python<'_>, encoded: &[u8]) -> PyResult<u32> {
         let ns = namespace(encoded)?;
@@ -362,7 +382,7 @@ impl Store {
 #[pymethods]
 impl Store {
     #[new]
-    #[pyo3(signature = (capacity_bytes, segment_bytes=64 << 20, disk_dir=None, disk_bytes=0, admission="always", write_through=false, populate=true))]
+    #[pyo3(signature = (capacity_bytes, segment_bytes=64 << 20, disk_dir=None, disk_bytes=0, admission="always", write_through=false, populate=true, copy_threads=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         capacity_bytes: u64,
@@ -372,6 +392,7 @@ impl Store {
         admission: &str,
         write_through: bool,
         populate: bool,
+        copy_threads: usize,
     ) -> PyResult<(Self, Backend)> {
         let admission = Admission::parse(admission)
             .ok_or_else(|| PyValueError::new_err("admission must be always or seen-twice"))?;
@@ -396,12 +417,9 @@ impl Store {
         }
         .build()
         .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        Ok((
-            Self {},
-            Backend {
-                b: kvtier_connector::Backend::Embedded(Box::new(inner)),
-            },
-        ))
+        let mut b = kvtier_connector::Backend::embedded(inner);
+        b.set_copy_threads(copy_threads);
+        Ok((Self {}, Backend { b }))
     }
 
     /// Removes every block of a namespace; returns how many.
@@ -440,17 +458,34 @@ struct Sidecar {}
 #[pymethods]
 impl Sidecar {
     #[new]
-    #[pyo3(signature = (socket, client="kvtier-python", tenant_secret=""))]
+    #[pyo3(signature = (socket, client="kvtier-python", tenant_secret="", copy_threads=0))]
     fn new(
         py: Python<'_>,
         socket: std::path::PathBuf,
         client: &str,
         tenant_secret: &str,
+        copy_threads: usize,
     ) -> PyResult<(Self, Backend)> {
-        let b = py
-            .allow_threads(|| kvtier_connector::Backend::sidecar_as(&socket, client, tenant_secret))
-            .map_err(transfer_err)?;
+        // Rides out a daemon that is not up yet or restarts later: calls are misses meanwhile.
+        let mut b = py.allow_threads(|| {
+            kvtier_connector::Backend::sidecar_as(&socket, client, tenant_secret)
+        });
+        b.set_copy_threads(copy_threads);
         Ok((Self {}, Backend { b }))
+    }
+
+    /// Connection counters: outages, calls answered as misses while the daemon was away,
+    /// reconnections.
+    fn connection_stats<'py>(
+        slf: PyRef<'_, Self>,
+        py: Python<'py>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let s = slf.as_super().b.sidecar_stats().unwrap_or_default();
+        let d = PyDict::new(py);
+        d.set_item("outages", s.outages)?;
+        d.set_item("missed_calls", s.missed_calls)?;
+        d.set_item("reconnects", s.reconnects)?;
+        Ok(d)
     }
 }
 

@@ -1,0 +1,212 @@
+//! A `kvtierd` connection that rides out daemon restarts. While the daemon is unreachable every
+//! call is a miss (nothing loaded, nothing stored, nothing found), logged once per outage and
+//! counted; the connection is re-made with backoff (100 ms, doubling, at most 2 s) on the next
+//! calls, the namespaces are registered again, and hits resume. A rolling upgrade of the daemon
+//! is routine: an engine must not need a restart for it.
+//!
+//! Namespace ids handed out here are local (the order of registration through this handle) and
+//! mapped to the daemon's ids per connection, so a restarted daemon that numbers them otherwise
+//! changes nothing for the caller.
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use kvstore::{Namespace, NsId};
+use kvtier_ipc::{IpcClient, IpcError};
+
+use crate::transfer::TransferError;
+
+const BACKOFF_MIN: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(2);
+
+/// Counters of a sidecar connection.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SidecarStats {
+    /// Times the daemon became unreachable.
+    pub outages: u64,
+    /// Calls answered as misses while it was.
+    pub missed_calls: u64,
+    /// Times the connection was made again.
+    pub reconnects: u64,
+}
+
+struct State {
+    conn: Option<IpcClient>,
+    /// Registered through this handle; the local id is the index.
+    namespaces: Vec<Namespace>,
+    /// The daemon's id of each on the current connection.
+    remote: Vec<Option<NsId>>,
+    retry_at: Instant,
+    backoff: Duration,
+    down_since: Option<Instant>,
+    stats: SidecarStats,
+}
+
+/// A kvtierd connection that reconnects.
+pub struct Sidecar {
+    socket: PathBuf,
+    client: String,
+    secret: String,
+    st: Mutex<State>,
+}
+
+/// The daemon's ids of this handle's namespaces on the live connection (registered lazily).
+pub struct NsMap<'a> {
+    namespaces: &'a [Namespace],
+    remote: &'a mut Vec<Option<NsId>>,
+}
+
+impl NsMap<'_> {
+    /// The daemon's id of local namespace `local`, registering it on this connection first.
+    pub fn get(&mut self, c: &mut IpcClient, local: NsId) -> Result<NsId, IpcError> {
+        let i = local.0 as usize;
+        let ns = self.namespaces.get(i).ok_or_else(|| {
+            IpcError::Remote(format!("namespace id {} was never registered", local.0))
+        })?;
+        if let Some(id) = self.remote[i] {
+            return Ok(id);
+        }
+        let id = c.register_namespace(ns)?;
+        self.remote[i] = Some(id);
+        Ok(id)
+    }
+}
+
+/// Whether an error means the connection is gone (as opposed to a request the daemon refused).
+fn lost(e: &IpcError) -> bool {
+    !matches!(e, IpcError::Remote(_) | IpcError::Damaged(_))
+}
+
+impl Sidecar {
+    /// A handle to the daemon at `socket`; the first connection is made now if the daemon is
+    /// there (if not, calls are misses until it is).
+    pub fn new(socket: &std::path::Path, client: &str, tenant_secret: &str) -> Self {
+        let s = Self::new_unconnected(socket, client, tenant_secret);
+        if let Ok(mut st) = s.st.lock() {
+            s.connect(&mut st);
+        }
+        s
+    }
+
+    /// Connects now, or fails with the daemon's error (for callers that want to know at once).
+    pub fn connect_now(
+        socket: &std::path::Path,
+        client: &str,
+        tenant_secret: &str,
+    ) -> Result<Self, TransferError> {
+        let c = IpcClient::connect_as(socket, client, tenant_secret)?;
+        let s = Self::new_unconnected(socket, client, tenant_secret);
+        s.st.lock().map_err(|_| TransferError::Poisoned)?.conn = Some(c);
+        Ok(s)
+    }
+
+    fn new_unconnected(socket: &std::path::Path, client: &str, tenant_secret: &str) -> Self {
+        Self {
+            socket: socket.to_path_buf(),
+            client: client.to_string(),
+            secret: tenant_secret.to_string(),
+            st: Mutex::new(State {
+                conn: None,
+                namespaces: Vec::new(),
+                remote: Vec::new(),
+                retry_at: Instant::now(),
+                backoff: BACKOFF_MIN,
+                down_since: None,
+                stats: SidecarStats::default(),
+            }),
+        }
+    }
+
+    fn connect(&self, st: &mut State) {
+        match IpcClient::connect_as(&self.socket, &self.client, &self.secret) {
+            Ok(c) => {
+                if let Some(since) = st.down_since.take() {
+                    st.stats.reconnects += 1;
+                    tracing::warn!(
+                        socket = %self.socket.display(),
+                        down_secs = format!("{:.1}", since.elapsed().as_secs_f64()),
+                        missed_calls = st.stats.missed_calls,
+                        "kvtier: kvtierd reachable again; namespaces registered again"
+                    );
+                }
+                st.conn = Some(c);
+                st.remote = vec![None; st.namespaces.len()];
+                st.backoff = BACKOFF_MIN;
+            }
+            Err(e) => self.went_down(st, &e),
+        }
+    }
+
+    fn went_down(&self, st: &mut State, e: &IpcError) {
+        st.conn = None;
+        if st.down_since.is_none() {
+            st.down_since = Some(Instant::now());
+            st.stats.outages += 1;
+            tracing::warn!(
+                socket = %self.socket.display(),
+                error = %e,
+                "kvtier: kvtierd unreachable: every call is a miss until it is back (reconnecting with backoff)"
+            );
+        }
+        st.retry_at = Instant::now() + st.backoff;
+        st.backoff = (st.backoff * 2).min(BACKOFF_MAX);
+    }
+
+    /// Registers a namespace; returns its local id (valid across reconnections).
+    pub fn register_namespace(&self, ns: &Namespace) -> Result<NsId, TransferError> {
+        ns.validate()?;
+        let mut st = self.st.lock().map_err(|_| TransferError::Poisoned)?;
+        let fp = ns.fingerprint();
+        let i = match st.namespaces.iter().position(|n| n.fingerprint() == fp) {
+            Some(i) => i,
+            None => {
+                st.namespaces.push(ns.clone());
+                st.remote.push(None);
+                st.namespaces.len() - 1
+            }
+        };
+        let local = NsId(i as u32);
+        // Registered on the daemon now if it is there (a refusal, e.g. a full table or a bad
+        // namespace, is the caller's error); otherwise at the next connection.
+        drop(st);
+        match self.call(|c, map| map.get(c, local))? {
+            Some(_) | None => Ok(local),
+        }
+    }
+
+    /// Runs `f` on a live connection (made again if it was lost and the backoff allows);
+    /// `Ok(None)`: the daemon is unreachable now, the call is a miss.
+    pub fn call<R>(
+        &self,
+        f: impl FnOnce(&mut IpcClient, &mut NsMap<'_>) -> Result<R, IpcError>,
+    ) -> Result<Option<R>, TransferError> {
+        let mut st = self.st.lock().map_err(|_| TransferError::Poisoned)?;
+        let st = &mut *st;
+        if st.conn.is_none() && Instant::now() >= st.retry_at {
+            self.connect(st);
+        }
+        let Some(c) = st.conn.as_mut() else {
+            st.stats.missed_calls += 1;
+            return Ok(None);
+        };
+        let mut map = NsMap {
+            namespaces: &st.namespaces,
+            remote: &mut st.remote,
+        };
+        match f(c, &mut map) {
+            Ok(r) => Ok(Some(r)),
+            Err(e) if lost(&e) || c.is_broken() => {
+                self.went_down(st, &e);
+                st.stats.missed_calls += 1;
+                Ok(None)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> SidecarStats {
+        self.st.lock().map(|s| s.stats).unwrap_or_default()
+    }
+}
