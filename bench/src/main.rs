@@ -13,6 +13,7 @@ mod replay;
 mod report;
 mod sidecar;
 mod sim;
+mod soak;
 mod trace;
 
 use anyhow::{bail, Result};
@@ -46,6 +47,12 @@ enum Cmd {
     Ipc(ipc::IpcArgs),
     /// Save/load of a long prefix through the connector's CPU path vs memcpy, embedded and kvtierd.
     Connector(connector::ConnectorArgs),
+    /// Engine processes against kvtierd for minutes, the daemon killed and restarted at random:
+    /// wrong bytes served, lost acknowledged durable blocks, RSS drift.
+    Soak(soak::SoakArgs),
+    /// One engine process of `soak` (started by it).
+    #[command(hide = true)]
+    SoakEngine(soak::EngineArgs),
 }
 
 /// Parses `123`, `256K`, `2M`, `1G` (binary units).
@@ -74,6 +81,8 @@ fn main() -> Result<()> {
         Cmd::Peers(a) => peers::run(a),
         Cmd::Ipc(a) => ipc::run(a),
         Cmd::Connector(a) => connector::run(a),
+        Cmd::Soak(a) => soak::run(a),
+        Cmd::SoakEngine(a) => soak::run_engine(a),
     }
 }
 

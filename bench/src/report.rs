@@ -34,6 +34,16 @@ pub struct Report {
 impl Report {
     /// Prints a table, then (with `json`) the JSON object as the last line.
     pub fn print(&self, json: bool) -> anyhow::Result<()> {
+        self.print_with(json, None)
+    }
+
+    /// [`Report::print`], the JSON object also carrying `counts` (figures that are not
+    /// measured against a baseline: operations done, restarts, ...).
+    pub fn print_with(
+        &self,
+        json: bool,
+        counts: Option<&std::collections::BTreeMap<String, f64>>,
+    ) -> anyhow::Result<()> {
         println!(
             "{:<34} {:>12} {:>12} {:>8} {:>15}  unit / baseline",
             "case", "value", "baseline", "ratio", "ratio spread"
@@ -49,7 +59,11 @@ impl Report {
             );
         }
         if json {
-            println!("{}", serde_json::to_string(self)?);
+            let mut v = serde_json::to_value(self)?;
+            if let (Some(c), Some(o)) = (counts, v.as_object_mut()) {
+                o.insert("counts".into(), serde_json::to_value(c)?);
+            }
+            println!("{}", serde_json::to_string(&v)?);
         }
         Ok(())
     }

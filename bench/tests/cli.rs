@@ -337,3 +337,50 @@ fn connector_bench_refuses_a_prefix_shorter_than_a_block() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--tokens"), "{err}");
 }
+
+/// The soak, 2 minutes: engine processes against a kvtierd that is killed (-9) and stopped
+/// (SIGTERM) at random; every byte loaded is checked, and every block acknowledged before a
+/// clean shutdown must come back.
+#[test]
+fn soak_two_minutes_serves_no_wrong_bytes_and_loses_nothing_durable() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier-bench"))
+        .args([
+            "soak",
+            "--minutes",
+            "2",
+            "--engines",
+            "3",
+            "--restart-every",
+            "20",
+            "--keys",
+            "128",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    let v = last_json(&out);
+    assert_eq!(v["bench"], "soak");
+    let row = |case: &str| {
+        v["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["case"] == case)
+            .unwrap_or_else(|| panic!("no row {case:?}: {v}"))
+            .clone()
+    };
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(row("wrong bytes served")["value"], 0.0, "{stderr}");
+    assert_eq!(
+        row("lost acknowledged durable blocks")["value"],
+        0.0,
+        "{stderr}"
+    );
+    assert_eq!(row("unclean SIGTERM exits")["value"], 0.0, "{stderr}");
+    let c = &v["counts"];
+    let n = |k: &str| c[k].as_f64().unwrap_or_else(|| panic!("no count {k}: {c}"));
+    assert!(n("restarts_kill9") + n("restarts_sigterm") >= 4.0, "{c}");
+    assert!(n("blocks_verified") > 100.0, "{c}");
+    assert!(n("durable_checks") > 0.0, "{c}");
+    assert!(n("engine_reconnects") >= 3.0, "{c}");
+}

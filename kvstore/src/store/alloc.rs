@@ -297,13 +297,14 @@ impl Inner {
             return false;
         }
         let (len, ns) = (e.len, e.ns);
+        let e_copy = e.copy();
         sh.map.remove(&mk);
         drop(sh);
         self.events.emit(EventKind::Removed, key, Tier::Host, ns);
         self.stats.evictions.fetch_add(1, Relaxed);
         self.stats.blocks.fetch_sub(1, Relaxed);
         self.stats.used_bytes.fetch_sub(u64::from(len), Relaxed);
-        tracing::trace!(%key, "evicted");
+        tracing::trace!(%key, copy = ?e_copy, "evicted");
         true
     }
 

@@ -274,6 +274,7 @@ impl Inner {
 
     /// Records a demotion's outcome on its host block and drops the demotion's pin.
     fn settle(&self, d: &Demote, o: WriteOutcome) {
+        tracing::trace!(key = %d.key, outcome = ?o, "demotion settled");
         if o == WriteOutcome::Written {
             self.stats.demotions.fetch_add(1, Relaxed);
         }
@@ -442,6 +443,7 @@ impl Inner {
                     if e.ready() && e.copy() == Copy::Dirty && self.admitted(key, e.accessed()) {
                         e.set_copy(Copy::Demoting);
                         e.pins += 1;
+                        tracing::trace!(%key, "flush: queued");
                         queue.push((key, e.slot(), e.len, e.ns));
                     }
                 }

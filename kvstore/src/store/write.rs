@@ -37,7 +37,8 @@ pub enum Reserve {
 }
 
 impl Store {
-    /// Reserves a slot for `len` bytes under `key`. Fill it through
+    /// Reserves a slot for `len` bytes under `key` (or says the key is present, in host memory
+    /// or a lower tier, or being written). Fill it through
     /// [`Reservation::as_mut_slice`] and [`Reservation::commit`]; dropping it uncommitted frees
     /// the slot. Until commit the block is invisible. Never does I/O: when room must first be
     /// written below, it waits (at most the store's `wait`) for the tiering worker.
@@ -96,6 +97,15 @@ impl Inner {
         };
         if let Some(r) = existing(self.shard(key).lock().map.get(&mk)) {
             return Ok(r);
+        }
+        // Committed in a lower tier (e.g. after a restart, or evicted from host memory): the
+        // same key is the same bytes, so writing it again would only cost a copy and room.
+        if self
+            .tiers
+            .iter()
+            .any(|t| t.local() && t.lookup(&key).is_some())
+        {
+            return Ok(Reserve::AlreadyPresent);
         }
         let (slot, page) = self.alloc(class, key, len, deadline)?;
         let mut sh = self.shard(key).lock();
@@ -167,6 +177,7 @@ impl Inner {
         self.stats.used_bytes.fetch_add(len as u64, Relaxed);
         self.stats.bytes_in.fetch_add(len as u64, Relaxed);
         self.events.emit(EventKind::Stored, key, Tier::Host, r.ns);
+        tracing::trace!(%key, "committed");
         if let Some(d) = through {
             self.enqueue_demotions(vec![d]);
         }
