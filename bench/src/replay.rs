@@ -88,6 +88,13 @@ pub struct ReplayArgs {
     /// Print the JSON report as the last line.
     #[arg(long)]
     pub json: bool,
+    /// With `--pace timestamps`: model one engine serving the requests in arrival order
+    /// (computing missed tokens at `--prefill-rate`, scaled by `--speedup`) and run the trace
+    /// twice, without and with preload hints sent at each request's arrival; reports the
+    /// fraction of the load time of requests with disk hits that hints took off the critical
+    /// path (case `load time hidden by hints`).
+    #[arg(long)]
+    pub hints: bool,
 }
 
 /// Parses "12.5%" (fraction of `distinct` blocks, in blocks) or a size (in blocks of
@@ -142,6 +149,9 @@ pub struct ReplayOutcome {
     pub disk_bytes_read: u64,
     /// See `host_bytes_in`.
     pub disk_bytes_written: u64,
+    /// Per request: seconds its load took (on the engine's critical path), and whether its
+    /// lookup found blocks below host memory.
+    pub req_load: Vec<(f64, bool)>,
 }
 
 impl ReplayOutcome {
@@ -215,6 +225,13 @@ pub struct RunCfg {
     pub pace: Option<f64>,
     /// Disk tier directory.
     pub dir: PathBuf,
+    /// Model one engine serving requests in arrival order (with `pace`): after its load, each
+    /// request computes its missed tokens for `tokens / prefill_rate / speedup` seconds, so
+    /// later requests queue. `Some(prefill_rate)`.
+    pub engine: Option<f64>,
+    /// Send each request's preload hint at its arrival (from a thread of its own), so blocks
+    /// found only on disk are read while it waits in the queue.
+    pub hints: bool,
 }
 
 /// Replays `reqs` against a fresh embedded store.
@@ -297,45 +314,86 @@ fn replay_through(
     let mut out = ReplayOutcome::default();
     let start = Instant::now();
     let ttl = Duration::from_secs(60);
-    for r in reqs {
-        cfg.wait_for(r, start);
-        let keys = request_keys(&fp, r)?;
-        let m = backend.lookup(&keys)?;
-        let mut n = 0;
-        if m.n > 0 {
-            let t = Instant::now();
-            let mut pages: Vec<Vec<&mut [u8]>> =
-                scratch.chunks_mut(bb).take(m.n).map(|p| vec![p]).collect();
-            n = backend
-                .read_segments(&keys[..m.n], &mut pages, ttl)?
-                .iter()
-                .take_while(|ok| **ok)
-                .count();
-            out.load_secs += t.elapsed().as_secs_f64();
-            let _ = hist.record((t.elapsed().as_micros() as u64).max(1));
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|sc| -> Result<()> {
+        if cfg.hints {
+            // The scheduler's side: each request's hint as it arrives, whether or not the engine
+            // is busy with earlier ones.
+            let (stop, fp) = (&stop, &fp);
+            sc.spawn(move || {
+                for (i, r) in reqs.iter().enumerate() {
+                    cfg.wait_for(r, start);
+                    if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        return;
+                    }
+                    if let Ok(keys) = request_keys(fp, r) {
+                        let _ = backend.prefetch(&keys, 0, Duration::from_secs(60), i as u64);
+                    }
+                }
+            });
         }
-        out.count_hits(r, &m.tiers, m.n, n);
-        let rest = &keys[n..];
-        if !rest.is_empty() {
-            let stamps: Vec<[u8; 16]> = rest.iter().map(|k| k.to_bytes()).collect();
-            let pages: Vec<Vec<&[u8]>> =
-                stamps.iter().map(|st| vec![&st[..], &data[16..]]).collect();
-            for ok in backend.write_segments(ns, rest, &pages)? {
-                if ok {
-                    out.saves += 1;
-                } else {
-                    out.save_skips += 1;
+        let stopper = StopOnDrop(&stop);
+        for r in reqs {
+            cfg.wait_for(r, start);
+            let keys = request_keys(&fp, r)?;
+            let m = backend.lookup(&keys)?;
+            let mut n = 0;
+            let mut load_secs = 0.0;
+            if m.n > 0 {
+                let t = Instant::now();
+                let mut pages: Vec<Vec<&mut [u8]>> =
+                    scratch.chunks_mut(bb).take(m.n).map(|p| vec![p]).collect();
+                n = backend
+                    .read_segments(&keys[..m.n], &mut pages, ttl)?
+                    .iter()
+                    .take_while(|ok| **ok)
+                    .count();
+                load_secs = t.elapsed().as_secs_f64();
+                out.load_secs += load_secs;
+                let _ = hist.record((t.elapsed().as_micros() as u64).max(1));
+            }
+            out.req_load
+                .push((load_secs, m.tiers.iter().any(|t| *t != Tier::Host)));
+            out.count_hits(r, &m.tiers, m.n, n);
+            let hit_tokens: u64 = (0..n).map(|i| tokens_in_block(r, i)).sum();
+            let rest = &keys[n..];
+            if !rest.is_empty() {
+                let stamps: Vec<[u8; 16]> = rest.iter().map(|k| k.to_bytes()).collect();
+                let pages: Vec<Vec<&[u8]>> =
+                    stamps.iter().map(|st| vec![&st[..], &data[16..]]).collect();
+                for ok in backend.write_segments(ns, rest, &pages)? {
+                    if ok {
+                        out.saves += 1;
+                    } else {
+                        out.save_skips += 1;
+                    }
                 }
             }
+            if let (Some(rate), Some(speedup)) = (cfg.engine, cfg.pace) {
+                // The engine computes what it did not load; later requests queue meanwhile.
+                let secs = r.input_length.saturating_sub(hit_tokens) as f64 / rate / speedup;
+                std::thread::sleep(Duration::from_secs_f64(secs));
+            }
+            out.requests += 1;
+            out.blocks += keys.len() as u64;
+            out.tokens += r.input_length;
+            progress.inc(1);
         }
-        out.requests += 1;
-        out.blocks += keys.len() as u64;
-        out.tokens += r.input_length;
-        progress.inc(1);
-    }
+        drop(stopper);
+        Ok(())
+    })?;
     out.load_us = (hist.value_at_quantile(0.5), hist.value_at_quantile(0.99));
     out.host_bytes_in = out.saves * cfg.block_bytes;
     Ok(out)
+}
+
+/// Tells the hint thread to stop when the replay loop ends (or fails).
+struct StopOnDrop<'a>(&'a std::sync::atomic::AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 fn namespace() -> Namespace {
@@ -526,10 +584,27 @@ pub fn run(args: ReplayArgs) -> Result<()> {
         write_through: args.write_through,
         pace,
         dir: args.dir.clone(),
+        engine: args.hints.then_some(args.prefill_rate),
+        hints: false,
     };
-    let o = match &sidecar_bin {
-        None => run_embedded(&reqs, &run_cfg, &pb)?,
-        Some(bin) => run_sidecar(&reqs, &run_cfg, bin, &pb)?,
+    ensure!(
+        !args.hints || pace.is_some(),
+        "--hints needs --pace timestamps (hints are sent at each request's arrival)"
+    );
+    let replay = |cfg: &RunCfg| match &sidecar_bin {
+        None => run_embedded(&reqs, cfg, &pb),
+        Some(bin) => run_sidecar(&reqs, cfg, bin, &pb),
+    };
+    let o = replay(&run_cfg)?;
+    // The same trace again with hints (fresh store), for the hidden load time.
+    let hinted = if args.hints {
+        pb.reset();
+        Some(replay(&RunCfg {
+            hints: true,
+            ..run_cfg
+        })?)
+    } else {
+        None
     };
     pb.finish_and_clear();
 
@@ -631,6 +706,42 @@ pub fn run(args: ReplayArgs) -> Result<()> {
             "bytes saved to host",
         ),
     ];
+    if let Some(h) = &hinted {
+        // Requests whose lookup found blocks below host memory without hints: their load
+        // time with and without hints.
+        let (mut without, mut with) = (0.0, 0.0);
+        for (a, b) in o.req_load.iter().zip(&h.req_load) {
+            if a.1 {
+                without += a.0;
+                with += b.0;
+            }
+        }
+        let hidden = if without > 0.0 {
+            (1.0 - with / without).max(0.0)
+        } else {
+            0.0
+        };
+        eprintln!(
+            "hints: load time of requests with disk hits {without:.3} s without hints, {with:.3} s with; hit ratio {:.3} with hints",
+            (h.host_hits + h.disk_hits) as f64 / h.blocks.max(1) as f64
+        );
+        rows.push(Row {
+            case: "load time hidden by hints".into(),
+            unit: "fraction",
+            value: hidden,
+            baseline: 1.0,
+            ratio: hidden,
+            ratio_spread: None,
+            baseline_is: "all of it",
+        });
+        rows.push(one(
+            "load time on the critical path with hints".into(),
+            "s",
+            with,
+            without,
+            "without hints",
+        ));
+    }
     let points = if args.sweep.is_empty() || args.no_sweep {
         Vec::new()
     } else {
@@ -719,6 +830,8 @@ mod tests {
                 write_through: false,
                 pace: None,
                 dir: dir.clone(),
+                engine: None,
+                hints: false,
             },
             &ProgressBar::hidden(),
         )
@@ -748,6 +861,8 @@ mod tests {
                 write_through: true,
                 pace: Some(1000.0),
                 dir,
+                engine: None,
+                hints: false,
             },
             &ProgressBar::hidden(),
         )

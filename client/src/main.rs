@@ -33,6 +33,18 @@ enum Cmd {
         /// Keys.
         keys: Vec<String>,
     },
+    /// Preload: promote the keys found only on disk into host memory in the background (a hint
+    /// that these blocks will be loaded soon).
+    Prefetch {
+        /// Keys, in prefix order.
+        keys: Vec<String>,
+        /// 0..255, higher first.
+        #[arg(long, default_value_t = 0)]
+        priority: u32,
+        /// Drop what has not started by then (0: the daemon's preload.deadline_ms).
+        #[arg(long, default_value_t = 0)]
+        deadline_ms: u64,
+    },
     /// Remove every block of a namespace (by id, see `stats`).
     Clear {
         /// Namespace id.
@@ -77,7 +89,7 @@ fn gib(b: u64) -> String {
 async fn run() -> Result<()> {
     let cli = Cli::parse();
     // Bad input is reported before trying to reach the daemon.
-    if let Cmd::Lookup { keys } | Cmd::Pin { keys, .. } = &cli.cmd {
+    if let Cmd::Lookup { keys } | Cmd::Pin { keys, .. } | Cmd::Prefetch { keys, .. } = &cli.cmd {
         for k in keys {
             parse_key(k)?;
         }
@@ -129,7 +141,9 @@ async fn run() -> Result<()> {
                             "used_bytes": t.used_bytes, "blocks": t.blocks, "bytes_read": t.bytes_read,
                             "bytes_written": t.bytes_written, "evictions": t.evictions,
                             "checksum_failures": t.checksum_failures, "read_errors": t.read_errors,
-                            "write_errors": t.write_errors})
+                            "write_errors": t.write_errors,
+                            "read_bandwidth_bytes_per_s": t.read_bandwidth_bytes_per_s,
+                            "read_latency_s": t.read_latency_s})
                     })
                     .collect();
                 let ns: Vec<_> = s
@@ -140,11 +154,17 @@ async fn run() -> Result<()> {
                             "host_bytes": n.host_bytes, "disk_blocks": n.disk_blocks, "disk_bytes": n.disk_bytes})
                     })
                     .collect();
+                let p = s.prefetch.unwrap_or_default();
                 println!(
                     "{}",
                     json!({"tiers": tiers, "namespaces": ns, "hits": s.hits, "misses": s.misses,
                         "leases": s.leases, "promotions": s.promotions, "demotions": s.demotions,
-                        "ipc_clients": s.ipc_clients})
+                        "ipc_clients": s.ipc_clients,
+                        "prefetch": {"hinted": p.hinted, "in_time": p.in_time, "late": p.late,
+                            "cancelled": p.cancelled, "expired": p.expired, "dropped": p.dropped,
+                            "wasted_bytes": p.wasted_bytes, "inflight_bytes": p.inflight_bytes},
+                        "break_even_cuts": s.break_even_cuts,
+                        "break_even_blocks_cut": s.break_even_blocks_cut})
                 );
             } else {
                 println!(
@@ -175,6 +195,27 @@ async fn run() -> Result<()> {
                     "hits {}  misses {}  leases {}  promotions {}  demotions {}  engines {}",
                     s.hits, s.misses, s.leases, s.promotions, s.demotions, s.ipc_clients
                 );
+                for t in s
+                    .tiers
+                    .iter()
+                    .filter(|t| t.read_bandwidth_bytes_per_s > 0.0)
+                {
+                    println!(
+                        "{} reads measured at {:.2} GB/s + {:.2} ms per batch (break-even admission: {} lookups cut, {} blocks)",
+                        tier_name(t.tier),
+                        t.read_bandwidth_bytes_per_s / 1e9,
+                        t.read_latency_s * 1e3,
+                        s.break_even_cuts,
+                        s.break_even_blocks_cut
+                    );
+                }
+                if let Some(p) = &s.prefetch {
+                    println!(
+                        "preloads: hinted {}  in time {}  late {}  cancelled {}  expired {}  dropped {}  wasted {}  in flight {}",
+                        p.hinted, p.in_time, p.late, p.cancelled, p.expired, p.dropped,
+                        gib(p.wasted_bytes), gib(p.inflight_bytes)
+                    );
+                }
                 if !s.namespaces.is_empty() {
                     println!(
                         "\n{:<4} {:<32} {:>10} {:>12} {:>10} {:>12}",
@@ -212,6 +253,38 @@ async fn run() -> Result<()> {
                 println!("{}", json!({"n": r.n, "tiers": tiers}));
             } else {
                 println!("{} leading keys present: {}", r.n, tiers.join(" "));
+            }
+        }
+        Cmd::Prefetch {
+            keys,
+            priority,
+            deadline_ms,
+        } => {
+            let keys = keys
+                .iter()
+                .map(|k| parse_key(k))
+                .collect::<Result<Vec<_>>>()?;
+            let r = c
+                .prefetch(pb::PrefetchRequest {
+                    keys,
+                    priority,
+                    deadline_ms,
+                    ..Default::default()
+                })
+                .await
+                .map_err(explain)?
+                .into_inner();
+            if cli.json {
+                println!(
+                    "{}",
+                    json!({"present": r.present, "in_host": r.in_host, "joined": r.joined,
+                        "queued": r.queued, "dropped": r.dropped})
+                );
+            } else {
+                println!(
+                    "{} leading keys present: {} in host memory, {} being promoted, {} queued now, {} not queued (no room)",
+                    r.present, r.in_host, r.joined, r.queued, r.dropped
+                );
             }
         }
         Cmd::Clear { namespace } => {

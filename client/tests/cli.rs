@@ -108,6 +108,23 @@ fn status_stats_lookup_pin_and_clear() {
         serde_json::from_str(ok(&kvtier(&d.grpc, &["lookup", key, "--json"])).trim()).unwrap();
     assert_eq!(v["n"], 0);
     assert!(ok(&kvtier(&d.grpc, &["pin", key])).contains("nothing to pin"));
+    let v: serde_json::Value = serde_json::from_str(
+        ok(&kvtier(
+            &d.grpc,
+            &["prefetch", key, "--priority", "3", "--json"],
+        ))
+        .trim(),
+    )
+    .unwrap();
+    assert_eq!(
+        (v["present"].as_u64(), v["queued"].as_u64()),
+        (Some(0), Some(0))
+    );
+    let e = kvtier(&d.grpc, &["prefetch", key, "--priority", "300"]);
+    assert!(String::from_utf8_lossy(&e.stderr).contains("0..=255"));
+    let v: serde_json::Value =
+        serde_json::from_str(ok(&kvtier(&d.grpc, &["stats", "--json"])).trim()).unwrap();
+    assert_eq!(v["prefetch"]["hinted"], 0);
     let e = kvtier(&d.grpc, &["clear", "7"]);
     assert!(!e.status.success());
     assert!(String::from_utf8_lossy(&e.stderr).contains("not registered"));

@@ -240,6 +240,77 @@ impl Backend {
         }
     }
 
+    /// [`Backend::lookup`] with break-even admission (see
+    /// `kvstore::Store::match_prefix_priced`): the prefix worth loading at the engine's
+    /// prefill rate, and the prefix present before that cut.
+    pub fn lookup_priced(
+        &self,
+        keys: &[BlockKey],
+        tokens_per_block: u32,
+        prefill_tokens_per_s: f64,
+    ) -> Result<(kvstore::PrefixMatch, usize), TransferError> {
+        match &self.kind {
+            Kind::Embedded(s) => {
+                Ok(s.match_prefix_priced(keys, tokens_per_block, prefill_tokens_per_s))
+            }
+            Kind::Sidecar(c) => Ok(c
+                .call(|c, _| c.lookup_priced(keys, tokens_per_block, prefill_tokens_per_s))?
+                .map_or(
+                    (
+                        kvstore::PrefixMatch {
+                            n: 0,
+                            tiers: Vec::new(),
+                        },
+                        0,
+                    ),
+                    |l| {
+                        (
+                            kvstore::PrefixMatch {
+                                n: l.n,
+                                tiers: l.tiers,
+                            },
+                            l.present,
+                        )
+                    },
+                )),
+        }
+    }
+
+    /// Hints that `keys` (a prefix) will be loaded soon: blocks found only in a lower tier are
+    /// promoted into host memory in the background (see `kvstore::Store::prefetch`); `tag`
+    /// names the hint for [`Backend::cancel_prefetch`]. A daemon that is away: nothing done.
+    pub fn prefetch(
+        &self,
+        keys: &[BlockKey],
+        priority: u8,
+        deadline: Duration,
+        tag: u64,
+    ) -> Result<kvstore::Prefetch, TransferError> {
+        match &self.kind {
+            Kind::Embedded(s) => {
+                Ok(s.prefetch(keys, priority, std::time::Instant::now() + deadline, tag))
+            }
+            Kind::Sidecar(c) => Ok(c
+                .call(|c, _| c.prefetch(keys, priority, deadline, tag))?
+                .map(|r| kvstore::Prefetch {
+                    present: r.present as usize,
+                    in_host: r.in_host as usize,
+                    joined: r.joined as usize,
+                    queued: r.queued as usize,
+                    dropped: r.dropped as usize,
+                })
+                .unwrap_or_default()),
+        }
+    }
+
+    /// Drops the queued preloads of hint `tag`; returns how many blocks they held.
+    pub fn cancel_prefetch(&self, tag: u64) -> Result<usize, TransferError> {
+        match &self.kind {
+            Kind::Embedded(s) => Ok(s.cancel_prefetch(tag)),
+            Kind::Sidecar(c) => Ok(c.call(|c, _| c.cancel_prefetch(tag))?.unwrap_or(0)),
+        }
+    }
+
     /// Saves `keys[i]` as the canonical bytes of engine blocks `block_ids[i]`. Keys already
     /// present (or being written by someone else) are skipped. Returns how many were stored.
     pub fn save(

@@ -228,6 +228,8 @@ pub struct Lookup {
     pub tiers: Vec<Tier>,
     /// The lease pinning them, if one was asked for (and something was found).
     pub lease: Option<LeaseId>,
+    /// Leading keys present before a break-even cut (`n` without one).
+    pub present: usize,
 }
 
 /// Answer to a commit.
@@ -470,16 +472,73 @@ impl IpcClient {
         keys: &[BlockKey],
         lease: Option<Duration>,
     ) -> Result<Lookup, IpcError> {
-        match self.call(request::Body::Lookup(pb::Lookup {
+        self.lookup_request(
+            pb::Lookup {
+                keys: pack_keys(keys),
+                lease: lease.is_some(),
+                ttl_ms: lease.map_or(0, |d| d.as_millis() as u64),
+                ..Default::default()
+            },
+            keys.len(),
+        )
+    }
+
+    /// Longest present prefix worth loading: break-even admission with the engine's prefill
+    /// rate (the daemon prices each tier by its measured read speed; see
+    /// `kvstore::Store::match_prefix_priced`). `present` in the answer is the prefix before
+    /// the cut.
+    pub fn lookup_priced(
+        &mut self,
+        keys: &[BlockKey],
+        tokens_per_block: u32,
+        prefill_tokens_per_s: f64,
+    ) -> Result<Lookup, IpcError> {
+        self.lookup_request(
+            pb::Lookup {
+                keys: pack_keys(keys),
+                tokens_per_block,
+                prefill_tokens_per_s,
+                ..Default::default()
+            },
+            keys.len(),
+        )
+    }
+
+    /// Hints that `keys` (a prefix) will be loaded soon: the daemon promotes the blocks found
+    /// only below into host memory in the background (`deadline`: from now; `tag`: this
+    /// connection's name for the hint, for [`IpcClient::cancel_prefetch`]).
+    pub fn prefetch(
+        &mut self,
+        keys: &[BlockKey],
+        priority: u8,
+        deadline: Duration,
+        tag: u64,
+    ) -> Result<pb::PrefetchReply, IpcError> {
+        match self.call(request::Body::Prefetch(pb::Prefetch {
             keys: pack_keys(keys),
-            lease: lease.is_some(),
-            ttl_ms: lease.map_or(0, |d| d.as_millis() as u64),
+            priority: u32::from(priority),
+            deadline_ms: (deadline.as_millis() as u64).max(1),
+            tag,
         }))? {
+            response::Body::Prefetch(r) => Ok(r),
+            _ => Err(IpcError::Protocol("expected a prefetch reply".into())),
+        }
+    }
+
+    /// Drops the queued preloads of hint `tag`; returns how many blocks they held.
+    pub fn cancel_prefetch(&mut self, tag: u64) -> Result<usize, IpcError> {
+        match self.call(request::Body::CancelPrefetch(pb::CancelPrefetch { tag }))? {
+            response::Body::CancelPrefetch(r) => Ok(r.cancelled as usize),
+            _ => Err(IpcError::Protocol("expected a cancel reply".into())),
+        }
+    }
+
+    fn lookup_request(&mut self, req: pb::Lookup, asked: usize) -> Result<Lookup, IpcError> {
+        match self.call(request::Body::Lookup(req))? {
             response::Body::Lookup(r) => {
-                if r.n as usize > keys.len() || r.tiers.len() != r.n as usize {
+                if r.n as usize > asked || r.tiers.len() != r.n as usize {
                     return Err(IpcError::Protocol(format!(
-                        "lookup of {} keys answered {} ({} tiers)",
-                        keys.len(),
+                        "lookup of {asked} keys answered {} ({} tiers)",
                         r.n,
                         r.tiers.len()
                     )));
@@ -488,6 +547,7 @@ impl IpcClient {
                     n: r.n as usize,
                     tiers: r.tiers.into_iter().map(tier).collect(),
                     lease: (r.lease_id != 0).then_some(LeaseId(r.lease_id)),
+                    present: (r.present as usize).clamp(r.n as usize, asked),
                 })
             }
             _ => Err(IpcError::Protocol("expected a lookup reply".into())),

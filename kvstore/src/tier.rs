@@ -107,6 +107,11 @@ pub struct TierStats {
     pub read_us: (u64, u64),
     /// Write latency percentiles, microseconds (p50, p99).
     pub write_us: (u64, u64),
+    /// Achieved read bandwidth of promotions from this tier, bytes/s, exponentially weighted
+    /// over read batches (0 until the first one): what break-even admission prices loads with.
+    pub read_bandwidth: u64,
+    /// Fixed cost of a read batch from this tier, nanoseconds (same weighting).
+    pub read_latency_ns: u64,
 }
 
 /// A tier below the host arena. Every method is safe to call from several threads; reads and

@@ -364,3 +364,42 @@ fn a_key_on_disk_is_present_to_a_writer() {
         kvstore::Reserve::Slot(_)
     ));
 }
+
+/// Break-even admission: a lower tier whose measured read speed loses to the engine's stated
+/// prefill rate is cut from the answer (host blocks stay); a fast enough one is kept.
+#[test]
+fn break_even_admission_refuses_a_tier_slower_than_recomputing() {
+    let d = dir("break-even");
+    let mut store = config(&d, true, 2).build().unwrap();
+    let id = ns(&store);
+    for i in 0..6 {
+        store.put(id, key(i), &data(i)).unwrap();
+    }
+    assert!(store.sync(SYNC));
+    store.flush();
+    drop(store);
+    store = config(&d, true, 2).build().unwrap();
+    // Every disk read takes 50 ms: ~1 MB/s for these 50 KB blocks.
+    let faults = slow(&mut store, 50);
+    let keys: Vec<BlockKey> = (0..6).map(key).collect();
+    // Not measured yet: trusted, nothing cut.
+    let (m, present) = store.match_prefix_priced(&keys, 16, 1000.0);
+    assert_eq!((m.n, present), (6, 6));
+    // Two promotions measure the tier (keys 0 and 1 end up in host memory).
+    assert_eq!(store.load(&keys[..1]).unwrap().len(), 1);
+    assert_eq!(store.load(&keys[1..2]).unwrap().len(), 1);
+    let bw = store.stats().disk().unwrap().read_bandwidth;
+    assert!(bw > 0 && bw < 5_000_000, "{bw}");
+    // Prefill at 100k tokens/s: a 16-token block computes in 0.16 ms, far below a 50 ms read:
+    // only the host blocks are worth loading.
+    let (m, present) = store.match_prefix_priced(&keys, 16, 100_000.0);
+    assert_eq!(present, 6);
+    assert_eq!(m.n, 2, "{:?}", m.tiers);
+    assert!(m.tiers.iter().all(|t| *t == Tier::Host));
+    // Prefill at 10 tokens/s: 1.6 s per block, loading wins: all of it.
+    let (m, _) = store.match_prefix_priced(&keys, 16, 10.0);
+    assert_eq!(m.n, 6);
+    let st = store.stats();
+    assert_eq!((st.break_even_cuts, st.break_even_blocks_cut), (1, 4));
+    drop(faults);
+}

@@ -160,6 +160,8 @@ impl Admin for AdminService {
                 checksum_failures: k.checksum_failures,
                 read_errors: k.read_errors,
                 write_errors: k.write_errors,
+                read_bandwidth_bytes_per_s: k.read_bandwidth as f64,
+                read_latency_s: k.read_latency_ns as f64 / 1e9,
             });
         }
         let namespaces = ns
@@ -189,6 +191,18 @@ impl Admin for AdminService {
                 .d
                 .ipc_clients
                 .load(std::sync::atomic::Ordering::Relaxed),
+            prefetch: Some(pb::PrefetchStats {
+                hinted: s.prefetch.hinted,
+                in_time: s.prefetch.in_time,
+                late: s.prefetch.late,
+                cancelled: s.prefetch.cancelled,
+                expired: s.prefetch.expired,
+                dropped: s.prefetch.dropped,
+                wasted_bytes: s.prefetch.wasted_bytes,
+                inflight_bytes: s.prefetch.inflight_bytes,
+            }),
+            break_even_cuts: s.break_even_cuts,
+            break_even_blocks_cut: s.break_even_blocks_cut,
         }))
     }
 
@@ -259,6 +273,39 @@ impl Admin for AdminService {
         Ok(Response::new(pb::PinReply {
             lease_id: lease.id.map_or(0, |i| i.0),
             n: lease.n as u32,
+        }))
+    }
+
+    async fn prefetch(
+        &self,
+        req: Request<pb::PrefetchRequest>,
+    ) -> Result<Response<pb::PrefetchReply>, Status> {
+        self.write_allowed()?;
+        let r = req.get_ref();
+        let max_keys = self.d.cfg.server.max_keys as usize;
+        if r.keys.len() > max_keys {
+            return Err(Status::invalid_argument(format!(
+                "{} keys in one request; the limit is {max_keys} (server.max_keys)",
+                r.keys.len()
+            )));
+        }
+        let priority = u8::try_from(r.priority).map_err(|_| {
+            Status::invalid_argument(format!("priority {} is not in 0..=255", r.priority))
+        })?;
+        let ks = keys(&r.keys)?;
+        let (_, store) = self.store(&r.tenant)?;
+        let p = store.prefetch(
+            &ks,
+            priority,
+            self.d.preload_deadline(r.deadline_ms),
+            crate::Daemon::preload_tag(0, r.tag),
+        );
+        Ok(Response::new(pb::PrefetchReply {
+            present: p.present as u32,
+            in_host: p.in_host as u32,
+            joined: p.joined as u32,
+            queued: p.queued as u32,
+            dropped: p.dropped as u32,
         }))
     }
 

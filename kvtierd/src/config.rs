@@ -73,8 +73,30 @@ pub struct Config {
     pub disk: DiskSection,
     /// Listeners.
     pub server: ServerSection,
+    /// Preloading from engines' hints.
+    pub preload: PreloadSection,
     /// Tenants (`server.isolation = "tenant"`): each gets its own arena and quota.
     pub tenants: Vec<TenantSection>,
+}
+
+/// `[preload]`
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PreloadSection {
+    /// Most bytes of hinted blocks being promoted at once, queued or being read (per store;
+    /// 0: an eighth of the host tier). A hint past it is cut short (counted).
+    pub max_inflight_bytes: Size,
+    /// Deadline of a hint that names none: a preload not started by then is dropped.
+    pub deadline_ms: u64,
+}
+
+impl Default for PreloadSection {
+    fn default() -> Self {
+        Self {
+            max_inflight_bytes: Size(0),
+            deadline_ms: 10_000,
+        }
+    }
 }
 
 /// `[[tenants]]`
@@ -116,6 +138,7 @@ impl Default for Config {
             host: HostSection::default(),
             disk: DiskSection::default(),
             server: ServerSection::default(),
+            preload: PreloadSection::default(),
             tenants: Vec::new(),
         }
     }
@@ -184,6 +207,8 @@ pub struct DiskSection {
     pub write_through: bool,
     /// Bytes per write-back batch.
     pub max_batch: Size,
+    /// For tests only: delay every disk I/O completion by this long (a slow device).
+    pub fault_delay_ms: u64,
 }
 
 impl Default for DiskSection {
@@ -200,6 +225,7 @@ impl Default for DiskSection {
             admission: "seen-twice".into(),
             write_through: false,
             max_batch: Size(256 << 20),
+            fault_delay_ms: 0,
         }
     }
 }
@@ -589,6 +615,7 @@ impl Config {
             },
             max_leases: self.host.max_leases as usize,
             verify_reads: self.host.verify_reads,
+            prefetch_max_inflight_bytes: self.preload.max_inflight_bytes.0,
             wait: self.load_wait(),
             disk,
             ..Default::default()
@@ -789,6 +816,9 @@ mod tests {
             "isolation",
             "load_wait_ms",
             "verify_reads",
+            "max_inflight_bytes",
+            "deadline_ms",
+            "fault_delay_ms",
             "data_dir",
             "log",
         ] {

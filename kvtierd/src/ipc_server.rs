@@ -171,6 +171,8 @@ pub(crate) struct Conn<'d> {
     /// Namespace ids this connection registered.
     namespaces: HashSet<u32>,
     connected: Instant,
+    /// Scopes this connection's preload tags.
+    serial: u64,
 }
 
 impl<'d> Conn<'d> {
@@ -187,6 +189,7 @@ impl<'d> Conn<'d> {
             stream,
             hello: false,
             next_token: 1,
+            serial: d.next_conn_serial(),
             reservations: HashMap::new(),
             expired: std::collections::VecDeque::new(),
             reserved_bytes: 0,
@@ -427,13 +430,16 @@ impl<'d> Conn<'d> {
                         n: lease.n as u32,
                         tiers: lease.tiers.iter().map(tier).collect(),
                         lease_id: lease.id.map_or(0, |i| i.0),
+                        present: lease.n as u32,
                     })
                 } else {
-                    let m = store.match_prefix(&ks);
+                    let (m, present) =
+                        store.match_prefix_priced(&ks, l.tokens_per_block, l.prefill_tokens_per_s);
                     response::Body::Lookup(pb::LookupReply {
                         n: m.n as u32,
                         tiers: m.tiers.iter().map(tier).collect(),
                         lease_id: 0,
+                        present: present as u32,
                     })
                 }
             }
@@ -577,6 +583,30 @@ impl<'d> Conn<'d> {
                 }
                 response::Body::Empty(pb::Empty {})
             }
+            request::Body::Prefetch(p) => {
+                let ks = self.keys(&p.keys)?;
+                let priority = u8::try_from(p.priority)
+                    .map_err(|_| format!("priority {} is not in 0..=255", p.priority))?;
+                let r = store.prefetch(
+                    &ks,
+                    priority,
+                    self.d.preload_deadline(p.deadline_ms),
+                    crate::Daemon::preload_tag(self.serial, p.tag),
+                );
+                response::Body::Prefetch(pb::PrefetchReply {
+                    present: r.present as u32,
+                    in_host: r.in_host as u32,
+                    joined: r.joined as u32,
+                    queued: r.queued as u32,
+                    dropped: r.dropped as u32,
+                })
+            }
+            request::Body::CancelPrefetch(c) => {
+                let n = store.cancel_prefetch(crate::Daemon::preload_tag(self.serial, c.tag));
+                response::Body::CancelPrefetch(pb::CancelPrefetchReply {
+                    cancelled: n as u32,
+                })
+            }
             request::Body::Stats(_) => {
                 let s = store.stats();
                 response::Body::Stats(pb::StatsReply {
@@ -688,6 +718,8 @@ fn op_name(body: &Option<request::Body>) -> &'static str {
         Some(request::Body::Abort(_)) => "abort",
         Some(request::Body::Release(_)) => "release",
         Some(request::Body::Stats(_)) => "stats",
+        Some(request::Body::Prefetch(_)) => "prefetch",
+        Some(request::Body::CancelPrefetch(_)) => "cancel_prefetch",
         None => "none",
     }
 }

@@ -101,9 +101,37 @@ pub struct Daemon {
     /// Log lines dropped (stderr gone or stalled).
     pub log: Arc<logging::LogStats>,
     latency: Mutex<HashMap<&'static str, Histogram<u64>>>,
+    /// Serial numbers of engine connections (preload tags are scoped by them).
+    conn_serial: AtomicU64,
 }
 
 impl Daemon {
+    /// A fresh serial number for an engine connection.
+    pub fn next_conn_serial(&self) -> u64 {
+        self.conn_serial.fetch_add(1, Relaxed) + 1
+    }
+
+    /// The store-wide tag of preload hint `tag` from client scope `scope` (an engine
+    /// connection's serial, or 0 for the admin API): one client cannot cancel another's.
+    pub fn preload_tag(scope: u64, tag: u64) -> u64 {
+        let mut x = scope
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .wrapping_add(tag)
+            .wrapping_add(0x632B_E59B_D9B4_E019);
+        x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        x ^ (x >> 31)
+    }
+
+    /// The deadline of a hint that asks for `ms` (0: `preload.deadline_ms`).
+    pub fn preload_deadline(&self, ms: u64) -> Instant {
+        let ms = if ms == 0 {
+            self.cfg.preload.deadline_ms
+        } else {
+            ms
+        };
+        Instant::now() + Duration::from_millis(ms.min(3_600_000))
+    }
     /// The daemon's shared state around its stores.
     pub fn new(
         store: &'static Store,
@@ -128,6 +156,7 @@ impl Daemon {
             watchers: AtomicU64::new(0),
             log,
             latency: Mutex::new(HashMap::new()),
+            conn_serial: AtomicU64::new(0),
         }
     }
 
@@ -373,7 +402,23 @@ fn run() -> Result<()> {
             disk_dir = ?scfg.disk.as_ref().map(|d| d.dir.display().to_string()),
             "kvtierd starting: opening the store (the host arena is faulted in in the background)"
         );
-        Box::leak(Box::new(scfg.build().context("opening the store")?))
+        let mut s = scfg.build().context("opening the store")?;
+        if cfg.disk.fault_delay_ms > 0 {
+            tracing::warn!(
+                ms = cfg.disk.fault_delay_ms,
+                "disk.fault_delay_ms is set: every disk I/O completion is delayed (for tests only)"
+            );
+            let delay = Duration::from_millis(cfg.disk.fault_delay_ms);
+            s.wrap_disk_engine(|inner| {
+                let f = kvstore::io::fault::FaultEngine::new(inner);
+                f.set_plan(kvstore::io::fault::FaultPlan {
+                    delay,
+                    ..Default::default()
+                });
+                std::sync::Arc::new(f)
+            });
+        }
+        Box::leak(Box::new(s))
     };
     tracing::info!(
         secs = format!("{:.2}", opened.elapsed().as_secs_f64()),

@@ -91,6 +91,43 @@ pub fn render(d: &Daemon) -> String {
         &[("", s.promotions as f64)],
     );
     metric(
+        "prefetch_blocks_total",
+        "counter",
+        "Preload hints: blocks queued (hinted), used from host memory (in_time), waited for (late), cancelled, expired unread, not queued (dropped).",
+        &[
+            ("outcome=\"hinted\"", s.prefetch.hinted as f64),
+            ("outcome=\"in_time\"", s.prefetch.in_time as f64),
+            ("outcome=\"late\"", s.prefetch.late as f64),
+            ("outcome=\"cancelled\"", s.prefetch.cancelled as f64),
+            ("outcome=\"expired\"", s.prefetch.expired as f64),
+            ("outcome=\"dropped\"", s.prefetch.dropped as f64),
+        ],
+    );
+    metric(
+        "prefetch_wasted_bytes_total",
+        "counter",
+        "Bytes of preloaded blocks evicted before any load used them.",
+        &[("", s.prefetch.wasted_bytes as f64)],
+    );
+    metric(
+        "prefetch_inflight_bytes",
+        "gauge",
+        "Bytes of preloads queued or being read.",
+        &[("", s.prefetch.inflight_bytes as f64)],
+    );
+    metric(
+        "tier_read_bandwidth_bytes_per_second",
+        "gauge",
+        "Measured read bandwidth of promotions per lower tier (what break-even admission uses).",
+        &[("tier=\"disk\"", disk.read_bandwidth as f64)],
+    );
+    metric(
+        "break_even_cuts_total",
+        "counter",
+        "Priced lookups cut short by break-even admission.",
+        &[("", s.break_even_cuts as f64)],
+    );
+    metric(
         "demotions_total",
         "counter",
         "Blocks written host to disk.",

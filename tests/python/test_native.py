@@ -242,3 +242,68 @@ def test_block_ids_outside_the_cache_are_refused():
     with pytest.raises(ValueError, match="out of range"):
         s.save(n, p, [k], [[9]])
     assert s.match_prefix([k]) == 0
+
+
+@pytest.mark.parametrize("mode", ["embedded", "sidecar"])
+def test_preload_hints_move_disk_blocks_into_host_memory(tmp_path, mode):
+    """A hint promotes the blocks found only on disk into host memory in the background; the
+    lookup then says host for them; a hint of a missing prefix stops where the prefix ends."""
+    import pathlib
+    import subprocess
+    import time
+
+    enc, fp = ns()
+    keys = [kvtier.engine_key(fp, bytes([i + 1]) * 32) for i in range(4)]
+    disk = str(tmp_path / "disk")
+    if mode == "embedded":
+        s = kvtier.Store(16 << 20, segment_bytes=4 << 20, disk_dir=disk, disk_bytes=64 << 20,
+                         write_through=True)
+        n = s.register_namespace(enc)
+        for i, k in enumerate(keys):
+            assert s.put(n, k, bytes([i]) * 70_000)
+        s.flush()
+        del s
+        s = kvtier.Store(16 << 20, segment_bytes=4 << 20, disk_dir=disk, disk_bytes=64 << 20)
+        s.register_namespace(enc)
+        stop = None
+    else:
+        daemon = pathlib.Path(__file__).resolve().parents[2] / "target" / "debug" / "kvtierd"
+        args = [str(daemon), "--data-dir", str(tmp_path / "d"), "--host-capacity", "64M",
+                "--disk-capacity", "128M", "--grpc", "127.0.0.1:0", "--metrics", "127.0.0.1:0",
+                "--set", "host.segment=4M", "--set", "log=warn",
+                "--set", "disk.admission=always"]
+        p = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+        sock = next(w[7:] for w in p.stdout.readline().split() if w.startswith("socket="))
+        w = kvtier.Sidecar(sock, "writer")
+        n = w.register_namespace(enc)
+        for i, k in enumerate(keys):
+            assert w.put(n, k, bytes([i]) * 70_000)
+        del w
+        p.terminate()
+        assert p.wait(timeout=60) == 0  # flushed to disk
+        p = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+        p.stdout.readline()
+        s = kvtier.Sidecar(sock, "reader")
+        s.register_namespace(enc)
+        stop = p
+    try:
+        nn, present, tiers = s.lookup(keys)
+        assert (nn, present, tiers) == (4, 4, ["disk"] * 4)
+        r = s.prefetch(keys[:3], priority=1, deadline_ms=30_000, tag=5)
+        assert r["present"] == 3 and r["queued"] + r["joined"] == 3 and r["in_host"] == 0
+        deadline = time.monotonic() + 20
+        while s.lookup(keys)[2][:3] != ["host"] * 3:
+            assert time.monotonic() < deadline, s.lookup(keys)
+            time.sleep(0.02)
+        assert s.lookup(keys)[2][3] == "disk"
+        assert s.get(keys[1]) == bytes([1]) * 70_000
+        # Nothing queued is left to cancel; a gap ends the hint's prefix.
+        assert s.cancel_prefetch(5) == 0
+        assert s.prefetch([keys[0], b"\0" * 16, keys[2]])["present"] == 1
+        if mode == "embedded":
+            st = s.stats()
+            assert st["prefetch_hinted"] == 3 and st["prefetch_in_time"] >= 1
+    finally:
+        if stop is not None:
+            stop.terminate()
+            stop.wait(timeout=60)

@@ -84,13 +84,13 @@ class Daemon:
         self.data_dir = data_dir
         self.start()
 
-    def start(self):
+    def start(self, *extra):
         self.p = subprocess.Popen(
             [str(REPO / "target" / "debug" / "kvtierd"), "--data-dir", str(self.data_dir),
              "--host-capacity", "256M", "--disk-capacity", "256M", "--grpc", "127.0.0.1:0",
              "--metrics", "127.0.0.1:0", "--set", "host.segment=16M",
              "--set", "disk.admission=always", "--set", "log=warn",
-             "--set", "server.token=e2e-token"],
+             "--set", "server.token=e2e-token", *extra],
             stdout=subprocess.PIPE, text=True)
         line = self.p.stdout.readline()
         f = dict(w.split("=", 1) for w in line.split() if "=" in w)
@@ -263,6 +263,28 @@ def test_vllm_engines_share_kv_through_kvtierd(model, ref, tmp_path):
         assert after[0]["num_cached_tokens"] >= len(A) - BS
         same(after[0], ref["A"])
 
+        # Preloads on a slow disk (every I/O 300 ms), A's blocks on disk only after a restart.
+        # A 50 ms load deadline: the request waits 50 ms in the queue for its preloads, then
+        # computes everything (nothing had arrived): no hit, the same output.
+        slow = ("--set", "disk.fault_delay_ms=300")
+        d.stop()
+        d.start(*slow)
+        late = engine(model, [A], d.conn(load_policy="timeout", load_deadline_ms=50))["outputs"]
+        assert late[0]["num_cached_tokens"] == 0, late
+        same(late[0], ref["A"])
+        assert d.cli("stats")["prefetch"]["hinted"] > 0
+        # wait_complete: the request waits in the queue until its preloads are in host memory,
+        # then loads them from there (no disk read on the critical path).
+        d.stop()
+        d.start(*slow)
+        done = engine(model, [A], d.conn(load_policy="wait_complete"))["outputs"]
+        assert done[0]["num_cached_tokens"] >= len(A) - BS
+        same(done[0], ref["A"])
+        pre = d.cli("stats")["prefetch"]
+        assert pre["hinted"] > 0 and pre["in_time"] > 0, pre
+        d.stop()
+        d.start()
+
         # Cleared: a miss, and still the same output (C and D are stored again here).
         ns = d.cli("stats")["namespaces"][0]["id"]
         assert d.cli("clear", str(ns))["removed"] > 0
@@ -291,7 +313,10 @@ def test_vllm_engines_share_kv_through_kvtierd(model, ref, tmp_path):
         assert disk["checksum_failures"] > 0
         # The corrupt block was dropped, recomputed by the engine and saved again.
         assert side.get(keys(C)[0]) is not None
-        fail = engine(model, [D], d.conn(), policy="fail")["outputs"]
+        # Without preloads (a preload would find the damage first, drop the block and let the
+        # request compute it: C above went that way or the load's): the load fails, and vLLM's
+        # "fail" policy fails the request.
+        fail = engine(model, [D], d.conn(preload=False), policy="fail")["outputs"]
         assert "error" in fail[0], fail
         assert d.cli("stats")["leases"] == 0
         del side

@@ -17,6 +17,10 @@ Extra config keys (besides the three the factory needs):
   tenant_secret: the secret of this engine's tenant (kvtierd with server.isolation = "tenant")
   copy_threads: threads a large batch is split across (default 0: the cores available to the
          process, at most 8; 1: the calling thread only)
+  preload: true (default): batch_exists, which SGLang calls as a request joins the queue,
+         also starts moving the hit's pages found only on disk into host memory, so the
+         batch_get that follows reads host memory (preload_deadline_ms, default 10000, bounds
+         how long such a preload may wait to start)
   interface_v1: 1 makes SGLang call batch_get_v1/batch_set_v1, which copy each page once,
          straight between the host pool and the store (recommended); without it SGLang copies
          pages through a temporary tensor (its generic path). The two lay a page's bytes out
@@ -107,6 +111,8 @@ class KvtierHiCache(HiCacheStorage):
         self._embedded = mode == "embedded"
         self._v1 = bool(extra.get("interface_v1"))
         self._writer = storage_config.is_storage_writer
+        self._preload = bool(extra.get("preload", True))
+        self._preload_ms = int(extra.get("preload_deadline_ms", 10_000))
         self.mem_pool_host = None
         self._pool_regions = None
         # Until SGLang registers its host pool, the namespace comes from the configuration.
@@ -223,10 +229,17 @@ class KvtierHiCache(HiCacheStorage):
 
     def batch_exists(self, keys: List[str],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
-        """How many leading keys are stored. Never raises: a failure counts as none."""
+        """How many leading keys are stored. Never raises: a failure counts as none. SGLang
+        calls it when a request joins the waiting queue, before its batch_get: the pages of the
+        hit found only on disk start moving into host memory now (preload), so the batch_get
+        that follows reads host memory."""
         try:
             ks = [self._key(k) for k in _keys(keys)]
-            return self._store.match_prefix(ks) if ks else 0
+            if not ks:
+                return 0
+            if self._preload:
+                return int(self._store.prefetch(ks, 0, self._preload_ms, 0)["present"])
+            return self._store.match_prefix(ks)
         except Exception:  # noqa: BLE001 - the controller's prefetch thread must not die
             log.exception("kvtier: batch_exists failed: counted as a miss")
             return 0

@@ -19,6 +19,17 @@ Extra config keys:
         server.isolation = "tenant" (default: placed by the process's uid/gid)
   copy_threads: threads a large save or load is split across (default 0: the cores available
         to the process, at most 8; 1: the calling thread only)
+  preload: true (default): when a request arrives (``on_new_request``) its blocks found only
+        on disk are promoted into host memory while it waits in the queue
+  load_policy: what ``get_num_new_matched_tokens`` does while a request's preloads are still
+        arriving: "timeout" (default: the request waits in the queue until they are in host
+        memory or ``load_deadline_ms`` passed since its arrival, then loads what has arrived and
+        computes the rest), "wait_complete" (waits until all have arrived, at most 60 s),
+        "best_effort" (never waits: loads what is in host memory now)
+  load_deadline_ms: see load_policy (default 2000)
+  prefill_tokens_per_s: the engine's prefill rate; when set, break-even admission loads a block
+        from disk only if that beats recomputing it (each tier priced by its measured read
+        bandwidth and latency); 0 (default) loads every hit
 
 kvtierd may restart under a running engine (a rolling upgrade): while it is away every lookup,
 load and save is a miss (logged once, counted), and the connection is made again with backoff
@@ -40,8 +51,10 @@ lease) is reported through ``get_block_ids_with_load_errors``, so vLLM's
 from __future__ import annotations
 
 import atexit
+import hashlib
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -196,6 +209,13 @@ class KvtierConnector(KVConnectorBase_V1):
         self._sidecar = extra.get("mode", "embedded") == "sidecar"
         self._async = bool(extra.get("async_load", True))
         self._lease_ms = int(extra.get("lease_ms", 30_000))
+        self._preload = bool(extra.get("preload", True))
+        self._policy = str(extra.get("load_policy", "timeout"))
+        if self._policy not in ("timeout", "wait_complete", "best_effort"):
+            raise ValueError(f"kvtier: load_policy must be timeout, wait_complete or "
+                             f"best_effort, not {self._policy!r}")
+        self._deadline_s = float(extra.get("load_deadline_ms", 2000)) / 1000.0
+        self._prefill_rate = float(extra.get("prefill_tokens_per_s", 0.0))
         par = vllm_config.parallel_config
         tp_size = getattr(par, "tensor_parallel_size", 1) or 1
         tp_rank = 0
@@ -236,6 +256,9 @@ class KvtierConnector(KVConnectorBase_V1):
         self._saving: set[str] = set()
         self._block_ids: dict[str, list[int]] = {}
         self._loading: dict[str, tuple[int, list[int]]] = {}  # first block index, engine blocks
+        self._hinted: dict[str, float] = {}  # request → when its preload hint was sent
+        self._tiers: dict[str, list[str]] = {}  # request → tier of each block at its lookup
+        self._hint_failed = False
         # Worker side.
         self._paged: PagedKv | None = None
         self._mover: _Mover | None = None
@@ -253,9 +276,49 @@ class KvtierConnector(KVConnectorBase_V1):
 
     # ---- scheduler side --------------------------------------------------------------------
 
+    @staticmethod
+    def _tag(req_id: str) -> int:
+        return int.from_bytes(hashlib.blake2b(req_id.encode(), digest_size=8).digest(), "little")
+
+    def _hint(self, req_id: str, keys: list[bytes], deadline_s: float) -> None:
+        try:
+            self._store.prefetch(keys, 0, max(1, int(deadline_s * 1000)), self._tag(req_id))
+        except Exception:  # noqa: BLE001 - a hint is an optimisation: never fail the request
+            if not self._hint_failed:
+                self._hint_failed = True
+                log.exception("kvtier: preload hint failed (hints are off until it works)")
+
+    def on_new_request(self, request) -> None:
+        """The request's block hashes are known on arrival: hint them, so the blocks found only
+        on disk are read while the request waits in the queue."""
+        if not self._preload:
+            return
+        keys = self._keys(request)
+        if keys:
+            self._hinted[request.request_id] = time.monotonic()
+            self._hint(request.request_id, keys, max(self._deadline_s, 1.0) * 2)
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         keys = self._keys(request)
-        n = self._store.match_prefix(keys) if keys else 0
+        rid = request.request_id
+        n, tiers = 0, []
+        if keys:
+            n, _present, tiers = self._store.lookup(keys, self._block_size, self._prefill_rate)
+        since = self._hinted.get(rid)
+        if since is not None and n:
+            host = next((i for i, t in enumerate(tiers) if t != "host"), n)
+            if host < n:
+                waited = time.monotonic() - since
+                if self._policy == "best_effort":
+                    n = host
+                elif waited < (60.0 if self._policy == "wait_complete" else self._deadline_s):
+                    # Still arriving: hint again (what was cut for room gets queued now) and
+                    # let the scheduler ask again later; the request waits in the queue.
+                    self._hint(rid, keys[:n], max(self._deadline_s - waited, 0.05) * 2)
+                    return None, False
+                else:
+                    n = host  # past the deadline: what has arrived; vLLM computes the rest
+        self._tiers[rid] = tiers[:n]
         prompt = len(request.prompt_token_ids or [])
         # A hit covering the whole prompt reports one token fewer: the engine must compute the
         # last token to get logits (it rewrites that token's KV in the loaded block).
@@ -264,6 +327,29 @@ class KvtierConnector(KVConnectorBase_V1):
         # Where the external range starts, for update_state_after_alloc (not a store change).
         self._lookup_start[request.request_id] = num_computed_tokens
         return ext, self._async and ext > 0
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens):
+        """Which tier served the external tokens (vLLM's per-source hit metrics)."""
+        if num_external_tokens <= 0:
+            return {}
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+        rid = request.request_id
+        tiers = self._tiers.get(rid, [])
+        start = self._loading.get(rid, (0, []))[0]
+        by = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+        out: dict = {}
+        left = num_external_tokens
+        for t in tiers[start:]:
+            if left <= 0:
+                break
+            take = min(self._block_size, left)
+            src = by.get(t, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            out[src] = out.get(src, 0) + take
+            left -= take
+        if left > 0:
+            out[CacheHitSource.EXTERNAL_UNSPECIFIED] = out.get(
+                CacheHitSource.EXTERNAL_UNSPECIFIED, 0) + left
+        return out
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         rid = request.request_id
@@ -329,7 +415,14 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids):
         rid = request.request_id
-        for d in (self._reqs, self._saved, self._block_ids, self._lookup_start, self._loading):
+        if self._hinted.pop(rid, None) is not None:
+            # Finished or aborted: its preloads not started yet are dropped.
+            try:
+                self._store.cancel_prefetch(self._tag(rid))
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+        for d in (self._reqs, self._saved, self._block_ids, self._lookup_start, self._loading,
+                  self._tiers):
             d.pop(rid, None)
         # Blocks with queued saves stay allocated until the worker reports them written.
         delay = rid in self._saving

@@ -256,6 +256,77 @@ impl Backend {
             .map_err(transfer_err)
     }
 
+    /// The leading keys present, and the tier of each ("host", "disk", "remote"); with
+    /// `tokens_per_block` and `prefill_tokens_per_s`, break-even admission cuts the answer
+    /// where loading stops paying off. Returns `(n, present, tiers)`: `present` is the prefix
+    /// before that cut (= n without it).
+    #[pyo3(signature = (keys, tokens_per_block=0, prefill_tokens_per_s=0.0))]
+    fn lookup(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Vec<u8>>,
+        tokens_per_block: u32,
+        prefill_tokens_per_s: f64,
+    ) -> PyResult<(usize, usize, Vec<&'static str>)> {
+        let ks = self::keys(&keys)?;
+        let (m, present) = py
+            .allow_threads(|| {
+                self.b
+                    .lookup_priced(&ks, tokens_per_block, prefill_tokens_per_s)
+            })
+            .map_err(transfer_err)?;
+        let tiers = m
+            .tiers
+            .iter()
+            .map(|t| match t {
+                kvstore::Tier::Host => "host",
+                kvstore::Tier::Disk => "disk",
+                _ => "remote",
+            })
+            .collect();
+        Ok((m.n, present, tiers))
+    }
+
+    /// Hints that `keys` (a prefix, in order) will be loaded soon: blocks found only on disk
+    /// are promoted into host memory in the background, `priority` (0..255) first, unless
+    /// `deadline_ms` passes before the worker gets to them. `tag` names the hint for
+    /// `cancel_prefetch`. Returns what the hint found and did: present, in_host, joined (being
+    /// promoted already), queued, dropped (over the bound on preloads in flight).
+    #[pyo3(signature = (keys, priority=0, deadline_ms=10000, tag=0))]
+    fn prefetch<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<Vec<u8>>,
+        priority: u8,
+        deadline_ms: u64,
+        tag: u64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let ks = self::keys(&keys)?;
+        let p = py
+            .allow_threads(|| {
+                self.b.prefetch(
+                    &ks,
+                    priority,
+                    Duration::from_millis(deadline_ms.max(1)),
+                    tag,
+                )
+            })
+            .map_err(transfer_err)?;
+        let d = PyDict::new(py);
+        d.set_item("present", p.present)?;
+        d.set_item("in_host", p.in_host)?;
+        d.set_item("joined", p.joined)?;
+        d.set_item("queued", p.queued)?;
+        d.set_item("dropped", p.dropped)?;
+        Ok(d)
+    }
+
+    /// Drops the queued preloads of hint `tag`; returns how many blocks they held.
+    fn cancel_prefetch(&self, py: Python<'_>, tag: u64) -> PyResult<usize> {
+        py.allow_threads(|| self.b.cancel_prefetch(tag))
+            .map_err(transfer_err)
+    }
+
     /// Saves engine blocks: `keys[i]` gets the canonical bytes of engine blocks `block_ids[i]`,
     /// gathered straight into a reserved slot. Returns how many were stored now.
     fn save(
@@ -446,6 +517,17 @@ impl Store {
         d.set_item("demotions", s.demotions)?;
         d.set_item("checksum_failures", s.checksum_failures)?;
         d.set_item("disk_blocks", s.disk().map_or(0, |k| k.blocks))?;
+        d.set_item(
+            "disk_read_bandwidth",
+            s.disk().map_or(0, |k| k.read_bandwidth),
+        )?;
+        d.set_item("prefetch_hinted", s.prefetch.hinted)?;
+        d.set_item("prefetch_in_time", s.prefetch.in_time)?;
+        d.set_item("prefetch_late", s.prefetch.late)?;
+        d.set_item("prefetch_cancelled", s.prefetch.cancelled)?;
+        d.set_item("prefetch_expired", s.prefetch.expired)?;
+        d.set_item("prefetch_dropped", s.prefetch.dropped)?;
+        d.set_item("break_even_cuts", s.break_even_cuts)?;
         Ok(d)
     }
 }

@@ -683,6 +683,9 @@ impl LowerTier for DiskTier {
             evictions: s.evictions.load(Relaxed),
             read_us: pct(&self.read_hist),
             write_us: pct(&self.write_hist),
+            // Measured by the store's reader (it times whole promotion batches).
+            read_bandwidth: 0,
+            read_latency_ns: 0,
         }
     }
 

@@ -50,6 +50,10 @@ pub struct StoreConfig {
     /// checks the checksum as it copies at little cost. On for clients that copy blocks without
     /// checking (raw IPC clients).
     pub verify_reads: bool,
+    /// Most bytes of blocks being preloaded (hinted with [`crate::Store::prefetch`]) at once,
+    /// queued or being read; a hint past it is cut short (counted). 0: an eighth of the host
+    /// tier.
+    pub prefetch_max_inflight_bytes: u64,
     /// Longest a request waits for room (the tiering worker writing dirty blocks back) or for
     /// a block being promoted by someone else, before it gives up (no space / a miss).
     pub wait: Duration,
@@ -69,6 +73,7 @@ impl Default for StoreConfig {
             populate: Populate::Now,
             max_leases: 1 << 16,
             verify_reads: false,
+            prefetch_max_inflight_bytes: 0,
             wait: Duration::from_secs(5),
             disk: None,
         }

@@ -62,7 +62,8 @@ pub(crate) struct Entry {
     pub pins: u32,
     pub ns: u16,
     pub class: u8,
-    /// Bits 0-1: life; 2-3: copy; 4: accessed (read while in host memory).
+    /// Bits 0-1: life; 2-3: copy; 4: accessed (read while in host memory); 5: preloaded and not
+    /// used yet.
     state: u8,
 }
 
@@ -114,6 +115,17 @@ impl Entry {
     }
     pub(crate) fn set_accessed(&mut self) {
         self.state |= 16;
+    }
+    /// Promoted by a preload hint and not pinned by a load since.
+    pub(crate) fn preloaded(&self) -> bool {
+        self.state & 32 != 0
+    }
+    pub(crate) fn set_preloaded(&mut self, on: bool) {
+        if on {
+            self.state |= 32;
+        } else {
+            self.state &= !32;
+        }
     }
     pub(crate) fn ready(&self) -> bool {
         self.life() == Life::Ready

@@ -16,6 +16,7 @@ mod alloc;
 mod config;
 mod index;
 mod lease;
+mod prefetch;
 mod read;
 mod remove;
 mod slab;
@@ -44,6 +45,7 @@ use crate::tier::{LowerTier, TierStats};
 use crate::types::{FoldHasher, NsId, Tier};
 
 pub use config::{Populate, StoreConfig};
+pub use prefetch::{Prefetch, PrefetchStats};
 pub use read::{BlockLoc, BlockRef, Lease, Loaded, PrefixMatch};
 pub use write::{PutOutcome, Reservation, Reserve};
 
@@ -107,6 +109,12 @@ pub struct StoreStats {
     pub demote_queue_bytes: u64,
     /// Promotion batches queued for the tiering worker.
     pub promote_queue: u64,
+    /// Preload hints: see [`PrefetchStats`].
+    pub prefetch: PrefetchStats,
+    /// Priced lookups ([`Store::match_prefix_priced`]) that break-even admission cut short.
+    pub break_even_cuts: u64,
+    /// Blocks those lookups left out.
+    pub break_even_blocks_cut: u64,
     /// The lower tiers' counters, in chain order.
     pub tiers: Vec<TierStats>,
 }
@@ -152,6 +160,50 @@ pub(crate) struct Counters {
     pub admission_rejects: AtomicU64,
     pub checksum_failures: AtomicU64,
     pub waits: AtomicU64,
+    pub prefetch_hinted: AtomicU64,
+    pub prefetch_in_time: AtomicU64,
+    pub prefetch_late: AtomicU64,
+    pub prefetch_cancelled: AtomicU64,
+    pub prefetch_expired: AtomicU64,
+    pub prefetch_dropped: AtomicU64,
+    pub prefetch_wasted_bytes: AtomicU64,
+    pub break_even_cuts: AtomicU64,
+    pub break_even_blocks_cut: AtomicU64,
+}
+
+/// A lower tier's measured read speed (promotion batches), exponentially weighted.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Speed {
+    /// Bytes per second (0: not measured yet).
+    pub bw: f64,
+    /// Seconds per batch beyond its bytes / bw.
+    pub latency: f64,
+}
+
+impl Speed {
+    /// Folds in a batch of `bytes` that took `secs`.
+    pub(crate) fn observe(&mut self, bytes: u64, secs: f64) {
+        const A: f64 = 0.2;
+        if bytes == 0 || secs <= 0.0 {
+            return;
+        }
+        let b = bytes as f64;
+        if self.bw == 0.0 {
+            self.bw = b / secs;
+            return;
+        }
+        // Large batches measure bandwidth; what a batch took beyond its bytes is latency.
+        if bytes >= 1 << 20 {
+            self.bw += A * (b / secs - self.bw);
+        }
+        let lat = (secs - b / self.bw).max(0.0);
+        self.latency += A * (lat - self.latency);
+    }
+
+    /// Seconds to read `bytes` in one batch (None: not measured yet).
+    pub(crate) fn cost(&self, bytes: u64) -> Option<f64> {
+        (self.bw > 0.0).then(|| self.latency + bytes as f64 / self.bw)
+    }
 }
 
 #[derive(Default)]
@@ -224,6 +276,9 @@ pub(crate) struct Inner {
     pub(crate) write_through: bool,
     pub(crate) max_batch_bytes: u64,
     pub(crate) verify_reads: bool,
+    pub(crate) prefetch_max_inflight: u64,
+    /// Measured read speed of each lower tier.
+    pub(crate) speed: Vec<Mutex<Speed>>,
     pub(crate) wait: Duration,
     pub(crate) progress: Progress,
     pub(crate) work: Work,
@@ -287,6 +342,7 @@ impl Store {
             }
         }
         let n_classes = class_sizes.len();
+        let n_tiers = tiers.len();
         let classes = class_sizes
             .iter()
             .map(|&sz| Mutex::new(Class::new(sz, cfg.segment_bytes, cfg.policy.build())))
@@ -330,6 +386,12 @@ impl Store {
             write_through,
             max_batch_bytes,
             verify_reads: cfg.verify_reads,
+            speed: (0..n_tiers).map(|_| Mutex::default()).collect(),
+            prefetch_max_inflight: if cfg.prefetch_max_inflight_bytes == 0 {
+                (n_segments * cfg.segment_bytes / 8).max(1)
+            } else {
+                cfg.prefetch_max_inflight_bytes
+            },
             wait: cfg.wait,
             progress: Progress::default(),
             work: Work::default(),
@@ -558,7 +620,32 @@ impl Store {
             demote_queue_blocks: q.demote_blocks,
             demote_queue_bytes: q.demote_bytes,
             promote_queue: q.promote_jobs,
-            tiers: inner.tiers.iter().map(|t| t.stats()).collect(),
+            prefetch: PrefetchStats {
+                hinted: s.prefetch_hinted.load(Relaxed),
+                in_time: s.prefetch_in_time.load(Relaxed),
+                late: s.prefetch_late.load(Relaxed),
+                cancelled: s.prefetch_cancelled.load(Relaxed),
+                expired: s.prefetch_expired.load(Relaxed),
+                dropped: s.prefetch_dropped.load(Relaxed),
+                wasted_bytes: s.prefetch_wasted_bytes.load(Relaxed),
+                inflight_bytes: q.prefetch_bytes,
+                queued_jobs: q.prefetch_jobs,
+            },
+            tiers: inner
+                .tiers
+                .iter()
+                .zip(&inner.speed)
+                .map(|(t, sp)| {
+                    let sp = *sp.lock();
+                    TierStats {
+                        read_bandwidth: sp.bw as u64,
+                        read_latency_ns: (sp.latency * 1e9) as u64,
+                        ..t.stats()
+                    }
+                })
+                .collect(),
+            break_even_cuts: s.break_even_cuts.load(Relaxed),
+            break_even_blocks_cut: s.break_even_blocks_cut.load(Relaxed),
         }
     }
 }

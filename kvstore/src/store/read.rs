@@ -76,6 +76,23 @@ impl Store {
         self.inner.match_prefix(keys)
     }
 
+    /// [`Store::match_prefix`] with break-even admission: a block is worth loading only if
+    /// loading it is expected to beat computing it. Host blocks cost nothing; a block in a lower
+    /// tier costs its bytes at the tier's measured read bandwidth, plus the tier's batch latency
+    /// once; computing costs `tokens_per_block / prefill_tokens_per_s` per block. The answer is
+    /// the prefix length that minimises load time of the prefix + compute time of the rest
+    /// (the longest of equals); `present` is the prefix found before the cut. A tier not
+    /// measured yet is trusted (no cut). Returns (the priced match, present).
+    pub fn match_prefix_priced(
+        &self,
+        keys: &[BlockKey],
+        tokens_per_block: u32,
+        prefill_tokens_per_s: f64,
+    ) -> (PrefixMatch, usize) {
+        self.inner
+            .match_prefix_priced(keys, tokens_per_block, prefill_tokens_per_s)
+    }
+
     /// Whether a committed block with this key is present in any tier (no side effects).
     pub fn contains(&self, key: &BlockKey) -> bool {
         self.match_prefix(std::slice::from_ref(key)).n == 1
@@ -259,6 +276,61 @@ impl Store {
 }
 
 impl Inner {
+    pub(crate) fn match_prefix_priced(
+        &self,
+        keys: &[BlockKey],
+        tokens_per_block: u32,
+        rate: f64,
+    ) -> (PrefixMatch, usize) {
+        let mut m = self.match_prefix(keys);
+        let present = m.n;
+        if tokens_per_block == 0
+            || rate.is_nan()
+            || rate <= 0.0
+            || m.tiers.iter().all(|t| *t == Tier::Host)
+        {
+            return (m, present);
+        }
+        let compute = f64::from(tokens_per_block) / rate;
+        // Load time of the first i blocks: per tier, its latency once plus bytes / bandwidth.
+        let mut best = (compute * m.n as f64, 0usize);
+        let mut bytes_below = vec![0u64; self.tiers.len()];
+        for (i, (k, t)) in keys.iter().zip(&m.tiers).enumerate() {
+            if *t != Tier::Host {
+                let Some((ti, info)) = self
+                    .tiers
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, x)| x.local())
+                    .find_map(|(j, x)| x.lookup(k).map(|info| (j, info)))
+                else {
+                    break;
+                };
+                bytes_below[ti] += u64::from(info.len);
+            }
+            let mut load = 0.0;
+            for (ti, &b) in bytes_below.iter().enumerate() {
+                // A tier not measured yet is trusted (costs nothing).
+                if let Some(c) = self.speed[ti].lock().cost(b).filter(|_| b > 0) {
+                    load += c;
+                }
+            }
+            let total = load + compute * (m.n - i - 1) as f64;
+            if total <= best.0 {
+                best = (total, i + 1);
+            }
+        }
+        if best.1 < m.n {
+            self.stats.break_even_cuts.fetch_add(1, Relaxed);
+            self.stats
+                .break_even_blocks_cut
+                .fetch_add((m.n - best.1) as u64, Relaxed);
+            m.n = best.1;
+            m.tiers.truncate(best.1);
+        }
+        (m, present)
+    }
+
     pub(crate) fn match_prefix(&self, keys: &[BlockKey]) -> PrefixMatch {
         let mut tiers = Vec::new();
         for k in keys {
@@ -307,11 +379,16 @@ impl Inner {
             }
             for attempt in 0..2 {
                 match self.try_pin(*k)? {
-                    Found::Pinned(p) => {
+                    Found::Pinned(p, preloaded) => {
+                        if preloaded {
+                            self.stats.prefetch_in_time.fetch_add(1, Relaxed);
+                        }
                         steps.push(Step::Host(p));
                         continue 'keys;
                     }
                     Found::Promoting => {
+                        // A queued preload holding it is read next, before other preloads.
+                        self.escalate_prefetch(*k);
                         steps.push(Step::Wait(*k));
                         continue 'keys;
                     }
@@ -439,12 +516,15 @@ impl Inner {
             let Some(e) = sh.pin(mk)? else {
                 return Ok(Found::Absent);
             };
+            let mut preloaded = false;
             if let Some(x) = sh.map.get_mut(&mk) {
                 x.set_accessed();
+                preloaded = x.preloaded();
+                x.set_preloaded(false);
             }
-            e
+            (e, preloaded)
         };
-        Ok(Found::Pinned(self.pinned(key, &e)))
+        Ok(Found::Pinned(self.pinned(key, &e.0), e.1))
     }
 
     /// The location and checksum of a block we hold a pin on.
@@ -483,7 +563,12 @@ impl Inner {
         loop {
             let seen = self.progress.current();
             match self.try_pin(key).ok()? {
-                Found::Pinned(p) => return Some(p),
+                Found::Pinned(p, preloaded) => {
+                    if preloaded {
+                        self.stats.prefetch_late.fetch_add(1, Relaxed);
+                    }
+                    return Some(p);
+                }
                 Found::Promoting if Instant::now() < deadline => {
                     self.progress.wait(seen, deadline);
                 }
@@ -564,7 +649,8 @@ impl Inner {
 }
 
 enum Found {
-    Pinned(Pinned),
+    /// Pinned; true if a preload had brought it in and no load had used it yet.
+    Pinned(Pinned, bool),
     Promoting,
     /// Being written by a put (or cancelled): not loadable now.
     Busy,

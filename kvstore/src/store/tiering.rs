@@ -87,6 +87,11 @@ impl Ticket {
         }
     }
 
+    /// Nobody will wait for it (a preload): the reader drops the pins it would hand over.
+    fn abandon(&self) {
+        *self.state.lock() = TicketState::Abandoned;
+    }
+
     /// Hands the outcome over; false if the load gave up (the caller then owns the pins).
     fn complete(&self, outcome: Vec<bool>) -> bool {
         let mut s = self.state.lock();
@@ -105,6 +110,18 @@ struct PromoteJob {
     tier: usize,
     items: Vec<Promote>,
     ticket: Arc<Ticket>,
+    /// A preload (from a hint): nobody waits on its ticket (abandoned from the start, so the
+    /// reader drops the promotion's pins once the blocks are published).
+    hint: Option<Hint>,
+}
+
+/// What a preload job carries besides its blocks.
+#[derive(Clone, Copy)]
+pub(crate) struct Hint {
+    pub tag: u64,
+    pub priority: u8,
+    pub deadline: Instant,
+    pub bytes: u64,
 }
 
 #[derive(Default)]
@@ -114,6 +131,11 @@ struct Queues {
     /// Demotions taken by the writer and not finished.
     writing: usize,
     promote: VecDeque<PromoteJob>,
+    /// Preload jobs not started, in arrival order (the reader takes the highest priority
+    /// first, after every real load's job).
+    prefetch: Vec<PromoteJob>,
+    /// Bytes of preload jobs queued or being read.
+    prefetch_bytes: u64,
     stop: bool,
 }
 
@@ -130,6 +152,8 @@ pub(crate) struct Depths {
     pub demote_blocks: u64,
     pub demote_bytes: u64,
     pub promote_jobs: u64,
+    pub prefetch_jobs: u64,
+    pub prefetch_bytes: u64,
 }
 
 impl Work {
@@ -139,7 +163,14 @@ impl Work {
             demote_blocks: q.demote.len() as u64,
             demote_bytes: q.demote_bytes,
             promote_jobs: q.promote.len() as u64,
+            prefetch_jobs: q.prefetch.len() as u64,
+            prefetch_bytes: q.prefetch_bytes,
         }
+    }
+
+    /// Bytes of preloads queued or being read.
+    pub(crate) fn prefetch_bytes(&self) -> u64 {
+        self.q.lock().prefetch_bytes
     }
 
     /// Whether demotions are queued or being written (room is coming).
@@ -176,7 +207,7 @@ impl Inner {
         if q.stop {
             drop(q);
             // No reader any more: the items fail now (nothing was read).
-            self.finish_promotions(&items, &[]);
+            self.finish_promotions(&items, &[], false);
             ticket.complete(vec![false; items.len()]);
             return ticket;
         }
@@ -184,9 +215,75 @@ impl Inner {
             tier,
             items,
             ticket: ticket.clone(),
+            hint: None,
         });
         self.work.reader_cv.notify_one();
         ticket
+    }
+
+    /// Queues a preload batch from lower tier `tier` (its blocks reserved Promoting with one
+    /// pin each, which the reader drops once they are published). False if the bytes do not
+    /// fit `max_bytes` of preloads in flight (nothing queued; the caller undoes the items).
+    pub(crate) fn enqueue_prefetch(
+        &self,
+        tier: usize,
+        items: Vec<Promote>,
+        hint: Hint,
+        max_bytes: u64,
+    ) -> Result<(), Vec<Promote>> {
+        let mut q = self.work.q.lock();
+        if q.stop || q.prefetch_bytes + hint.bytes > max_bytes {
+            return Err(items);
+        }
+        q.prefetch_bytes += hint.bytes;
+        let ticket = Arc::new(Ticket::default());
+        ticket.abandon();
+        q.prefetch.push(PromoteJob {
+            tier,
+            items,
+            ticket,
+            hint: Some(hint),
+        });
+        self.work.reader_cv.notify_one();
+        Ok(())
+    }
+
+    /// A load waits for `key`, which a queued preload will read: that job goes to the front
+    /// of the real loads' queue (and can no longer be cancelled).
+    pub(crate) fn escalate_prefetch(&self, key: BlockKey) {
+        let mut q = self.work.q.lock();
+        if let Some(i) = q
+            .prefetch
+            .iter()
+            .position(|j| j.items.iter().any(|p| p.key == key))
+        {
+            let job = q.prefetch.remove(i);
+            q.promote.push_front(job);
+        }
+    }
+
+    /// Cancels the queued (not yet started, not escalated) preloads of `tag`; returns how
+    /// many blocks they held.
+    pub(crate) fn cancel_prefetch(&self, tag: u64) -> usize {
+        let gone: Vec<PromoteJob> = {
+            let mut q = self.work.q.lock();
+            let (gone, keep) = std::mem::take(&mut q.prefetch)
+                .into_iter()
+                .partition(|j| j.hint.is_some_and(|h| h.tag == tag));
+            q.prefetch = keep;
+            for j in &gone {
+                q.prefetch_bytes -= j.hint.map_or(0, |h| h.bytes);
+            }
+            gone
+        };
+        let mut n = 0;
+        for j in gone {
+            self.finish_promotions(&j.items, &[], false);
+            n += j.items.len();
+        }
+        self.stats.prefetch_cancelled.fetch_add(n as u64, Relaxed);
+        self.progress.bump();
+        n
     }
 
     /// The writer: one batch of queued demotions at a time.
@@ -317,14 +414,39 @@ impl Inner {
         loop {
             let job = {
                 let mut q = self.work.q.lock();
-                while q.promote.is_empty() && !q.stop {
+                while q.promote.is_empty() && q.prefetch.is_empty() && !q.stop {
                     self.work.reader_cv.wait(&mut q);
                 }
-                match q.promote.pop_front() {
-                    Some(j) => j,
-                    None => return,
+                if q.stop && !q.prefetch.is_empty() {
+                    // Shutting down: preloads are dropped unread.
+                    let gone = std::mem::take(&mut q.prefetch);
+                    q.prefetch_bytes = 0;
+                    drop(q);
+                    for j in gone {
+                        self.finish_promotions(&j.items, &[], false);
+                    }
+                    continue;
+                }
+                if let Some(j) = q.promote.pop_front() {
+                    j
+                } else if let Some(i) = (0..q.prefetch.len())
+                    .max_by_key(|&i| (q.prefetch[i].hint.map_or(0, |h| h.priority), usize::MAX - i))
+                {
+                    q.prefetch.remove(i)
+                } else {
+                    return;
                 }
             };
+            if let Some(h) = job.hint.filter(|h| Instant::now() >= h.deadline) {
+                // Its request no longer waits for it: not read at all.
+                self.finish_promotions(&job.items, &[], false);
+                self.stats
+                    .prefetch_expired
+                    .fetch_add(job.items.len() as u64, Relaxed);
+                self.work.q.lock().prefetch_bytes -= h.bytes;
+                self.progress.bump();
+                continue;
+            }
             let items: Vec<ReadItem> = job
                 .items
                 .iter()
@@ -335,11 +457,19 @@ impl Inner {
                     buf: unsafe { IoBuf::from_raw(self.ptr(p.page), p.cap) },
                 })
                 .collect();
+            let bytes: u64 = job.items.iter().map(|p| u64::from(p.len)).sum();
+            let started = Instant::now();
             let outcomes = match self.tiers.get(job.tier) {
                 Some(t) => t.read(items),
                 None => vec![ReadOutcome::Miss; job.items.len()],
             };
-            let ok = self.finish_promotions(&job.items, &outcomes);
+            if let Some(sp) = self.speed.get(job.tier) {
+                sp.lock().observe(bytes, started.elapsed().as_secs_f64());
+            }
+            let ok = self.finish_promotions(&job.items, &outcomes, job.hint.is_some());
+            if let Some(h) = job.hint {
+                self.work.q.lock().prefetch_bytes -= h.bytes;
+            }
             if !job.ticket.complete(ok.clone()) {
                 // The load gave up waiting: the pins it would have taken over are dropped.
                 for (p, _) in job.items.iter().zip(&ok).filter(|(_, ok)| **ok) {
@@ -352,7 +482,12 @@ impl Inner {
 
     /// Publishes promoted blocks whose read succeeded with the expected length (Ready, clean,
     /// still pinned for the load); frees the others' slots. One bool per item.
-    fn finish_promotions(&self, items: &[Promote], outcomes: &[ReadOutcome]) -> Vec<bool> {
+    fn finish_promotions(
+        &self,
+        items: &[Promote],
+        outcomes: &[ReadOutcome],
+        preload: bool,
+    ) -> Vec<bool> {
         let mut ok = Vec::with_capacity(items.len());
         for (i, p) in items.iter().enumerate() {
             let info = match outcomes.get(i) {
@@ -367,7 +502,14 @@ impl Inner {
                         c.sums[p.slot.idx as usize] = info.checksum;
                         c.policy.insert(p.slot.idx, p.key.0 as u64);
                     }
-                    let e = self.shard(p.key).lock().publish(mk, p.slot, Copy::Clean);
+                    let e = {
+                        let mut sh = self.shard(p.key).lock();
+                        let e = sh.publish(mk, p.slot, Copy::Clean);
+                        if let (true, Some(_), Some(x)) = (preload, e, sh.map.get_mut(&mk)) {
+                            x.set_preloaded(true);
+                        }
+                        e
+                    };
                     if let Some(e) = e {
                         self.stats.blocks.fetch_add(1, Relaxed);
                         self.stats.used_bytes.fetch_add(u64::from(e.len), Relaxed);
@@ -547,9 +689,15 @@ impl Threads {
             let _ = h.join();
         }
         // Promotions nobody will read: fail them so their slots come back.
-        let left: Vec<PromoteJob> = inner.work.q.lock().promote.drain(..).collect();
+        let left: Vec<PromoteJob> = {
+            let mut q = inner.work.q.lock();
+            let mut v: Vec<PromoteJob> = q.promote.drain(..).collect();
+            v.append(&mut q.prefetch);
+            q.prefetch_bytes = 0;
+            v
+        };
         for job in left {
-            let ok = inner.finish_promotions(&job.items, &[]);
+            let ok = inner.finish_promotions(&job.items, &[], false);
             job.ticket.complete(ok);
         }
     }

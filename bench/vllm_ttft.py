@@ -1,0 +1,197 @@
+"""Time to first token of a queue of vLLM requests whose long prefixes kvtier holds: in host
+memory, only on disk, and only on disk with preload hints; and recomputed (no connector).
+
+Run with the vLLM virtualenv's Python (vLLM's CPU build):
+
+    .venv-vllm/bin/python bench/vllm_ttft.py --json [--requests 8] [--prefix 1536] [--rounds 2]
+
+It builds its own random Llama (8 layers, hidden 512: big enough that prefill costs), starts its
+own kvtierd (the release build if there is one, else the debug build), saves the prefixes once,
+then per round runs one fresh engine per case, each on the same queue of requests submitted at
+once: `host` (in the daemon's host memory), `disk` (daemon restarted: disk only, hints off),
+`disk+hints` (restarted again: disk only, each request's blocks hinted as it arrives,
+load_policy wait_complete), and `recompute` (no connector). TTFT = first token time -
+submit time, per request. Cases are interleaved within each round; figures are medians over
+rounds of each case's p50 / p99.
+
+The last line is {"bench": "vllm-ttft", "results": [{"case", "unit", "value", "baseline",
+"ratio"}]}: cases `ttft p50 disk+hints vs host` and `ttft p50 disk vs host` have ratio =
+host / case (higher is better; 1 = as fast as host memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, PYTHONHASHSEED="0", VLLM_CPU_KVCACHE_SPACE="2",
+           VLLM_LOGGING_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false")
+BS = 32
+
+
+def build_model(out: Path) -> None:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = {f"w{i}": i for i in range(1000)}
+    vocab.update({"<unk>": 1000, "<s>": 1001, "</s>": 1002})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(out)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1003, hidden_size=512, intermediate_size=1024,
+                      num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+                      head_dim=64, max_position_embeddings=4096, initializer_range=0.02,
+                      bos_token_id=1001, eos_token_id=1002, torch_dtype="float32")
+    LlamaForCausalLM(cfg).save_pretrained(out)
+
+
+def child(args: dict) -> None:
+    """One engine: submit every prompt at once, step, record each request's first token."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw = dict(model=args["model"], dtype="float32", block_size=BS, max_model_len=2048,
+              enforce_eager=True, seed=0, prefix_caching_hash_algo="sha256_cbor",
+              max_num_batched_tokens=2048, distributed_executor_backend="mp")
+    if args.get("connector"):
+        from vllm.config import KVTransferConfig
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm",
+            kv_role="kv_both", kv_connector_extra_config=args["connector"],
+            kv_load_failure_policy="recompute")
+    llm = LLM(**kw)
+    engine = llm.llm_engine
+    sp = SamplingParams(temperature=0.0, max_tokens=2)
+    t0 = time.monotonic()
+    for i, ids in enumerate(args["prompts"]):
+        engine.add_request(f"r{i}", TokensPrompt(prompt_token_ids=ids), sp)
+    first: dict[str, float] = {}
+    cached: dict[str, int] = {}
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.outputs and out.outputs[0].token_ids and out.request_id not in first:
+                first[out.request_id] = time.monotonic() - t0
+            if out.finished:
+                cached[out.request_id] = out.num_cached_tokens or 0
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+    rids = [f"r{i}" for i in range(len(args["prompts"]))]
+    print("RESULT " + json.dumps({"ttft": [first[r] for r in rids],
+                                  "cached": [cached.get(r, 0) for r in rids],
+                                  "tokens": [tokens.get(r, []) for r in rids]}), flush=True)
+
+
+class Daemon:
+    def __init__(self, data_dir: Path):
+        rel = REPO / "target" / "release" / "kvtierd"
+        self.bin = rel if rel.exists() else REPO / "target" / "debug" / "kvtierd"
+        self.data_dir = data_dir
+        self.p = None
+
+    def start(self):
+        self.p = subprocess.Popen(
+            [str(self.bin), "--data-dir", str(self.data_dir), "--host-capacity", "2G",
+             "--disk-capacity", "4G", "--grpc", "127.0.0.1:0", "--metrics", "127.0.0.1:0",
+             "--set", "disk.admission=always", "--set", "log=warn"],
+            stdout=subprocess.PIPE, text=True)
+        line = self.p.stdout.readline()
+        self.socket = next(w[7:] for w in line.split() if w.startswith("socket="))
+
+    def stop(self):
+        self.p.terminate()
+        assert self.p.wait(timeout=300) == 0
+
+
+def engine(model: Path, prompts, connector=None) -> dict:
+    args = {"model": str(model), "prompts": prompts, "connector": connector}
+    p = subprocess.run([sys.executable, __file__, "--child", json.dumps(args)],
+                       capture_output=True, text=True, env=ENV, timeout=1800)
+    lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+    if p.returncode != 0 or not lines:
+        raise RuntimeError(p.stdout[-3000:] + p.stderr[-3000:])
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def pct(v, q):
+    s = sorted(v)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        child(json.loads(sys.argv[2]))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--prefix", type=int, default=1536, help="prefix tokens per request")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="kvtier-ttft-"))
+    model = tmp / "model"
+    build_model(model)
+    # Distinct prefixes (whole blocks), each with its own short question.
+    prompts = [[(7 * i + 13 * j) % 1000 for j in range(a.prefix)] +
+               [(i + j) % 1000 for j in range(BS)] for i in range(a.requests)]
+    d = Daemon(tmp / "kvtierd")
+    d.start()
+    conn = {"mode": "sidecar", "socket": d.socket}
+    try:
+        saved = engine(model, prompts, dict(conn, preload=False))
+        print(f"vllm-ttft: {a.requests} requests of {a.prefix + BS} tokens saved "
+              f"(recompute TTFT p50 {pct(saved['ttft'], 0.5):.2f} s)", file=sys.stderr)
+        ref = saved["tokens"]
+        runs: dict[str, list[dict]] = {c: [] for c in ("host", "disk", "disk+hints",
+                                                        "recompute")}
+        for r in range(a.rounds):
+            # host: the daemon holds them in host memory (just saved, or just loaded by the
+            # previous round's last case); a fresh engine per case.
+            runs["host"].append(engine(model, prompts, dict(conn, preload=False)))
+            d.stop()
+            d.start()
+            runs["disk"].append(engine(model, prompts, dict(conn, preload=False)))
+            d.stop()
+            d.start()
+            runs["disk+hints"].append(engine(
+                model, prompts, dict(conn, preload=True, load_policy="wait_complete")))
+            runs["recompute"].append(engine(model, prompts))
+            print(f"vllm-ttft: round {r + 1}: " + ", ".join(
+                f"{c} p50 {pct(x[-1]['ttft'], 0.5):.3f} s" for c, x in runs.items()),
+                file=sys.stderr)
+        for c, xs in runs.items():
+            for x in xs:
+                assert x["tokens"] == ref, f"{c}: outputs differ from the first engine's"
+                if c != "recompute":
+                    assert min(x["cached"]) >= a.prefix, (c, x["cached"])
+    finally:
+        d.stop()
+    med = {c: (statistics.median(pct(x["ttft"], 0.5) for x in xs),
+               statistics.median(pct(x["ttft"], 0.99) for x in xs)) for c, xs in runs.items()}
+    host50, host99 = med["host"]
+    results = []
+    for c in ("disk+hints", "disk", "recompute"):
+        for q, i in (("p50", 0), ("p99", 1)):
+            base = (host50, host99)[i]
+            results.append({"case": f"ttft {q} {c} vs host", "unit": "s", "value": med[c][i],
+                            "baseline": base, "ratio": base / med[c][i] if med[c][i] else 0.0,
+                            "baseline_is": "prefixes in kvtier's host memory"})
+    for r in results:
+        print(f"{r['case']:<32} {r['value']:8.3f} {r['baseline']:8.3f} {r['ratio']:6.2f}")
+    if a.json:
+        print(json.dumps({"bench": "vllm-ttft", "results": results}))
+
+
+if __name__ == "__main__":
+    main()
