@@ -162,7 +162,9 @@ async fn run() -> Result<()> {
                         "ipc_clients": s.ipc_clients,
                         "prefetch": {"hinted": p.hinted, "in_time": p.in_time, "late": p.late,
                             "cancelled": p.cancelled, "expired": p.expired, "dropped": p.dropped,
-                            "wasted_bytes": p.wasted_bytes, "inflight_bytes": p.inflight_bytes},
+                            "wasted_bytes": p.wasted_bytes, "inflight_bytes": p.inflight_bytes,
+                            "held_bytes": p.held_bytes, "waited": p.waited,
+                            "waiting_keys": p.waiting_keys},
                         "break_even_cuts": s.break_even_cuts,
                         "break_even_blocks_cut": s.break_even_blocks_cut})
                 );
@@ -211,9 +213,10 @@ async fn run() -> Result<()> {
                 }
                 if let Some(p) = &s.prefetch {
                     println!(
-                        "preloads: hinted {}  in time {}  late {}  cancelled {}  expired {}  dropped {}  wasted {}  in flight {}",
+                        "preloads: hinted {}  in time {}  late {}  cancelled {}  expired {}  dropped {}  wasted {}  in flight {}  held {}  waited {} (waiting keys {})",
                         p.hinted, p.in_time, p.late, p.cancelled, p.expired, p.dropped,
-                        gib(p.wasted_bytes), gib(p.inflight_bytes)
+                        gib(p.wasted_bytes), gib(p.inflight_bytes), gib(p.held_bytes),
+                        p.waited, p.waiting_keys
                     );
                 }
                 if !s.namespaces.is_empty() {
@@ -278,12 +281,13 @@ async fn run() -> Result<()> {
                 println!(
                     "{}",
                     json!({"present": r.present, "in_host": r.in_host, "joined": r.joined,
-                        "queued": r.queued, "dropped": r.dropped})
+                        "queued": r.queued, "dropped": r.dropped, "held": r.held,
+                        "waiting": r.waiting})
                 );
             } else {
                 println!(
-                    "{} leading keys present: {} in host memory, {} being promoted, {} queued now, {} not queued (no room)",
-                    r.present, r.in_host, r.joined, r.queued, r.dropped
+                    "{} leading keys present: {} in host memory ({} held for the load), {} being promoted, {} queued now, {} waiting for room, {} given up",
+                    r.present, r.in_host, r.held, r.joined, r.queued, r.waiting, r.dropped
                 );
             }
         }

@@ -270,8 +270,8 @@ impl PagedKv {
         self.scatter_with(ids, src, &mut |_| {})
     }
 
-    /// [`PagedKv::scatter`] that also returns the checksum of `src`, each 64 KiB hashed right
-    /// after it was copied out (still in cache): the caller compares it with the block's
+    /// [`PagedKv::scatter`] that also returns the checksum of `src`, each checksum piece hashed
+    /// right after it was copied out (still in cache): the caller compares it with the block's
     /// commit checksum without reading the block again.
     pub fn scatter_hashed(&self, ids: &[usize], src: &[u8]) -> Result<u64, LayoutError> {
         let mut h = kvstore::Checksummer::new();
@@ -285,7 +285,7 @@ impl PagedKv {
         src: &[u8],
         copied: &mut dyn FnMut(&[u8]),
     ) -> Result<(), LayoutError> {
-        const CHUNK: usize = 64 << 10;
+        const CHUNK: usize = kvstore::checksum::CHUNK;
         self.check(ids, src.len())?;
         let mut done = 0;
         let mut at = 0;
@@ -298,9 +298,10 @@ impl PagedKv {
                     let to = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len) };
                     to.copy_from_slice(&src[at..at + len]);
                     at += len;
-                    if at - done >= CHUNK {
-                        copied(&src[done..at]);
-                        done = at;
+                    // Whole checksum pieces of the block as soon as they are copied (in cache).
+                    while at - done >= CHUNK {
+                        copied(&src[done..done + CHUNK]);
+                        done += CHUNK;
                     }
                 });
             }

@@ -109,15 +109,21 @@ fn fill_segments(block: &[u8], segs: &mut [&mut [u8]], sum: u64) -> bool {
     if segs.iter().map(|s| s.len()).sum::<usize>() != block.len() {
         return false;
     }
-    let mut at = 0;
+    const CHUNK: usize = kvstore::checksum::CHUNK;
+    let (mut at, mut done) = (0, 0);
     let mut h = kvstore::Checksummer::new();
     for s in segs.iter_mut() {
-        for d in s.chunks_mut(kvstore::checksum::CHUNK) {
+        for d in s.chunks_mut(CHUNK) {
             d.copy_from_slice(&block[at..at + d.len()]);
-            h.update(d);
             at += d.len();
+            // Whole checksum pieces of the block as they are copied (in cache).
+            while at - done >= CHUNK {
+                h.update(&block[done..done + CHUNK]);
+                done += CHUNK;
+            }
         }
     }
+    h.update(&block[done..at]);
     verified(h.finish(), sum)
 }
 
@@ -298,6 +304,8 @@ impl Backend {
                     joined: r.joined as usize,
                     queued: r.queued as usize,
                     dropped: r.dropped as usize,
+                    held: r.held as usize,
+                    waiting: r.waiting as usize,
                 })
                 .unwrap_or_default()),
         }

@@ -498,3 +498,45 @@ fn two_stores_cannot_share_a_disk_directory() {
         .unwrap();
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+#[test]
+fn a_disk_tier_of_an_older_format_starts_empty() {
+    // Journal version 1 computed block checksums otherwise: its blocks cannot be checked, so
+    // the tier starts empty (with a warning) instead of failing to open or serving them.
+    let engine = IoEngineKind::Psync;
+    let d = dir("oldformat", engine);
+    {
+        let store = config(&d, engine, Admission::Always, false)
+            .build()
+            .unwrap();
+        let n = ns(&store);
+        for i in 0..20 {
+            store.put(n, key(i), &data(i)).unwrap();
+        }
+        assert!(store.flush() > 0);
+    }
+    let j = d.join("journal.kvj");
+    let mut bytes = std::fs::read(&j).unwrap();
+    assert_eq!(&bytes[..8], b"KVTJRNL\0");
+    assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().unwrap()), 2);
+    bytes[8..12].copy_from_slice(&1u32.to_le_bytes());
+    let sum = xxhash_rust::xxh3::xxh3_64(&bytes[..56]);
+    bytes[56..64].copy_from_slice(&sum.to_le_bytes());
+    std::fs::write(&j, &bytes).unwrap();
+    let store = config(&d, engine, Admission::Always, false)
+        .build()
+        .unwrap();
+    assert_eq!(store.stats().disk().unwrap().recovered_blocks, 0);
+    assert_eq!(check_all(&store, 20), 0);
+    // And it works as a fresh tier.
+    let n = ns(&store);
+    store.put(n, key(1), &data(1)).unwrap();
+    assert!(store.flush() > 0);
+    drop(store);
+    let store = config(&d, engine, Admission::Always, false)
+        .build()
+        .unwrap();
+    assert_eq!(store.stats().disk().unwrap().recovered_blocks, 1);
+    drop(store);
+    std::fs::remove_dir_all(&d).unwrap();
+}

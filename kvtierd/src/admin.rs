@@ -200,6 +200,9 @@ impl Admin for AdminService {
                 dropped: s.prefetch.dropped,
                 wasted_bytes: s.prefetch.wasted_bytes,
                 inflight_bytes: s.prefetch.inflight_bytes,
+                held_bytes: s.prefetch.held_bytes,
+                waited: s.prefetch.waited,
+                waiting_keys: s.prefetch.waiting_keys,
             }),
             break_even_cuts: s.break_even_cuts,
             break_even_blocks_cut: s.break_even_blocks_cut,
@@ -306,6 +309,8 @@ impl Admin for AdminService {
             joined: p.joined as u32,
             queued: p.queued as u32,
             dropped: p.dropped as u32,
+            held: p.held as u32,
+            waiting: p.waiting as u32,
         }))
     }
 

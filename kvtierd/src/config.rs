@@ -86,6 +86,10 @@ pub struct PreloadSection {
     /// Most bytes of hinted blocks being promoted at once, queued or being read (per store;
     /// 0: an eighth of the host tier). A hint past it is cut short (counted).
     pub max_inflight_bytes: Size,
+    /// Most bytes of preloaded blocks held in host memory until the request that hinted them
+    /// loads them (or the hint's deadline passes), those in flight included (0: half the host
+    /// tier). A hint past it is cut short (counted).
+    pub max_held_bytes: Size,
     /// Deadline of a hint that names none: a preload not started by then is dropped.
     pub deadline_ms: u64,
 }
@@ -94,6 +98,7 @@ impl Default for PreloadSection {
     fn default() -> Self {
         Self {
             max_inflight_bytes: Size(0),
+            max_held_bytes: Size(0),
             deadline_ms: 10_000,
         }
     }
@@ -616,6 +621,7 @@ impl Config {
             max_leases: self.host.max_leases as usize,
             verify_reads: self.host.verify_reads,
             prefetch_max_inflight_bytes: self.preload.max_inflight_bytes.0,
+            prefetch_max_held_bytes: self.preload.max_held_bytes.0,
             wait: self.load_wait(),
             disk,
             ..Default::default()
@@ -817,6 +823,7 @@ mod tests {
             "load_wait_ms",
             "verify_reads",
             "max_inflight_bytes",
+            "max_held_bytes",
             "deadline_ms",
             "fault_delay_ms",
             "data_dir",

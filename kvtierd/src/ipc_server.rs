@@ -599,6 +599,8 @@ impl<'d> Conn<'d> {
                     joined: r.joined as u32,
                     queued: r.queued as u32,
                     dropped: r.dropped as u32,
+                    held: r.held as u32,
+                    waiting: r.waiting as u32,
                 })
             }
             request::Body::CancelPrefetch(c) => {

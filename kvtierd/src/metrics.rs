@@ -93,7 +93,7 @@ pub fn render(d: &Daemon) -> String {
     metric(
         "prefetch_blocks_total",
         "counter",
-        "Preload hints: blocks queued (hinted), used from host memory (in_time), waited for (late), cancelled, expired unread, not queued (dropped).",
+        "Preload hints: blocks queued (hinted), used from host memory (in_time), waited for (late), cancelled, expired unread, given up (dropped).",
         &[
             ("outcome=\"hinted\"", s.prefetch.hinted as f64),
             ("outcome=\"in_time\"", s.prefetch.in_time as f64),
@@ -106,8 +106,20 @@ pub fn render(d: &Daemon) -> String {
     metric(
         "prefetch_wasted_bytes_total",
         "counter",
-        "Bytes of preloaded blocks evicted before any load used them.",
+        "Bytes of preloaded blocks no load used before their hint's deadline.",
         &[("", s.prefetch.wasted_bytes as f64)],
+    );
+    metric(
+        "prefetch_held_bytes",
+        "gauge",
+        "Bytes of blocks held in host memory for the load a hint announced.",
+        &[("", s.prefetch.held_bytes as f64)],
+    );
+    metric(
+        "prefetch_waiting_keys",
+        "gauge",
+        "Keys of hints waiting for preload room.",
+        &[("", s.prefetch.waiting_keys as f64)],
     );
     metric(
         "prefetch_inflight_bytes",

@@ -15,4 +15,4 @@ pub mod ipc {
 }
 
 /// Version of the IPC protocol; a client of another version is refused at Hello.
-pub const IPC_VERSION: u32 = 2;
+pub const IPC_VERSION: u32 = 3;

@@ -291,7 +291,8 @@ impl Backend {
     /// are promoted into host memory in the background, `priority` (0..255) first, unless
     /// `deadline_ms` passes before the worker gets to them. `tag` names the hint for
     /// `cancel_prefetch`. Returns what the hint found and did: present, in_host, joined (being
-    /// promoted already), queued, dropped (over the bound on preloads in flight).
+    /// promoted already), queued, held (in host memory, held for the load), waiting (keys
+    /// waiting for preload room, preloaded in order as it comes back), dropped (given up).
     #[pyo3(signature = (keys, priority=0, deadline_ms=10000, tag=0))]
     fn prefetch<'py>(
         &self,
@@ -318,6 +319,8 @@ impl Backend {
         d.set_item("joined", p.joined)?;
         d.set_item("queued", p.queued)?;
         d.set_item("dropped", p.dropped)?;
+        d.set_item("held", p.held)?;
+        d.set_item("waiting", p.waiting)?;
         Ok(d)
     }
 
@@ -527,6 +530,8 @@ impl Store {
         d.set_item("prefetch_cancelled", s.prefetch.cancelled)?;
         d.set_item("prefetch_expired", s.prefetch.expired)?;
         d.set_item("prefetch_dropped", s.prefetch.dropped)?;
+        d.set_item("prefetch_held_bytes", s.prefetch.held_bytes)?;
+        d.set_item("prefetch_waiting_keys", s.prefetch.waiting_keys)?;
         d.set_item("break_even_cuts", s.break_even_cuts)?;
         Ok(d)
     }

@@ -13,7 +13,19 @@ use xxhash_rust::xxh3::xxh3_64;
 use crate::key::BlockKey;
 
 pub(crate) const JOURNAL_MAGIC: &[u8; 8] = b"KVTJRNL\0";
-pub(crate) const VERSION: u32 = 1;
+/// 2: block checksums are the chunked XXH3-64 of `crate::checksum` (1: plain XXH3-64).
+pub(crate) const VERSION: u32 = 2;
+
+/// The format version of the journal at `path`, if it is a kvtier journal whose header is
+/// intact (to tell an older format from damage).
+pub(crate) fn version_of(path: &std::path::Path) -> Option<u32> {
+    use std::io::Read as _;
+    let mut h = [0u8; REC];
+    std::fs::File::open(path).ok()?.read_exact(&mut h).ok()?;
+    let intact = &h[0..8] == JOURNAL_MAGIC
+        && u64::from_le_bytes(h[56..64].try_into().ok()?) == xxh3_64(&h[..56]);
+    intact.then(|| u32::from_le_bytes(h[8..12].try_into().unwrap_or_default()))
+}
 pub(crate) const REC: usize = 64;
 const REC_MAGIC: u32 = 0x5244_564b; // "KVDR" little-endian
 

@@ -80,6 +80,20 @@ pub(crate) fn open(
     policy: Box<dyn EvictionPolicy>,
 ) -> Result<Opened, DiskError> {
     let (jpath, dpaths) = paths(cfg);
+    if let Some(v) = journal::version_of(&jpath).filter(|&v| v < journal::VERSION) {
+        // An older format (its block checksums are computed otherwise): a cache, so it starts
+        // empty rather than failing every block's check one by one.
+        tracing::warn!(
+            dir = %cfg.dir.display(),
+            found = v,
+            now = journal::VERSION,
+            "disk tier written by an older kvtier (another block checksum): starting it empty"
+        );
+        for p in dpaths.iter().filter(|p| p.exists()) {
+            std::fs::remove_file(p).map_err(io_err(p))?;
+        }
+        std::fs::remove_file(&jpath).map_err(io_err(&jpath))?;
+    }
     if !jpath.exists() {
         let leftovers: Vec<&PathBuf> = dpaths.iter().filter(|p| p.exists()).collect();
         if !leftovers.is_empty() {

@@ -298,11 +298,6 @@ impl Inner {
         }
         let (len, ns) = (e.len, e.ns);
         let e_copy = e.copy();
-        if e.preloaded() {
-            self.stats
-                .prefetch_wasted_bytes
-                .fetch_add(u64::from(len), Relaxed);
-        }
         sh.map.remove(&mk);
         drop(sh);
         self.events.emit(EventKind::Removed, key, Tier::Host, ns);

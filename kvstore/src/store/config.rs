@@ -54,6 +54,11 @@ pub struct StoreConfig {
     /// queued or being read; a hint past it is cut short (counted). 0: an eighth of the host
     /// tier.
     pub prefetch_max_inflight_bytes: u64,
+    /// Most bytes of preloaded blocks held in host memory for the requests that hinted them
+    /// (until a load uses them or the hint's deadline passes), preloads in flight included; a
+    /// hint past it is cut short (counted). 0: half the host tier. Never below
+    /// `prefetch_max_inflight_bytes`.
+    pub prefetch_max_held_bytes: u64,
     /// Longest a request waits for room (the tiering worker writing dirty blocks back) or for
     /// a block being promoted by someone else, before it gives up (no space / a miss).
     pub wait: Duration,
@@ -74,6 +79,7 @@ impl Default for StoreConfig {
             max_leases: 1 << 16,
             verify_reads: false,
             prefetch_max_inflight_bytes: 0,
+            prefetch_max_held_bytes: 0,
             wait: Duration::from_secs(5),
             disk: None,
         }

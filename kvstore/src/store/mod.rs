@@ -166,6 +166,7 @@ pub(crate) struct Counters {
     pub prefetch_cancelled: AtomicU64,
     pub prefetch_expired: AtomicU64,
     pub prefetch_dropped: AtomicU64,
+    pub prefetch_waited: AtomicU64,
     pub prefetch_wasted_bytes: AtomicU64,
     pub break_even_cuts: AtomicU64,
     pub break_even_blocks_cut: AtomicU64,
@@ -277,6 +278,13 @@ pub(crate) struct Inner {
     pub(crate) max_batch_bytes: u64,
     pub(crate) verify_reads: bool,
     pub(crate) prefetch_max_inflight: u64,
+    /// Bound on preloads in flight plus held ones.
+    pub(crate) prefetch_max_held: u64,
+    /// Preloaded blocks no load has used yet: each keeps the promotion's pin (so eviction
+    /// leaves it) until a load uses it or its hint's deadline passes.
+    pub(crate) preloads: Mutex<prefetch::Holds>,
+    /// Their bytes (part of the preload budget).
+    pub(crate) held_bytes: AtomicU64,
     /// Measured read speed of each lower tier.
     pub(crate) speed: Vec<Mutex<Speed>>,
     pub(crate) wait: Duration,
@@ -312,6 +320,15 @@ impl Store {
         cfg.validate()?;
         let class_sizes = cfg.classes()?;
         let n_segments = cfg.capacity_bytes / cfg.segment_bytes;
+        let prefetch_max_inflight = match cfg.prefetch_max_inflight_bytes {
+            0 => (n_segments * cfg.segment_bytes / 8).max(1),
+            b => b,
+        };
+        let prefetch_max_held = match cfg.prefetch_max_held_bytes {
+            0 => n_segments * cfg.segment_bytes / 2,
+            b => b,
+        }
+        .max(prefetch_max_inflight);
         let seg_pages = (cfg.segment_bytes / PAGE as u64) as u32;
         let arena = Arena::new(
             n_segments * cfg.segment_bytes,
@@ -387,11 +404,10 @@ impl Store {
             max_batch_bytes,
             verify_reads: cfg.verify_reads,
             speed: (0..n_tiers).map(|_| Mutex::default()).collect(),
-            prefetch_max_inflight: if cfg.prefetch_max_inflight_bytes == 0 {
-                (n_segments * cfg.segment_bytes / 8).max(1)
-            } else {
-                cfg.prefetch_max_inflight_bytes
-            },
+            preloads: Mutex::default(),
+            held_bytes: AtomicU64::new(0),
+            prefetch_max_inflight,
+            prefetch_max_held,
             wait: cfg.wait,
             progress: Progress::default(),
             work: Work::default(),
@@ -627,8 +643,11 @@ impl Store {
                 cancelled: s.prefetch_cancelled.load(Relaxed),
                 expired: s.prefetch_expired.load(Relaxed),
                 dropped: s.prefetch_dropped.load(Relaxed),
+                waited: s.prefetch_waited.load(Relaxed),
+                waiting_keys: inner.work.waiting_keys() as u64,
                 wasted_bytes: s.prefetch_wasted_bytes.load(Relaxed),
                 inflight_bytes: q.prefetch_bytes,
+                held_bytes: inner.held_bytes.load(Relaxed),
                 queued_jobs: q.prefetch_jobs,
             },
             tiers: inner

@@ -4,16 +4,25 @@
 //! the load that follows reads host memory only.
 //!
 //! - A hint reserves host slots (without waiting for room) and queues one preload job per
-//!   lower tier; blocks in host memory or already being promoted are counted, not queued again
-//!   (a shared prefix is read once, however many requests hint it).
-//! - Bytes of preloads queued or being read are bounded (`prefetch_max_inflight_bytes`); what
-//!   does not fit is dropped from the hint (counted) and can be hinted again later.
+//!   lower tier; blocks already being promoted are counted, not queued again (a shared prefix
+//!   is read once, however many requests hint it); blocks in host memory are held for the load
+//!   (below), so that a request far back in the queue still finds them when its turn comes.
+//! - Bytes of preloads queued or being read are bounded (`prefetch_max_inflight_bytes`). The
+//!   rest of a hint that does not fit (or finds no host room without waiting) waits, in arrival
+//!   order, in a bounded list: the reader resumes waiting hints as room comes back (a load uses
+//!   a held block, a preload finishes, a hold lapses), so the requests at the head of the
+//!   engine's queue get their blocks first however long the queue is. Once a hint waits, later
+//!   hints wait behind it.
 //! - Real loads go first: the reader takes every load's promotion before any preload, and a
 //!   load that waits for a block a queued preload holds moves that job to the front.
 //! - A preload whose deadline passed before the reader reached it is dropped unread; `cancel`
 //!   drops the queued preloads of a tag (an aborted or finished request).
-//! - Preloaded blocks are ordinary clean host blocks: unused ones age out by the eviction
-//!   policy (their bytes are counted as wasted when evicted unused).
+//! - A preloaded block is held in host memory (it keeps the promotion's pin: eviction leaves it)
+//!   until a load uses it or its hint's deadline passes; then it is an ordinary clean block.
+//!   One hold per block, however many hints name it: the first load ends it.
+//!   Held bytes and those in flight together are bounded too (`prefetch_max_held_bytes`, by
+//!   default half the host tier), so hints can never take more host memory than that. Bytes
+//!   held until their deadline unused are counted as wasted.
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
@@ -38,13 +47,20 @@ pub struct PrefetchStats {
     pub cancelled: u64,
     /// Preloads dropped unread because their deadline passed first.
     pub expired: u64,
-    /// Blocks a hint found below but did not queue (past the bound on preload bytes in flight,
-    /// or no host room without waiting).
+    /// Blocks a hint found below and gave up on: the list of hints waiting for room was full,
+    /// or another hint took the room it had planned on.
     pub dropped: u64,
-    /// Bytes of preloaded blocks evicted before any load used them.
+    /// Hints (or their rest) that waited for room (the preload bounds or host memory) and
+    /// resumed, in order, as room came back.
+    pub waited: u64,
+    /// Keys of hints waiting for room now.
+    pub waiting_keys: u64,
+    /// Bytes of preloaded blocks no load used before their hint's deadline.
     pub wasted_bytes: u64,
     /// Bytes of preloads queued or being read now.
     pub inflight_bytes: u64,
+    /// Bytes of preloaded blocks held in host memory for the load they were hinted for.
+    pub held_bytes: u64,
     /// Preload jobs queued now.
     pub queued_jobs: u64,
 }
@@ -60,8 +76,13 @@ pub struct Prefetch {
     pub joined: usize,
     /// Queued for preloading by this hint.
     pub queued: usize,
-    /// Found below but not queued (see [`PrefetchStats::dropped`]).
+    /// Found below but given up on (see [`PrefetchStats::dropped`]).
     pub dropped: usize,
+    /// Keys from the first one that did not fit on, left waiting for room: the hint resumes
+    /// there, behind earlier waiting hints, as room comes back (before its deadline).
+    pub waiting: usize,
+    /// Of those in host memory, held for the load by this hint.
+    pub held: usize,
 }
 
 impl Store {
@@ -87,35 +108,226 @@ impl Store {
     }
 }
 
+/// Most keys of hints waiting for room, all together (16 bytes each).
+const WAITING_KEYS_MAX: usize = 1 << 18;
+
+/// The rest of a hint waiting for room.
+pub(crate) struct Waiting {
+    pub keys: Vec<BlockKey>,
+    pub priority: u8,
+    pub deadline: Instant,
+    pub tag: u64,
+}
+
+/// A preloaded block held for its load: the slot the promotion's pin is on, until when, its
+/// bytes.
+#[derive(Clone, Copy)]
+pub(crate) struct Held {
+    pub slot: super::index::Slot,
+    pub deadline: Instant,
+    pub bytes: u64,
+    /// Read from a lower tier by the preload (else it was in host memory at the hint, held
+    /// so that eviction leaves it until its load).
+    pub read: bool,
+}
+
+/// The preloaded blocks held for their loads, and the earliest deadline among them (so a
+/// reap that finds nothing due costs one comparison).
+#[derive(Default)]
+pub(crate) struct Holds {
+    map: std::collections::HashMap<MapKey, Held>,
+    earliest: Option<Instant>,
+}
+
+impl Holds {
+    /// Records a hold; returns the one it replaces (of a block removed while held), whose pin
+    /// the caller drops.
+    pub(crate) fn insert(&mut self, key: MapKey, h: Held) -> Option<Held> {
+        self.earliest = Some(self.earliest.map_or(h.deadline, |e| e.min(h.deadline)));
+        self.map.insert(key, h)
+    }
+
+    pub(crate) fn contains(&self, key: &MapKey) -> bool {
+        self.map.contains_key(key)
+    }
+
+    pub(crate) fn remove(&mut self, key: &MapKey) -> Option<Held> {
+        self.map.remove(key)
+    }
+}
+
 impl Inner {
+    /// Bytes preloads may still take: the in-flight bound less those queued or being read,
+    /// and the held bound less those and the ones held.
+    pub(crate) fn prefetch_room(&self) -> u64 {
+        let inflight = self.work.prefetch_bytes();
+        let held = self.held_bytes.load(Relaxed);
+        self.prefetch_max_inflight
+            .saturating_sub(inflight)
+            .min(self.prefetch_max_held.saturating_sub(inflight + held))
+    }
+
+    /// A load just pinned `key`, which a hint held: the hold ends. True if the hint's preload
+    /// read it from a lower tier (a preload in time), false if it was held in host memory.
+    pub(crate) fn release_preload(&self, key: BlockKey) -> bool {
+        let held = self.preloads.lock().remove(&MapKey::from(key));
+        match held {
+            Some(h) => {
+                self.drop_hold(key, h);
+                h.read
+            }
+            None => false,
+        }
+    }
+
+    /// Drops a hold's pin and bytes.
+    pub(crate) fn drop_hold(&self, key: BlockKey, h: Held) {
+        self.held_bytes.fetch_sub(h.bytes, Relaxed);
+        self.unpin(key, h.slot);
+        self.work.room_changed();
+    }
+
+    /// Holds `key`, Ready in host memory, for the hint's load until `deadline` (one pin, so
+    /// eviction leaves it); false if it is held already or no longer Ready. Lock order: the
+    /// holds, then the shard (nothing takes them the other way round).
+    fn hold_in_host(&self, key: BlockKey, deadline: Instant) -> bool {
+        let mk = MapKey::from(key);
+        let mut holds = self.preloads.lock();
+        if holds.contains(&mk) {
+            return false;
+        }
+        let e = {
+            let mut sh = self.shard(key).lock();
+            let Ok(Some(e)) = sh.pin(mk) else {
+                return false;
+            };
+            if let Some(x) = sh.map.get_mut(&mk) {
+                x.set_preloaded(true);
+            }
+            e
+        };
+        let bytes = u64::from(e.len);
+        holds.insert(
+            mk,
+            Held {
+                slot: e.slot(),
+                deadline,
+                bytes,
+                read: false,
+            },
+        );
+        self.held_bytes.fetch_add(bytes, Relaxed);
+        true
+    }
+
+    /// Ends the holds whose deadline passed (their blocks were never used: wasted).
+    pub(crate) fn reap_preloads(&self, now: Instant) {
+        let gone: Vec<(MapKey, Held)> = {
+            let mut m = self.preloads.lock();
+            if m.earliest.is_none_or(|e| e > now) {
+                return;
+            }
+            let keys: Vec<MapKey> = m
+                .map
+                .iter()
+                .filter(|(_, h)| h.deadline <= now)
+                .map(|(k, _)| *k)
+                .collect();
+            let gone = keys
+                .into_iter()
+                .filter_map(|k| m.map.remove(&k).map(|h| (k, h)))
+                .collect();
+            m.earliest = m.map.values().map(|h| h.deadline).min();
+            gone
+        };
+        for (mk, h) in gone {
+            let key = BlockKey::from(mk);
+            if let Some(e) = self.shard(key).lock().map.get_mut(&mk) {
+                if e.slot() == h.slot {
+                    e.set_preloaded(false);
+                }
+            }
+            if h.read {
+                self.stats.prefetch_wasted_bytes.fetch_add(h.bytes, Relaxed);
+            }
+            self.drop_hold(key, h);
+        }
+    }
+
     fn prefetch(&self, keys: &[BlockKey], priority: u8, deadline: Instant, tag: u64) -> Prefetch {
+        self.reap_preloads(Instant::now());
+        // Hints wait for room in order: behind any already waiting.
+        let behind = self.work.hints_waiting();
+        self.walk_hint(keys, priority, deadline, tag, behind, false)
+    }
+
+    /// A waiting hint's turn (the reader, as room came back): true if it made progress.
+    pub(crate) fn resume_hint(&self, w: Waiting) -> bool {
+        if Instant::now() >= w.deadline {
+            self.stats
+                .prefetch_expired
+                .fetch_add(w.keys.len() as u64, Relaxed);
+            return true;
+        }
+        self.reap_preloads(Instant::now());
+        let out = self.walk_hint(&w.keys, w.priority, w.deadline, w.tag, false, true);
+        out.queued + out.held > 0 || out.waiting < w.keys.len()
+    }
+
+    /// Walks a hint's prefix: holds host blocks, queues the promotion of blocks below; from the
+    /// first one that does not fit (or all, if `behind`), the rest waits for room (at the
+    /// front of the waiting list if `resumed`, so a resumed hint keeps its place).
+    fn walk_hint(
+        &self,
+        keys: &[BlockKey],
+        priority: u8,
+        deadline: Instant,
+        tag: u64,
+        behind: bool,
+        resumed: bool,
+    ) -> Prefetch {
         let mut out = Prefetch::default();
-        let budget = self
-            .prefetch_max_inflight
-            .saturating_sub(self.work.prefetch_bytes());
+        let budget = self.prefetch_room();
         let mut planned = 0u64;
-        let mut full = false;
+        let mut full = behind;
+        // The first key not taken for want of room.
+        let mut cut: Option<usize> = behind.then_some(0);
         // (tier, items, bytes)
         let mut batches: Vec<(usize, Vec<Promote>, u64)> = Vec::new();
         let mut seen = FoldMap::default();
-        for k in keys {
+        for (i, k) in keys.iter().enumerate() {
             let mk = MapKey::from(*k);
             if seen.insert(mk, ()).is_some() {
                 break;
             }
-            match self.shard(*k).lock().map.get(&mk).map(Entry::life) {
-                Some(Life::Ready) => {
+            let found = self
+                .shard(*k)
+                .lock()
+                .map
+                .get(&mk)
+                .map(|e| (e.life(), u64::from(e.len)));
+            match found {
+                Some((Life::Ready, len)) => {
                     out.present += 1;
                     out.in_host += 1;
+                    // Held for the load, so that the hints of requests further back in the
+                    // queue cannot see it evicted before its load (within the same budget).
+                    if full || planned + len > budget {
+                        full = true;
+                        cut.get_or_insert(i);
+                    } else if self.hold_in_host(*k, deadline) {
+                        planned += len;
+                        out.held += 1;
+                    }
                     continue;
                 }
-                Some(Life::Promoting) => {
+                Some((Life::Promoting, _)) => {
                     out.present += 1;
                     out.joined += 1;
                     continue;
                 }
                 // Being written or removed: the prefix ends here for now.
-                Some(Life::Filling | Life::Cancelled) => break,
+                Some((Life::Filling | Life::Cancelled, _)) => break,
                 None => {}
             }
             let Some((ti, info)) = self
@@ -131,16 +343,16 @@ impl Inner {
             let len = u64::from(info.len);
             if full || planned + len > budget {
                 full = true;
-                out.dropped += 1;
+                cut.get_or_insert(i);
                 continue;
             }
             let Ok(class) = self.class_for(info.len as usize) else {
                 break;
             };
-            // No waiting for room: a hint that finds none now is dropped (and can come again).
+            // No waiting for room here: the rest of the hint waits for it in the list.
             let Ok((slot, page)) = self.alloc(class, *k, info.len as usize, Instant::now()) else {
                 full = true;
-                out.dropped += 1;
+                cut.get_or_insert(i);
                 continue;
             };
             {
@@ -178,13 +390,33 @@ impl Inner {
                 deadline,
                 bytes,
             };
-            match self.enqueue_prefetch(ti, items, hint, self.prefetch_max_inflight) {
+            match self.enqueue_prefetch(ti, items, hint) {
                 Ok(()) => out.queued += n,
                 Err(items) => {
                     // Another hint took the room meanwhile: undone, counted as dropped.
                     self.undo_prefetch(&items);
                     out.dropped += n;
                 }
+            }
+        }
+        if let Some(i) = cut {
+            // The rest up to where the prefix ended (or all of it: keys past the present ones
+            // may arrive meanwhile, a request's own earlier blocks being saved).
+            let rest = keys[i..].to_vec();
+            let n = rest.len();
+            let w = Waiting {
+                keys: rest,
+                priority,
+                deadline,
+                tag,
+            };
+            if self.work.wait_hint(w, resumed, WAITING_KEYS_MAX) {
+                out.waiting = n;
+                if !resumed {
+                    self.stats.prefetch_waited.fetch_add(1, Relaxed);
+                }
+            } else {
+                out.dropped += out.present.saturating_sub(i);
             }
         }
         self.stats
@@ -212,13 +444,14 @@ mod tests {
     use crate::{Admission, DiskConfig, Namespace, StoreConfig, TpShard};
     use std::time::Duration;
 
-    fn store(dir: &std::path::Path, inflight: u64) -> Store {
+    fn store_with(dir: &std::path::Path, inflight: u64, held: u64) -> Store {
         StoreConfig {
             capacity_bytes: 8 << 20,
             segment_bytes: 1 << 20,
             size_classes: vec![64 << 10],
             shards: 4,
             prefetch_max_inflight_bytes: inflight,
+            prefetch_max_held_bytes: held,
             disk: Some(DiskConfig {
                 dir: dir.to_path_buf(),
                 capacity_bytes: 64 << 20,
@@ -257,9 +490,13 @@ mod tests {
 
     /// A store whose keys 0..n are on disk only (written through, then the store reopened).
     fn on_disk(name: &str, n: u64, inflight: u64) -> (Store, std::path::PathBuf) {
+        on_disk_with(name, n, inflight, inflight)
+    }
+
+    fn on_disk_with(name: &str, n: u64, inflight: u64, held: u64) -> (Store, std::path::PathBuf) {
         let d = std::env::temp_dir().join(format!("kvtier-prefetch-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
-        let s = store(&d, inflight);
+        let s = store_with(&d, inflight, held);
         let id = ns(&s);
         for i in 0..n {
             s.put(id, key(i), &data(i)).unwrap();
@@ -267,7 +504,7 @@ mod tests {
         assert!(s.sync(Duration::from_secs(30)));
         s.flush();
         drop(s);
-        let s = store(&d, inflight);
+        let s = store_with(&d, inflight, held);
         for i in 0..n {
             assert!(!s.in_host(&key(i)));
         }
@@ -296,6 +533,16 @@ mod tests {
         }
         wait_in_host(&s, &keys[..4]);
         assert_eq!(s.stats().disk().unwrap().reads, 4, "one read per block");
+        assert_eq!(s.stats().prefetch.held_bytes, 4 * 60_000);
+        // Held for their load: a flood of other blocks does not evict them.
+        let id = ns(&s);
+        for i in 1000..1300 {
+            s.put(id, key(i), &data(i)).unwrap();
+        }
+        assert!(
+            keys[..4].iter().all(|k| s.in_host(k)),
+            "a held preload was evicted"
+        );
         let reads = s.stats().disk().unwrap().reads;
         // The load reads host memory only: no disk read during it, and the blocks are exact.
         let l = s.load(&keys[..4]).unwrap();
@@ -307,11 +554,114 @@ mod tests {
         assert_eq!(s.stats().disk().unwrap().reads, reads);
         let st = s.stats().prefetch;
         assert_eq!((st.hinted, st.in_time), (4, 4));
+        assert_eq!(st.held_bytes, 0, "used: no longer held");
         // A hint stops where the prefix ends.
         let gap = [key(0), key(99), key(5)];
         assert_eq!(s.prefetch(&gap, 0, far, 3).present, 1);
         drop(s);
         let _ = std::fs::remove_dir_all(d);
+    }
+
+    #[test]
+    fn a_hint_holds_blocks_already_in_host_memory_until_the_load() {
+        // A request far back in the queue: its blocks are in host memory when it is hinted and
+        // must still be there when it loads, however much is written meanwhile.
+        let (s, d) = on_disk("inhost", 0, 0);
+        let id = ns(&s);
+        let keys: Vec<BlockKey> = (0..3).map(key).collect();
+        for (i, k) in keys.iter().enumerate() {
+            s.put(id, *k, &data(i as u64)).unwrap();
+        }
+        let far = Instant::now() + Duration::from_secs(60);
+        let p = s.prefetch(&keys, 0, far, 1);
+        assert_eq!((p.present, p.in_host, p.held, p.queued), (3, 3, 3, 0));
+        assert_eq!(s.prefetch(&keys, 0, far, 2).held, 0, "held once");
+        assert_eq!(s.stats().prefetch.held_bytes, 3 * 60_000);
+        for i in 1000..1300 {
+            s.put(id, key(i), &data(i)).unwrap();
+        }
+        assert!(
+            keys.iter().all(|k| s.in_host(k)),
+            "a held block was evicted"
+        );
+        let l = s.load(&keys).unwrap();
+        assert_eq!(l.len(), 3);
+        drop(l);
+        let st = s.stats().prefetch;
+        assert_eq!(st.held_bytes, 0, "used: no longer held");
+        assert_eq!(st.in_time, 0, "not read by a preload");
+        // Held until the deadline, then let go (not a wasted read) and evictable again.
+        let cold = key(50);
+        s.put(id, cold, &data(50)).unwrap();
+        let soon = Instant::now() + Duration::from_millis(300);
+        assert_eq!(s.prefetch(&[cold], 0, soon, 3).held, 1);
+        for i in 2000..2300 {
+            s.put(id, key(i), &data(i)).unwrap();
+        }
+        assert!(s.in_host(&cold), "held until its deadline");
+        std::thread::sleep(Duration::from_millis(400));
+        s.prefetch(&[], 0, far, 4);
+        let st = s.stats().prefetch;
+        assert_eq!((st.held_bytes, st.wasted_bytes), (0, 0));
+        let pins = |k: BlockKey| {
+            s.inner
+                .shard(k)
+                .lock()
+                .map
+                .get(&MapKey::from(k))
+                .map(|e| e.pins)
+        };
+        assert_eq!(pins(cold), Some(0), "no longer held: its pin is gone");
+        assert!(keys.iter().all(|k| pins(*k).unwrap_or(0) == 0));
+        drop(s);
+        let _ = std::fs::remove_dir_all(d);
+    }
+
+    #[test]
+    fn held_preloads_are_bounded_apart_from_those_in_flight() {
+        // Two 64 KiB blocks in flight at once, four held (in flight included).
+        let (s, d) = on_disk_with("held", 8, 128 << 10, 256 << 10);
+        let far = Instant::now() + Duration::from_secs(60);
+        let (mut queued, mut waiting) = (0, 0);
+        for i in 0..8 {
+            let p = s.prefetch(&[key(i)], 0, far, i);
+            queued += p.queued;
+            waiting += p.waiting;
+            // Let the reader finish it: what it read is held, no longer in flight.
+            let t = Instant::now();
+            while s.stats().prefetch.inflight_bytes > 0 && t.elapsed() < Duration::from_secs(10) {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            let st = s.stats().prefetch;
+            assert!(st.held_bytes + st.inflight_bytes <= 256 << 10, "{st:?}");
+        }
+        assert_eq!(
+            (queued, waiting),
+            (4, 4),
+            "four held, the rest wait for room"
+        );
+        let st = s.stats().prefetch;
+        assert_eq!(
+            (st.held_bytes, st.waiting_keys, st.waited),
+            (4 * 60_000, 4, 4)
+        );
+        assert_eq!(st.dropped, 0);
+        // A load uses one: its room comes back, and the first waiting hint (key 4) takes it by
+        // itself; the others keep waiting.
+        let mut out = vec![0u8; 60_000];
+        assert!(s.get_into(&key(0), &mut out).unwrap().is_some());
+        assert_eq!(out, data(0));
+        wait_in_host(&s, &[key(4)]);
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!s.in_host(&key(5)));
+        let st = s.stats().prefetch;
+        assert_eq!((st.held_bytes, st.waiting_keys), (4 * 60_000, 3));
+        // A new hint waits behind them; cancelling a waiting hint takes it off the list.
+        assert_eq!(s.prefetch(&[key(0)], 0, far, 20).waiting, 1);
+        assert_eq!(s.cancel_prefetch(5), 0, "nothing queued to cancel");
+        assert_eq!(s.stats().prefetch.waiting_keys, 3);
+        drop(s);
+        let _ = std::fs::remove_dir_all(&d);
     }
 
     #[test]
@@ -328,7 +678,8 @@ mod tests {
             assert!(s.stats().prefetch.inflight_bytes <= 128 << 10);
         }
         assert!((2..8).contains(&queued), "{queued}");
-        assert!(s.stats().prefetch.dropped > 0);
+        let st = s.stats().prefetch;
+        assert!(st.waiting_keys > 0 && st.dropped == 0, "{st:?}");
         drop(s);
         let _ = std::fs::remove_dir_all(&d);
 
@@ -368,6 +719,19 @@ mod tests {
         assert_eq!(s.stats().prefetch.expired, 4);
         assert!(!s.in_host(&keys[4]));
         assert_eq!(s.stats().prefetch.inflight_bytes, 0);
+        // Keys 0 and 1 were preloaded and never loaded: held (until their hint's deadline, a
+        // minute away). A hint with a short deadline: held, then let go unused (wasted).
+        assert_eq!(s.stats().prefetch.held_bytes, 2 * 60_000);
+        let soon = Instant::now() + Duration::from_millis(300);
+        assert_eq!(s.prefetch(&keys[6..7], 0, soon, 10).queued, 1);
+        let until = Instant::now() + Duration::from_secs(10);
+        while s.stats().prefetch.wasted_bytes < 60_000 {
+            assert!(Instant::now() < until, "{:?}", s.stats().prefetch);
+            std::thread::sleep(Duration::from_millis(20));
+            s.prefetch(&[], 0, far, 11); // reaps
+        }
+        assert_eq!(s.stats().prefetch.held_bytes, 2 * 60_000);
+        assert!(s.in_host(&keys[6]), "let go, not removed");
         drop(s);
         let _ = std::fs::remove_dir_all(d);
     }

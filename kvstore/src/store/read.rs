@@ -367,6 +367,8 @@ impl Inner {
         keys: &[BlockKey],
         deadline: Instant,
     ) -> Result<Vec<Pinned>, StoreError> {
+        // Preloads held past their deadline go back to the eviction policy.
+        self.reap_preloads(Instant::now());
         let mut steps: Vec<Step> = Vec::with_capacity(keys.len());
         // Own promotions, one batch per lower tier.
         let mut batches: Vec<(usize, Vec<Promote>)> = Vec::new();
@@ -524,7 +526,10 @@ impl Inner {
             }
             (e, preloaded)
         };
-        Ok(Found::Pinned(self.pinned(key, &e.0), e.1))
+        // Used: a hint's hold ends (the caller has its own pin now); "preloaded" if the hint's
+        // preload read it.
+        let preloaded = e.1 && self.release_preload(key);
+        Ok(Found::Pinned(self.pinned(key, &e.0), preloaded))
     }
 
     /// The location and checksum of a block we hold a pin on.

@@ -136,6 +136,12 @@ struct Queues {
     prefetch: Vec<PromoteJob>,
     /// Bytes of preload jobs queued or being read.
     prefetch_bytes: u64,
+    /// Hints (their rest) waiting for room, in order.
+    waiting: VecDeque<super::prefetch::Waiting>,
+    waiting_keys: usize,
+    /// The first waiting hint made no progress when last resumed: not again until room
+    /// changes.
+    resume_stalled: bool,
     stop: bool,
 }
 
@@ -173,6 +179,48 @@ impl Work {
         self.q.lock().prefetch_bytes
     }
 
+    /// Whether hints wait for room (a new one waits behind them).
+    pub(crate) fn hints_waiting(&self) -> bool {
+        !self.q.lock().waiting.is_empty()
+    }
+
+    /// Keys of hints waiting for room.
+    pub(crate) fn waiting_keys(&self) -> usize {
+        self.q.lock().waiting_keys
+    }
+
+    /// Puts a hint's rest on the waiting list (at the front: a resumed one keeps its place);
+    /// false if the list is full (or the worker stopped).
+    pub(crate) fn wait_hint(
+        &self,
+        w: super::prefetch::Waiting,
+        front: bool,
+        max_keys: usize,
+    ) -> bool {
+        let mut q = self.q.lock();
+        if q.stop || q.waiting_keys + w.keys.len() > max_keys {
+            return false;
+        }
+        q.waiting_keys += w.keys.len();
+        if front {
+            q.waiting.push_front(w);
+        } else {
+            q.waiting.push_back(w);
+            q.resume_stalled = false;
+            self.reader_cv.notify_one();
+        }
+        true
+    }
+
+    /// Preload room may have come back: the reader tries the waiting hints again.
+    pub(crate) fn room_changed(&self) {
+        let mut q = self.q.lock();
+        if !q.waiting.is_empty() {
+            q.resume_stalled = false;
+            self.reader_cv.notify_one();
+        }
+    }
+
     /// Whether demotions are queued or being written (room is coming).
     pub(crate) fn demotions_pending(&self) -> bool {
         let q = self.q.lock();
@@ -207,7 +255,7 @@ impl Inner {
         if q.stop {
             drop(q);
             // No reader any more: the items fail now (nothing was read).
-            self.finish_promotions(&items, &[], false);
+            self.finish_promotions(&items, &[], None);
             ticket.complete(vec![false; items.len()]);
             return ticket;
         }
@@ -222,17 +270,21 @@ impl Inner {
     }
 
     /// Queues a preload batch from lower tier `tier` (its blocks reserved Promoting with one
-    /// pin each, which the reader drops once they are published). False if the bytes do not
-    /// fit `max_bytes` of preloads in flight (nothing queued; the caller undoes the items).
+    /// pin each, which holds them once published, until used or the hint's deadline). Refused
+    /// (nothing queued; the caller undoes the items) if the bytes do not fit the preload bound
+    /// beside those queued, being read and held.
     pub(crate) fn enqueue_prefetch(
         &self,
         tier: usize,
         items: Vec<Promote>,
         hint: Hint,
-        max_bytes: u64,
     ) -> Result<(), Vec<Promote>> {
         let mut q = self.work.q.lock();
-        if q.stop || q.prefetch_bytes + hint.bytes > max_bytes {
+        let held = self.held_bytes.load(Relaxed);
+        if q.stop
+            || q.prefetch_bytes + hint.bytes > self.prefetch_max_inflight
+            || q.prefetch_bytes + held + hint.bytes > self.prefetch_max_held
+        {
             return Err(items);
         }
         q.prefetch_bytes += hint.bytes;
@@ -271,6 +323,11 @@ impl Inner {
                 .into_iter()
                 .partition(|j| j.hint.is_some_and(|h| h.tag == tag));
             q.prefetch = keep;
+            let before = q.waiting.len();
+            q.waiting.retain(|w| w.tag != tag);
+            if q.waiting.len() != before {
+                q.waiting_keys = q.waiting.iter().map(|w| w.keys.len()).sum();
+            }
             for j in &gone {
                 q.prefetch_bytes -= j.hint.map_or(0, |h| h.bytes);
             }
@@ -278,12 +335,22 @@ impl Inner {
         };
         let mut n = 0;
         for j in gone {
-            self.finish_promotions(&j.items, &[], false);
+            self.finish_promotions(&j.items, &[], None);
             n += j.items.len();
         }
         self.stats.prefetch_cancelled.fetch_add(n as u64, Relaxed);
         self.progress.bump();
         n
+    }
+
+    /// Whether the reader should resume the first waiting hint: there is one, room for
+    /// preloads, and it did not stall since room last changed.
+    fn can_resume(&self, q: &Queues) -> bool {
+        let held = self.held_bytes.load(Relaxed);
+        !q.waiting.is_empty()
+            && !q.resume_stalled
+            && q.prefetch_bytes < self.prefetch_max_inflight
+            && q.prefetch_bytes + held < self.prefetch_max_held
     }
 
     /// The writer: one batch of queued demotions at a time.
@@ -313,6 +380,7 @@ impl Inner {
             let n = batch.len();
             self.write_back(batch);
             self.work.q.lock().writing -= n;
+            self.work.room_changed();
             self.progress.bump();
         }
     }
@@ -414,8 +482,16 @@ impl Inner {
         loop {
             let job = {
                 let mut q = self.work.q.lock();
-                while q.promote.is_empty() && q.prefetch.is_empty() && !q.stop {
+                while q.promote.is_empty()
+                    && q.prefetch.is_empty()
+                    && !self.can_resume(&q)
+                    && !q.stop
+                {
                     self.work.reader_cv.wait(&mut q);
+                }
+                if q.stop && !q.waiting.is_empty() {
+                    q.waiting.clear();
+                    q.waiting_keys = 0;
                 }
                 if q.stop && !q.prefetch.is_empty() {
                     // Shutting down: preloads are dropped unread.
@@ -423,7 +499,7 @@ impl Inner {
                     q.prefetch_bytes = 0;
                     drop(q);
                     for j in gone {
-                        self.finish_promotions(&j.items, &[], false);
+                        self.finish_promotions(&j.items, &[], None);
                     }
                     continue;
                 }
@@ -433,13 +509,22 @@ impl Inner {
                     .max_by_key(|&i| (q.prefetch[i].hint.map_or(0, |h| h.priority), usize::MAX - i))
                 {
                     q.prefetch.remove(i)
+                } else if let Some(w) = q.waiting.pop_front().filter(|_| !q.stop) {
+                    // Room came back: the first waiting hint's turn.
+                    q.waiting_keys -= w.keys.len();
+                    drop(q);
+                    let progress = self.resume_hint(w);
+                    if !progress {
+                        self.work.q.lock().resume_stalled = true;
+                    }
+                    continue;
                 } else {
                     return;
                 }
             };
             if let Some(h) = job.hint.filter(|h| Instant::now() >= h.deadline) {
                 // Its request no longer waits for it: not read at all.
-                self.finish_promotions(&job.items, &[], false);
+                self.finish_promotions(&job.items, &[], None);
                 self.stats
                     .prefetch_expired
                     .fetch_add(job.items.len() as u64, Relaxed);
@@ -466,9 +551,14 @@ impl Inner {
             if let Some(sp) = self.speed.get(job.tier) {
                 sp.lock().observe(bytes, started.elapsed().as_secs_f64());
             }
-            let ok = self.finish_promotions(&job.items, &outcomes, job.hint.is_some());
+            let ok = self.finish_promotions(&job.items, &outcomes, job.hint.map(|h| h.deadline));
             if let Some(h) = job.hint {
                 self.work.q.lock().prefetch_bytes -= h.bytes;
+                // Published preloads keep their pin (held, see `Inner::release_preload`).
+                self.reap_preloads(Instant::now());
+                self.work.room_changed();
+                self.progress.bump();
+                continue;
             }
             if !job.ticket.complete(ok.clone()) {
                 // The load gave up waiting: the pins it would have taken over are dropped.
@@ -482,11 +572,13 @@ impl Inner {
 
     /// Publishes promoted blocks whose read succeeded with the expected length (Ready, clean,
     /// still pinned for the load); frees the others' slots. One bool per item.
+    /// With `preload` (the hint's deadline), published blocks are held for their load: their
+    /// pin stays, recorded in `preloads`.
     fn finish_promotions(
         &self,
         items: &[Promote],
         outcomes: &[ReadOutcome],
-        preload: bool,
+        preload: Option<Instant>,
     ) -> Vec<bool> {
         let mut ok = Vec::with_capacity(items.len());
         for (i, p) in items.iter().enumerate() {
@@ -502,14 +594,39 @@ impl Inner {
                         c.sums[p.slot.idx as usize] = info.checksum;
                         c.policy.insert(p.slot.idx, p.key.0 as u64);
                     }
+                    if let Some(deadline) = preload {
+                        // Recorded before it is visible: a load that finds it preloaded
+                        // always finds the hold to release.
+                        let old = self.preloads.lock().insert(
+                            mk,
+                            super::prefetch::Held {
+                                slot: p.slot,
+                                deadline,
+                                bytes: u64::from(info.len),
+                                read: true,
+                            },
+                        );
+                        self.held_bytes.fetch_add(u64::from(info.len), Relaxed);
+                        if let Some(old) = old {
+                            // The hold of a copy removed while held.
+                            self.drop_hold(p.key, old);
+                        }
+                    }
                     let e = {
                         let mut sh = self.shard(p.key).lock();
                         let e = sh.publish(mk, p.slot, Copy::Clean);
-                        if let (true, Some(_), Some(x)) = (preload, e, sh.map.get_mut(&mk)) {
+                        if let (Some(_), Some(_), Some(x)) = (preload, e, sh.map.get_mut(&mk)) {
                             x.set_preloaded(true);
                         }
                         e
                     };
+                    if preload.is_some() && e.is_none() {
+                        // Removed meanwhile: nothing to hold.
+                        let h = self.preloads.lock().remove(&mk);
+                        if let Some(h) = h {
+                            self.held_bytes.fetch_sub(h.bytes, Relaxed);
+                        }
+                    }
                     if let Some(e) = e {
                         self.stats.blocks.fetch_add(1, Relaxed);
                         self.stats.used_bytes.fetch_add(u64::from(e.len), Relaxed);
@@ -697,7 +814,7 @@ impl Threads {
             v
         };
         for job in left {
-            let ok = inner.finish_promotions(&job.items, &[], false);
+            let ok = inner.finish_promotions(&job.items, &[], None);
             job.ticket.complete(ok);
         }
     }
