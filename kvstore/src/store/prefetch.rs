@@ -330,13 +330,7 @@ impl Inner {
                 Some((Life::Filling | Life::Cancelled, _)) => break,
                 None => {}
             }
-            let Some((ti, info)) = self
-                .tiers
-                .iter()
-                .enumerate()
-                .filter(|(_, t)| t.local())
-                .find_map(|(i, t)| t.lookup(k).map(|info| (i, info)))
-            else {
+            let Some((ti, info)) = self.find_below(k) else {
                 break;
             };
             out.present += 1;

@@ -276,6 +276,15 @@ impl Store {
 }
 
 impl Inner {
+    /// The first local lower tier that holds `key` (its index in `tiers`) and what it says of it.
+    pub(crate) fn find_below(&self, key: &BlockKey) -> Option<(usize, crate::types::BlockInfo)> {
+        self.tiers
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| t.local())
+            .find_map(|(i, t)| t.lookup(key).map(|info| (i, info)))
+    }
+
     pub(crate) fn match_prefix_priced(
         &self,
         keys: &[BlockKey],
@@ -297,13 +306,7 @@ impl Inner {
         let mut bytes_below = vec![0u64; self.tiers.len()];
         for (i, (k, t)) in keys.iter().zip(&m.tiers).enumerate() {
             if *t != Tier::Host {
-                let Some((ti, info)) = self
-                    .tiers
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, x)| x.local())
-                    .find_map(|(j, x)| x.lookup(k).map(|info| (j, info)))
-                else {
+                let Some((ti, info)) = self.find_below(k) else {
                     break;
                 };
                 bytes_below[ti] += u64::from(info.len);
@@ -398,13 +401,7 @@ impl Inner {
                     Found::Absent if attempt == 1 => break 'keys,
                     Found::Absent => {}
                 }
-                let Some((ti, info)) = self
-                    .tiers
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, t)| t.local())
-                    .find_map(|(i, t)| t.lookup(k).map(|info| (i, info)))
-                else {
+                let Some((ti, info)) = self.find_below(k) else {
                     break 'keys;
                 };
                 let Ok(class) = self.class_for(info.len as usize) else {
