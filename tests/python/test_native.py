@@ -152,7 +152,7 @@ def _engine(kind, logical):
     """Each layer's tensor as vLLM hands it to a connector for one attention backend: the
     logical shape of that backend, physical stride order in the strides. Returns (arrays to
     keep alive, logical views, layer specs for PagedKv)."""
-    from kvtier.layouts import kv_dims
+    from kvtier.layouts import kv_view
 
     keep, views, specs = [], [], []
     for lg in logical:
@@ -166,14 +166,16 @@ def _engine(kind, logical):
         elif kind == "flashinfer":  # (blocks, 2, tokens, H, D)
             phys = np.ascontiguousarray(lg.transpose(1, 0, 2, 3, 4))
             view = phys
-        elif kind == "cpu":  # vLLM's CPU backend: (blocks, 2, tokens, H*D)
-            phys = np.ascontiguousarray(lg.transpose(1, 0, 2, 3, 4)).reshape(nb, 2, bs, h * d)
+        elif kind == "cpu":  # vLLM's CPU backend: (blocks, H, tokens, 2*D), K rows then V rows
+            phys = np.ascontiguousarray(lg.transpose(1, 3, 0, 2, 4)).reshape(nb, h, bs, 2 * d)
             view = phys
-        dims, how = kv_dims(view.shape, nb, bs)
+        shape, strides, dims, how = kv_view(view.shape, [x // view.itemsize for x in
+                                                          view.strides], nb, bs)
         assert how == "canonical", (kind, view.shape)
         keep.append(phys)
         views.append(view)
-        specs.append(layer_spec(view, dims))
+        specs.append((view.__array_interface__["data"][0], shape, strides, dims,
+                      view.itemsize))
     return keep, views, specs
 
 
@@ -183,7 +185,28 @@ def _as_logical(kind, view, h, d):
     if kind == "flashinfer":
         return np.asarray(view).transpose(1, 0, 2, 3, 4)
     nb, _, bs, _ = view.shape
-    return np.asarray(view).reshape(nb, 2, bs, h, d).transpose(1, 0, 2, 3, 4)
+    return np.asarray(view).reshape(nb, h, 2, bs, d).transpose(2, 0, 3, 1, 4)
+
+
+def test_cpu_layout_is_the_one_vllm_cpu_kernels_read():
+    """vLLM's CPU kernels view (blocks, H, tokens, 2*D) as (blocks, H, 2*tokens, D) and take the
+    first half of the rows as K: the canonical block must hold exactly those as K."""
+    nb, h, bs, d = 3, 2, 4, 8
+    t = np.arange(nb * h * bs * 2 * d, dtype=np.float32).reshape(nb, h, bs, 2 * d)
+    kernel = t.reshape(nb, h, 2 * bs, d)
+    k, v = kernel[:, :, :bs], kernel[:, :, bs:]
+    p = kvtier.PagedKv([_engine_spec_cpu(t, nb, bs)])
+    got = np.frombuffer(bytes(p.gather([1])), dtype=np.float32).reshape(2, bs, h, d)
+    assert np.array_equal(got[0], k[1].transpose(1, 0, 2))
+    assert np.array_equal(got[1], v[1].transpose(1, 0, 2))
+
+
+def _engine_spec_cpu(t, nb, bs):
+    from kvtier.layouts import kv_view
+
+    shape, strides, dims, how = kv_view(t.shape, [x // t.itemsize for x in t.strides], nb, bs)
+    assert how == "canonical"
+    return (t.__array_interface__["data"][0], shape, strides, dims, t.itemsize)
 
 
 @pytest.mark.parametrize("h", [2, 4])  # h == 2 (a K/V-sized dim), h == block size
@@ -214,18 +237,17 @@ def test_blocks_are_canonical_across_vllm_layouts(h):
             del keep
 
 
-def test_unknown_layouts_get_their_own_namespace():
-    from kvtier.layouts import CANONICAL, kv_dims, layout_name
+def test_unknown_layouts_are_reported():
+    from kvtier.layouts import describe, kv_view
 
-    dims, how = kv_dims([16, 2, 32, 128], 16, 32)
-    assert (dims, how) == (["blocks", "kv", "tokens", "inner"], "canonical")
-    assert layout_name([16, 2, 32, 128], [8192, 4096, 128, 1], dims, how) == CANONICAL
-    # Blocks last: not a layout kvtier knows; named by shape and stride order instead.
-    dims, how = kv_dims([2, 32, 128, 16], 16, 32)
-    assert how == "other" and dims[3] == "blocks"
-    a = layout_name([2, 32, 128, 16], [65536, 2048, 16, 1], dims, how)
-    b = layout_name([2, 32, 128, 16], [1, 2, 64, 4096], dims, how)
-    assert a != b and CANONICAL not in (a, b)
+    # vLLM CPU with two heads: not mistaken for a K/V dimension.
+    shape, strides, dims, how = kv_view([16, 2, 32, 128], [8192, 4096, 128, 1], 16, 32)
+    assert how == "canonical" and dims == ["blocks", "inner", "kv", "tokens", "inner"]
+    assert shape == [16, 2, 2, 32, 64] and strides == [8192, 4096, 2048, 64, 1]
+    # Blocks last: not a layout kvtier knows.
+    _, _, _, how = kv_view([2, 32, 128, 16], [65536, 2048, 16, 1], 16, 32)
+    assert how == "other"
+    assert describe([2, 32, 128, 16], [1, 2, 64, 4096]) == "shape=2x32x128x16 stride order=3,2,1,0"
 
 
 def test_block_ids_outside_the_cache_are_refused():

@@ -6,20 +6,26 @@ vLLM hands a connector each layer's tensor in its attention backend's *logical* 
 physical stride order, e.g. HND, shows only in the strides), so the roles of the dimensions
 follow from that shape:
 
-==========================  =============================  ====================================
-backend                     logical shape                  roles
-==========================  =============================  ====================================
-FlashAttention (NHD, HND)   ``(2, blocks, tokens, H, D)``  kv, blocks, tokens, inner, inner
-FlashInfer, Triton          ``(blocks, 2, tokens, H, D)``  blocks, kv, tokens, inner, inner
-vLLM CPU                    ``(blocks, 2, tokens, H*D)``   blocks, kv, tokens, inner
-MLA                         ``(blocks, tokens, latent)``   blocks, tokens, inner
-==========================  =============================  ====================================
+==========================  ===============================  ==================================
+backend                     logical shape                    roles
+==========================  ===============================  ==================================
+FlashAttention (NHD, HND)   ``(2, blocks, tokens, H, D)``    kv, blocks, tokens, inner, inner
+FlashInfer, Triton          ``(blocks, 2, tokens, H, D)``    blocks, kv, tokens, inner, inner
+vLLM CPU (``CPU_ATTN``)     ``(blocks, H, tokens, 2*D)``     seen as ``(blocks, H, 2, tokens,
+                                                             D)``: blocks, inner, kv, tokens,
+                                                             inner
+MLA                         ``(blocks, tokens, latent)``     blocks, tokens, inner
+==========================  ===============================  ==================================
+
+The CPU backend's last dimension is not "K then V per token": its kernels view each head's
+``tokens x 2*D`` as ``2*tokens x D`` and take the first ``tokens`` rows as K, the rest as V
+(``vllm/v1/attention/backends/cpu_attn.py``, ``kv_cache.view(nb, H, 2*bs, -1).chunk(2, 2)``),
+so :func:`kv_view` hands kvtier a five-dimensional view of the same memory.
 
 Every one of these gives the same canonical bytes for the same KV, so engines on different
-attention backends share blocks. A shape none of these rows explains is named by a fallback
-(first dimension of each size) and reported as ``"other"``: the connector then puts the exact
-shape and stride order into the namespace, so such an engine only ever shares with an engine of
-the very same layout (a miss otherwise, never other bytes).
+attention backends share blocks. A shape none of these rows explains is refused by the
+connector (:func:`kv_view` reports it as ``"other"``): a layout read with the wrong roles
+would store other bytes under the same keys.
 """
 
 from __future__ import annotations
@@ -27,44 +33,36 @@ from __future__ import annotations
 CANONICAL = "vllm-v1/kv-token-head-dim"
 
 
-def kv_dims(shape, num_blocks: int | None, block_size: int) -> tuple[list[str], str]:
-    """``(roles, kind)``: a role per dimension ("blocks", "kv", "tokens", "inner") and
-    ``"canonical"`` when the shape is one of the known logical layouts, else ``"other"``."""
-    s = list(shape)
+def kv_view(shape, strides, num_blocks: int | None,
+            block_size: int) -> tuple[list[int], list[int], list[str], str]:
+    """``(shape, strides, roles, kind)``: the view kvtier copies through (strides in
+    elements), a role per dimension ("blocks", "kv", "tokens", "inner"), and ``"canonical"``
+    when the tensor is one of the known logical layouts, else ``"other"`` (then the shape and
+    strides are returned unchanged)."""
+    s, st = list(shape), list(strides)
     nb = num_blocks
 
-    def fits(roles, want):
-        return all(w is None or x == w for x, w in zip(s, want)) and len(s) == len(roles)
+    def fits(want):
+        return len(s) == len(want) and all(w is None or x == w for x, w in zip(s, want))
 
-    known = [
-        (["kv", "blocks", "tokens", "inner", "inner"], [2, nb, block_size, None, None]),
-        (["blocks", "kv", "tokens", "inner", "inner"], [nb, 2, block_size, None, None]),
-        (["blocks", "kv", "tokens", "inner"], [nb, 2, block_size, None]),
-        (["blocks", "tokens", "inner"], [nb, block_size, None]),
-    ]
     if nb is not None:
-        for roles, want in known:
-            if fits(roles, want):
-                return roles, "canonical"
-    # Fallback: the first dimension of each size, in the order blocks, kv, tokens.
-    roles = ["inner"] * len(s)
-    taken = set()
-    for role, size in (("blocks", nb), ("kv", 2), ("tokens", block_size)):
-        for j, x in enumerate(s):
-            if j not in taken and size is not None and x == size:
-                roles[j] = role
-                taken.add(j)
-                break
-    if "blocks" not in roles:
-        j = next(j for j in range(len(roles)) if roles[j] == "inner")
-        roles[j] = "blocks"
-    return roles, "other"
+        if fits([2, nb, block_size, None, None]):
+            return s, st, ["kv", "blocks", "tokens", "inner", "inner"], "canonical"
+        if fits([nb, 2, block_size, None, None]):
+            return s, st, ["blocks", "kv", "tokens", "inner", "inner"], "canonical"
+        # vLLM CPU: (blocks, H, tokens, 2*D), each head's tokens x 2*D contiguous.
+        if fits([nb, None, block_size, None]) and s[3] % 2 == 0 and st[3] == 1 \
+                and st[2] == s[3]:
+            d = s[3] // 2
+            return ([nb, s[1], 2, block_size, d], [st[0], st[1], block_size * d, d, 1],
+                    ["blocks", "inner", "kv", "tokens", "inner"], "canonical")
+        if fits([nb, block_size, None]):
+            return s, st, ["blocks", "tokens", "inner"], "canonical"
+    return s, st, [], "other"
 
 
-def layout_name(shape, strides, roles, kind: str) -> str:
-    """The namespace's layout field for a tensor of this shape, strides and roles."""
-    if kind == "canonical":
-        return CANONICAL
+def describe(shape, strides) -> str:
+    """A layout kvtier does not know, for the error message: shape and stride order."""
     order = sorted(range(len(strides)), key=lambda j: -abs(strides[j]))
-    return ("vllm-v1/shape=" + "x".join(map(str, shape)) + "/roles=" + ",".join(roles)
-            + "/order=" + ",".join(map(str, order)))
+    return ("shape=" + "x".join(map(str, shape)) + " stride order="
+            + ",".join(map(str, order)))

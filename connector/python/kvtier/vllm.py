@@ -67,16 +67,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from . import PagedKv, engine_key, namespace_fingerprint
 from ._open import open_store
-from .layouts import CANONICAL, kv_dims, layout_name
+from .layouts import CANONICAL, describe, kv_view
 
 log = logging.getLogger("kvtier.vllm")
 
 def namespace(model: str, revision: str | None, cache_dtype: str, block_size: int,
               tp_size: int = 1, tp_rank: int = 0,
               layout: str = CANONICAL) -> tuple[bytes, bytes]:
-    """``(encoding, fingerprint)`` of the namespace an engine with this configuration uses.
-    ``layout`` is the canonical block layout (see :mod:`kvtier.layouts`) unless the engine's KV
-    tensors have a shape kvtier does not recognise."""
+    """``(encoding, fingerprint)`` of the namespace an engine with this configuration uses
+    (``layout``: the canonical block layout every known attention backend is copied in, see
+    :mod:`kvtier.layouts`)."""
     return namespace_fingerprint(
         model=f"{model}@{revision or ''}",
         dtype=str(cache_dtype),
@@ -437,28 +437,25 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches):
         layers = []
-        layout = None
         for name, t in kv_caches.items():
             if t.device.type != "cpu":
                 raise ValueError(
                     f"kvtier: KV cache {name} is on {t.device}; the Python connector copies "
                     "with the CPU path only (GPU copies: kvtier-connector's cuda feature)")
-            shape, strides = list(t.shape), list(t.stride())
-            dims, kind = kv_dims(shape, self._num_blocks, self._block_size)
-            this = layout_name(shape, strides, dims, kind)
-            if layout is not None and this != layout:
-                raise ValueError(f"kvtier: KV cache {name} has another layout than the others")
-            layout = this
+            shape, strides, dims, kind = kv_view(list(t.shape), list(t.stride()),
+                                                 self._num_blocks, self._block_size)
+            if kind != "canonical":
+                # Read with guessed roles, its blocks would be other bytes under the same keys
+                # (the scheduler, which never sees the tensors, keys lookups by the canonical
+                # namespace): refuse rather than serve them.
+                raise ValueError(
+                    f"kvtier: KV cache {name} has a layout kvtier does not know "
+                    f"({describe(t.shape, t.stride())}, {self._num_blocks} blocks of "
+                    f"{self._block_size} tokens); known: FlashAttention, FlashInfer/Triton, "
+                    "vLLM CPU, MLA (see kvtier/layouts.py)")
             layers.append((t.data_ptr(), shape, strides, dims, t.element_size()))
         self._kv_caches = kv_caches  # keep the tensors alive
         self._paged = PagedKv(layers)
-        if layout != CANONICAL:
-            # A layout kvtier cannot put in canonical order: its own namespace, so it never
-            # shares blocks with an engine that lays them out otherwise.
-            log.warning("kvtier: unrecognised KV layout %s: blocks shared only with engines "
-                        "of the same layout", layout)
-            self._ns_enc, self._fp = namespace(*self._ns_args, layout=layout)
-            self._ns = self._store.register_namespace(self._ns_enc)
         self._mover = _Mover(self._load, self._save)
 
     def _load(self, t: _Transfer) -> list[int]:
