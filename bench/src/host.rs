@@ -308,6 +308,7 @@ fn metadata_case(blocks: u64, rows: &mut Vec<Row>) -> Result<()> {
         baseline: 128.0,
         ratio: per / 128.0,
         ratio_spread: None,
+        sweep: None,
         baseline_is: "target 128 B/block",
     });
     Ok(())

@@ -15,6 +15,7 @@ mod sidecar;
 mod sim;
 mod soak;
 mod trace;
+mod tracegen;
 
 use anyhow::{bail, Result};
 use clap::{Parser, Subcommand};
@@ -40,7 +41,7 @@ enum Cmd {
     /// Disk tier: sequential block writes/reads vs fio, and a long prefix load vs fio's bound.
     Disk(disk::DiskArgs),
     /// Trace replay through the store, and every policy against Belady's optimum.
-    Replay(replay::ReplayArgs),
+    Replay(Box<replay::ReplayArgs>),
     /// The same put/get workload against kvtier, Redis and Mooncake Store on this machine.
     Peers(peers::PeersArgs),
     /// Through the kvtierd sidecar vs embedded: lookup+lease latency, put/get bandwidth.
@@ -77,7 +78,7 @@ fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Host(a) => host::run(a),
         Cmd::Disk(a) => disk::run(a),
-        Cmd::Replay(a) => replay::run(a),
+        Cmd::Replay(a) => replay::run(*a),
         Cmd::Peers(a) => peers::run(a),
         Cmd::Ipc(a) => ipc::run(a),
         Cmd::Connector(a) => connector::run(a),

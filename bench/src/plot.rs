@@ -150,44 +150,77 @@ pub fn replay_report(
         args.block_bytes,
         args.host,
         args.disk,
-        args.policy,
+        args.policy.as_deref().unwrap_or("default"),
         args.admission
     );
     md.push_str(&table(report));
-    if !points.is_empty() {
+    let mut traces: Vec<&str> = Vec::new();
+    for p in points {
+        if !traces.contains(&p.trace.as_str()) {
+            traces.push(&p.trace);
+        }
+    }
+    for trace in traces {
+        let pts: Vec<&SweepPoint> = points.iter().filter(|p| p.trace == trace).collect();
         let mut series = vec![Series {
             name: "Belady MIN".into(),
-            points: points.iter().map(|p| (p.pct, p.belady)).collect(),
+            points: pts
+                .iter()
+                .map(|p| (p.pct, p.belady.prefix_ratio()))
+                .collect(),
             baseline: true,
         }];
-        for (i, (name, _)) in points[0].policies.iter().enumerate() {
+        for (i, (policy, _)) in pts[0].policies.iter().enumerate() {
             series.push(Series {
-                name: (*name).into(),
-                points: points.iter().map(|p| (p.pct, p.policies[i].1)).collect(),
+                name: policy.name().into(),
+                points: pts
+                    .iter()
+                    .map(|p| (p.pct, p.policies[i].1.prefix_ratio()))
+                    .collect(),
                 baseline: false,
             });
         }
+        let png = format!("hit_ratio_vs_capacity_{trace}.png");
         lines(
-            &dir.join("hit_ratio_vs_capacity.png"),
-            "Block hit ratio vs capacity (simulated, same trace)",
+            &dir.join(&png),
+            &format!("Prefix hit ratio vs capacity, trace {trace} (simulated)"),
             "capacity, % of distinct blocks",
-            "hit ratio",
+            "prefix hit ratio",
             &series,
             false,
         )?;
-        md.push_str("\n![hit ratio vs capacity](hit_ratio_vs_capacity.png)\n\n| capacity | blocks | Belady |");
-        for (name, _) in &points[0].policies {
-            let _ = write!(md, " {name} | {name} / Belady |");
+        let _ = write!(
+            md,
+            "\n## Trace {trace}\n\n![prefix hit ratio vs capacity]({png})\n\n\
+             Prefix hits (per block hits in brackets), and policy / Belady MIN's prefix hits.\n\n\
+             | capacity | blocks | Belady |"
+        );
+        for (policy, _) in &pts[0].policies {
+            let _ = write!(md, " {} | / Belady |", policy.name());
         }
         md.push_str("\n|---|---|---|");
-        for _ in &points[0].policies {
+        for _ in &pts[0].policies {
             md.push_str("---|---|");
         }
         md.push('\n');
-        for p in points {
-            let _ = write!(md, "| {}% | {} | {:.4} |", p.pct, p.blocks, p.belady);
+        for p in &pts {
+            let b = p.belady;
+            let _ = write!(
+                md,
+                "| {}% | {} | {:.4} ({:.4}) |",
+                p.pct,
+                p.blocks,
+                b.prefix_ratio(),
+                b.block_ratio()
+            );
             for (_, r) in &p.policies {
-                let _ = write!(md, " {r:.4} | {:.3} |", r / p.belady.max(1e-12));
+                let _ = write!(
+                    md,
+                    " {:.4} ({:.4}) | {:.3} |",
+                    r.prefix_ratio(),
+                    r.block_ratio(),
+                    r.prefix_ratio() / b.prefix_ratio().max(1e-12)
+                );
             }
             md.push('\n');
         }

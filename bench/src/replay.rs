@@ -16,7 +16,7 @@ use kvstore::{
 };
 use kvtier_connector::Backend;
 
-use crate::report::{Report, Row};
+use crate::report::{Report, Row, SweepTags};
 use crate::sim;
 use crate::trace::{self, Request};
 
@@ -26,7 +26,8 @@ const TRACE_BLOCK_TOKENS: u64 = 512;
 /// Options of `kvtier-bench replay`.
 #[derive(Args, Debug)]
 pub struct ReplayArgs {
-    /// The trace (Mooncake JSONL).
+    /// The trace (Mooncake JSONL), or `gen:chat`, `gen:agent`, `gen:docqa` for a synthetic
+    /// one (`--seed`, `--synthetic-requests`).
     #[arg(
         long,
         default_value = "../shared/traces/mooncake_synthetic_trace.jsonl"
@@ -42,9 +43,9 @@ pub struct ReplayArgs {
     /// Disk capacity, same forms; "0" for no disk tier.
     #[arg(long, default_value = "20%")]
     pub disk: String,
-    /// Eviction policy: s3fifo or lru.
-    #[arg(long, default_value = "s3fifo")]
-    pub policy: String,
+    /// Eviction policy: wtinylfu, s3fifo, lru or sieve (default: the store's default).
+    #[arg(long)]
+    pub policy: Option<String>,
     /// Disk admission: seen-twice or always.
     #[arg(long, default_value = "seen-twice")]
     pub admission: String,
@@ -69,6 +70,20 @@ pub struct ReplayArgs {
     /// Skip the sweep.
     #[arg(long)]
     pub no_sweep: bool,
+    /// Synthetic traces swept beside `--trace` (comma-separated among chat, agent, docqa;
+    /// "none" for none).
+    #[arg(long, value_delimiter = ',', default_value = "chat,agent,docqa")]
+    pub synthetic: Vec<String>,
+    /// Seed of the synthetic traces.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Requests per synthetic trace.
+    #[arg(long, default_value_t = 4000)]
+    pub synthetic_requests: usize,
+    /// The order the simulated policies see a request's blocks: "forward" (as the store does:
+    /// hits, then the saved misses, in prefix order) or "tail-first".
+    #[arg(long, default_value = "forward")]
+    pub sim_order: String,
     /// Replay only the first N requests.
     #[arg(long)]
     pub limit: Option<usize>,
@@ -436,14 +451,14 @@ pub fn run_sidecar(
         "--set".into(),
         format!("host.size_classes=[{}]", cfg.block_bytes),
         "--set".into(),
-        format!("host.policy={}", policy_name(cfg.policy)),
+        format!("host.policy={}", cfg.policy.name()),
     ];
     if cfg.disk_blocks > 0 {
         args.extend([
             "--disk-capacity".into(),
             (cfg.disk_blocks * block + (1 << 20)).to_string(),
             "--set".into(),
-            format!("disk.policy={}", policy_name(cfg.policy)),
+            format!("disk.policy={}", cfg.policy.name()),
             "--set".into(),
             format!(
                 "disk.admission={}",
@@ -498,45 +513,137 @@ pub fn bar(len: u64, msg: &str) -> ProgressBar {
     pb
 }
 
-/// One point of the sweep.
+/// One point of a sweep: one trace at one capacity.
 pub struct SweepPoint {
+    /// The trace's name.
+    pub trace: String,
     /// Percent of distinct blocks.
     pub pct: f64,
     /// Capacity in blocks.
     pub blocks: usize,
-    /// Belady's hit ratio.
-    pub belady: f64,
-    /// (policy name, hit ratio).
-    pub policies: Vec<(&'static str, f64)>,
+    /// Belady's MIN.
+    pub belady: sim::SimResult,
+    /// Every policy, the default first.
+    pub policies: Vec<(PolicyKind, sim::SimResult)>,
 }
 
-/// Simulates every policy and MIN at each capacity.
-pub fn sweep(refs: &[u64], distinct: u64, pcts: &[f64]) -> Vec<SweepPoint> {
-    let pb = bar(pcts.len() as u64 * 3, "policy sweep");
-    let out = pcts
-        .iter()
-        .map(|&pct| {
-            let blocks = ((distinct as f64) * pct / 100.0).round().max(1.0) as usize;
-            let belady = sim::belady(refs, blocks).ratio();
-            pb.inc(1);
-            let policies = [("s3fifo", PolicyKind::S3Fifo), ("lru", PolicyKind::Lru)]
-                .into_iter()
-                .map(|(name, p)| {
-                    let r = sim::simulate(refs, blocks, p).ratio();
+/// A trace's name for reports: the synthetic generator's, or the file's stem.
+pub fn trace_name(path: &std::path::Path) -> String {
+    let s = path.to_string_lossy();
+    match s.strip_prefix("gen:") {
+        Some(kind) => kind.to_string(),
+        None => path
+            .file_stem()
+            .map(|x| x.to_string_lossy().into_owned())
+            .unwrap_or_else(|| s.into_owned()),
+    }
+}
+
+/// Reads `--trace`: a file, or `gen:KIND` for a synthetic trace.
+pub fn load_trace(path: &std::path::Path, seed: u64, requests: usize) -> Result<Vec<Request>> {
+    match path.to_string_lossy().strip_prefix("gen:") {
+        Some(kind) => crate::tracegen::generate(kind, seed, requests),
+        None => trace::load(path),
+    }
+}
+
+/// Distinct blocks of a trace.
+pub fn distinct_blocks(reqs: &[Request]) -> u64 {
+    reqs.iter()
+        .flat_map(|r| r.hash_ids.iter().copied())
+        .collect::<HashSet<u64>>()
+        .len() as u64
+}
+
+/// Simulates every policy and MIN at each capacity of one trace (in parallel over capacities).
+pub fn sweep(trace: &str, reqs: &[Request], pcts: &[f64], order: sim::Order) -> Vec<SweepPoint> {
+    let distinct = distinct_blocks(reqs);
+    let views: Vec<&[u64]> = reqs.iter().map(|r| r.hash_ids.as_slice()).collect();
+    let pb = bar(
+        pcts.len() as u64 * (1 + PolicyKind::ALL.len() as u64),
+        &format!("policy sweep {trace}"),
+    );
+    let out = std::thread::scope(|sc| {
+        let handles: Vec<_> = pcts
+            .iter()
+            .map(|&pct| {
+                let (views, pb) = (&views, &pb);
+                sc.spawn(move || {
+                    let blocks = ((distinct as f64) * pct / 100.0).round().max(1.0) as usize;
+                    let belady = sim::belady(views, blocks);
                     pb.inc(1);
-                    (name, r)
+                    let policies = PolicyKind::ALL
+                        .into_iter()
+                        .map(|p| {
+                            let r = sim::simulate(views, blocks, p, order);
+                            pb.inc(1);
+                            (p, r)
+                        })
+                        .collect();
+                    SweepPoint {
+                        trace: trace.to_string(),
+                        pct,
+                        blocks,
+                        belady,
+                        policies,
+                    }
                 })
-                .collect();
-            SweepPoint {
-                pct,
-                blocks,
-                belady,
-                policies,
-            }
-        })
-        .collect();
+            })
+            .collect();
+        handles
+            .into_iter()
+            .filter_map(|h| h.join().ok())
+            .collect::<Vec<_>>()
+    });
     pb.finish_and_clear();
     out
+}
+
+/// The sweep's rows: per point and policy, prefix and block hit ratios against MIN's.
+pub fn sweep_rows(points: &[SweepPoint]) -> Vec<Row> {
+    let mut rows = Vec::new();
+    for p in points {
+        for &(policy, r) in &p.policies {
+            for (metric, value, base, is) in [
+                (
+                    "prefix",
+                    r.prefix_ratio(),
+                    p.belady.prefix_ratio(),
+                    "Belady MIN (its prefix hits)",
+                ),
+                (
+                    "block",
+                    r.block_ratio(),
+                    p.belady.block_ratio(),
+                    "Belady MIN",
+                ),
+            ] {
+                rows.push(Row {
+                    case: format!(
+                        "sim {} {metric} {}% {} ({} blocks)",
+                        policy.name(),
+                        p.pct,
+                        p.trace,
+                        p.blocks
+                    ),
+                    unit: "hit ratio",
+                    value,
+                    baseline: base,
+                    ratio: if base > 0.0 { value / base } else { 0.0 },
+                    ratio_spread: None,
+                    baseline_is: is,
+                    sweep: Some(SweepTags {
+                        trace: p.trace.clone(),
+                        policy: policy.name(),
+                        capacity_pct: p.pct,
+                        metric,
+                        default: policy == PolicyKind::default(),
+                    }),
+                });
+            }
+        }
+    }
+    rows
 }
 
 /// Runs the replay benchmark.
@@ -546,9 +653,30 @@ pub fn run(args: ReplayArgs) -> Result<()> {
         "kvtierd" => Some(crate::sidecar::binary(args.kvtierd.as_deref())?),
         other => bail!("--mode must be embedded or kvtierd, not {other:?}"),
     };
-    let Some(policy) = PolicyKind::parse(&args.policy) else {
-        bail!("--policy must be s3fifo or lru, not {:?}", args.policy);
+    let policy = match &args.policy {
+        None => PolicyKind::default(),
+        Some(p) => match PolicyKind::parse(p) {
+            Some(p) => p,
+            None => bail!("--policy must be wtinylfu, s3fifo, lru or sieve, not {p:?}"),
+        },
     };
+    let order = match args.sim_order.as_str() {
+        "forward" => sim::Order::Forward,
+        "tail-first" => sim::Order::TailFirst,
+        other => bail!("--sim-order must be forward or tail-first, not {other:?}"),
+    };
+    let synthetic: Vec<&str> = args
+        .synthetic
+        .iter()
+        .map(|x| x.trim())
+        .filter(|x| !x.is_empty() && *x != "none")
+        .collect();
+    for k in &synthetic {
+        ensure!(
+            crate::tracegen::KINDS.contains(k),
+            "--synthetic: no trace {k:?} (use chat, agent, docqa or none)"
+        );
+    }
     let Some(admission) = Admission::parse(&args.admission) else {
         bail!(
             "--admission must be seen-twice or always, not {:?}",
@@ -565,15 +693,11 @@ pub fn run(args: ReplayArgs) -> Result<()> {
     };
     ensure!(args.prefill_rate > 0.0, "--prefill-rate must be positive");
     ensure!(args.block_bytes >= 64, "--block-bytes must be at least 64");
-    let mut reqs = trace::load(&args.trace)?;
+    let mut reqs = load_trace(&args.trace, args.seed, args.synthetic_requests)?;
     if let Some(n) = args.limit {
         reqs.truncate(n);
     }
-    let refs: Vec<u64> = reqs
-        .iter()
-        .flat_map(|r| r.hash_ids.iter().copied())
-        .collect();
-    let distinct = refs.iter().copied().collect::<HashSet<u64>>().len() as u64;
+    let distinct = distinct_blocks(&reqs);
     let host_blocks = capacity_blocks(&args.host, distinct, args.block_bytes)?.max(1);
     let disk_blocks = capacity_blocks(&args.disk, distinct, args.block_bytes)?;
     let (inf_hits, inf_refs) = infinite_hits(&reqs);
@@ -634,10 +758,11 @@ pub fn run(args: ReplayArgs) -> Result<()> {
         },
         ratio_spread: None,
         baseline_is: is,
+        sweep: None,
     };
     let label = format!(
         "{} host {} disk {}{}",
-        policy_name(policy),
+        policy.name(),
         args.host,
         args.disk,
         if sidecar_bin.is_some() {
@@ -752,6 +877,7 @@ pub fn run(args: ReplayArgs) -> Result<()> {
             ratio: hidden,
             ratio_spread: None,
             baseline_is: "all of it",
+            sweep: None,
         });
         rows.push(one(
             "disk load time on the critical path with hints".into(),
@@ -761,22 +887,34 @@ pub fn run(args: ReplayArgs) -> Result<()> {
             "without hints",
         ));
     }
-    let points = if args.sweep.is_empty() || args.no_sweep {
-        Vec::new()
-    } else {
-        sweep(&refs, distinct, &args.sweep)
-    };
-    for p in &points {
-        for (name, r) in &p.policies {
-            rows.push(one(
-                format!("sim {name} {}% ({} blocks)", p.pct, p.blocks),
-                "hit ratio",
-                *r,
-                p.belady,
-                "Belady MIN",
-            ));
+    // The store against the simulation of the same policy with its host + disk capacity.
+    let views: Vec<&[u64]> = reqs.iter().map(|r| r.hash_ids.as_slice()).collect();
+    let simulated = sim::simulate(
+        &views,
+        (host_blocks + disk_blocks) as usize,
+        policy,
+        sim::Order::Forward,
+    );
+    rows.push(one(
+        format!("replay prefix hits vs simulation ({label})"),
+        "hit ratio",
+        hit_ratio,
+        simulated.prefix_ratio(),
+        "simulated prefix hits, same policy and capacity",
+    ));
+    let mut points = Vec::new();
+    if !args.sweep.is_empty() && !args.no_sweep {
+        let name = trace_name(&args.trace);
+        points.extend(sweep(&name, &reqs, &args.sweep, order));
+        for k in synthetic {
+            if k == name {
+                continue;
+            }
+            let t = crate::tracegen::generate(k, args.seed, args.synthetic_requests)?;
+            points.extend(sweep(k, &t, &args.sweep, order));
         }
     }
+    rows.extend(sweep_rows(&points));
     eprintln!(
         "replayed {} requests, {} block refs, {distinct} distinct blocks; host {host_blocks} blocks, disk {disk_blocks} blocks of {} bytes; {} hits lost between lookup and load; {} saves, {} skipped",
         o.requests,
@@ -796,13 +934,6 @@ pub fn run(args: ReplayArgs) -> Result<()> {
     report.print(args.json)
 }
 
-fn policy_name(p: PolicyKind) -> &'static str {
-    match p {
-        PolicyKind::Lru => "lru",
-        PolicyKind::S3Fifo => "s3fifo",
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -814,6 +945,37 @@ mod tests {
             output_length: 1,
             hash_ids: ids.to_vec(),
         }
+    }
+
+    #[test]
+    fn sweep_rows_carry_the_fields_other_tools_read() {
+        let reqs = crate::tracegen::generate("chat", 3, 300).unwrap();
+        let points = sweep("chat", &reqs, &[10.0, 25.0], sim::Order::Forward);
+        let rows = sweep_rows(&points);
+        assert_eq!(rows.len(), 2 * PolicyKind::ALL.len() * 2);
+        let v = serde_json::to_value(&rows).unwrap();
+        for r in v.as_array().unwrap() {
+            for f in [
+                "policy",
+                "capacity_pct",
+                "metric",
+                "default",
+                "trace",
+                "ratio",
+            ] {
+                assert!(r.get(f).is_some(), "{f} missing in {r}");
+            }
+            let is_default = r["policy"] == PolicyKind::default().name();
+            assert_eq!(r["default"], is_default);
+            assert!(r["metric"] == "prefix" || r["metric"] == "block");
+            // MIN bounds the block hits of every policy.
+            if r["metric"] == "block" {
+                assert!(r["ratio"].as_f64().unwrap() <= 1.0 + 1e-9, "{r}");
+            }
+        }
+        assert!(points
+            .iter()
+            .all(|p| p.belady.prefix_hits <= p.belady.block_hits));
     }
 
     #[test]

@@ -20,6 +20,24 @@ pub struct Row {
     pub ratio_spread: Option<[f64; 2]>,
     /// What the baseline is.
     pub baseline_is: &'static str,
+    /// Fields of a policy-sweep row (other tools select rows by them).
+    #[serde(flatten)]
+    pub sweep: Option<SweepTags>,
+}
+
+/// The fields a policy-sweep row carries besides the case.
+#[derive(Serialize, Clone, Debug)]
+pub struct SweepTags {
+    /// The trace's name.
+    pub trace: String,
+    /// The policy's name (as config and `--policy` spell it).
+    pub policy: &'static str,
+    /// Capacity, percent of the trace's distinct blocks.
+    pub capacity_pct: f64,
+    /// "prefix" (hits an engine can use) or "block" (every present block).
+    pub metric: &'static str,
+    /// Whether this is the store's default policy.
+    pub default: bool,
 }
 
 /// A benchmark's report.
@@ -104,6 +122,7 @@ pub fn row(
         ratio: median(&ratios),
         ratio_spread: (rounds.len() > 1).then_some([lo, hi]),
         baseline_is,
+        sweep: None,
     }
 }
 

@@ -967,6 +967,7 @@ pub fn run(args: SoakArgs) -> Result<()> {
         baseline: goal,
         ratio: met(ok),
         ratio_spread: None,
+        sweep: None,
         baseline_is: "goal (ratio 1 = met)",
     };
     let mut rows = vec![

@@ -116,7 +116,7 @@ fn uncommitted_is_invisible_and_dropped_frees() {
 
 #[test]
 fn eviction_respects_capacity_and_pins() {
-    for policy in [PolicyKind::Lru, PolicyKind::S3Fifo] {
+    for policy in PolicyKind::ALL {
         let (s, n) = small(policy);
         // 4 segments of 1 MiB, 16 slots of 64 KiB each = 64 slots.
         let block = vec![1u8; 60_000];

@@ -1,0 +1,127 @@
+//! Intrusive doubly linked lists over dense ids: `N` lists share one link table, and an id is
+//! in at most one of them. Heads are the most recently inserted end.
+
+pub(super) const NIL: u32 = u32::MAX;
+
+pub(super) struct Lists<const N: usize> {
+    /// `(prev, next)` per id; `prev` points toward the head.
+    links: Vec<(u32, u32)>,
+    /// 0: in no list; `l + 1`: in list `l`.
+    tag: Vec<u8>,
+    head: [u32; N],
+    tail: [u32; N],
+    len: [usize; N],
+}
+
+impl<const N: usize> Default for Lists<N> {
+    fn default() -> Self {
+        Self {
+            links: Vec::new(),
+            tag: Vec::new(),
+            head: [NIL; N],
+            tail: [NIL; N],
+            len: [0; N],
+        }
+    }
+}
+
+impl<const N: usize> Lists<N> {
+    /// Makes room for `id` in the tables.
+    pub(super) fn ensure(&mut self, id: u32) {
+        let i = id as usize;
+        if self.tag.len() <= i {
+            self.tag.resize(i + 1, 0);
+            self.links.resize(i + 1, (NIL, NIL));
+        }
+    }
+
+    /// The list `id` is in.
+    pub(super) fn list_of(&self, id: u32) -> Option<usize> {
+        match self.tag.get(id as usize) {
+            Some(&t) if t > 0 => Some(t as usize - 1),
+            _ => None,
+        }
+    }
+
+    pub(super) fn len(&self, l: usize) -> usize {
+        self.len[l]
+    }
+
+    pub(super) fn total(&self) -> usize {
+        self.len.iter().sum()
+    }
+
+    /// The oldest id of list `l`.
+    pub(super) fn back(&self, l: usize) -> Option<u32> {
+        (self.tail[l] != NIL).then_some(self.tail[l])
+    }
+
+    /// The id after `id` toward the head of its list, or [`NIL`].
+    pub(super) fn toward_head(&self, id: u32) -> u32 {
+        self.links[id as usize].0
+    }
+
+    /// Takes `id` out of its list (no-op when it is in none).
+    pub(super) fn unlink(&mut self, id: u32) {
+        let Some(l) = self.list_of(id) else {
+            return;
+        };
+        let (p, n) = self.links[id as usize];
+        if p == NIL {
+            self.head[l] = n;
+        } else {
+            self.links[p as usize].1 = n;
+        }
+        if n == NIL {
+            self.tail[l] = p;
+        } else {
+            self.links[n as usize].0 = p;
+        }
+        self.links[id as usize] = (NIL, NIL);
+        self.tag[id as usize] = 0;
+        self.len[l] -= 1;
+    }
+
+    /// Puts `id` at the head of list `l` (out of any list it was in first).
+    pub(super) fn push_front(&mut self, l: usize, id: u32) {
+        self.ensure(id);
+        self.unlink(id);
+        let old = self.head[l];
+        self.links[id as usize] = (NIL, old);
+        if old == NIL {
+            self.tail[l] = id;
+        } else {
+            self.links[old as usize].0 = id;
+        }
+        self.head[l] = id;
+        self.tag[id as usize] = l as u8 + 1;
+        self.len[l] += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lists_keep_order_and_lengths() {
+        let mut x: Lists<2> = Lists::default();
+        for i in 0..5u32 {
+            x.push_front(i as usize % 2, i);
+        }
+        assert_eq!((x.len(0), x.len(1), x.total()), (3, 2, 5));
+        assert_eq!(x.back(0), Some(0));
+        assert_eq!(x.toward_head(0), 2);
+        x.push_front(1, 0);
+        assert_eq!((x.len(0), x.len(1)), (2, 3));
+        assert_eq!(x.back(0), Some(2));
+        x.unlink(2);
+        x.unlink(2);
+        assert_eq!(x.back(0), Some(4));
+        assert_eq!(x.list_of(2), None);
+        assert_eq!(x.list_of(0), Some(1));
+        x.unlink(4);
+        assert_eq!(x.back(0), None);
+        assert_eq!(x.total(), 3);
+    }
+}
