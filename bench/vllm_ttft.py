@@ -3,16 +3,21 @@ memory, only on disk, and only on disk with preload hints; and recomputed (no co
 
 Run with the vLLM virtualenv's Python (vLLM's CPU build):
 
-    .venv-vllm/bin/python bench/vllm_ttft.py --json [--requests 8] [--prefix 1536] [--rounds 2]
+    .venv-vllm/bin/python bench/vllm_ttft.py --json [--requests 8] [--prefix 1536]
+        [--question 256] [--batch-tokens 512] [--rounds 2]
 
 It builds its own random Llama (8 layers, hidden 512: big enough that prefill costs), starts its
-own kvtierd (the release build if there is one, else the debug build), saves the prefixes once,
-then per round runs one fresh engine per case, each on the same queue of requests submitted at
-once: `host` (in the daemon's host memory), `disk` (daemon restarted: disk only, hints off),
-`disk+hints` (restarted again: disk only, each request's blocks hinted as it arrives,
-load_policy wait_complete), and `recompute` (no connector). TTFT = first token time -
-submit time, per request. Cases are interleaved within each round; figures are medians over
-rounds of each case's p50 / p99.
+own kvtierd (the release build if there is one, else the debug build), saves the prefixes once
+(one engine computes them), then per round runs one fresh engine per case, each on the same
+queue of requests submitted at once. Each request is its prefix and then a question of its own
+that every engine computes; the engine takes at most --batch-tokens tokens per step, so the
+requests queue behind each other (`--question 32 --batch-tokens 2048`: no queue, the whole burst
+in one step). Cases: `host` (prefixes in the daemon's host memory), `disk` (daemon restarted:
+disk only, hints off), `disk+hints` (restarted again: disk only, each request's blocks hinted
+as it arrives, load_policy wait_complete), and `recompute` (no connector). Measured engines only
+load (kv_role kv_consumer), so every case finds the same blocks. TTFT = first token time -
+submit time, per request; every engine's tokens must equal the no-connector engine's. Cases
+are interleaved within each round; figures are medians over rounds of each case's p50 / p99.
 
 The last line is {"bench": "vllm-ttft", "results": [{"case", "unit", "value", "baseline",
 "ratio"}]}: cases `ttft p50 disk+hints vs host` and `ttft p50 disk vs host` have ratio =
@@ -65,12 +70,13 @@ def child(args: dict) -> None:
 
     kw = dict(model=args["model"], dtype="float32", block_size=BS, max_model_len=2048,
               enforce_eager=True, seed=0, prefix_caching_hash_algo="sha256_cbor",
-              max_num_batched_tokens=2048, distributed_executor_backend="mp")
+              max_num_batched_tokens=args["batch_tokens"],
+              distributed_executor_backend="mp")
     if args.get("connector"):
         from vllm.config import KVTransferConfig
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm",
-            kv_role="kv_both", kv_connector_extra_config=args["connector"],
+            kv_role=args.get("role", "kv_both"), kv_connector_extra_config=args["connector"],
             kv_load_failure_policy="recompute")
     llm = LLM(**kw)
     engine = llm.llm_engine
@@ -126,8 +132,11 @@ class Daemon:
         assert self.p.wait(timeout=300) == 0
 
 
-def engine(model: Path, prompts, connector=None) -> dict:
-    args = {"model": str(model), "prompts": prompts, "connector": connector}
+def engine(model: Path, prompts, batch_tokens: int, connector=None,
+           role: str = "kv_consumer") -> dict:
+    """One engine run; a connector engine only loads (kv_consumer) unless `role` says."""
+    args = {"model": str(model), "prompts": prompts, "connector": connector,
+            "batch_tokens": batch_tokens, "role": role}
     p = subprocess.run([sys.executable, __file__, "--child", json.dumps(args)],
                        capture_output=True, text=True, env=ENV, timeout=1800)
     lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
@@ -148,6 +157,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--prefix", type=int, default=1536, help="prefix tokens per request")
+    ap.add_argument("--question", type=int, default=256,
+                    help="tokens of each request's own question (after the prefix)")
+    ap.add_argument("--batch-tokens", type=int, default=512,
+                    help="the engine's max_num_batched_tokens")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -156,20 +169,24 @@ def main() -> None:
     build_model(model)
     # Distinct prefixes (whole blocks), each with its own short question.
     prompts = [[(7 * i + 13 * j) % 1000 for j in range(a.prefix)] +
-               [(i + j) % 1000 for j in range(BS)] for i in range(a.requests)]
+               [(3 * i + 5 * j + 1) % 1000 for j in range(a.question)]
+               for i in range(a.requests)]
+    assert a.prefix + a.question <= 2048, "--prefix + --question must fit max_model_len 2048"
     d = Daemon(tmp / "kvtierd")
     d.start()
     conn = {"mode": "sidecar", "socket": d.socket}
     try:
-        saved = engine(model, prompts, dict(conn, preload=False))
-        print(f"vllm-ttft: {a.requests} requests of {a.prefix + BS} tokens saved "
-              f"(recompute TTFT p50 {pct(saved['ttft'], 0.5):.2f} s)", file=sys.stderr)
-        ref = saved["tokens"]
+        # The prefixes only (and one token, so the last prefix block is full): the questions
+        # are computed by every measured engine (which only loads: kv_consumer).
+        saving = [p[:a.prefix + 1] for p in prompts]
+        saved = engine(model, saving, a.batch_tokens, dict(conn, preload=False), "kv_both")
+        print(f"vllm-ttft: {a.requests} prefixes of {a.prefix} tokens saved (TTFT p50 computing "
+              f"them {pct(saved['ttft'], 0.5):.2f} s)", file=sys.stderr)
         runs: dict[str, list[dict]] = {c: [] for c in ("host", "disk", "disk+hints",
                                                         "recompute")}
         def case(name, connector=None):
             before = d.stats()["hits"] if connector else 0
-            x = engine(model, prompts, connector)
+            x = engine(model, prompts, a.batch_tokens, connector)
             x["hits"] = d.stats()["hits"] - before if connector else 0
             runs[name].append(x)
 
@@ -190,9 +207,10 @@ def main() -> None:
                 f"{c} p50 {pct(x[-1]['ttft'], 0.5):.3f} s ({x[-1]['hits']} block hits)"
                 for c, x in runs.items()), file=sys.stderr)
         blocks = a.requests * (a.prefix // BS)
+        ref = runs["recompute"][0]["tokens"]
         for c, xs in runs.items():
             for x in xs:
-                assert x["tokens"] == ref, f"{c}: outputs differ from the first engine's"
+                assert x["tokens"] == ref, f"{c}: outputs differ from the engine without kvtier"
                 if c != "recompute":
                     # Every prefix block loaded from kvtier (lookups may count a block twice).
                     assert x["hits"] >= blocks, (c, x["hits"], blocks)

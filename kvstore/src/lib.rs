@@ -39,8 +39,9 @@ pub use events::{BlockEvent, EventKind, Events};
 pub use key::{BlockKey, Fingerprint, Namespace, TpShard};
 pub use policy::{EvictionPolicy, PolicyKind};
 pub use store::{
-    BlockLoc, BlockRef, Lease, Loaded, NamespaceStats, Populate, Prefetch, PrefetchStats,
-    PrefixMatch, PutOutcome, Reservation, Reserve, Store, StoreConfig, StoreStats,
+    BlockLoc, BlockRef, Lease, Loaded, NamespaceStats, Populate, Prefetch, PrefetchQuota,
+    PrefetchStats, PrefixMatch, PutOutcome, Reservation, Reserve, Store, StoreConfig, StoreStats,
+    PREFETCH_WAITING_KEYS_MAX,
 };
 pub use tier::{LowerTier, NsUsage, ReadItem, ReadOutcome, TierStats, WriteItem, WriteOutcome};
 pub use types::{BlockInfo, FoldHasher, FoldMap, LeaseId, MapKey, NsId, Tier};

@@ -587,11 +587,22 @@ impl<'d> Conn<'d> {
                 let ks = self.keys(&p.keys)?;
                 let priority = u8::try_from(p.priority)
                     .map_err(|_| format!("priority {} is not in 0..=255", p.priority))?;
-                let r = store.prefetch(
+                // Each engine connection hints within its share of the preload room (at least
+                // an eighth: many small engines may overcommit, the store's own bound holds),
+                // so one engine cannot hold the host memory or the waiting list the others
+                // need.
+                let engines = self.d.ipc_clients.load(Relaxed).clamp(1, 8);
+                let quota = kvstore::PrefetchQuota {
+                    owner: self.serial,
+                    max_bytes: store.prefetch_max_held_bytes() / engines,
+                    max_waiting_keys: kvstore::PREFETCH_WAITING_KEYS_MAX / engines as usize,
+                };
+                let r = store.prefetch_as(
                     &ks,
                     priority,
                     self.d.preload_deadline(p.deadline_ms),
                     crate::Daemon::preload_tag(self.serial, p.tag),
+                    quota,
                 );
                 response::Body::Prefetch(pb::PrefetchReply {
                     present: r.present as u32,

@@ -35,7 +35,7 @@ def main() -> None:
         from vllm.config import KVTransferConfig
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm",
-            kv_role="kv_both", kv_connector_extra_config=args["connector"],
+            kv_role=args.get("role", "kv_both"), kv_connector_extra_config=args["connector"],
             kv_load_failure_policy=args.get("policy", "fail"))
     llm = LLM(**kw)
     sp = SamplingParams(temperature=0.0, max_tokens=args.get("max_tokens", 8), logprobs=0)

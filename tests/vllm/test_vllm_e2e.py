@@ -285,11 +285,18 @@ def test_vllm_engines_share_kv_through_kvtierd(model, ref, tmp_path):
         d.stop()
         d.start()
 
-        # Cleared: a miss, and still the same output (C and D are stored again here).
+        # Cleared: a miss, and still the same output. A consumer engine (kv_role kv_consumer)
+        # stores nothing; C and D are stored again by the next one.
         ns = d.cli("stats")["namespaces"][0]["id"]
         assert d.cli("clear", str(ns))["removed"] > 0
-        cleared = engine(model, [A, C, D], d.conn())["outputs"]
-        for out, name in zip(cleared, "ACD"):
+        consumer = engine(model, [A], d.conn(), role="kv_consumer")["outputs"]
+        assert consumer[0]["num_cached_tokens"] == 0
+        same(consumer[0], ref["A"])
+        side = Sidecar(d.socket, "e2e-test")
+        assert side.match_prefix(keys(A)) == 0, "a kv_consumer engine saved blocks"
+        del side
+        cleared = engine(model, [C, D], d.conn())["outputs"]
+        for out, name in zip(cleared, "CD"):
             assert out["num_cached_tokens"] == 0
             same(out, ref[name])
 

@@ -5,6 +5,9 @@
                            "kv_role": "kv_both",
                            "kv_connector_extra_config": {...}}'
 
+kv_role: "kv_both" (loads and saves), "kv_consumer" (only loads: an engine that must not write
+the shared cache, e.g. a benchmark or a canary), "kv_producer" (only saves).
+
 Extra config keys:
   mode: "sidecar" (kvtierd on this node) or "embedded" (the store lives in the engine process;
         only with distributed_executor_backend="uni"; vLLM's CPU build also needs
@@ -216,6 +219,13 @@ class KvtierConnector(KVConnectorBase_V1):
                              f"best_effort, not {self._policy!r}")
         self._deadline_s = float(extra.get("load_deadline_ms", 2000)) / 1000.0
         self._prefill_rate = float(extra.get("prefill_tokens_per_s", 0.0))
+        # kv_role: "kv_both" loads and saves, "kv_consumer" only loads, "kv_producer" only saves.
+        kv_role = str(getattr(self._kv_transfer_config, "kv_role", None) or "kv_both")
+        if kv_role not in ("kv_both", "kv_consumer", "kv_producer"):
+            raise ValueError(f"kvtier: kv_role must be kv_both, kv_consumer or kv_producer, "
+                             f"not {kv_role!r}")
+        self._may_load = kv_role != "kv_producer"
+        self._may_save = kv_role != "kv_consumer"
         par = vllm_config.parallel_config
         tp_size = getattr(par, "tensor_parallel_size", 1) or 1
         tp_rank = 0
@@ -291,7 +301,7 @@ class KvtierConnector(KVConnectorBase_V1):
     def on_new_request(self, request) -> None:
         """The request's block hashes are known on arrival: hint them, so the blocks found only
         on disk are read while the request waits in the queue."""
-        if not self._preload:
+        if not self._preload or not self._may_load:
             return
         keys = self._keys(request)
         if keys:
@@ -299,7 +309,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self._hint(request.request_id, keys, max(self._deadline_s, 1.0) * 2)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        keys = self._keys(request)
+        keys = self._keys(request) if self._may_load else []
         rid = request.request_id
         n, tiers = 0, []
         if keys:
@@ -391,7 +401,7 @@ class KvtierConnector(KVConnectorBase_V1):
     def _add_saves(self, meta, req_id, computed_after_step):
         """Full prompt blocks computed by the end of this step and not stored yet."""
         req = self._reqs.get(req_id)
-        if req is None:
+        if req is None or not self._may_save:
             return
         hashes = self._hashes(req)
         prompt_blocks = len(req.prompt_token_ids or []) // self._block_size

@@ -45,7 +45,7 @@ use crate::tier::{LowerTier, TierStats};
 use crate::types::{FoldHasher, NsId, Tier};
 
 pub use config::{Populate, StoreConfig};
-pub use prefetch::{Prefetch, PrefetchStats};
+pub use prefetch::{Prefetch, PrefetchQuota, PrefetchStats, PREFETCH_WAITING_KEYS_MAX};
 pub use read::{BlockLoc, BlockRef, Lease, Loaded, PrefixMatch};
 pub use write::{PutOutcome, Reservation, Reserve};
 
@@ -285,6 +285,8 @@ pub(crate) struct Inner {
     pub(crate) preloads: Mutex<prefetch::Holds>,
     /// Their bytes (part of the preload budget).
     pub(crate) held_bytes: AtomicU64,
+    /// Of those, per hint owner (a leaf lock: nothing else is taken under it).
+    pub(crate) held_by_owner: Mutex<prefetch::PerOwner>,
     /// Measured read speed of each lower tier.
     pub(crate) speed: Vec<Mutex<Speed>>,
     pub(crate) wait: Duration,
@@ -406,6 +408,7 @@ impl Store {
             speed: (0..n_tiers).map(|_| Mutex::default()).collect(),
             preloads: Mutex::default(),
             held_bytes: AtomicU64::new(0),
+            held_by_owner: Mutex::default(),
             prefetch_max_inflight,
             prefetch_max_held,
             wait: cfg.wait,
@@ -423,6 +426,11 @@ impl Store {
     /// Total bytes of host block memory.
     pub fn capacity_bytes(&self) -> u64 {
         self.inner.capacity_bytes()
+    }
+
+    /// Most bytes all hints together may hold in host memory or have in flight.
+    pub fn prefetch_max_held_bytes(&self) -> u64 {
+        self.inner.prefetch_max_held
     }
 
     /// The slot sizes in use, ascending.

@@ -23,6 +23,10 @@
 //!   Held bytes and those in flight together are bounded too (`prefetch_max_held_bytes`, by
 //!   default half the host tier), so hints can never take more host memory than that. Bytes
 //!   held until their deadline unused are counted as wasted.
+//! - Per client ([`PrefetchQuota`], [`Store::prefetch_as`]): the bytes one owner's hints hold
+//!   or have in flight, and the keys it has waiting, are bounded by its quota (the daemon gives
+//!   each engine connection its share), so one engine cannot take the preload room of the
+//!   others; the reader resumes the first waiting hint whose owner has room.
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
@@ -85,6 +89,56 @@ pub struct Prefetch {
     pub held: usize,
 }
 
+/// What one client's hints may take: bytes held or in flight, and keys waiting for room.
+/// Owner 0 is not accounted (the embedded store's own engine).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PrefetchQuota {
+    /// Who hints (the daemon: one id per engine connection).
+    pub owner: u64,
+    /// Most bytes its hints may hold in host memory or have queued or being read.
+    pub max_bytes: u64,
+    /// Most keys of its hints waiting for room.
+    pub max_waiting_keys: usize,
+}
+
+impl PrefetchQuota {
+    /// No per-client bound (the store's own bounds still apply).
+    pub const NONE: PrefetchQuota = PrefetchQuota {
+        owner: 0,
+        max_bytes: u64::MAX,
+        max_waiting_keys: usize::MAX,
+    };
+}
+
+/// A count per owner (owner 0 is not counted); entries at zero are dropped.
+#[derive(Default)]
+pub(crate) struct PerOwner(std::collections::HashMap<u64, u64>);
+
+impl PerOwner {
+    pub(crate) fn add(&mut self, owner: u64, n: u64) {
+        if owner != 0 && n > 0 {
+            *self.0.entry(owner).or_default() += n;
+        }
+    }
+
+    pub(crate) fn sub(&mut self, owner: u64, n: u64) {
+        if let Some(v) = self.0.get_mut(&owner) {
+            *v = v.saturating_sub(n);
+            if *v == 0 {
+                self.0.remove(&owner);
+            }
+        }
+    }
+
+    pub(crate) fn get(&self, owner: u64) -> u64 {
+        self.0.get(&owner).copied().unwrap_or(0)
+    }
+
+    pub(crate) fn clear(&mut self) {
+        self.0.clear();
+    }
+}
+
 impl Store {
     /// Hints that `keys` (a prefix, in order) will be loaded soon: blocks found only in a
     /// lower tier are promoted into host memory in the background, in `priority` order (higher
@@ -98,7 +152,22 @@ impl Store {
         deadline: Instant,
         tag: u64,
     ) -> Prefetch {
-        self.inner.prefetch(keys, priority, deadline, tag)
+        self.inner
+            .prefetch(keys, priority, deadline, tag, PrefetchQuota::NONE)
+    }
+
+    /// [`Store::prefetch`] on behalf of one client, within its quota: what does not fit the
+    /// quota waits for the client's own holds to end (or is dropped when its waiting keys are
+    /// at their bound).
+    pub fn prefetch_as(
+        &self,
+        keys: &[BlockKey],
+        priority: u8,
+        deadline: Instant,
+        tag: u64,
+        quota: PrefetchQuota,
+    ) -> Prefetch {
+        self.inner.prefetch(keys, priority, deadline, tag, quota)
     }
 
     /// Cancels the preloads of `tag` that have not started; returns how many blocks they held.
@@ -109,7 +178,8 @@ impl Store {
 }
 
 /// Most keys of hints waiting for room, all together (16 bytes each).
-const WAITING_KEYS_MAX: usize = 1 << 18;
+pub const PREFETCH_WAITING_KEYS_MAX: usize = 1 << 18;
+use PREFETCH_WAITING_KEYS_MAX as WAITING_KEYS_MAX;
 
 /// The rest of a hint waiting for room.
 pub(crate) struct Waiting {
@@ -117,6 +187,10 @@ pub(crate) struct Waiting {
     pub priority: u8,
     pub deadline: Instant,
     pub tag: u64,
+    pub quota: PrefetchQuota,
+    /// Its owner's bytes held or in flight when the owner's quota (not the store's room) cut
+    /// the hint: it resumes once they are fewer.
+    pub owner_full_at: Option<u64>,
 }
 
 /// A preloaded block held for its load: the slot the promotion's pin is on, until when, its
@@ -129,6 +203,8 @@ pub(crate) struct Held {
     /// Read from a lower tier by the preload (else it was in host memory at the hint, held
     /// so that eviction leaves it until its load).
     pub read: bool,
+    /// The hint's owner ([`PrefetchQuota::owner`]).
+    pub owner: u64,
 }
 
 /// The preloaded blocks held for their loads, and the earliest deadline among them (so a
@@ -180,9 +256,24 @@ impl Inner {
         }
     }
 
+    /// Bytes `owner`'s hints hold or have in flight.
+    pub(crate) fn owner_bytes(&self, owner: u64) -> u64 {
+        if owner == 0 {
+            return 0;
+        }
+        self.held_by_owner.lock().get(owner) + self.work.owner_inflight(owner)
+    }
+
+    /// Counts a new hold.
+    pub(crate) fn add_hold_bytes(&self, owner: u64, bytes: u64) {
+        self.held_bytes.fetch_add(bytes, Relaxed);
+        self.held_by_owner.lock().add(owner, bytes);
+    }
+
     /// Drops a hold's pin and bytes.
     pub(crate) fn drop_hold(&self, key: BlockKey, h: Held) {
         self.held_bytes.fetch_sub(h.bytes, Relaxed);
+        self.held_by_owner.lock().sub(h.owner, h.bytes);
         self.unpin(key, h.slot);
         self.work.room_changed();
     }
@@ -190,7 +281,7 @@ impl Inner {
     /// Holds `key`, Ready in host memory, for the hint's load until `deadline` (one pin, so
     /// eviction leaves it); false if it is held already or no longer Ready. Lock order: the
     /// holds, then the shard (nothing takes them the other way round).
-    fn hold_in_host(&self, key: BlockKey, deadline: Instant) -> bool {
+    fn hold_in_host(&self, key: BlockKey, deadline: Instant, owner: u64) -> bool {
         let mk = MapKey::from(key);
         let mut holds = self.preloads.lock();
         if holds.contains(&mk) {
@@ -214,9 +305,10 @@ impl Inner {
                 deadline,
                 bytes,
                 read: false,
+                owner,
             },
         );
-        self.held_bytes.fetch_add(bytes, Relaxed);
+        self.add_hold_bytes(owner, bytes);
         true
     }
 
@@ -254,11 +346,19 @@ impl Inner {
         }
     }
 
-    fn prefetch(&self, keys: &[BlockKey], priority: u8, deadline: Instant, tag: u64) -> Prefetch {
+    fn prefetch(
+        &self,
+        keys: &[BlockKey],
+        priority: u8,
+        deadline: Instant,
+        tag: u64,
+        quota: PrefetchQuota,
+    ) -> Prefetch {
         self.reap_preloads(Instant::now());
         // Hints wait for room in order: behind any already waiting.
         let behind = self.work.hints_waiting();
-        self.walk_hint(keys, priority, deadline, tag, behind, false)
+        self.walk_hint(keys, priority, deadline, tag, quota, behind, false)
+            .0
     }
 
     /// A waiting hint's turn (the reader, as room came back): true if it made progress.
@@ -270,24 +370,39 @@ impl Inner {
             return true;
         }
         self.reap_preloads(Instant::now());
-        let out = self.walk_hint(&w.keys, w.priority, w.deadline, w.tag, false, true);
-        out.queued + out.held > 0 || out.waiting < w.keys.len()
+        let (out, quota_cut) =
+            self.walk_hint(&w.keys, w.priority, w.deadline, w.tag, w.quota, false, true);
+        // Cut by its owner's quota: it waits for that owner, not for the store's room (the
+        // reader goes on with the other waiting hints).
+        out.queued + out.held > 0 || out.waiting < w.keys.len() || quota_cut
     }
 
     /// Walks a hint's prefix: holds host blocks, queues the promotion of blocks below; from the
     /// first one that does not fit (or all, if `behind`), the rest waits for room (at the
-    /// front of the waiting list if `resumed`, so a resumed hint keeps its place).
+    /// front of the waiting list if `resumed`, so a resumed hint keeps its place). Within
+    /// `quota` for its owner; true with it if that quota (not the store's room) cut the hint.
+    #[allow(clippy::too_many_arguments)]
     fn walk_hint(
         &self,
         keys: &[BlockKey],
         priority: u8,
         deadline: Instant,
         tag: u64,
+        quota: PrefetchQuota,
         behind: bool,
         resumed: bool,
-    ) -> Prefetch {
+    ) -> (Prefetch, bool) {
         let mut out = Prefetch::default();
-        let budget = self.prefetch_room();
+        let room = self.prefetch_room();
+        let owner_bytes = self.owner_bytes(quota.owner);
+        let quota_room = quota.max_bytes.saturating_sub(owner_bytes);
+        // Whether `len` more bytes fit beside `planned`: the store's room, and the owner's
+        // quota (an owner holding nothing may always take one block, however small its quota).
+        let fits = |planned: u64, len: u64| {
+            planned + len <= room && (planned + len <= quota_room || owner_bytes + planned == 0)
+        };
+        // Whether the owner's quota, not the store's room, cut the hint.
+        let mut quota_cut = false;
         let mut planned = 0u64;
         let mut full = behind;
         // The first key not taken for want of room.
@@ -312,10 +427,13 @@ impl Inner {
                     out.in_host += 1;
                     // Held for the load, so that the hints of requests further back in the
                     // queue cannot see it evicted before its load (within the same budget).
-                    if full || planned + len > budget {
+                    if full || !fits(planned, len) {
+                        if !full {
+                            quota_cut = planned + len <= room;
+                        }
                         full = true;
                         cut.get_or_insert(i);
-                    } else if self.hold_in_host(*k, deadline) {
+                    } else if self.hold_in_host(*k, deadline, quota.owner) {
                         planned += len;
                         out.held += 1;
                     }
@@ -335,7 +453,10 @@ impl Inner {
             };
             out.present += 1;
             let len = u64::from(info.len);
-            if full || planned + len > budget {
+            if full || !fits(planned, len) {
+                if !full {
+                    quota_cut = planned + len <= room;
+                }
                 full = true;
                 cut.get_or_insert(i);
                 continue;
@@ -383,6 +504,7 @@ impl Inner {
                 priority,
                 deadline,
                 bytes,
+                owner: quota.owner,
             };
             match self.enqueue_prefetch(ti, items, hint) {
                 Ok(()) => out.queued += n,
@@ -403,6 +525,8 @@ impl Inner {
                 priority,
                 deadline,
                 tag,
+                quota,
+                owner_full_at: quota_cut.then_some(owner_bytes + planned),
             };
             if self.work.wait_hint(w, resumed, WAITING_KEYS_MAX) {
                 out.waiting = n;
@@ -419,7 +543,7 @@ impl Inner {
         self.stats
             .prefetch_dropped
             .fetch_add(out.dropped as u64, Relaxed);
-        out
+        (out, quota_cut)
     }
 
     /// Gives back the slots of preload items that were never queued.
@@ -654,6 +778,37 @@ mod tests {
         assert_eq!(s.prefetch(&[key(0)], 0, far, 20).waiting, 1);
         assert_eq!(s.cancel_prefetch(5), 0, "nothing queued to cancel");
         assert_eq!(s.stats().prefetch.waiting_keys, 3);
+        drop(s);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn one_owner_cannot_take_the_preload_room_of_another() {
+        let (s, d) = on_disk_with("owners", 8, 512 << 10, 512 << 10);
+        let far = Instant::now() + Duration::from_secs(60);
+        let a = PrefetchQuota {
+            owner: 1,
+            max_bytes: 128 << 10,
+            max_waiting_keys: 3,
+        };
+        let b = PrefetchQuota { owner: 2, ..a };
+        // A: two blocks fit its quota, the rest of its hint waits (3 keys: its bound).
+        let keys: Vec<BlockKey> = (0..5).map(key).collect();
+        let p = s.prefetch_as(&keys, 0, far, 1, a);
+        assert_eq!((p.queued, p.waiting, p.dropped), (2, 3, 0), "{p:?}");
+        wait_in_host(&s, &keys[..2]);
+        // More from A does not fit its waiting bound: dropped, nothing else waits.
+        let more = s.prefetch_as(&[key(5)], 0, far, 2, a);
+        assert_eq!((more.waiting, more.dropped), (0, 1), "{more:?}");
+        // B's hint waits behind A's, but A is at its quota: the reader resumes B's first.
+        let bk = [key(6), key(7)];
+        assert_eq!(s.prefetch_as(&bk, 0, far, 3, b).waiting, 2);
+        wait_in_host(&s, &bk);
+        assert!(!s.in_host(&key(2)), "A went past its quota");
+        // A's load uses one of its blocks: room in its quota, its waiting hint resumes.
+        let mut out = vec![0u8; 60_000];
+        assert!(s.get_into(&key(0), &mut out).unwrap().is_some());
+        wait_in_host(&s, &[key(2)]);
         drop(s);
         let _ = std::fs::remove_dir_all(&d);
     }

@@ -122,6 +122,8 @@ pub(crate) struct Hint {
     pub priority: u8,
     pub deadline: Instant,
     pub bytes: u64,
+    /// The hint's owner (see `PrefetchQuota`).
+    pub owner: u64,
 }
 
 #[derive(Default)]
@@ -139,6 +141,9 @@ struct Queues {
     /// Hints (their rest) waiting for room, in order.
     waiting: VecDeque<super::prefetch::Waiting>,
     waiting_keys: usize,
+    /// Preload bytes queued or being read, and keys waiting, per hint owner.
+    inflight_by_owner: super::prefetch::PerOwner,
+    waiting_by_owner: super::prefetch::PerOwner,
     /// The first waiting hint made no progress when last resumed: not again until room
     /// changes.
     resume_stalled: bool,
@@ -189,6 +194,11 @@ impl Work {
         self.q.lock().waiting_keys
     }
 
+    /// Preload bytes of `owner` queued or being read.
+    pub(crate) fn owner_inflight(&self, owner: u64) -> u64 {
+        self.q.lock().inflight_by_owner.get(owner)
+    }
+
     /// Puts a hint's rest on the waiting list (at the front: a resumed one keeps its place);
     /// false if the list is full (or the worker stopped).
     pub(crate) fn wait_hint(
@@ -198,10 +208,13 @@ impl Work {
         max_keys: usize,
     ) -> bool {
         let mut q = self.q.lock();
-        if q.stop || q.waiting_keys + w.keys.len() > max_keys {
+        let n = w.keys.len();
+        let mine = q.waiting_by_owner.get(w.quota.owner) as usize;
+        if q.stop || q.waiting_keys + n > max_keys || mine + n > w.quota.max_waiting_keys {
             return false;
         }
-        q.waiting_keys += w.keys.len();
+        q.waiting_keys += n;
+        q.waiting_by_owner.add(w.quota.owner, n as u64);
         if front {
             q.waiting.push_front(w);
         } else {
@@ -288,6 +301,7 @@ impl Inner {
             return Err(items);
         }
         q.prefetch_bytes += hint.bytes;
+        q.inflight_by_owner.add(hint.owner, hint.bytes);
         let ticket = Arc::new(Ticket::default());
         ticket.abandon();
         q.prefetch.push(PromoteJob {
@@ -323,13 +337,19 @@ impl Inner {
                 .into_iter()
                 .partition(|j| j.hint.is_some_and(|h| h.tag == tag));
             q.prefetch = keep;
-            let before = q.waiting.len();
-            q.waiting.retain(|w| w.tag != tag);
-            if q.waiting.len() != before {
-                q.waiting_keys = q.waiting.iter().map(|w| w.keys.len()).sum();
+            let (dropped, waiting): (VecDeque<_>, VecDeque<_>) = std::mem::take(&mut q.waiting)
+                .into_iter()
+                .partition(|w| w.tag == tag);
+            q.waiting = waiting;
+            for w in &dropped {
+                q.waiting_keys -= w.keys.len();
+                q.waiting_by_owner.sub(w.quota.owner, w.keys.len() as u64);
             }
             for j in &gone {
-                q.prefetch_bytes -= j.hint.map_or(0, |h| h.bytes);
+                if let Some(h) = j.hint {
+                    q.prefetch_bytes -= h.bytes;
+                    q.inflight_by_owner.sub(h.owner, h.bytes);
+                }
             }
             gone
         };
@@ -341,6 +361,18 @@ impl Inner {
         self.stats.prefetch_cancelled.fetch_add(n as u64, Relaxed);
         self.progress.bump();
         n
+    }
+
+    /// Takes the first waiting hint whose owner may have room: one its quota cut waits until
+    /// that owner's holds or preloads shrink, without holding up the others' hints.
+    fn next_waiting(&self, q: &mut Queues) -> Option<super::prefetch::Waiting> {
+        let held = self.held_by_owner.lock();
+        let i = q.waiting.iter().position(|w| match w.owner_full_at {
+            None => true,
+            Some(at) => held.get(w.quota.owner) + q.inflight_by_owner.get(w.quota.owner) < at,
+        })?;
+        drop(held);
+        q.waiting.remove(i)
     }
 
     /// Whether the reader should resume the first waiting hint: there is one, room for
@@ -492,11 +524,13 @@ impl Inner {
                 if q.stop && !q.waiting.is_empty() {
                     q.waiting.clear();
                     q.waiting_keys = 0;
+                    q.waiting_by_owner.clear();
                 }
                 if q.stop && !q.prefetch.is_empty() {
                     // Shutting down: preloads are dropped unread.
                     let gone = std::mem::take(&mut q.prefetch);
                     q.prefetch_bytes = 0;
+                    q.inflight_by_owner.clear();
                     drop(q);
                     for j in gone {
                         self.finish_promotions(&j.items, &[], None);
@@ -509,9 +543,15 @@ impl Inner {
                     .max_by_key(|&i| (q.prefetch[i].hint.map_or(0, |h| h.priority), usize::MAX - i))
                 {
                     q.prefetch.remove(i)
-                } else if let Some(w) = q.waiting.pop_front().filter(|_| !q.stop) {
-                    // Room came back: the first waiting hint's turn.
+                } else if !q.stop && !q.waiting.is_empty() {
+                    // Room came back: the first waiting hint's turn (whose owner has room).
+                    let Some(w) = self.next_waiting(&mut q) else {
+                        // Every waiting hint's owner is at its quota: until room changes.
+                        q.resume_stalled = true;
+                        continue;
+                    };
                     q.waiting_keys -= w.keys.len();
+                    q.waiting_by_owner.sub(w.quota.owner, w.keys.len() as u64);
                     drop(q);
                     let progress = self.resume_hint(w);
                     if !progress {
@@ -528,7 +568,11 @@ impl Inner {
                 self.stats
                     .prefetch_expired
                     .fetch_add(job.items.len() as u64, Relaxed);
-                self.work.q.lock().prefetch_bytes -= h.bytes;
+                {
+                    let mut q = self.work.q.lock();
+                    q.prefetch_bytes -= h.bytes;
+                    q.inflight_by_owner.sub(h.owner, h.bytes);
+                }
                 self.progress.bump();
                 continue;
             }
@@ -551,9 +595,17 @@ impl Inner {
             if let Some(sp) = self.speed.get(job.tier) {
                 sp.lock().observe(bytes, started.elapsed().as_secs_f64());
             }
-            let ok = self.finish_promotions(&job.items, &outcomes, job.hint.map(|h| h.deadline));
+            let ok = self.finish_promotions(
+                &job.items,
+                &outcomes,
+                job.hint.map(|h| (h.deadline, h.owner)),
+            );
             if let Some(h) = job.hint {
-                self.work.q.lock().prefetch_bytes -= h.bytes;
+                {
+                    let mut q = self.work.q.lock();
+                    q.prefetch_bytes -= h.bytes;
+                    q.inflight_by_owner.sub(h.owner, h.bytes);
+                }
                 // Published preloads keep their pin (held, see `Inner::release_preload`).
                 self.reap_preloads(Instant::now());
                 self.work.room_changed();
@@ -578,7 +630,7 @@ impl Inner {
         &self,
         items: &[Promote],
         outcomes: &[ReadOutcome],
-        preload: Option<Instant>,
+        preload: Option<(Instant, u64)>,
     ) -> Vec<bool> {
         let mut ok = Vec::with_capacity(items.len());
         for (i, p) in items.iter().enumerate() {
@@ -594,7 +646,7 @@ impl Inner {
                         c.sums[p.slot.idx as usize] = info.checksum;
                         c.policy.insert(p.slot.idx, p.key.0 as u64);
                     }
-                    if let Some(deadline) = preload {
+                    if let Some((deadline, owner)) = preload {
                         // Recorded before it is visible: a load that finds it preloaded
                         // always finds the hold to release.
                         let old = self.preloads.lock().insert(
@@ -604,9 +656,10 @@ impl Inner {
                                 deadline,
                                 bytes: u64::from(info.len),
                                 read: true,
+                                owner,
                             },
                         );
-                        self.held_bytes.fetch_add(u64::from(info.len), Relaxed);
+                        self.add_hold_bytes(owner, u64::from(info.len));
                         if let Some(old) = old {
                             // The hold of a copy removed while held.
                             self.drop_hold(p.key, old);
@@ -625,6 +678,7 @@ impl Inner {
                         let h = self.preloads.lock().remove(&mk);
                         if let Some(h) = h {
                             self.held_bytes.fetch_sub(h.bytes, Relaxed);
+                            self.held_by_owner.lock().sub(h.owner, h.bytes);
                         }
                     }
                     if let Some(e) = e {
@@ -811,6 +865,7 @@ impl Threads {
             let mut v: Vec<PromoteJob> = q.promote.drain(..).collect();
             v.append(&mut q.prefetch);
             q.prefetch_bytes = 0;
+            q.inflight_by_owner.clear();
             v
         };
         for job in left {
