@@ -149,6 +149,8 @@ fn replay_bench_on_a_small_trace_with_report() {
             "50%",
             "--sweep",
             "10,50",
+            "--synthetic",
+            "none",
         ])
         .arg("--trace")
         .arg(&trace)
@@ -174,14 +176,19 @@ fn replay_bench_on_a_small_trace_with_report() {
         .iter()
         .filter(|r| r["case"].as_str().unwrap().starts_with("sim "))
         .collect();
-    assert_eq!(sims.len(), 4);
+    // Two capacities × every policy × prefix and block hits, on this trace only.
+    assert_eq!(sims.len(), 2 * 4 * 2);
     for s in sims {
-        assert!(
-            s["ratio"].as_f64().unwrap() <= 1.0 + 1e-12,
-            "a policy beat MIN: {s}"
-        );
+        assert_eq!(s["trace"], "trace");
+        if s["metric"] == "block" {
+            assert!(
+                s["ratio"].as_f64().unwrap() <= 1.0 + 1e-12,
+                "a policy beat MIN: {s}"
+            );
+        }
     }
     assert!(tmp.join("report/replay.md").exists());
+    assert!(tmp.join("report/hit_ratio_vs_capacity_trace.png").exists());
     // The same trace through a kvtierd gets the same prefix hits while nothing is evicted.
     let out = Command::new(env!("CARGO_BIN_EXE_kvtier-bench"))
         .args([

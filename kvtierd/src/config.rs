@@ -75,8 +75,47 @@ pub struct Config {
     pub server: ServerSection,
     /// Preloading from engines' hints.
     pub preload: PreloadSection,
+    /// KV events for cache-aware routers (vLLM's ZMQ publisher format).
+    pub events: EventsSection,
     /// Tenants (`server.isolation = "tenant"`): each gets its own arena and quota.
     pub tenants: Vec<TenantSection>,
+}
+
+/// `[events]`: block stored/removed events published as vLLM's `ZmqEventPublisher` does (PUB
+/// socket, frames topic / 8-byte big-endian sequence / msgpack `KVEventBatch`; a ROUTER socket
+/// replays buffered batches), so routers that read vLLM's KV events read kvtierd's.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EventsSection {
+    /// PUB endpoint, `tcp://HOST:PORT` (`*` binds every address; port 0 picks one, printed in
+    /// the ready line); empty: no events (the default).
+    pub endpoint: String,
+    /// ROUTER endpoint for replay requests (empty: none).
+    pub replay_endpoint: String,
+    /// The first frame of every message.
+    pub topic: String,
+    /// "map" (current vLLM: events as tagged maps) or "array" (older consumers: tagged arrays).
+    pub encoding: String,
+    /// Block hashes as the low 64 bits of the key, an integer, instead of its 16 bytes.
+    pub int_hashes: bool,
+    /// Batches kept for replay.
+    pub buffer_steps: usize,
+    /// Batches queued for publishing; past it new batches are dropped (counted).
+    pub hwm: usize,
+}
+
+impl Default for EventsSection {
+    fn default() -> Self {
+        Self {
+            endpoint: String::new(),
+            replay_endpoint: String::new(),
+            topic: String::new(),
+            encoding: "map".into(),
+            int_hashes: false,
+            buffer_steps: 10_000,
+            hwm: 100_000,
+        }
+    }
 }
 
 /// `[preload]`
@@ -144,6 +183,7 @@ impl Default for Config {
             disk: DiskSection::default(),
             server: ServerSection::default(),
             preload: PreloadSection::default(),
+            events: EventsSection::default(),
             tenants: Vec::new(),
         }
     }
@@ -412,6 +452,28 @@ fn loopback(addr: &SocketAddr) -> bool {
 
 impl Config {
     fn validate(&self) -> Result<()> {
+        ensure!(
+            matches!(self.events.encoding.as_str(), "map" | "array"),
+            "events.encoding = {:?}: use \"map\" or \"array\"",
+            self.events.encoding
+        );
+        for (k, v) in [
+            ("events.endpoint", &self.events.endpoint),
+            ("events.replay_endpoint", &self.events.replay_endpoint),
+        ] {
+            ensure!(
+                v.is_empty() || v.starts_with("tcp://"),
+                "{k} = {v:?}: use tcp://HOST:PORT (or empty for none)"
+            );
+        }
+        ensure!(
+            self.events.replay_endpoint.is_empty() || !self.events.endpoint.is_empty(),
+            "events.replay_endpoint is set but events.endpoint is empty: set both"
+        );
+        ensure!(
+            self.events.buffer_steps > 0 && self.events.hwm > 0,
+            "events.buffer_steps and events.hwm must be positive"
+        );
         let grpc: SocketAddr =
             self.server.grpc.parse().with_context(|| {
                 format!("server.grpc = {:?} is not an ip:port", self.server.grpc)
@@ -824,6 +886,13 @@ mod tests {
             "verify_reads",
             "max_inflight_bytes",
             "max_held_bytes",
+            "endpoint",
+            "replay_endpoint",
+            "topic",
+            "encoding",
+            "int_hashes",
+            "buffer_steps",
+            "hwm",
             "deadline_ms",
             "fault_delay_ms",
             "data_dir",

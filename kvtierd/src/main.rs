@@ -4,6 +4,7 @@
 
 mod admin;
 mod config;
+mod events;
 #[cfg(test)]
 mod fuzz_tests;
 mod ipc_server;
@@ -103,6 +104,10 @@ pub struct Daemon {
     latency: Mutex<HashMap<&'static str, Histogram<u64>>>,
     /// Serial numbers of engine connections (preload tags are scoped by them).
     conn_serial: AtomicU64,
+    /// Tokens per block of each registered namespace, per store (for KV events).
+    pub block_tokens: events::BlockTokens,
+    /// KV event publisher counters.
+    pub events: Arc<events::EventStats>,
 }
 
 impl Daemon {
@@ -157,6 +162,8 @@ impl Daemon {
             log,
             latency: Mutex::new(HashMap::new()),
             conn_serial: AtomicU64::new(0),
+            block_tokens: Arc::default(),
+            events: Arc::default(),
         }
     }
 
@@ -177,14 +184,18 @@ impl Daemon {
             return Ok(id);
         }
         check(kvstore::NsId(u32::MAX))?;
-        match store.register_namespace(ns) {
+        let id = match store.register_namespace(ns) {
             Err(kvstore::KeyError::TableFull(_)) => {
                 let held = self.ns_held.lock().clone();
                 store.reclaim_namespaces(&|id| held.contains_key(&(t, id.0)));
                 store.register_namespace(ns).map_err(|e| e.to_string())
             }
             r => r.map_err(|e| e.to_string()),
-        }
+        }?;
+        self.block_tokens
+            .lock()
+            .insert((t, id.0 as u16), ns.block_tokens);
+        Ok(id)
     }
 
     /// Counts a live connection's hold on a namespace id of store `t` (`hold`), or drops it.
@@ -446,11 +457,28 @@ fn run() -> Result<()> {
             .await
             .with_context(|| format!("binding server.metrics = {}", cfg.server.metrics))?;
         let (grpc_addr, metrics_addr) = (grpc.local_addr()?, metrics_l.local_addr()?);
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let mut events_at = String::new();
+        if !cfg.events.endpoint.is_empty() {
+            let stores = d.stores().into_iter().enumerate().collect();
+            let p = events::start(
+                &cfg.events,
+                stores,
+                d.block_tokens.clone(),
+                d.events.clone(),
+                stop_rx.clone(),
+            )
+            .await?;
+            events_at = format!(" events={}", p.endpoint);
+            if let Some(r) = p.replay_endpoint {
+                events_at.push_str(&format!(" events_replay={r}"));
+            }
+        }
         let st = store.stats();
         logging::say(
             std::io::stdout(),
             &format!(
-                "kvtierd ready: socket={} grpc={grpc_addr} metrics={metrics_addr} data_dir={} host_bytes={} disk_bytes={} io_engine={}",
+                "kvtierd ready: socket={} grpc={grpc_addr} metrics={metrics_addr} data_dir={} host_bytes={} disk_bytes={} io_engine={}{events_at}",
                 socket.display(),
                 cfg.data_dir.display(),
                 st.capacity_bytes,
@@ -465,7 +493,6 @@ fn run() -> Result<()> {
                 .name("kvtierd-ipc".into())
                 .spawn(move || ipc_server::serve(ipc, d))?
         };
-        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let metrics_task = tokio::spawn(metrics::serve(metrics_l, d.clone(), stop_rx.clone()));
         let svc = AdminServer::new(admin::AdminService { d: d.clone() })
             .max_decoding_message_size(cfg.server.max_message_bytes.0 as usize)

@@ -201,6 +201,30 @@ pub fn render(d: &Daemon) -> String {
         "Engine requests answered with an error.",
         &[("", d.ipc_errors.load(Relaxed) as f64)],
     );
+    for (name, help, v) in [
+        (
+            "events_published_total",
+            "Block events published on the KV event socket ([events]).",
+            &d.events.events,
+        ),
+        (
+            "event_batches_total",
+            "KV event batches published (and buffered for replay).",
+            &d.events.batches,
+        ),
+        (
+            "event_batches_dropped_total",
+            "KV event batches dropped: events.hwm batches were queued.",
+            &d.events.dropped_batches,
+        ),
+        (
+            "event_replays_total",
+            "KV event replay requests served.",
+            &d.events.replays,
+        ),
+    ] {
+        metric(name, "counter", help, &[("", v.load(Relaxed) as f64)]);
+    }
     let lat = d.latency_quantiles();
     let samples: Vec<(String, f64)> = lat
         .iter()

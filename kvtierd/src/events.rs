@@ -1,0 +1,418 @@
+//! KV events for cache-aware routers, published as vLLM's `ZmqEventPublisher` publishes them
+//! (`vllm/distributed/kv_events.py`), so that vLLM's own subscribers, llm-d's indexer, Dynamo's
+//! router or Ray Serve read kvtierd's events unchanged:
+//!
+//! - a PUB socket sends `[topic, sequence (8 bytes, big-endian), payload]`;
+//! - the payload is a msgpack `KVEventBatch`: `[ts, [events], data_parallel_rank]`, each event
+//!   a tagged map (`{"type": "BlockStored", "block_hashes": [...], ...}`, current vLLM) or a
+//!   tagged array (`["BlockStored", [...], ...]`, `events.encoding = "array"`, older ones);
+//! - a ROUTER socket answers a replay request (`[start sequence]` from a REQ socket) with every
+//!   buffered batch from that sequence on, `[topic, sequence, payload]` each, then
+//!   `[b"", -1, b""]`.
+//!
+//! Events come from the store's event channel: `BlockStored` / `BlockRemoved` with `medium`
+//! `CPU` (host tier) or `STORAGE` (disk tier). kvtierd keeps no engine block hash per block (the
+//! 128-byte metadata budget): a block is published under its 16-byte kvtier key (or, with
+//! `events.int_hashes`, its low 64 bits as an integer); `parent_block_hash` is nil and
+//! `token_ids` empty; `block_size` is the tokens per block of the block's namespace as its
+//! engine registered it (0 if none has since the daemon started). Consecutive events of one
+//! kind and tier become one event with several hashes.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result};
+use kvstore::{BlockEvent, EventKind, Store, Tier};
+use parking_lot::Mutex;
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+
+use crate::config::EventsSection;
+
+/// Most block events in one batch.
+const MAX_EVENTS_PER_BATCH: usize = 4096;
+
+/// Counters of the publisher.
+#[derive(Default)]
+pub struct EventStats {
+    /// Batches published (and buffered for replay).
+    pub batches: AtomicU64,
+    /// Block events published.
+    pub events: AtomicU64,
+    /// Batches dropped because `events.hwm` batches were queued.
+    pub dropped_batches: AtomicU64,
+    /// Replay requests served.
+    pub replays: AtomicU64,
+}
+
+/// Tokens per block of each namespace id, per store, as engines registered them.
+pub type BlockTokens = Arc<Mutex<HashMap<(usize, u16), u32>>>;
+
+/// How events are encoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Encoding {
+    /// Tagged arrays (older vLLM) instead of tagged maps.
+    pub array: bool,
+    /// Hashes as the key's low 64 bits (an integer) instead of its 16 bytes.
+    pub int_hashes: bool,
+}
+
+/// One vLLM KV event over a run of blocks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Run {
+    /// Stored or removed.
+    pub kind: EventKind,
+    /// Where.
+    pub tier: Tier,
+    /// Tokens per block (BlockStored).
+    pub block_size: u32,
+    /// The blocks' keys.
+    pub keys: Vec<u128>,
+}
+
+/// vLLM's `medium` of a tier: `CPU`, `STORAGE`, and `REMOTE` for another node's.
+fn medium(t: Tier) -> &'static str {
+    match t {
+        Tier::Host => "CPU",
+        Tier::Disk => "STORAGE",
+        _ => "REMOTE",
+    }
+}
+
+/// Groups events into runs of one kind, tier and block size.
+pub fn runs(events: &[BlockEvent], block_size: impl Fn(u16) -> u32) -> Vec<Run> {
+    let mut out: Vec<Run> = Vec::new();
+    for e in events {
+        let bs = block_size(e.ns);
+        match out.last_mut() {
+            Some(r) if r.kind == e.kind && r.tier == e.tier && r.block_size == bs => {
+                r.keys.push(e.key.0)
+            }
+            _ => out.push(Run {
+                kind: e.kind,
+                tier: e.tier,
+                block_size: bs,
+                keys: vec![e.key.0],
+            }),
+        }
+    }
+    out
+}
+
+// msgpack writes into a Vec cannot fail: the results of rmp's writers are ignored below.
+fn str_(b: &mut Vec<u8>, s: &str) {
+    let _ = rmp::encode::write_str(b, s);
+}
+
+fn nil(b: &mut Vec<u8>) {
+    let _ = rmp::encode::write_nil(b);
+}
+
+fn hashes(b: &mut Vec<u8>, keys: &[u128], enc: Encoding) {
+    let _ = rmp::encode::write_array_len(b, keys.len() as u32);
+    for k in keys {
+        if enc.int_hashes {
+            let _ = rmp::encode::write_uint(b, *k as u64);
+        } else {
+            let _ = rmp::encode::write_bin(b, &k.to_be_bytes());
+        }
+    }
+}
+
+/// One event, as vLLM's `BlockStored` / `BlockRemoved` (msgspec, `tag=True`, `omit_defaults`).
+fn event(b: &mut Vec<u8>, r: &Run, enc: Encoding) {
+    match (r.kind, enc.array) {
+        (EventKind::Stored, false) => {
+            let _ = rmp::encode::write_map_len(b, 8);
+            str_(b, "type");
+            str_(b, "BlockStored");
+            str_(b, "block_hashes");
+            hashes(b, &r.keys, enc);
+            str_(b, "parent_block_hash");
+            nil(b);
+            str_(b, "token_ids");
+            let _ = rmp::encode::write_array_len(b, 0);
+            str_(b, "block_size");
+            let _ = rmp::encode::write_uint(b, u64::from(r.block_size));
+            str_(b, "lora_id");
+            nil(b);
+            str_(b, "medium");
+            str_(b, medium(r.tier));
+            str_(b, "lora_name");
+            nil(b);
+        }
+        (EventKind::Stored, true) => {
+            let _ = rmp::encode::write_array_len(b, 8);
+            str_(b, "BlockStored");
+            hashes(b, &r.keys, enc);
+            nil(b);
+            let _ = rmp::encode::write_array_len(b, 0);
+            let _ = rmp::encode::write_uint(b, u64::from(r.block_size));
+            nil(b);
+            str_(b, medium(r.tier));
+            nil(b);
+        }
+        (EventKind::Removed, false) => {
+            let _ = rmp::encode::write_map_len(b, 3);
+            str_(b, "type");
+            str_(b, "BlockRemoved");
+            str_(b, "block_hashes");
+            hashes(b, &r.keys, enc);
+            str_(b, "medium");
+            str_(b, medium(r.tier));
+        }
+        (EventKind::Removed, true) => {
+            let _ = rmp::encode::write_array_len(b, 3);
+            str_(b, "BlockRemoved");
+            hashes(b, &r.keys, enc);
+            str_(b, medium(r.tier));
+        }
+    }
+}
+
+/// A `KVEventBatch` payload: `[ts, [events], data_parallel_rank]`.
+pub fn batch(ts: f64, runs: &[Run], enc: Encoding) -> Vec<u8> {
+    let mut b = Vec::with_capacity(64 + runs.iter().map(|r| 20 * r.keys.len()).sum::<usize>());
+    let _ = rmp::encode::write_array_len(&mut b, 3);
+    let _ = rmp::encode::write_f64(&mut b, ts);
+    let _ = rmp::encode::write_array_len(&mut b, runs.len() as u32);
+    for r in runs {
+        event(&mut b, r, enc);
+    }
+    let _ = rmp::encode::write_uint(&mut b, 0);
+    b
+}
+
+/// `tcp://*:P` → `tcp://0.0.0.0:P` (the pure-Rust ZMQ binds an address).
+fn bind_addr(endpoint: &str) -> String {
+    endpoint.replacen("tcp://*:", "tcp://0.0.0.0:", 1)
+}
+
+/// The bound publisher: where it listens, and the task that runs it.
+pub struct Publisher {
+    /// The PUB endpoint as bound (the port filled in).
+    pub endpoint: String,
+    /// The ROUTER endpoint as bound, if any.
+    pub replay_endpoint: Option<String>,
+}
+
+/// Binds the sockets and starts publishing the events of `stores` (each `(index, store)`)
+/// until `stop` turns true.
+pub async fn start(
+    cfg: &EventsSection,
+    stores: Vec<(usize, &'static Store)>,
+    block_tokens: BlockTokens,
+    stats: Arc<EventStats>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<Publisher> {
+    let mut publ = zeromq::PubSocket::new();
+    let ep = publ
+        .bind(&bind_addr(&cfg.endpoint))
+        .await
+        .with_context(|| format!("binding events.endpoint = {}", cfg.endpoint))?;
+    let mut router: Option<(zeromq::RouterSendHalf, zeromq::RouterRecvHalf)> = None;
+    let mut replay_endpoint = None;
+    if !cfg.replay_endpoint.is_empty() {
+        let mut r = zeromq::RouterSocket::new();
+        let rep = r
+            .bind(&bind_addr(&cfg.replay_endpoint))
+            .await
+            .with_context(|| format!("binding events.replay_endpoint = {}", cfg.replay_endpoint))?;
+        replay_endpoint = Some(rep.to_string());
+        router = Some(r.split());
+    }
+    let enc = Encoding {
+        array: cfg.encoding == "array",
+        int_hashes: cfg.int_hashes,
+    };
+    let topic = bytes::Bytes::from(cfg.topic.clone().into_bytes());
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<u8>>(cfg.hwm);
+    // One thread per store turns its events into encoded batches.
+    for (t, store) in stores {
+        let rx_events = store.subscribe(1 << 16);
+        let (tx, tokens, stats) = (tx.clone(), block_tokens.clone(), stats.clone());
+        std::thread::Builder::new()
+            .name(format!("kvtierd-events-{t}"))
+            .spawn(move || {
+                let mut buf = Vec::with_capacity(MAX_EVENTS_PER_BATCH);
+                while let Ok(first) = rx_events.recv() {
+                    buf.clear();
+                    buf.push(first);
+                    while buf.len() < MAX_EVENTS_PER_BATCH {
+                        match rx_events.try_recv() {
+                            Ok(e) => buf.push(e),
+                            Err(_) => break,
+                        }
+                    }
+                    let rs = {
+                        let m = tokens.lock();
+                        runs(&buf, |ns| m.get(&(t, ns)).copied().unwrap_or(0))
+                    };
+                    let ts = SystemTime::now()
+                        .duration_since(UNIX_EPOCH)
+                        .unwrap_or(Duration::ZERO)
+                        .as_secs_f64();
+                    let payload = batch(ts, &rs, enc);
+                    stats.events.fetch_add(buf.len() as u64, Relaxed);
+                    match tx.try_send(payload) {
+                        Ok(()) => {}
+                        Err(tokio::sync::mpsc::error::TrySendError::Full(_)) => {
+                            stats.dropped_batches.fetch_add(1, Relaxed);
+                        }
+                        Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) => return,
+                    }
+                }
+            })
+            .context("starting an events thread")?;
+    }
+    drop(tx);
+    let buffer_steps = cfg.buffer_steps;
+    let (mut router_tx, mut router_rx) = match router {
+        Some((tx, rx)) => (Some(tx), Some(rx)),
+        None => (None, None),
+    };
+    tokio::spawn(async move {
+        let mut seq: u64 = 0;
+        let mut ring: VecDeque<(u64, bytes::Bytes)> = VecDeque::new();
+        loop {
+            let replay = async {
+                match router_rx.as_mut() {
+                    Some(r) => r.recv().await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                m = rx.recv() => {
+                    let Some(payload) = m else { break };
+                    let payload = bytes::Bytes::from(payload);
+                    let mut msg = ZmqMessage::from(topic.clone());
+                    msg.push_back(bytes::Bytes::copy_from_slice(&seq.to_be_bytes()));
+                    msg.push_back(payload.clone());
+                    if let Err(e) = publ.send(msg).await {
+                        tracing::warn!(error = %e, "events: publishing a batch failed");
+                    }
+                    stats.batches.fetch_add(1, Relaxed);
+                    ring.push_back((seq, payload));
+                    while ring.len() > buffer_steps {
+                        ring.pop_front();
+                    }
+                    seq += 1;
+                }
+                r = replay => {
+                    let Ok(req) = r else { continue };
+                    let frames = req.into_vec();
+                    // [identity, empty delimiter, start sequence] from a REQ socket.
+                    let start = match frames.as_slice() {
+                        [_, _, s] if s.len() == 8 => {
+                            let mut b = [0u8; 8];
+                            b.copy_from_slice(s);
+                            u64::from_be_bytes(b)
+                        }
+                        _ => {
+                            tracing::warn!(frames = frames.len(), "events: a replay request that is not [start sequence]: ignored");
+                            continue;
+                        }
+                    };
+                    let id = frames[0].clone();
+                    stats.replays.fetch_add(1, Relaxed);
+                    let Some(router) = router_tx.as_mut() else { continue };
+                    for (s, payload) in ring.iter().filter(|(s, _)| *s >= start) {
+                        let mut m = ZmqMessage::from(id.clone());
+                        m.push_back(bytes::Bytes::new());
+                        m.push_back(topic.clone());
+                        m.push_back(bytes::Bytes::copy_from_slice(&s.to_be_bytes()));
+                        m.push_back(payload.clone());
+                        if router.send(m).await.is_err() {
+                            break;
+                        }
+                    }
+                    let mut end = ZmqMessage::from(id);
+                    end.push_back(bytes::Bytes::new());
+                    end.push_back(bytes::Bytes::new());
+                    end.push_back(bytes::Bytes::copy_from_slice(&(-1i64).to_be_bytes()));
+                    end.push_back(bytes::Bytes::new());
+                    let _ = router.send(end).await;
+                }
+                _ = stop.changed() => break,
+            }
+        }
+    });
+    Ok(Publisher {
+        endpoint: ep.to_string(),
+        replay_endpoint,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvstore::BlockKey;
+
+    fn ev(kind: EventKind, key: u128, tier: Tier, ns: u16) -> BlockEvent {
+        BlockEvent {
+            kind,
+            key: BlockKey(key),
+            tier,
+            ns,
+        }
+    }
+
+    #[test]
+    fn runs_group_consecutive_events_of_one_kind_tier_and_block_size() {
+        let evs = [
+            ev(EventKind::Stored, 1, Tier::Host, 0),
+            ev(EventKind::Stored, 2, Tier::Host, 0),
+            ev(EventKind::Stored, 3, Tier::Disk, 0),
+            ev(EventKind::Removed, 1, Tier::Host, 0),
+            ev(EventKind::Stored, 4, Tier::Host, 1),
+        ];
+        let rs = runs(&evs, |ns| if ns == 0 { 16 } else { 32 });
+        let shape: Vec<(EventKind, Tier, u32, usize)> = rs
+            .iter()
+            .map(|r| (r.kind, r.tier, r.block_size, r.keys.len()))
+            .collect();
+        assert_eq!(
+            shape,
+            vec![
+                (EventKind::Stored, Tier::Host, 16, 2),
+                (EventKind::Stored, Tier::Disk, 16, 1),
+                (EventKind::Removed, Tier::Host, 16, 1),
+                (EventKind::Stored, Tier::Host, 32, 1),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_batch_is_an_array_of_ts_events_and_rank() {
+        let r = Run {
+            kind: EventKind::Stored,
+            tier: Tier::Disk,
+            block_size: 16,
+            keys: vec![u128::MAX - 1],
+        };
+        for (array, int_hashes) in [(false, false), (true, true)] {
+            let enc = Encoding { array, int_hashes };
+            let b = batch(1.5, std::slice::from_ref(&r), enc);
+            let mut rd = b.as_slice();
+            assert_eq!(rmp::decode::read_array_len(&mut rd).unwrap(), 3);
+            assert_eq!(rmp::decode::read_f64(&mut rd).unwrap(), 1.5);
+            assert_eq!(rmp::decode::read_array_len(&mut rd).unwrap(), 1);
+            if array {
+                assert_eq!(rmp::decode::read_array_len(&mut rd).unwrap(), 8);
+            } else {
+                assert_eq!(rmp::decode::read_map_len(&mut rd).unwrap(), 8);
+            }
+        }
+        // The bytes form: the key's 16 bytes, big-endian.
+        let enc = Encoding {
+            array: false,
+            int_hashes: false,
+        };
+        let b = batch(0.0, &[r], enc);
+        let key = (u128::MAX - 1).to_be_bytes();
+        assert!(b.windows(16).any(|w| w == key));
+        assert!(b.windows(7).any(|w| w == b"STORAGE"));
+    }
+}

@@ -1,0 +1,235 @@
+"""kvtierd's KV events ([events]) read as a cache-aware router reads vLLM's: a pyzmq SUB socket
+on the PUB endpoint, a REQ socket on the replay endpoint, and vLLM's own classes
+(vllm.distributed.kv_events.KVEventBatch, msgspec's msgpack decoder) for the payload."""
+
+import json
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from kvtier import Sidecar, engine_key, namespace_fingerprint
+
+REPO = Path(__file__).resolve().parents[2]
+BLOCK_TOKENS = 16
+
+
+class Daemon:
+    def __init__(self, data_dir, *extra):
+        self.p = subprocess.Popen(
+            [str(REPO / "target" / "debug" / "kvtierd"), "--data-dir", str(data_dir),
+             "--host-capacity", "512M", "--disk-capacity", "64M", "--grpc", "127.0.0.1:0",
+             "--metrics", "127.0.0.1:0", "--set", "host.segment=16M", "--set", "log=warn",
+             "--set", "server.token=events-token",
+             "--set", "events.endpoint=tcp://127.0.0.1:0",
+             "--set", "events.replay_endpoint=tcp://127.0.0.1:0", *extra],
+            stdout=subprocess.PIPE, text=True)
+        line = self.p.stdout.readline()
+        f = dict(w.split("=", 1) for w in line.split() if "=" in w)
+        self.socket, self.grpc = f["socket"], f["grpc"]
+        self.events, self.replay = f["events"], f["events_replay"]
+
+    def cli(self, *args):
+        out = subprocess.run([str(REPO / "target" / "debug" / "kvtier"), "--addr", self.grpc,
+                              "--token", "events-token", "--json", *args],
+                             capture_output=True, text=True, check=True)
+        return json.loads(out.stdout)
+
+    def stop(self):
+        self.p.terminate()
+        assert self.p.wait(timeout=60) == 0
+
+
+def subscriber(endpoint):
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVHWM, 0)
+    sub.connect(endpoint)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    time.sleep(0.5)  # ZMQ's slow joiner: the subscription reaches the publisher
+    return sub
+
+
+def receive(sub, until, timeout=30.0):
+    """(seq, payload) messages until `until(messages)` holds."""
+    got, end = [], time.monotonic() + timeout
+    while not until(got):
+        assert time.monotonic() < end, f"events did not arrive ({len(got)} messages)"
+        if sub.poll(200):
+            topic, seq, payload = sub.recv_multipart()
+            assert topic == b""
+            got.append((int.from_bytes(seq, "big", signed=True), payload))
+    return got
+
+
+def replay(endpoint, start):
+    """Every buffered batch from sequence `start` on. A DEALER socket speaks REQ's framing
+    (an empty delimiter first) and, unlike REQ, reads the several replies the publisher
+    streams back for one request."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(endpoint)
+    sock.send_multipart([b"", start.to_bytes(8, "big")])
+    out = []
+    while True:
+        assert sock.poll(10_000), "no replay answer"
+        empty, topic, seq, payload = sock.recv_multipart()
+        assert empty == b""
+        seq = int.from_bytes(seq, "big", signed=True)
+        if seq == -1:
+            assert topic == b"" and payload == b""
+            break
+        out.append((seq, payload))
+    sock.close(linger=0)
+    return out
+
+
+def setup_ns(side, model):
+    enc, fp = namespace_fingerprint(model=model, dtype="bf16", layout="events-test",
+                                    block_tokens=BLOCK_TOKENS, tp_size=1, tp_rank=0)
+    return side.register_namespace(enc), fp
+
+
+def test_events_decode_with_vllms_classes_and_replay(tmp_path):
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+    d = Daemon(tmp_path / "d")
+    try:
+        sub = subscriber(d.events)
+        side = Sidecar(d.socket, "events-test")
+        ns, fp = setup_ns(side, "events-map")
+        keys = [engine_key(fp, bytes([i]) * 32) for i in range(5)]
+        for k in keys:
+            assert side.put(ns, k, b"x" * 8192)
+        dec = msgspec.msgpack.Decoder(type=KVEventBatch)
+
+        def stored(msgs):
+            return [h for _, p in msgs for e in dec.decode(p).events
+                    if isinstance(e, BlockStored) for h in e.block_hashes]
+
+        msgs = receive(sub, lambda m: len(stored(m)) >= 5)
+        assert stored(msgs) == keys, "the blocks' 16-byte keys, in order"
+        for _, p in msgs:
+            b = dec.decode(p)
+            assert b.data_parallel_rank == 0 and b.ts > 0
+            for e in b.events:
+                assert isinstance(e, BlockStored)
+                assert e.medium == "CPU" and e.block_size == BLOCK_TOKENS
+                assert e.parent_block_hash is None and e.token_ids == []
+        seqs = [s for s, _ in msgs]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs
+
+        # Cleared by the admin: removed from host memory (and the disk tier, if written).
+        assert d.cli("clear", str(ns))["removed"] >= 5
+        more = receive(sub, lambda m: any(isinstance(e, BlockRemoved)
+                                          for _, p in m for e in dec.decode(p).events))
+        removed = [e for _, p in more for e in dec.decode(p).events
+                   if isinstance(e, BlockRemoved)]
+        assert {h for e in removed for h in e.block_hashes} >= set(keys[:1])
+        assert all(e.medium in ("CPU", "STORAGE") for e in removed)
+
+        # A subscriber that missed everything asks for a replay from sequence 0.
+        everything = replay(d.replay, 0)
+        assert [s for s, _ in everything] == list(range(len(everything)))
+        assert [p for _, p in everything[:len(msgs)]] == [p for _, p in msgs]
+        assert len(replay(d.replay, len(everything))) == 0
+        del side
+    finally:
+        d.stop()
+
+
+class OldBlockStored(msgspec.Struct, array_like=True, omit_defaults=True, tag="BlockStored"):
+    """vLLM's BlockStored as older consumers decode it (tagged arrays)."""
+    block_hashes: list
+    parent_block_hash: object
+    token_ids: list
+    block_size: int
+    lora_id: object
+    medium: object
+    lora_name: object = None
+
+
+class OldBlockRemoved(msgspec.Struct, array_like=True, omit_defaults=True,
+                      tag="BlockRemoved"):
+    block_hashes: list
+    medium: object
+
+
+class OldBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    ts: float
+    events: list[OldBlockStored | OldBlockRemoved]
+    data_parallel_rank: object = None
+
+
+def test_array_encoding_with_int_hashes(tmp_path):
+    d = Daemon(tmp_path / "d", "--set", "events.encoding=array",
+               "--set", "events.int_hashes=true")
+    try:
+        sub = subscriber(d.events)
+        side = Sidecar(d.socket, "events-test")
+        ns, fp = setup_ns(side, "events-array")
+        keys = [engine_key(fp, bytes([i]) * 32) for i in range(3)]
+        for k in keys:
+            assert side.put(ns, k, b"y" * 4096)
+        dec = msgspec.msgpack.Decoder(type=OldBatch)
+        msgs = receive(sub, lambda m: sum(len(e.block_hashes) for _, p in m
+                                          for e in dec.decode(p).events) >= 3)
+        hashes = [h for _, p in msgs for e in dec.decode(p).events for h in e.block_hashes]
+        assert hashes == [int.from_bytes(k[8:], "big") for k in keys]
+        assert all(isinstance(e, OldBlockStored) and e.medium == "CPU"
+                   for _, p in msgs for e in dec.decode(p).events)
+        del side
+    finally:
+        d.stop()
+
+
+def test_a_burst_of_100k_saves_arrives_in_order_without_gaps(tmp_path):
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    n = 100_000
+    d = Daemon(tmp_path / "d", "--set", "events.buffer_steps=200000")
+    try:
+        sub = subscriber(d.events)
+        side = Sidecar(d.socket, "events-test")
+        ns, fp = setup_ns(side, "events-burst")
+        keys = [engine_key(fp, i.to_bytes(32, "little")) for i in range(n)]
+        got, stop = [], threading.Event()
+
+        def read():
+            while not stop.is_set():
+                if sub.poll(100):
+                    _, seq, payload = sub.recv_multipart()
+                    got.append((int.from_bytes(seq, "big"), payload))
+
+        t = threading.Thread(target=read)
+        t.start()
+        for k in keys:
+            assert side.put(ns, k, b"z" * 1024)
+        dec = msgspec.msgpack.Decoder(type=KVEventBatch)
+
+        def count(msgs):
+            return sum(len(e.block_hashes) for _, p in msgs for e in dec.decode(p).events
+                       if isinstance(e, BlockStored))
+
+        end = time.monotonic() + 60
+        while count(list(got)) < n and time.monotonic() < end:
+            time.sleep(0.2)
+        stop.set()
+        t.join()
+        seqs = [s for s, _ in got]
+        # In sequence order; what a slow subscriber missed, the replay socket has.
+        assert seqs == sorted(seqs)
+        missing = sorted(set(range(seqs[0], seqs[-1] + 1)) - set(seqs)) if seqs else []
+        if missing or count(got) < n:
+            got = replay(d.replay, 0)
+            seqs = [s for s, _ in got]
+            assert seqs == list(range(len(seqs))), "gaps in the replay"
+        assert count(got) == n
+        hashes = [h for _, p in got for e in dec.decode(p).events
+                  if isinstance(e, BlockStored) for h in e.block_hashes]
+        assert hashes[-n:] == keys
+        del side
+    finally:
+        d.stop()
