@@ -5,6 +5,7 @@
 mod alloc_count;
 mod connector;
 mod disk;
+mod events;
 mod host;
 mod ipc;
 mod peers;
@@ -44,6 +45,8 @@ enum Cmd {
     Replay(Box<replay::ReplayArgs>),
     /// The same put/get workload against kvtier, Redis and Mooncake Store on this machine.
     Peers(peers::PeersArgs),
+    /// kvtierd's KV event publisher: puts with events vs without, events/s delivered.
+    Events(events::EventsArgs),
     /// Through the kvtierd sidecar vs embedded: lookup+lease latency, put/get bandwidth.
     Ipc(ipc::IpcArgs),
     /// Save/load of a long prefix through the connector's CPU path vs memcpy, embedded and kvtierd.
@@ -81,6 +84,7 @@ fn main() -> Result<()> {
         Cmd::Replay(a) => replay::run(*a),
         Cmd::Peers(a) => peers::run(a),
         Cmd::Ipc(a) => ipc::run(a),
+        Cmd::Events(a) => events::run(a),
         Cmd::Connector(a) => connector::run(a),
         Cmd::Soak(a) => soak::run(a),
         Cmd::SoakEngine(a) => soak::run_engine(a),

@@ -14,6 +14,8 @@ pub struct Sidecar {
     pub socket: PathBuf,
     /// Its admin gRPC address.
     pub grpc: String,
+    /// Its ready line (other listeners: `events=`, `metrics=`).
+    pub ready: String,
 }
 
 impl Drop for Sidecar {
@@ -84,6 +86,7 @@ impl Sidecar {
         Ok(Self {
             socket: PathBuf::from(socket),
             grpc,
+            ready: line.clone(),
             child,
             dir,
         })
