@@ -391,3 +391,22 @@ fn soak_two_minutes_serves_no_wrong_bytes_and_loses_nothing_durable() {
     assert!(n("durable_checks") > 0.0, "{c}");
     assert!(n("engine_reconnects") >= 3.0, "{c}");
 }
+
+#[test]
+fn events_bench_counts_every_stored_block_through_a_subscriber() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier-bench"))
+        .args(["events", "--blocks", "3000", "--rounds", "1", "--json"])
+        .output()
+        .unwrap();
+    let v = last_json(&out);
+    assert_eq!(v["bench"], "events");
+    let rows = v["results"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    assert!(rows[1]["case"]
+        .as_str()
+        .unwrap()
+        .starts_with("events/s at 3000 blocks"));
+    for r in rows {
+        assert!(r["value"].as_f64().unwrap() > 0.0, "{r}");
+    }
+}
