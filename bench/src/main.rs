@@ -12,6 +12,7 @@ mod peers;
 mod plot;
 mod replay;
 mod report;
+mod rng;
 mod sidecar;
 mod sim;
 mod soak;

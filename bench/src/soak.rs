@@ -33,6 +33,7 @@ use kvtier_ipc::{IpcClient, IpcError, SlotStatus};
 use serde::{Deserialize, Serialize};
 
 use crate::report::{Report, Row};
+use crate::rng::Rng;
 
 /// Block sizes the engines mix.
 const SIZES: [usize; 4] = [16 << 10, 64 << 10, 256 << 10, 1 << 20];
@@ -100,22 +101,6 @@ pub struct EngineArgs {
     /// Seed.
     #[arg(long)]
     pub seed: u64,
-}
-
-/// splitmix64: small, seedable, good enough to pick operations.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut x = self.0;
-        x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        x ^ (x >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
 }
 
 /// A namespace of the soak: `0` is the shared one, `1 + id` engine `id`'s own.

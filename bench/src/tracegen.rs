@@ -17,6 +17,7 @@
 
 use anyhow::{bail, Result};
 
+use crate::rng::Rng;
 use crate::trace::Request;
 
 /// Tokens per block (the Mooncake trace's).
@@ -24,34 +25,6 @@ const BLOCK_TOKENS: u64 = 512;
 
 /// The generators' names.
 pub const KINDS: [&str; 3] = ["chat", "agent", "docqa"];
-
-/// SplitMix64: small, fast, deterministic.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1).
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    /// Uniform in [lo, hi].
-    fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next() % (hi - lo + 1)
-    }
-
-    /// Exponential with this mean.
-    fn exp(&mut self, mean: f64) -> f64 {
-        -mean * (1.0 - self.unit()).ln()
-    }
-}
 
 /// Zipf(`s`) over `n` ranks by inverse transform on the cumulative weights.
 struct Zipf(Vec<f64>);

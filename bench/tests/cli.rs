@@ -217,7 +217,6 @@ fn replay_bench_on_a_small_trace_with_report() {
         (hit["value"].as_f64().unwrap() - 95.0 / 140.0).abs() < 1e-9,
         "{hit}"
     );
-    assert!(tmp.join("report/hit_ratio_vs_capacity.png").exists());
     // A malformed trace names the line.
     std::fs::write(&trace, "{\"timestamp\": 0}\n").unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_kvtier-bench"))
