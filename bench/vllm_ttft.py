@@ -4,17 +4,20 @@ memory, only on disk, and only on disk with preload hints; and recomputed (no co
 Run with the vLLM virtualenv's Python (vLLM's CPU build):
 
     .venv-vllm/bin/python bench/vllm_ttft.py --json [--requests 8] [--prefix 1536]
-        [--question 256] [--batch-tokens 512] [--rounds 2]
+        [--question 256] [--batch-tokens 512] [--busy 1984] [--rounds 2]
 
 It builds its own random Llama (8 layers, hidden 512: big enough that prefill costs), starts its
 own kvtierd (the release build if there is one, else the debug build), saves the prefixes once
 (one engine computes them), then per round runs one fresh engine per case, each on the same
-queue of requests submitted at once. Each request is its prefix and then a question of its own
-that every engine computes; the engine takes at most --batch-tokens tokens per step, so the
-requests queue behind each other (`--question 32 --batch-tokens 2048`: no queue, the whole burst
-in one step). Cases: `host` (prefixes in the daemon's host memory), `disk` (daemon restarted:
-disk only, hints off), `disk+hints` (restarted again: disk only, each request's blocks hinted
-as it arrives, load_policy wait_complete), and `recompute` (no connector). Measured engines only
+queue of requests submitted at once, behind a long prompt of its own (`--busy` tokens) whose
+chunked prefill takes the engine's whole token budget (--batch-tokens) for its first steps:
+meanwhile vLLM's scheduler does not reach the queue, so without hints a queued request's disk
+read starts only when its turn comes. Each request is its prefix and then a question of its own
+that every engine computes (`--busy 0 --question 32 --batch-tokens 2048`: no queue, the whole
+burst in one step). TTFT is measured for the queued requests. Cases: `host` (prefixes in the
+daemon's host memory), `disk` (daemon restarted: disk only, hints off), `disk+hints`
+(restarted again: disk only, each request's blocks hinted as it arrives, load_policy
+wait_complete), and `recompute` (no connector). Measured engines only
 load (kv_role kv_consumer), so every case finds the same blocks. TTFT = first token time -
 submit time, per request; every engine's tokens must equal the no-connector engine's. Cases
 are interleaved within each round; figures are medians over rounds of each case's p50 / p99.
@@ -86,6 +89,11 @@ def child(args: dict) -> None:
     warm = [1001] + [(7 * i + 3) % 997 for i in range(2 * BS + 5)]
     llm.generate([TokensPrompt(prompt_token_ids=warm)], sp, use_tqdm=False)
     t0 = time.monotonic()
+    if args.get("busy"):
+        # A long prompt of its own first: while its chunked prefill takes every step's token
+        # budget, the scheduler does not reach the queued requests (nor look them up).
+        busy = [(11 * j + 5) % 997 for j in range(args["busy"])]
+        engine.add_request("busy", TokensPrompt(prompt_token_ids=busy), sp)
     for i, ids in enumerate(args["prompts"]):
         engine.add_request(f"r{i}", TokensPrompt(prompt_token_ids=ids), sp)
     first: dict[str, float] = {}
@@ -133,10 +141,10 @@ class Daemon:
 
 
 def engine(model: Path, prompts, batch_tokens: int, connector=None,
-           role: str = "kv_consumer") -> dict:
+           role: str = "kv_consumer", busy: int = 0) -> dict:
     """One engine run; a connector engine only loads (kv_consumer) unless `role` says."""
     args = {"model": str(model), "prompts": prompts, "connector": connector,
-            "batch_tokens": batch_tokens, "role": role}
+            "batch_tokens": batch_tokens, "role": role, "busy": busy}
     p = subprocess.run([sys.executable, __file__, "--child", json.dumps(args)],
                        capture_output=True, text=True, env=ENV, timeout=1800)
     lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
@@ -161,6 +169,9 @@ def main() -> None:
                     help="tokens of each request's own question (after the prefix)")
     ap.add_argument("--batch-tokens", type=int, default=512,
                     help="the engine's max_num_batched_tokens")
+    ap.add_argument("--busy", type=int, default=1984,
+                    help="tokens of a prompt of its own submitted first, that keeps the engine "
+                         "busy while the queue waits (0: none)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -186,7 +197,7 @@ def main() -> None:
                                                         "recompute")}
         def case(name, connector=None):
             before = d.stats()["hits"] if connector else 0
-            x = engine(model, prompts, a.batch_tokens, connector)
+            x = engine(model, prompts, a.batch_tokens, connector, busy=a.busy)
             x["hits"] = d.stats()["hits"] - before if connector else 0
             runs[name].append(x)
 

@@ -37,6 +37,10 @@ def main() -> None:
             kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm",
             kv_role=args.get("role", "kv_both"), kv_connector_extra_config=args["connector"],
             kv_load_failure_policy=args.get("policy", "fail"))
+    if args.get("kv_events"):
+        from vllm.config import KVEventsConfig
+        kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                endpoint=args["kv_events"], topic="")
     llm = LLM(**kw)
     sp = SamplingParams(temperature=0.0, max_tokens=args.get("max_tokens", 8), logprobs=0)
     aborted = []

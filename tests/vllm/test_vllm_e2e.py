@@ -295,10 +295,35 @@ def test_vllm_engines_share_kv_through_kvtierd(model, ref, tmp_path):
         side = Sidecar(d.socket, "e2e-test")
         assert side.match_prefix(keys(A)) == 0, "a kv_consumer engine saved blocks"
         del side
-        cleared = engine(model, [C, D], d.conn())["outputs"]
+        # With vLLM's KV events on, the connector's saves surface through vLLM's own publisher
+        # (take_events): BlockStored, medium CPU, the engine's hashes and tokens.
+        import socket as _socket
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import BlockStored, KVEventBatch
+        with _socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        cleared = engine(model, [C, D], d.conn(), kv_events=f"tcp://*:{port}")["outputs"]
         for out, name in zip(cleared, "CD"):
             assert out["num_cached_tokens"] == 0
             same(out, ref[name])
+        dec = msgspec.msgpack.Decoder(type=KVEventBatch)
+        ours = []
+        while sub.poll(1000):
+            _, _, payload = sub.recv_multipart()
+            ours += [e for e in dec.decode(payload).events
+                     if isinstance(e, BlockStored) and e.medium == "CPU"]
+        sub.close(linger=0)
+        saved_tokens = [tuple(e.token_ids) for e in ours]
+        for prompt in (C, D):
+            full = tuple(prompt[:len(prompt) // BS * BS])
+            assert full in saved_tokens, (full, saved_tokens)
+        assert all(len(e.block_hashes) * BS == len(e.token_ids) and e.block_size == BS
+                   for e in ours)
 
         # Data files corrupted on disk: the index says present, the checksum says no.
         d.stop()

@@ -269,6 +269,11 @@ class KvtierConnector(KVConnectorBase_V1):
         self._hinted: dict[str, float] = {}  # request → when its preload hint was sent
         self._tiers: dict[str, list[str]] = {}  # request → tier of each block at its lookup
         self._hint_failed = False
+        # BlockStored events for the blocks this connector saves, for vLLM's KV event
+        # publisher (`take_events`), when the engine publishes events at all.
+        ev = getattr(vllm_config, "kv_events_config", None)
+        self._kv_events = bool(ev is not None and getattr(ev, "enable_kv_cache_events", False))
+        self._events: list[Any] = []
         # Worker side.
         self._paged: PagedKv | None = None
         self._mover: _Mover | None = None
@@ -412,6 +417,33 @@ class KvtierConnector(KVConnectorBase_V1):
             meta.saves.append(_Transfer(req_id, hashes[start:upto], ids[start:upto]))
             self._saved[req_id] = upto
             self._saving.add(req_id)
+            if self._kv_events:
+                self._events.append(self._stored_event(req, start, upto))
+
+    def _stored_event(self, req, start, upto):
+        """vLLM's BlockStored for the blocks [start, upto) of a request, saved to kvtier
+        (medium "CPU": kvtier's host tier takes them first), under the engine's own hashes."""
+        from vllm.distributed.kv_events import BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        bs = self._block_size
+        lora = getattr(req, "lora_request", None)
+        return BlockStored(
+            block_hashes=[maybe_convert_block_hash(h) for h in req.block_hashes[start:upto]],
+            parent_block_hash=(maybe_convert_block_hash(req.block_hashes[start - 1])
+                               if start > 0 else None),
+            token_ids=list(req.all_token_ids[start * bs:upto * bs]),
+            block_size=bs,
+            lora_id=lora.adapter_id if lora else None,
+            medium="CPU",
+            lora_name=lora.name if lora else None,
+        )
+
+    def take_events(self):
+        """BlockStored events of the saves queued since the last call (vLLM's scheduler
+        publishes them with its own KV events when `--kv-events-config` enables them)."""
+        events, self._events = self._events, []
+        return events
 
     def update_connector_output(self, connector_output):
         """Blocks that failed to load are recomputed by the engine: save them again then."""
