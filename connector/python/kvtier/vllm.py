@@ -23,7 +23,8 @@ Extra config keys:
   copy_threads: threads a large save or load is split across (default 0: the cores available
         to the process, at most 8; 1: the calling thread only)
   preload: true (default): when a request arrives (``on_new_request``) its blocks found only
-        on disk are promoted into host memory while it waits in the queue
+        on disk are promoted into host memory while it waits in the queue (and held there for
+        it until it is served or finishes, at least 30 s)
   load_policy: what ``get_num_new_matched_tokens`` does while a request's preloads are still
         arriving: "timeout" (default: the request waits in the queue until they are in host
         memory or ``load_deadline_ms`` passed since its arrival, then loads what has arrived and
@@ -218,6 +219,11 @@ class KvtierConnector(KVConnectorBase_V1):
             raise ValueError(f"kvtier: load_policy must be timeout, wait_complete or "
                              f"best_effort, not {self._policy!r}")
         self._deadline_s = float(extra.get("load_deadline_ms", 2000)) / 1000.0
+        # How long a hint's preloads and holds last: until the request is served or finished
+        # (request_finished cancels), however long it queues — at least 30 s. (A hint that
+        # lapsed while its request still queued was hinted again and waited for, where a plain
+        # asynchronous load would have read at once.)
+        self._hint_ttl_s = max(2 * self._deadline_s, 30.0)
         self._prefill_rate = float(extra.get("prefill_tokens_per_s", 0.0))
         # kv_role: "kv_both" loads and saves, "kv_consumer" only loads, "kv_producer" only saves.
         kv_role = str(getattr(self._kv_transfer_config, "kv_role", None) or "kv_both")
@@ -311,7 +317,7 @@ class KvtierConnector(KVConnectorBase_V1):
         keys = self._keys(request)
         if keys:
             self._hinted[request.request_id] = time.monotonic()
-            self._hint(request.request_id, keys, max(self._deadline_s, 1.0) * 2)
+            self._hint(request.request_id, keys, self._hint_ttl_s)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         keys = self._keys(request) if self._may_load else []
@@ -329,7 +335,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 elif waited < (60.0 if self._policy == "wait_complete" else self._deadline_s):
                     # Still arriving: hint again (what was cut for room gets queued now) and
                     # let the scheduler ask again later; the request waits in the queue.
-                    self._hint(rid, keys[:n], max(self._deadline_s - waited, 0.05) * 2)
+                    self._hint(rid, keys[:n], max(self._hint_ttl_s - waited, 1.0))
                     return None, False
                 else:
                     n = host  # past the deadline: what has arrived; vLLM computes the rest
