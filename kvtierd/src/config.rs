@@ -98,9 +98,10 @@ pub struct EventsSection {
     pub encoding: String,
     /// Block hashes as the low 64 bits of the key, an integer, instead of its 16 bytes.
     pub int_hashes: bool,
-    /// Batches kept for replay.
+    /// Batches kept for replay (at most 64 MiB of them).
     pub buffer_steps: usize,
-    /// Batches queued for publishing; past it new batches are dropped (counted).
+    /// Batches queued for publishing (at most 64 MiB); past it new batches are dropped
+    /// (counted).
     pub hwm: usize,
 }
 

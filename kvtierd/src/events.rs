@@ -34,6 +34,12 @@ use crate::config::EventsSection;
 /// Most block events in one batch.
 const MAX_EVENTS_PER_BATCH: usize = 4096;
 
+/// Most bytes of batches queued for the publisher, and kept for replay: `hwm` and
+/// `buffer_steps` count batches, and a batch holds up to 4096 events (~80 KiB), so saves
+/// from engines alone must not make the daemon hold gigabytes of events.
+const MAX_QUEUED_BYTES: u64 = 64 << 20;
+const MAX_RING_BYTES: usize = 64 << 20;
+
 /// Counters of the publisher.
 #[derive(Default)]
 pub struct EventStats {
@@ -41,7 +47,7 @@ pub struct EventStats {
     pub batches: AtomicU64,
     /// Block events published.
     pub events: AtomicU64,
-    /// Batches dropped because `events.hwm` batches were queued.
+    /// Batches dropped because `events.hwm` batches (or 64 MiB) were queued.
     pub dropped_batches: AtomicU64,
     /// Replay requests served.
     pub replays: AtomicU64,
@@ -229,10 +235,12 @@ pub async fn start(
     };
     let topic = bytes::Bytes::from(cfg.topic.clone().into_bytes());
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<u8>>(cfg.hwm);
+    let queued = Arc::new(AtomicU64::new(0));
     // One thread per store turns its events into encoded batches.
     for (t, store) in stores {
         let rx_events = store.subscribe(1 << 16);
         let (tx, tokens, stats) = (tx.clone(), block_tokens.clone(), stats.clone());
+        let queued = queued.clone();
         std::thread::Builder::new()
             .name(format!("kvtierd-events-{t}"))
             .spawn(move || {
@@ -255,10 +263,18 @@ pub async fn start(
                         .unwrap_or(Duration::ZERO)
                         .as_secs_f64();
                     let payload = batch(ts, &rs, enc);
-                    stats.events.fetch_add(buf.len() as u64, Relaxed);
+                    let len = payload.len() as u64;
+                    if queued.load(Relaxed) + len > MAX_QUEUED_BYTES {
+                        stats.dropped_batches.fetch_add(1, Relaxed);
+                        continue;
+                    }
+                    queued.fetch_add(len, Relaxed);
                     match tx.try_send(payload) {
-                        Ok(()) => {}
+                        Ok(()) => {
+                            stats.events.fetch_add(buf.len() as u64, Relaxed);
+                        }
                         Err(tokio::sync::mpsc::error::TrySendError::Full(_)) => {
+                            queued.fetch_sub(len, Relaxed);
                             stats.dropped_batches.fetch_add(1, Relaxed);
                         }
                         Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) => return,
@@ -276,6 +292,7 @@ pub async fn start(
     tokio::spawn(async move {
         let mut seq: u64 = 0;
         let mut ring: VecDeque<(u64, bytes::Bytes)> = VecDeque::new();
+        let mut ring_bytes = 0usize;
         loop {
             let replay = async {
                 match router_rx.as_mut() {
@@ -286,6 +303,7 @@ pub async fn start(
             tokio::select! {
                 m = rx.recv() => {
                     let Some(payload) = m else { break };
+                    queued.fetch_sub(payload.len() as u64, Relaxed);
                     let payload = bytes::Bytes::from(payload);
                     let mut msg = ZmqMessage::from(topic.clone());
                     msg.push_back(bytes::Bytes::copy_from_slice(&seq.to_be_bytes()));
@@ -294,9 +312,13 @@ pub async fn start(
                         tracing::warn!(error = %e, "events: publishing a batch failed");
                     }
                     stats.batches.fetch_add(1, Relaxed);
+                    ring_bytes += payload.len();
                     ring.push_back((seq, payload));
-                    while ring.len() > buffer_steps {
-                        ring.pop_front();
+                    while ring.len() > buffer_steps || ring_bytes > MAX_RING_BYTES {
+                        match ring.pop_front() {
+                            Some((_, p)) => ring_bytes -= p.len(),
+                            None => break,
+                        }
                     }
                     seq += 1;
                 }

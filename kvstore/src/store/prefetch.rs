@@ -152,8 +152,7 @@ impl Store {
         deadline: Instant,
         tag: u64,
     ) -> Prefetch {
-        self.inner
-            .prefetch(keys, priority, deadline, tag, PrefetchQuota::NONE)
+        self.prefetch_as(keys, priority, deadline, tag, PrefetchQuota::NONE)
     }
 
     /// [`Store::prefetch`] on behalf of one client, within its quota: what does not fit the
