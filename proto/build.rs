@@ -8,7 +8,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto");
     // The engine protocol is plain prost messages: an engine that links the IPC client pulls no
     // gRPC stack.
-    prost_build::compile_protos(&["proto/ipc.proto"], &["proto"])?;
+    prost_build::compile_protos(&["proto/ipc.proto", "proto/cluster.proto"], &["proto"])?;
     #[cfg(feature = "grpc")]
     tonic_build::configure()
         .build_server(true)

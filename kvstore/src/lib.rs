@@ -43,5 +43,7 @@ pub use store::{
     PrefetchStats, PrefixMatch, PutOutcome, Reservation, Reserve, Store, StoreConfig, StoreStats,
     PREFETCH_WAITING_KEYS_MAX,
 };
-pub use tier::{LowerTier, NsUsage, ReadItem, ReadOutcome, TierStats, WriteItem, WriteOutcome};
+pub use tier::{
+    LowerTier, NsUsage, ReadItem, ReadOutcome, SharedTier, TierStats, WriteItem, WriteOutcome,
+};
 pub use types::{BlockInfo, FoldHasher, FoldMap, LeaseId, MapKey, NsId, Tier};

@@ -126,6 +126,18 @@ pub trait LowerTier: Send + Sync {
     }
     /// A committed block's length, namespace and checksum, if present (no side effects).
     fn lookup(&self, key: &BlockKey) -> Option<BlockInfo>;
+    /// [`LowerTier::lookup`] of many keys at once, one answer per key in order: a tier whose
+    /// lookup is a network round trip asks once per batch. The store asks it for the suffix of
+    /// a prefix that the local tiers do not hold.
+    fn lookup_batch(&self, keys: &[BlockKey]) -> Vec<Option<BlockInfo>> {
+        keys.iter().map(|k| self.lookup(k)).collect()
+    }
+    /// Whether committed host blocks are pushed to this tier in the background as soon as they
+    /// are committed (write-behind, the remote tier), rather than written to it on eviction
+    /// (the disk tier). Such a tier is never a demotion target.
+    fn write_behind(&self) -> bool {
+        false
+    }
     /// Pins a committed block against eviction (a lease); false if absent.
     fn pin(&self, key: &BlockKey) -> bool;
     /// Drops a pin taken by [`LowerTier::pin`].
@@ -165,4 +177,77 @@ pub trait LowerTier: Send + Sync {
     fn register_memory(&self, _regions: Vec<(usize, usize)>) {}
     /// The tier as `Any` (tests reach a concrete tier to inject faults).
     fn as_any(&self) -> &dyn std::any::Any;
+}
+
+/// A shared tier is a tier (the daemon keeps a handle on its remote tier for its own status).
+impl<T: LowerTier + ?Sized> LowerTier for std::sync::Arc<T> {
+    fn kind(&self) -> Tier {
+        (**self).kind()
+    }
+    fn local(&self) -> bool {
+        (**self).local()
+    }
+    fn lookup(&self, key: &BlockKey) -> Option<BlockInfo> {
+        (**self).lookup(key)
+    }
+    fn lookup_batch(&self, keys: &[BlockKey]) -> Vec<Option<BlockInfo>> {
+        (**self).lookup_batch(keys)
+    }
+    fn write_behind(&self) -> bool {
+        (**self).write_behind()
+    }
+    fn pin(&self, key: &BlockKey) -> bool {
+        (**self).pin(key)
+    }
+    fn unpin(&self, key: &BlockKey) {
+        (**self).unpin(key)
+    }
+    fn read(&self, items: Vec<ReadItem>) -> Vec<ReadOutcome> {
+        (**self).read(items)
+    }
+    fn write(
+        &self,
+        items: Vec<WriteItem>,
+        still_wanted: &(dyn Fn(&BlockKey) -> bool + Sync),
+    ) -> Vec<WriteOutcome> {
+        (**self).write(items, still_wanted)
+    }
+    fn remove(&self, key: &BlockKey) -> bool {
+        (**self).remove(key)
+    }
+    fn clear_namespace(&self, ns: u16) -> Vec<BlockKey> {
+        (**self).clear_namespace(ns)
+    }
+    fn namespace_usage(&self) -> Vec<NsUsage> {
+        (**self).namespace_usage()
+    }
+    fn stats(&self) -> TierStats {
+        (**self).stats()
+    }
+    fn note_namespace(&self, id: u16, fp: Fingerprint) -> io::Result<()> {
+        (**self).note_namespace(id, fp)
+    }
+    fn recovered_namespaces(&self) -> Vec<Fingerprint> {
+        (**self).recovered_namespaces()
+    }
+    fn checkpoint(&self) -> io::Result<()> {
+        (**self).checkpoint()
+    }
+    fn register_memory(&self, regions: Vec<(usize, usize)>) {
+        (**self).register_memory(regions)
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        (**self).as_any()
+    }
+}
+
+/// A lower tier built outside the store (the remote tier lives in `kvtier-cluster`), handed to
+/// [`crate::StoreConfig::remote`]; it goes last in the chain.
+#[derive(Clone)]
+pub struct SharedTier(pub std::sync::Arc<dyn LowerTier>);
+
+impl std::fmt::Debug for SharedTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SharedTier({:?})", self.0.kind())
+    }
 }

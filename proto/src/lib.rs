@@ -14,5 +14,14 @@ pub mod ipc {
     include!(concat!(env!("OUT_DIR"), "/kvtier.ipc.v1.rs"));
 }
 
+/// The data plane between kvtierd nodes (`kvtier.cluster.v1`): prost messages only.
+#[allow(missing_docs, clippy::all)]
+pub mod cluster {
+    include!(concat!(env!("OUT_DIR"), "/kvtier.cluster.v1.rs"));
+}
+
+/// Version of the cluster data plane; a peer of another version is refused at set-up.
+pub const CLUSTER_VERSION: u32 = 1;
+
 /// Version of the IPC protocol; a client of another version is refused at Hello.
 pub const IPC_VERSION: u32 = 3;

@@ -273,7 +273,7 @@ impl Inner {
         if e.class as usize != class || e.idx != idx || e.pins != 0 || !e.ready() {
             return false;
         }
-        if !self.tiers.is_empty() && e.copy() == Copy::Dirty {
+        if self.demote_to.is_some() && e.copy() == Copy::Dirty {
             if self.admitted(key, e.accessed()) {
                 if *queued < self.max_batch_bytes && self.work.demote_room(self.max_batch_bytes) {
                     *queued += u64::from(e.len);

@@ -64,6 +64,13 @@ pub struct StoreConfig {
     pub wait: Duration,
     /// The disk tier below the host tier, if any.
     pub disk: Option<DiskConfig>,
+    /// A tier below the others reached over the network (`kvtier-cluster`'s remote tier), if
+    /// any: asked for what the local tiers miss, and fed by write-behind pushes of committed
+    /// blocks.
+    pub remote: Option<crate::tier::SharedTier>,
+    /// Most bytes of committed blocks queued for pushing to the remote tier; a block past it is
+    /// not pushed (counted in `push_dropped`), so a slow network never holds up an engine.
+    pub push_queue_bytes: u64,
 }
 
 impl Default for StoreConfig {
@@ -82,6 +89,8 @@ impl Default for StoreConfig {
             prefetch_max_held_bytes: 0,
             wait: Duration::from_secs(5),
             disk: None,
+            remote: None,
+            push_queue_bytes: 256 << 20,
         }
     }
 }

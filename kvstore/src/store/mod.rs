@@ -117,6 +117,14 @@ pub struct StoreStats {
     pub break_even_blocks_cut: u64,
     /// The lower tiers' counters, in chain order.
     pub tiers: Vec<TierStats>,
+    /// Committed blocks pushed to the remote tier (write-behind) and stored by their owner.
+    pub pushes: u64,
+    /// Blocks not pushed: the push queue was full (`push_queue_bytes`).
+    pub push_dropped: u64,
+    /// Pushes that failed (owner unreachable, refused): the block stays local only.
+    pub push_failed: u64,
+    /// Bytes queued for pushing.
+    pub push_queue_bytes: u64,
 }
 
 impl StoreStats {
@@ -170,6 +178,9 @@ pub(crate) struct Counters {
     pub prefetch_wasted_bytes: AtomicU64,
     pub break_even_cuts: AtomicU64,
     pub break_even_blocks_cut: AtomicU64,
+    pub pushes: AtomicU64,
+    pub push_dropped: AtomicU64,
+    pub push_failed: AtomicU64,
 }
 
 /// A lower tier's measured read speed (promotion batches), exponentially weighted.
@@ -255,6 +266,11 @@ pub(crate) struct Inner {
     // Fields drop in order: the lower tiers (whose io_uring registered the arena as fixed
     // buffers) go before the arena.
     pub(crate) tiers: Vec<Box<dyn LowerTier>>,
+    /// The tier evicted dirty blocks are written to (the first that is not write-behind).
+    pub(crate) demote_to: Option<usize>,
+    /// The write-behind tier committed blocks are pushed to (the remote tier).
+    pub(crate) push_to: Option<usize>,
+    pub(crate) push_queue_bytes: u64,
     pub(crate) arena: Arena,
     pub(crate) seg_pages: u32,
     pub(crate) class_sizes: Vec<usize>,
@@ -353,11 +369,24 @@ impl Store {
                 DiskTier::open(d, events.clone()).map_err(ConfigError::Disk)?,
             ));
         }
+        if let Some(r) = cfg.remote.take() {
+            tiers.push(Box::new(r.0));
+        }
+        let demote_to = tiers.iter().position(|t| !t.write_behind());
+        let push_to = tiers.iter().position(|t| t.write_behind());
         let mut namespaces: Vec<Fingerprint> = Vec::new();
         for t in &tiers {
             let ns = t.recovered_namespaces();
             if ns.len() > namespaces.len() {
                 namespaces = ns;
+            }
+        }
+        // Tiers that keep no ids of their own learn the recovered ones.
+        for t in tiers.iter().filter(|t| !t.local()) {
+            for (id, fp) in namespaces.iter().enumerate() {
+                if *fp != FREE_NS {
+                    let _ = t.note_namespace(id as u16, *fp);
+                }
             }
         }
         let n_classes = class_sizes.len();
@@ -384,6 +413,9 @@ impl Store {
         );
         let inner = Arc::new(Inner {
             tiers,
+            demote_to,
+            push_to,
+            push_queue_bytes: cfg.push_queue_bytes,
             arena,
             seg_pages,
             class_sizes,
@@ -446,6 +478,16 @@ impl Store {
     /// The shared arena (for handing its fd to another process).
     pub fn arena(&self) -> &Arena {
         &self.inner.arena
+    }
+
+    /// The namespace fingerprint of id `ns`, if registered.
+    pub fn fingerprint(&self, ns: NsId) -> Option<Fingerprint> {
+        self.inner
+            .namespaces
+            .read()
+            .get(ns.0 as usize)
+            .copied()
+            .filter(|f| *f != FREE_NS)
     }
 
     /// Whether a disk tier is configured.
@@ -519,8 +561,17 @@ impl Store {
     /// the id is durable: the same namespace gets the same id after a restart.
     pub fn register_namespace(&self, ns: &Namespace) -> Result<NsId, KeyError> {
         ns.validate()?;
+        self.register_fingerprint(ns.fingerprint())
+    }
+
+    /// Registers a namespace known only by its fingerprint (blocks another node of the cluster
+    /// stores here: keys are global, only the id is local), like
+    /// [`Store::register_namespace`].
+    pub fn register_fingerprint(&self, fp: Fingerprint) -> Result<NsId, KeyError> {
+        if fp == FREE_NS {
+            return Err(KeyError::BadNamespace("zero fingerprint".into()));
+        }
         let inner = &self.inner;
-        let fp = ns.fingerprint();
         if let Some(i) = inner.namespaces.read().iter().position(|f| *f == fp) {
             return Ok(NsId(i as u32));
         }
@@ -673,6 +724,10 @@ impl Store {
                 .collect(),
             break_even_cuts: s.break_even_cuts.load(Relaxed),
             break_even_blocks_cut: s.break_even_blocks_cut.load(Relaxed),
+            pushes: s.pushes.load(Relaxed),
+            push_dropped: s.push_dropped.load(Relaxed),
+            push_failed: s.push_failed.load(Relaxed),
+            push_queue_bytes: q.push_bytes,
         }
     }
 }
@@ -710,7 +765,7 @@ impl Inner {
 
     /// Whether a block with this key and access history goes to the lower tiers.
     pub(crate) fn admitted(&self, key: BlockKey, accessed: bool) -> bool {
-        if self.tiers.is_empty() {
+        if self.demote_to.is_none() {
             return false;
         }
         match self.admission {

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use crate::error::StoreError;
 use crate::events::EventKind;
 use crate::key::BlockKey;
-use crate::types::{LeaseId, MapKey, Tier};
+use crate::types::{BlockInfo, LeaseId, MapKey, Tier};
 
 use super::config::PAGE;
 use super::index::{Entry, Life, Removed, Slot};
@@ -91,6 +91,22 @@ impl Store {
     ) -> (PrefixMatch, usize) {
         self.inner
             .match_prefix_priced(keys, tokens_per_block, prefill_tokens_per_s)
+    }
+
+    /// Per key, what this node's own tiers (host memory, disk) say of it, never asking the
+    /// remote tier: the cluster's data plane answers peers with it. `ns` is this store's id.
+    pub fn probe_local(&self, keys: &[BlockKey]) -> Vec<Option<BlockInfo>> {
+        self.inner.probe_local(keys)
+    }
+
+    /// [`Store::load`] from this node's own tiers only (never the remote tier), waiting for
+    /// promotions at most until `deadline`: what the cluster's data plane serves peers from.
+    pub fn load_local(&self, keys: &[BlockKey], deadline: Instant) -> Result<Loaded, StoreError> {
+        let pins = self.inner.pin_prefix_in(keys, deadline, false)?;
+        Ok(Loaded {
+            inner: self.inner.clone(),
+            pins,
+        })
     }
 
     /// Whether a committed block with this key is present in any tier (no side effects).
@@ -291,7 +307,7 @@ impl Inner {
         tokens_per_block: u32,
         rate: f64,
     ) -> (PrefixMatch, usize) {
-        let mut m = self.match_prefix(keys);
+        let (mut m, below) = self.match_prefix_in(keys, true);
         let present = m.n;
         if tokens_per_block == 0
             || rate.is_nan()
@@ -304,12 +320,9 @@ impl Inner {
         // Load time of the first i blocks: per tier, its latency once plus bytes / bandwidth.
         let mut best = (compute * m.n as f64, 0usize);
         let mut bytes_below = vec![0u64; self.tiers.len()];
-        for (i, (k, t)) in keys.iter().zip(&m.tiers).enumerate() {
-            if *t != Tier::Host {
-                let Some((ti, info)) = self.find_below(k) else {
-                    break;
-                };
-                bytes_below[ti] += u64::from(info.len);
+        for (i, b) in below.iter().enumerate() {
+            if let Some((ti, info)) = b {
+                bytes_below[*ti] += u64::from(info.len);
             }
             let mut load = 0.0;
             for (ti, &b) in bytes_below.iter().enumerate() {
@@ -335,31 +348,93 @@ impl Inner {
     }
 
     pub(crate) fn match_prefix(&self, keys: &[BlockKey]) -> PrefixMatch {
+        self.match_prefix_in(keys, true).0
+    }
+
+    /// The non-local tier (the remote tier), if any: its index in `tiers`.
+    pub(crate) fn remote_tier(&self) -> Option<usize> {
+        self.tiers.iter().position(|t| !t.local())
+    }
+
+    /// The longest present prefix: the local chain first, then (with `remote`) one batched
+    /// question to the remote tier for the rest. Beside it, for each block below host memory,
+    /// its tier's index and what that tier says of it.
+    pub(crate) fn match_prefix_in(
+        &self,
+        keys: &[BlockKey],
+        remote: bool,
+    ) -> (PrefixMatch, Vec<Option<(usize, BlockInfo)>>) {
         let mut tiers = Vec::new();
-        for k in keys {
+        let mut below = Vec::new();
+        // The remote tier's answer for the keys from the first that the local tiers miss on
+        // (asked once, in one batch); later keys are still looked up locally first.
+        let remote_tier = self.remote_tier().filter(|_| remote);
+        let mut far: Option<(usize, Vec<Option<BlockInfo>>)> = None;
+        for (pos, k) in keys.iter().enumerate() {
             let host = self
                 .shard(*k)
                 .lock()
                 .map
                 .get(&MapKey::from(*k))
                 .is_some_and(|e| e.ready());
-            let tier = if host {
-                Tier::Host
-            } else if let Some(t) = self
-                .tiers
-                .iter()
-                .find(|t| t.local() && t.lookup(k).is_some())
-            {
-                t.kind()
-            } else {
-                break;
+            if host {
+                tiers.push(Tier::Host);
+                below.push(None);
+                continue;
+            }
+            let found = match (self.find_below(k), remote_tier) {
+                (Some(x), _) => Some(x),
+                (None, Some(ri)) => {
+                    let (start, infos) =
+                        far.get_or_insert_with(|| (pos, self.tiers[ri].lookup_batch(&keys[pos..])));
+                    infos
+                        .get(pos - *start)
+                        .copied()
+                        .flatten()
+                        .map(|info| (ri, info))
+                }
+                (None, None) => None,
             };
-            tiers.push(tier);
+            let Some((i, info)) = found else { break };
+            tiers.push(self.tiers[i].kind());
+            below.push(Some((i, info)));
         }
-        PrefixMatch {
-            n: tiers.len(),
-            tiers,
-        }
+        (
+            PrefixMatch {
+                n: tiers.len(),
+                tiers,
+            },
+            below,
+        )
+    }
+
+    /// Per key, what the local tiers (host memory first) say of it: for the cluster's data
+    /// plane, which answers for the blocks this node owns and never asks further.
+    pub(crate) fn probe_local(&self, keys: &[BlockKey]) -> Vec<Option<BlockInfo>> {
+        keys.iter()
+            .map(|k| {
+                let host = self
+                    .shard(*k)
+                    .lock()
+                    .map
+                    .get(&MapKey::from(*k))
+                    .filter(|e| e.ready())
+                    .copied();
+                match host {
+                    Some(e) => {
+                        let slot = e.slot();
+                        let checksum =
+                            self.classes[slot.class as usize].lock().sums[slot.idx as usize];
+                        Some(BlockInfo {
+                            len: e.len,
+                            ns: e.ns,
+                            checksum,
+                        })
+                    }
+                    None => self.find_below(k).map(|(_, info)| info),
+                }
+            })
+            .collect()
     }
 
     /// The one load path: pins the longest prefix of `keys` that is (or can be made) resident
@@ -370,13 +445,28 @@ impl Inner {
         keys: &[BlockKey],
         deadline: Instant,
     ) -> Result<Vec<Pinned>, StoreError> {
+        self.pin_prefix_in(keys, deadline, true)
+    }
+
+    /// [`Inner::pin_prefix`]; with `remote` false the remote tier is not asked (the cluster's
+    /// data plane serves only what this node holds).
+    pub(crate) fn pin_prefix_in(
+        &self,
+        keys: &[BlockKey],
+        deadline: Instant,
+        remote: bool,
+    ) -> Result<Vec<Pinned>, StoreError> {
         // Preloads held past their deadline go back to the eviction policy.
         self.reap_preloads(Instant::now());
         let mut steps: Vec<Step> = Vec::with_capacity(keys.len());
         // Own promotions, one batch per lower tier.
         let mut batches: Vec<(usize, Vec<Promote>)> = Vec::new();
         let mut seen = crate::types::FoldMap::default();
-        'keys: for k in keys {
+        // The remote tier's answer for the keys from the first that the local tiers miss on
+        // (asked once, in one batch).
+        let mut far: Option<(usize, Vec<Option<BlockInfo>>)> = None;
+        let remote_tier = self.remote_tier().filter(|_| remote);
+        'keys: for (pos, k) in keys.iter().enumerate() {
             let mk = MapKey::from(*k);
             if seen.insert(mk, ()).is_some() {
                 // A repeated key cannot be a prefix of distinct blocks: stop here.
@@ -401,7 +491,21 @@ impl Inner {
                     Found::Absent if attempt == 1 => break 'keys,
                     Found::Absent => {}
                 }
-                let Some((ti, info)) = self.find_below(k) else {
+                let found = match (self.find_below(k), remote_tier) {
+                    (Some(x), _) => Some(x),
+                    (None, Some(ri)) => {
+                        let (start, infos) = far.get_or_insert_with(|| {
+                            (pos, self.tiers[ri].lookup_batch(&keys[pos..]))
+                        });
+                        infos
+                            .get(pos - *start)
+                            .copied()
+                            .flatten()
+                            .map(|info| (ri, info))
+                    }
+                    (None, None) => None,
+                };
+                let Some((ti, info)) = found else {
                     break 'keys;
                 };
                 let Ok(class) = self.class_for(info.len as usize) else {

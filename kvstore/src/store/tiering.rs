@@ -147,6 +147,9 @@ struct Queues {
     /// The first waiting hint made no progress when last resumed: not again until room
     /// changes.
     resume_stalled: bool,
+    /// Committed blocks to push to the write-behind tier (each holds one pin), and their bytes.
+    push: VecDeque<Demote>,
+    push_bytes: u64,
     stop: bool,
 }
 
@@ -156,6 +159,7 @@ pub(crate) struct Work {
     q: Mutex<Queues>,
     writer_cv: Condvar,
     reader_cv: Condvar,
+    pusher_cv: Condvar,
 }
 
 /// Queue depths, for stats.
@@ -165,6 +169,7 @@ pub(crate) struct Depths {
     pub promote_jobs: u64,
     pub prefetch_jobs: u64,
     pub prefetch_bytes: u64,
+    pub push_bytes: u64,
 }
 
 impl Work {
@@ -176,6 +181,7 @@ impl Work {
             promote_jobs: q.promote.len() as u64,
             prefetch_jobs: q.prefetch.len() as u64,
             prefetch_bytes: q.prefetch_bytes,
+            push_bytes: q.push_bytes,
         }
     }
 
@@ -251,6 +257,21 @@ impl Work {
 }
 
 impl Inner {
+    /// Queues a committed block (pinned for the push) for the write-behind tier; when the
+    /// queue is full it is not pushed (its pin is dropped, counted).
+    pub(crate) fn enqueue_push(&self, d: Demote) {
+        let mut q = self.work.q.lock();
+        if q.stop || q.push_bytes + u64::from(d.len) > self.push_queue_bytes {
+            drop(q);
+            self.stats.push_dropped.fetch_add(1, Relaxed);
+            self.unpin(d.key, d.slot);
+            return;
+        }
+        q.push_bytes += u64::from(d.len);
+        q.push.push_back(d);
+        self.work.pusher_cv.notify_one();
+    }
+
     /// Queues demotions (their blocks are pinned and marked Demoting).
     pub(crate) fn enqueue_demotions(&self, items: Vec<Demote>) {
         let mut q = self.work.q.lock();
@@ -417,9 +438,86 @@ impl Inner {
         }
     }
 
+    /// The pusher: batches of committed blocks to the write-behind tier (the remote tier), in
+    /// commit order. A failed push leaves the block local only; nothing waits for it.
+    fn pusher_loop(&self) {
+        let Some(tier) = self.push_to.and_then(|i| self.tiers.get(i)) else {
+            return;
+        };
+        loop {
+            let batch: Vec<Demote> = {
+                let mut q = self.work.q.lock();
+                while q.push.is_empty() && !q.stop {
+                    self.work.pusher_cv.wait(&mut q);
+                }
+                if q.stop {
+                    // Shutting down: what is queued is not pushed.
+                    let left: Vec<Demote> = q.push.drain(..).collect();
+                    q.push_bytes = 0;
+                    drop(q);
+                    for d in left {
+                        self.unpin(d.key, d.slot);
+                    }
+                    return;
+                }
+                let mut batch = Vec::new();
+                let mut bytes = 0u64;
+                while let Some(d) = q.push.front() {
+                    if !batch.is_empty() && bytes + u64::from(d.len) > self.max_batch_bytes {
+                        break;
+                    }
+                    bytes += u64::from(d.len);
+                    batch.extend(q.push.pop_front());
+                }
+                q.push_bytes -= bytes;
+                batch
+            };
+            let items = batch
+                .iter()
+                .map(|d| {
+                    let checksum =
+                        self.classes[d.slot.class as usize].lock().sums[d.slot.idx as usize];
+                    WriteItem {
+                        key: d.key,
+                        ns: d.ns,
+                        // SAFETY: the block is committed and holds the push's pin until the
+                        // `unpin` below, so its slot is neither freed nor reused meanwhile.
+                        buf: unsafe { IoBuf::from_raw(self.ptr(d.page), d.cap) },
+                        len: d.len,
+                        checksum,
+                    }
+                })
+                .collect();
+            let still_wanted = |k: &BlockKey| {
+                self.shard(*k)
+                    .lock()
+                    .map
+                    .get(&MapKey::from(*k))
+                    .is_some_and(|e| e.ready())
+            };
+            let outcomes = tier.write(items, &still_wanted);
+            for (d, o) in batch.iter().zip(outcomes) {
+                match o {
+                    WriteOutcome::Written | WriteOutcome::Present => {
+                        self.stats.pushes.fetch_add(1, Relaxed);
+                    }
+                    WriteOutcome::Cancelled => {}
+                    WriteOutcome::Busy | WriteOutcome::Failed => {
+                        self.stats.push_failed.fetch_add(1, Relaxed);
+                    }
+                    WriteOutcome::Corrupt => {
+                        self.stats.push_failed.fetch_add(1, Relaxed);
+                        tracing::warn!(key = %d.key, "host block no longer matches its commit checksum: not pushed");
+                    }
+                }
+                self.unpin(d.key, d.slot);
+            }
+        }
+    }
+
     /// Writes demotions to the first lower tier and settles each block's copy state.
     fn write_back(&self, batch: Vec<Demote>) {
-        let Some(tier) = self.tiers.first() else {
+        let Some(tier) = self.demote_to.and_then(|i| self.tiers.get(i)) else {
             for d in batch {
                 self.settle(&d, WriteOutcome::Failed);
             }
@@ -743,7 +841,7 @@ impl Inner {
 
     /// Every dirty admitted block written below, then every lower tier checkpointed.
     pub(crate) fn flush(&self) -> usize {
-        if self.tiers.is_empty() {
+        if self.demote_to.is_none() {
             return 0;
         }
         let before = self.stats.demotions.load(Relaxed);
@@ -841,6 +939,9 @@ impl Threads {
             handles.push(spawn("kvtier-writer", Inner::writer_loop)?);
             handles.push(spawn("kvtier-reader", Inner::reader_loop)?);
         }
+        if inner.push_to.is_some() {
+            handles.push(spawn("kvtier-pusher", Inner::pusher_loop)?);
+        }
         if populate {
             handles.push(spawn("kvtier-populate", Inner::populate_loop)?);
         }
@@ -856,6 +957,7 @@ impl Threads {
         }
         inner.work.writer_cv.notify_all();
         inner.work.reader_cv.notify_all();
+        inner.work.pusher_cv.notify_all();
         for h in self.handles.drain(..) {
             let _ = h.join();
         }

@@ -47,6 +47,25 @@ impl Store {
             .reserve(ns, key, len, Instant::now() + self.inner.wait)
     }
 
+    /// [`Store::reserve_until`] for a block another node of the cluster hands over (it owns
+    /// it): committed like any other, but never pushed on to the remote tier.
+    pub fn reserve_replica(
+        &self,
+        ns: NsId,
+        key: BlockKey,
+        len: usize,
+        deadline: Instant,
+    ) -> Result<Reserve, StoreError> {
+        let r = self.inner.reserve(ns, key, len, deadline)?;
+        Ok(match r {
+            Reserve::Slot(mut r) => {
+                r.push = false;
+                Reserve::Slot(r)
+            }
+            other => other,
+        })
+    }
+
     /// [`Store::reserve`] waiting for room at most until `deadline` (one deadline for a whole
     /// batch of reservations: after it passes, the rest are `NoSpace` at once).
     pub fn reserve_until(
@@ -126,6 +145,7 @@ impl Inner {
             len,
             ns: ns.0 as u16,
             done: false,
+            push: true,
         }))
     }
 
@@ -146,6 +166,7 @@ impl Inner {
             c.policy.insert(slot.idx, key.0 as u64);
         }
         let mut through = None;
+        let mut push = None;
         {
             let mut sh = self.shard(key).lock();
             let mk = MapKey::from(key);
@@ -156,6 +177,20 @@ impl Inner {
                     return false;
                 }
                 Some(_) => {
+                    let cap = self.class_sizes[slot.class as usize];
+                    if self.push_to.is_some() && r.push {
+                        if let Some(e) = sh.map.get_mut(&mk) {
+                            e.pins += 1;
+                            push = Some(Demote {
+                                key,
+                                slot,
+                                page: r.page,
+                                cap,
+                                len: len as u32,
+                                ns: r.ns,
+                            });
+                        }
+                    }
                     if self.write_through && self.admitted(key, false) {
                         if let Some(e) = sh.map.get_mut(&mk) {
                             e.set_copy(Copy::Demoting);
@@ -181,6 +216,9 @@ impl Inner {
         if let Some(d) = through {
             self.enqueue_demotions(vec![d]);
         }
+        if let Some(d) = push {
+            self.enqueue_push(d);
+        }
         self.progress.bump();
         true
     }
@@ -201,6 +239,8 @@ pub struct Reservation {
     len: usize,
     ns: u16,
     done: bool,
+    /// Pushed to the remote tier once committed (not for blocks a peer stored here).
+    push: bool,
 }
 
 impl Reservation {

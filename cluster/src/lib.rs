@@ -1,0 +1,29 @@
+//! kvtier's remote tier: kvtierd nodes pool their blocks across a cluster.
+//!
+//! - [`placement`]: each block's owner among the members, by weighted rendezvous hashing.
+//! - [`wire`]: the data plane's framing (`proto/proto/cluster.proto`) and authentication.
+//! - [`server`]: answers peers from this node's own tiers (tokio).
+//! - [`remote`]: [`RemoteTier`], the store's `LowerTier` that asks the owners (blocking
+//!   sockets, deadlines, circuit breakers).
+//!
+//! The daemon wires them: the store gets the remote tier last in its chain
+//! (`StoreConfig::remote`), and the server runs beside the engine socket.
+
+pub mod placement;
+pub mod remote;
+pub mod server;
+pub mod wire;
+
+pub use placement::{Member, Placement};
+pub use remote::{PeerStatus, RemoteConfig, RemoteTier};
+pub use server::{serve, ServerConfig, ServerStats};
+
+/// Whether `addr` (`host:port`) is a loopback address: the only place a data plane without a
+/// cluster secret may listen.
+pub fn is_loopback(addr: &str) -> bool {
+    use std::net::ToSocketAddrs;
+    match addr.to_socket_addrs() {
+        Ok(mut a) => a.all(|a| a.ip().is_loopback()),
+        Err(_) => false,
+    }
+}

@@ -1,0 +1,313 @@
+//! Three stores in one process, each with its data-plane server on a real loopback socket and
+//! the remote tier in its chain: blocks saved on one node are found and loaded on another.
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvstore::{BlockKey, Namespace, NsId, Store, StoreConfig, Tier, TpShard};
+use kvtier_cluster::{serve, Member, RemoteConfig, RemoteTier, ServerConfig, ServerStats};
+
+struct Node {
+    addr: String,
+    store: &'static Store,
+    remote: Arc<RemoteTier>,
+    stats: Arc<ServerStats>,
+    server: tokio::task::JoinHandle<()>,
+}
+
+fn ns() -> Namespace {
+    Namespace {
+        model: "cluster-test".into(),
+        dtype: "bfloat16".into(),
+        layout: "nhd".into(),
+        block_tokens: 16,
+        tp: TpShard::Rank { size: 1, rank: 0 },
+        tenant: String::new(),
+        lora: String::new(),
+    }
+}
+
+async fn cluster(n: usize, secrets: &[&str]) -> Vec<Node> {
+    let mut listeners = Vec::new();
+    for _ in 0..n {
+        listeners.push(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap());
+    }
+    let addrs: Vec<String> = listeners
+        .iter()
+        .map(|l| l.local_addr().unwrap().to_string())
+        .collect();
+    let members: Vec<Member> = addrs.iter().map(|a| Member::new(a.clone(), 1.0)).collect();
+    let mut nodes = Vec::new();
+    for (i, l) in listeners.into_iter().enumerate() {
+        let secret = secrets[i.min(secrets.len() - 1)].to_string();
+        let remote = Arc::new(
+            RemoteTier::new(RemoteConfig {
+                me: addrs[i].clone(),
+                members: members.clone(),
+                secret: secret.clone(),
+                timeout: Duration::from_millis(1500),
+                replicas: 1,
+            })
+            .unwrap(),
+        );
+        let store: &'static Store = Box::leak(Box::new(
+            StoreConfig {
+                capacity_bytes: 64 << 20,
+                segment_bytes: 16 << 20,
+                remote: Some(kvstore::SharedTier(remote.clone())),
+                ..Default::default()
+            }
+            .build()
+            .unwrap(),
+        ));
+        let stats = Arc::new(ServerStats::default());
+        let server = tokio::spawn(serve(
+            l,
+            store,
+            ServerConfig {
+                node: addrs[i].clone(),
+                secret,
+                capacity: store.capacity_bytes(),
+                timeout: Duration::from_millis(1500),
+            },
+            stats.clone(),
+        ));
+        nodes.push(Node {
+            addr: addrs[i].clone(),
+            store,
+            remote,
+            stats,
+            server,
+        });
+    }
+    nodes
+}
+
+fn blocks(n: usize, seed: u8) -> (Vec<BlockKey>, Vec<Vec<u8>>) {
+    let keys = ns().token_keys(&vec![u32::from(seed) + 1; 16 * n], &[]);
+    let data = (0..n)
+        .map(|i| {
+            (0..100_000 + i * 4096)
+                .map(|j| (j as u8) ^ (i as u8) ^ seed)
+                .collect()
+        })
+        .collect();
+    (keys, data)
+}
+
+fn register(nodes: &[Node]) -> NsId {
+    let mut id = None;
+    for n in nodes {
+        id = Some(n.store.register_namespace(&ns()).unwrap());
+    }
+    id.unwrap()
+}
+
+/// Waits until every key is held by its owner.
+fn wait_placed(nodes: &[Node], keys: &[BlockKey]) {
+    let until = Instant::now() + Duration::from_secs(10);
+    let p = nodes[0].remote.placement();
+    loop {
+        let placed = keys.iter().all(|k| {
+            let owner = p.owner(k).unwrap();
+            let n = nodes.iter().find(|n| n.addr == owner).unwrap();
+            n.store.probe_local(std::slice::from_ref(k))[0].is_some()
+        });
+        if placed {
+            return;
+        }
+        assert!(Instant::now() < until, "blocks did not reach their owners");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_saved_on_one_node_loads_byte_exact_on_another() {
+    let nodes = cluster(3, &["s3cret"]).await;
+    let id = register(&nodes);
+    let (keys, data) = blocks(12, 1);
+    let a = nodes[0].store;
+    for (k, d) in keys.iter().zip(&data) {
+        a.put(id, *k, d).unwrap();
+    }
+    wait_placed(&nodes, &keys);
+    let s = a.stats();
+    let own = keys
+        .iter()
+        .filter(|k| nodes[0].remote.placement().owner(k) == Some(nodes[0].addr.as_str()))
+        .count();
+    assert_eq!(s.pushes as usize, keys.len() - own, "{s:?}");
+    let c = nodes[2].store;
+    tokio::task::block_in_place(|| {
+        // The lookup names the tier of each block; two nodes agree on the owners.
+        let m = c.match_prefix(&keys);
+        assert_eq!(m.n, keys.len());
+        assert!(m.tiers.contains(&Tier::Remote), "{:?}", m.tiers);
+        let l = c.load(&keys).unwrap();
+        assert_eq!(l.len(), keys.len());
+        for (i, d) in data.iter().enumerate() {
+            assert_eq!(l.block(i), &d[..], "block {i}");
+        }
+        drop(l);
+        // Now in C's host memory.
+        assert_eq!(c.match_prefix(&keys).tiers, vec![Tier::Host; keys.len()]);
+        let remote = c
+            .stats()
+            .tiers
+            .into_iter()
+            .find(|t| t.tier == Some(Tier::Remote));
+        assert!(remote.unwrap().bytes_read > 0);
+    });
+    assert_eq!(
+        nodes[1].remote.placement().owner(&keys[3]),
+        nodes[2].remote.placement().owner(&keys[3])
+    );
+    for n in &nodes {
+        assert_eq!(n.stats.auth_failures.load(Relaxed), 0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_secret_is_refused_and_its_blocks_stay_local() {
+    let nodes = cluster(2, &["right", "wrong"]).await;
+    let id = register(&nodes);
+    let (keys, data) = blocks(8, 2);
+    for (k, d) in keys.iter().zip(&data) {
+        nodes[0].store.put(id, *k, d).unwrap();
+    }
+    tokio::task::block_in_place(|| {
+        let until = Instant::now() + Duration::from_secs(10);
+        while nodes[0].store.stats().push_failed == 0 {
+            assert!(Instant::now() < until);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // B cannot read A's blocks either: the prefix ends at the first block B does not own.
+        let m = nodes[1].store.match_prefix(&keys);
+        assert!(m.tiers.iter().all(|t| *t == Tier::Host));
+    });
+    assert!(nodes[1].stats.auth_failures.load(Relaxed) > 0);
+    assert!(nodes[0].stats.auth_failures.load(Relaxed) > 0);
+    let st = nodes[0].remote.peers();
+    assert!(st.iter().any(|p| p.state == "self"));
+    assert!(st.iter().any(|p| p.failures > 0), "{st:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_peer_costs_a_miss_within_the_deadline_and_opens_its_breaker() {
+    let nodes = cluster(2, &["s"]).await;
+    let id = register(&nodes);
+    let (keys, data) = blocks(16, 3);
+    for (k, d) in keys.iter().zip(&data) {
+        nodes[0].store.put(id, *k, d).unwrap();
+    }
+    tokio::task::block_in_place(|| wait_placed(&nodes, &keys));
+    // B goes away: its server stops (connections drop) and its address stops answering.
+    nodes[0].server.abort();
+    let b = nodes[1].store;
+    tokio::task::block_in_place(|| {
+        for _ in 0..4 {
+            let t = Instant::now();
+            let l = b.load(&keys).unwrap();
+            assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+            // Only what B itself owns can be served, and only the leading run of it.
+            for (i, d) in data.iter().enumerate().take(l.len()) {
+                assert_eq!(l.block(i), &d[..]);
+            }
+            assert!(l.len() < keys.len());
+        }
+        let st = nodes[1].remote.peers();
+        let a = st.iter().find(|p| p.addr == nodes[0].addr).unwrap();
+        assert!(a.failures >= 1, "{st:?}");
+    });
+}
+
+/// A peer that answers every question and then sends bytes that are not the block it
+/// announced: the block is a miss, counted, and never published.
+#[test]
+fn a_damaged_block_from_a_peer_is_a_miss() {
+    use kvtier_cluster::wire;
+    use kvtier_proto::cluster::{request::Op, Auth, AuthReply, Block, Hello, Reply, Request};
+    use std::io::Write;
+
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let liar = l.local_addr().unwrap().to_string();
+    let me = "127.0.0.1:1".to_string();
+    let fp = ns().fingerprint();
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let mut s = s.unwrap();
+            wire::write_header(
+                &mut s,
+                &Hello {
+                    version: kvtier_proto::CLUSTER_VERSION,
+                    nonce: vec![1; 32],
+                    node: String::new(),
+                    capacity: 1,
+                },
+            )
+            .unwrap();
+            let _: Auth = wire::read_header(&mut s).unwrap();
+            wire::write_header(&mut s, &AuthReply::default()).unwrap();
+            while let Ok(req) = wire::read_header::<Request>(&mut s) {
+                let keys = wire::unpack_keys(&req.keys).unwrap();
+                let blocks = keys
+                    .iter()
+                    .map(|k| Block {
+                        key: k.0.to_be_bytes().to_vec(),
+                        present: true,
+                        len: 8192,
+                        checksum: kvstore::checksum(&[7u8; 8192]),
+                        fingerprint: wire::fp_bytes(fp),
+                    })
+                    .collect();
+                wire::write_header(
+                    &mut s,
+                    &Reply {
+                        id: req.id,
+                        blocks,
+                        ..Default::default()
+                    },
+                )
+                .unwrap();
+                if req.op == Op::Get as i32 {
+                    for _ in &keys {
+                        s.write_all(&[8u8; 8192]).unwrap();
+                    }
+                }
+            }
+        }
+    });
+    let remote = Arc::new(
+        RemoteTier::new(RemoteConfig {
+            me: me.clone(),
+            members: vec![Member::new(me, 1e-9), Member::new(liar, 1e9)],
+            secret: String::new(),
+            timeout: Duration::from_secs(2),
+            replicas: 1,
+        })
+        .unwrap(),
+    );
+    let store = StoreConfig {
+        capacity_bytes: 32 << 20,
+        segment_bytes: 16 << 20,
+        remote: Some(kvstore::SharedTier(remote.clone())),
+        ..Default::default()
+    }
+    .build()
+    .unwrap();
+    store.register_namespace(&ns()).unwrap();
+    let keys = ns().token_keys(&[5; 48], &[]);
+    assert_eq!(store.match_prefix(&keys).n, 3, "the liar says it has them");
+    let l = store.load(&keys).unwrap();
+    assert_eq!(l.len(), 0, "nothing damaged is served");
+    drop(l);
+    let t = store
+        .stats()
+        .tiers
+        .into_iter()
+        .find(|t| t.tier == Some(Tier::Remote))
+        .unwrap();
+    assert_eq!(t.checksum_failures, 3, "{t:?}");
+    assert!(!store.in_host(&keys[0]));
+}
