@@ -63,6 +63,8 @@ enum Cmd {
         /// Lease id printed by `pin`.
         lease: u64,
     },
+    /// The remote tier: members, their state, bytes in and out per peer, pushes.
+    Cluster,
     /// Stream block events.
     Watch {
         /// Stop after this many events.
@@ -124,6 +126,55 @@ async fn run() -> Result<()> {
                     gib(h.host_capacity_bytes),
                     pct
                 );
+            }
+        }
+        Cmd::Cluster => {
+            let r = c
+                .cluster(pb::ClusterRequest {})
+                .await
+                .map_err(explain)?
+                .into_inner();
+            if cli.json {
+                let members: Vec<_> = r
+                    .members
+                    .iter()
+                    .map(|m| {
+                        json!({"addr": m.addr, "state": m.state, "bytes_in": m.bytes_in,
+                            "bytes_out": m.bytes_out, "failures": m.failures, "requests": m.requests})
+                    })
+                    .collect();
+                println!(
+                    "{}",
+                    json!({"enabled": r.enabled, "listen": r.listen, "membership": r.membership,
+                        "replicas": r.replicas, "members": members, "pushes": r.pushes,
+                        "push_dropped": r.push_dropped, "push_failed": r.push_failed,
+                        "push_queue_bytes": r.push_queue_bytes, "served_bytes": r.served_bytes,
+                        "received_bytes": r.received_bytes, "stored_for_peers": r.stored_for_peers,
+                        "auth_failures": r.auth_failures})
+                );
+            } else if !r.enabled {
+                println!("no remote tier (set cluster.listen and cluster.members)");
+            } else {
+                println!(
+                    "node {} ({} membership, {} replica(s)); pushed {}, dropped {}, failed {}; served {} to peers, stored {} blocks for them",
+                    r.listen, r.membership, r.replicas, r.pushes, r.push_dropped, r.push_failed,
+                    gib(r.served_bytes), r.stored_for_peers
+                );
+                println!(
+                    "{:<24} {:<8} {:>12} {:>12} {:>10} {:>10}",
+                    "member", "state", "in", "out", "requests", "failures"
+                );
+                for m in &r.members {
+                    println!(
+                        "{:<24} {:<8} {:>12} {:>12} {:>10} {:>10}",
+                        m.addr,
+                        m.state,
+                        gib(m.bytes_in),
+                        gib(m.bytes_out),
+                        m.requests,
+                        m.failures
+                    );
+                }
             }
         }
         Cmd::Stats => {

@@ -164,6 +164,23 @@ impl Admin for AdminService {
                 read_latency_s: k.read_latency_ns as f64 / 1e9,
             });
         }
+        for k in s
+            .tiers
+            .iter()
+            .filter(|t| t.tier == Some(kvstore::Tier::Remote))
+        {
+            tiers.push(pb::TierStats {
+                tier: pb::Tier::Remote as i32,
+                bytes_read: k.bytes_read,
+                bytes_written: k.bytes_written,
+                checksum_failures: k.checksum_failures,
+                read_errors: k.read_errors,
+                write_errors: k.write_errors,
+                read_bandwidth_bytes_per_s: k.read_bandwidth as f64,
+                read_latency_s: k.read_latency_ns as f64 / 1e9,
+                ..Default::default()
+            });
+        }
         let namespaces = ns
             .into_iter()
             .map(|n| pb::NamespaceStats {
@@ -311,6 +328,45 @@ impl Admin for AdminService {
             dropped: p.dropped as u32,
             held: p.held as u32,
             waiting: p.waiting as u32,
+        }))
+    }
+
+    async fn cluster(
+        &self,
+        _req: Request<pb::ClusterRequest>,
+    ) -> Result<Response<pb::ClusterReply>, Status> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let Some(c) = &self.d.cluster else {
+            return Ok(Response::new(pb::ClusterReply::default()));
+        };
+        let s = self.d.store.stats();
+        let cfg = &self.d.cfg.cluster;
+        Ok(Response::new(pb::ClusterReply {
+            enabled: true,
+            listen: cfg.listen.clone(),
+            membership: "static".into(),
+            replicas: cfg.replicas,
+            members: c
+                .remote
+                .peers()
+                .into_iter()
+                .map(|p| pb::ClusterMember {
+                    addr: p.addr,
+                    state: p.state.into(),
+                    bytes_in: p.bytes_in,
+                    bytes_out: p.bytes_out,
+                    failures: p.failures,
+                    requests: p.requests,
+                })
+                .collect(),
+            pushes: s.pushes,
+            push_dropped: s.push_dropped,
+            push_failed: s.push_failed,
+            push_queue_bytes: s.push_queue_bytes,
+            served_bytes: c.server.bytes_out.load(Relaxed),
+            received_bytes: c.server.bytes_in.load(Relaxed),
+            stored_for_peers: c.server.stored.load(Relaxed),
+            auth_failures: c.server.auth_failures.load(Relaxed),
         }))
     }
 

@@ -79,6 +79,50 @@ pub struct Config {
     pub events: EventsSection,
     /// Tenants (`server.isolation = "tenant"`): each gets its own arena and quota.
     pub tenants: Vec<TenantSection>,
+    /// The remote tier: nodes pooling their blocks.
+    pub cluster: ClusterSection,
+}
+
+/// `[cluster]`: this node's place in a cluster of kvtierd nodes that pool their blocks (the
+/// remote tier). Each block is owned by the member with the highest rendezvous score for its
+/// key; a node pushes what engines save to the owners in the background and asks the owners
+/// for what its own tiers miss.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClusterSection {
+    /// This node's data-plane address, `host:port`, as the members list names it; empty: no
+    /// remote tier (the default).
+    pub listen: String,
+    /// Static membership: every member's data-plane address, this node's included.
+    pub members: Vec<String>,
+    /// etcd endpoints for membership under a lease, instead of `members` (not available in
+    /// this build: refused with an error naming it).
+    pub etcd: Vec<String>,
+    /// Shared secret every member presents at connection set-up (HMAC-SHA256 over a nonce);
+    /// required when `listen` is not a loopback address.
+    pub secret: String,
+    /// Deadline of every request to a peer (connect, ask, transfer), milliseconds: a dead or
+    /// slow peer costs a miss within it.
+    pub timeout_ms: u64,
+    /// Owners per block (pushes go to all; loads ask the first reachable).
+    pub replicas: u32,
+    /// Most bytes of saved blocks queued for pushing to their owners; past it a block is not
+    /// pushed (counted), so a slow network never holds up an engine.
+    pub push_queue_bytes: Size,
+}
+
+impl Default for ClusterSection {
+    fn default() -> Self {
+        Self {
+            listen: String::new(),
+            members: Vec::new(),
+            etcd: Vec::new(),
+            secret: String::new(),
+            timeout_ms: 2_000,
+            replicas: 1,
+            push_queue_bytes: Size(256 << 20),
+        }
+    }
 }
 
 /// `[events]`: block stored/removed events published as vLLM's `ZmqEventPublisher` does (PUB
@@ -186,6 +230,7 @@ impl Default for Config {
             preload: PreloadSection::default(),
             events: EventsSection::default(),
             tenants: Vec::new(),
+            cluster: ClusterSection::default(),
         }
     }
 }
@@ -386,7 +431,7 @@ fn set_path(
     Ok(())
 }
 
-const SECTIONS: [&str; 3] = ["host", "disk", "server"];
+const SECTIONS: [&str; 4] = ["host", "disk", "server", "cluster"];
 
 /// Where the configuration comes from.
 pub struct Sources<'a> {
@@ -453,6 +498,7 @@ fn loopback(addr: &SocketAddr) -> bool {
 
 impl Config {
     fn validate(&self) -> Result<()> {
+        self.validate_cluster()?;
         ensure!(
             matches!(self.events.encoding.as_str(), "map" | "array"),
             "events.encoding = {:?}: use \"map\" or \"array\"",
@@ -565,6 +611,53 @@ impl Config {
             self.server.max_inflight_frame_bytes.0 >= kvtier_ipc::MAX_FRAME as u64,
             "server.max_inflight_frame_bytes must hold at least one whole frame ({} bytes)",
             kvtier_ipc::MAX_FRAME
+        );
+        Ok(())
+    }
+
+    fn validate_cluster(&self) -> Result<()> {
+        let c = &self.cluster;
+        if c.listen.is_empty() {
+            ensure!(
+                c.members.is_empty() && c.etcd.is_empty(),
+                "cluster.members / cluster.etcd are set but cluster.listen is empty: set this node's data-plane address"
+            );
+            return Ok(());
+        }
+        ensure!(
+            c.listen.parse::<SocketAddr>().is_ok(),
+            "cluster.listen = {:?}: use IP:PORT (the address the other members name)",
+            c.listen
+        );
+        ensure!(
+            c.etcd.is_empty(),
+            "cluster.etcd: etcd membership is not available in this build; list the members in cluster.members"
+        );
+        ensure!(
+            c.members.contains(&c.listen),
+            "cluster.members must name this node's cluster.listen ({})",
+            c.listen
+        );
+        for m in &c.members {
+            ensure!(
+                m.parse::<SocketAddr>().is_ok(),
+                "cluster.members: {m:?} is not IP:PORT"
+            );
+        }
+        ensure!(
+            !c.secret.is_empty() || kvtier_cluster::is_loopback(&c.listen),
+            "cluster.listen = {} is not a loopback address: set cluster.secret (every member presents it)",
+            c.listen
+        );
+        ensure!(c.timeout_ms > 0, "cluster.timeout_ms must be positive");
+        ensure!(
+            (1..=8).contains(&c.replicas),
+            "cluster.replicas = {}: use 1 to 8",
+            c.replicas
+        );
+        ensure!(
+            self.server.isolation != "tenant",
+            "cluster.listen with server.isolation = \"tenant\": the remote tier pools one store per node; tenants' stores stay local"
         );
         Ok(())
     }
@@ -898,6 +991,13 @@ mod tests {
             "fault_delay_ms",
             "data_dir",
             "log",
+            "listen",
+            "members",
+            "etcd",
+            "secret",
+            "timeout_ms",
+            "replicas",
+            "push_queue_bytes",
         ] {
             assert!(
                 text.contains(&format!("{key} =")),

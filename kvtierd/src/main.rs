@@ -108,6 +108,16 @@ pub struct Daemon {
     pub block_tokens: events::BlockTokens,
     /// KV event publisher counters.
     pub events: Arc<events::EventStats>,
+    /// The remote tier, when `[cluster]` is on.
+    pub cluster: Option<Cluster>,
+}
+
+/// This node's remote tier and data-plane server.
+pub struct Cluster {
+    /// The tier in the store's chain (placement, peers' state).
+    pub remote: Arc<kvtier_cluster::RemoteTier>,
+    /// The data-plane server's counters.
+    pub server: Arc<kvtier_cluster::ServerStats>,
 }
 
 impl Daemon {
@@ -164,6 +174,7 @@ impl Daemon {
             conn_serial: AtomicU64::new(0),
             block_tokens: Arc::default(),
             events: Arc::default(),
+            cluster: None,
         }
     }
 
@@ -300,6 +311,28 @@ impl Daemon {
     }
 }
 
+/// The remote tier `[cluster]` asks for (static membership), if any.
+fn cluster_tier(cfg: &config::Config) -> Result<Option<Arc<kvtier_cluster::RemoteTier>>> {
+    let c = &cfg.cluster;
+    if c.listen.is_empty() {
+        return Ok(None);
+    }
+    let members = c
+        .members
+        .iter()
+        .map(|m| kvtier_cluster::Member::new(m.clone(), 1.0))
+        .collect();
+    let t = kvtier_cluster::RemoteTier::new(kvtier_cluster::RemoteConfig {
+        me: c.listen.clone(),
+        members,
+        secret: c.secret.clone(),
+        timeout: Duration::from_millis(c.timeout_ms),
+        replicas: c.replicas as usize,
+    })
+    .context("cluster")?;
+    Ok(Some(Arc::new(t)))
+}
+
 fn main() -> ExitCode {
     match run() {
         Ok(()) => ExitCode::SUCCESS,
@@ -389,6 +422,7 @@ fn run() -> Result<()> {
             .with_context(|| format!("removing the stale socket {}", socket.display()))?;
     }
     let opened = Instant::now();
+    let remote = cluster_tier(&cfg)?;
     let mut tenants = Vec::new();
     let store: &'static Store = if cfg.server.isolation == "tenant" {
         for (t, scfg) in cfg.tenant_stores()? {
@@ -406,7 +440,11 @@ fn run() -> Result<()> {
         }
         tenants[0].store
     } else {
-        let scfg = cfg.store()?;
+        let mut scfg = cfg.store()?;
+        if let Some(r) = &remote {
+            scfg.remote = Some(kvstore::SharedTier(r.clone()));
+            scfg.push_queue_bytes = cfg.cluster.push_queue_bytes.0;
+        }
         tracing::info!(
             host_bytes = scfg.capacity_bytes,
             disk_bytes = scfg.disk.as_ref().map_or(0, |d| d.capacity_bytes),
@@ -448,8 +486,36 @@ fn run() -> Result<()> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let d = Arc::new(Daemon::new(store, tenants, cfg.clone(), log_stats));
+    let mut daemon = Daemon::new(store, tenants, cfg.clone(), log_stats);
+    daemon.cluster = remote.map(|remote| Cluster {
+        remote,
+        server: Arc::default(),
+    });
+    let d = Arc::new(daemon);
     rt.block_on(async {
+        let mut cluster_at = String::new();
+        let mut cluster_task = None;
+        if let Some(c) = &d.cluster {
+            let l = tokio::net::TcpListener::bind(&cfg.cluster.listen)
+                .await
+                .with_context(|| format!("binding cluster.listen = {}", cfg.cluster.listen))?;
+            cluster_at = format!(" cluster={}", l.local_addr()?);
+            let st = store.stats();
+            let capacity = st.capacity_bytes + st.disk().map_or(0, |k| k.capacity_bytes);
+            cluster_task = Some(tokio::spawn(kvtier_cluster::serve(
+                l,
+                store,
+                kvtier_cluster::ServerConfig {
+                    node: cfg.cluster.listen.clone(),
+                    secret: cfg.cluster.secret.clone(),
+                    capacity,
+                    timeout: Duration::from_millis(cfg.cluster.timeout_ms),
+                },
+                c.server.clone(),
+            )));
+            tracing::info!(listen = %cfg.cluster.listen, members = cfg.cluster.members.len(),
+                replicas = cfg.cluster.replicas, "remote tier: serving peers");
+        }
         let grpc = tokio::net::TcpListener::bind(&cfg.server.grpc)
             .await
             .with_context(|| format!("binding server.grpc = {}", cfg.server.grpc))?;
@@ -478,7 +544,7 @@ fn run() -> Result<()> {
         logging::say(
             std::io::stdout(),
             &format!(
-                "kvtierd ready: socket={} grpc={grpc_addr} metrics={metrics_addr} data_dir={} host_bytes={} disk_bytes={} io_engine={}{events_at}",
+                "kvtierd ready: socket={} grpc={grpc_addr} metrics={metrics_addr} data_dir={} host_bytes={} disk_bytes={} io_engine={}{events_at}{cluster_at}",
                 socket.display(),
                 cfg.data_dir.display(),
                 st.capacity_bytes,
@@ -531,6 +597,9 @@ fn run() -> Result<()> {
         }
         let _ = tokio::time::timeout(Duration::from_secs(10), grpc_task).await;
         metrics_task.abort();
+        if let Some(t) = cluster_task {
+            t.abort();
+        }
         anyhow::Ok(())
     })?;
     // Make the disk tier durable and its journal compact.

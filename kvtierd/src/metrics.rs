@@ -84,6 +84,89 @@ pub fn render(d: &Daemon) -> String {
         "Bytes written into each tier.",
         &tiered(s.bytes_in, disk.bytes_written),
     );
+    if let Some(c) = &d.cluster {
+        use std::sync::atomic::Ordering::Relaxed;
+        let peers = c.remote.peers();
+        let labels: Vec<String> = peers
+            .iter()
+            .map(|p| format!("peer=\"{}\"", p.addr))
+            .collect();
+        let per = |f: &dyn Fn(&kvtier_cluster::PeerStatus) -> f64| -> Vec<(&str, f64)> {
+            peers
+                .iter()
+                .zip(&labels)
+                .filter(|(p, _)| p.state != "self")
+                .map(|(p, l)| (l.as_str(), f(p)))
+                .collect()
+        };
+        metric(
+            "remote_peer_up",
+            "gauge",
+            "1 while a peer answers (or was not asked yet), 0 while it fails or its breaker is open.",
+            &per(&|p| f64::from(u8::from(matches!(p.state, "up" | "unknown")))),
+        );
+        metric(
+            "remote_peer_received_bytes_total",
+            "counter",
+            "Block payload bytes read from each peer.",
+            &per(&|p| p.bytes_in as f64),
+        );
+        metric(
+            "remote_peer_sent_bytes_total",
+            "counter",
+            "Block payload bytes pushed to each peer.",
+            &per(&|p| p.bytes_out as f64),
+        );
+        metric(
+            "remote_peer_failures_total",
+            "counter",
+            "Requests to each peer that failed (timeout, refused, broken connection).",
+            &per(&|p| p.failures as f64),
+        );
+        metric(
+            "remote_pushes_total",
+            "counter",
+            "Saved blocks pushed to their owners (pushed), not pushed because the queue was full (dropped), or failed.",
+            &[
+                ("outcome=\"pushed\"", s.pushes as f64),
+                ("outcome=\"dropped\"", s.push_dropped as f64),
+                ("outcome=\"failed\"", s.push_failed as f64),
+            ],
+        );
+        metric(
+            "remote_push_queue_bytes",
+            "gauge",
+            "Bytes of saved blocks waiting to be pushed to their owners.",
+            &[("", s.push_queue_bytes as f64)],
+        );
+        let r = s
+            .tiers
+            .iter()
+            .find(|t| t.tier == Some(kvstore::Tier::Remote))
+            .cloned()
+            .unwrap_or_default();
+        metric(
+            "remote_checksum_failures_total",
+            "counter",
+            "Blocks from peers that failed their checksum (misses, never served).",
+            &[("", r.checksum_failures as f64)],
+        );
+        metric(
+            "remote_served_bytes_total",
+            "counter",
+            "Block payload bytes this node served to peers (get) and stored for them (put).",
+            &[
+                ("op=\"get\"", c.server.bytes_out.load(Relaxed) as f64),
+                ("op=\"put\"", c.server.bytes_in.load(Relaxed) as f64),
+            ],
+        );
+        metric(
+            "remote_auth_failures_total",
+            "counter",
+            "Peer connections refused at set-up (wrong cluster secret or protocol version).",
+            &[("", c.server.auth_failures.load(Relaxed) as f64)],
+        );
+    }
     metric(
         "promotions_total",
         "counter",

@@ -1,0 +1,227 @@
+//! Three real `kvtierd` processes on loopback pooling their blocks (`[cluster]`, static
+//! membership): a prefix saved through node A loads byte-exact through node C; two nodes agree
+//! on a lookup; a peer killed with SIGKILL in the middle of loads costs misses within the
+//! deadline and never a wrong byte; restarted, it serves its disk blocks again; a node with the
+//! wrong secret is refused.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvstore::{BlockKey, Tier};
+
+fn free_ports(n: usize) -> Vec<u16> {
+    let ls: Vec<std::net::TcpListener> = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    ls.iter().map(|l| l.local_addr().unwrap().port()).collect()
+}
+
+fn node(name: &str, me: u16, members: &[u16], secret: &str, fresh: bool) -> Kvtierd {
+    let list = members
+        .iter()
+        .map(|p| format!("\"127.0.0.1:{p}\""))
+        .collect::<Vec<_>>()
+        .join(",");
+    let args = [
+        format!("cluster.listen=127.0.0.1:{me}"),
+        format!("cluster.members=[{list}]"),
+        format!("cluster.secret={secret}"),
+        "cluster.timeout_ms=1000".to_string(),
+        // Blocks stored for peers reach the disk at once: a restarted node serves them again.
+        "disk.write_through=true".to_string(),
+        "disk.admission=always".to_string(),
+    ];
+    let mut v = Vec::new();
+    for a in &args {
+        v.push("--set");
+        v.push(a.as_str());
+    }
+    Kvtierd::start(name, &v, fresh)
+}
+
+fn metrics(d: &Kvtierd) -> String {
+    let mut s = std::net::TcpStream::connect(&d.metrics).unwrap();
+    write!(
+        s,
+        "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut m = String::new();
+    s.read_to_string(&mut m).unwrap();
+    m
+}
+
+fn metric(m: &str, line_start: &str) -> f64 {
+    m.lines()
+        .find(|l| l.starts_with(line_start))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+fn cli(d: &Kvtierd, args: &[&str]) -> serde_json::Value {
+    let exe = std::path::Path::new(env!("CARGO_BIN_EXE_kvtierd")).with_file_name("kvtier");
+    let out = Command::new(exe)
+        .args(["--addr", &d.grpc, "--json"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let until = Instant::now() + Duration::from_secs(secs);
+    while !f() {
+        assert!(Instant::now() < until, "{what}: not within {secs} s");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn three_nodes_pool_their_blocks() {
+    let p = free_ports(3);
+    let a = node("cl-a", p[0], &p, "s3cret", true);
+    let b = node("cl-b", p[1], &p, "s3cret", true);
+    let c = node("cl-c", p[2], &p, "s3cret", true);
+    let n = 30u64;
+    let keys: Vec<BlockKey> = (0..n).map(key).collect();
+    let mut ca = a.client();
+    let ns = ca.register_namespace(&namespace()).unwrap();
+    put_all(&mut ca, ns, 0..n);
+    let mut cc = c.client();
+    cc.register_namespace(&namespace()).unwrap();
+    let mut cb = b.client();
+    cb.register_namespace(&namespace()).unwrap();
+    // Pushed to their owners in the background; then C finds the whole prefix.
+    wait_until("C sees the prefix", 20, || {
+        cc.lookup(&keys, None).unwrap().n == n as usize
+    });
+    let l = cc.lookup(&keys, None).unwrap();
+    assert!(l.tiers.contains(&Tier::Remote), "{:?}", l.tiers);
+    // Two engines on two nodes (e.g. TP ranks) get the same answer.
+    let lb = cb.lookup(&keys, None).unwrap();
+    assert_eq!(lb.n, n as usize);
+    // Byte-exact through C's arena (get_all compares every byte).
+    assert_eq!(get_all(&mut cc, 0..n), n as usize);
+    let st = cli(&a, &["cluster"]);
+    assert_eq!(st["enabled"], true);
+    assert_eq!(st["members"].as_array().unwrap().len(), 3);
+    assert!(st["pushes"].as_u64().unwrap() > 0, "{st}");
+    let m = metrics(&c);
+    assert!(metric(&m, "kvtier_remote_peer_received_bytes_total") >= 0.0);
+    assert!(m.contains("kvtier_remote_peer_up{peer="), "{m}");
+
+    // B dies (SIGKILL) while a reader on C keeps loading: every load ends within the deadline
+    // (1 s plus slack), every byte it returns is right.
+    let stop = Arc::new(AtomicBool::new(false));
+    let reader = {
+        let stop = stop.clone();
+        let sock = c.socket.clone();
+        std::thread::spawn(move || {
+            let mut cl = kvtier_ipc::IpcClient::connect(&sock, "reader").unwrap();
+            cl.register_namespace(&namespace()).unwrap();
+            let (mut loads, mut slowest) = (0, Duration::ZERO);
+            while !stop.load(Relaxed) {
+                let t = Instant::now();
+                get_all(&mut cl, 0..n);
+                slowest = slowest.max(t.elapsed());
+                loads += 1;
+            }
+            (loads, slowest)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let mut b = b;
+    b.child.kill().unwrap();
+    b.child.wait().unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    stop.store(true, Relaxed);
+    let (loads, slowest) = reader.join().unwrap();
+    assert!(loads > 0);
+    assert!(slowest < Duration::from_secs(4), "a load took {slowest:?}");
+    // A fresh engine on a fourth key range still works on C (the daemon keeps serving).
+    put_all(&mut cc, ns, 100..105);
+    assert_eq!(get_all(&mut cc, 100..105), 5);
+
+    // B comes back with its disk tier (same data directory): the blocks it owns are served
+    // again.
+    std::mem::forget(b);
+    let b2 = node("cl-b", p[1], &p, "s3cret", false);
+    let mut cc = c.client();
+    cc.register_namespace(&namespace()).unwrap();
+    wait_until("B's blocks are served again", 30, || {
+        cc.lookup(&keys, None).unwrap().n == n as usize
+    });
+    assert_eq!(get_all(&mut cc, 0..n), n as usize);
+    drop(b2);
+}
+
+#[test]
+fn a_node_outside_the_members_or_off_loopback_without_a_secret_is_refused_at_start() {
+    let run = |sets: &[&str]| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvtierd"));
+        cmd.args([
+            "--grpc",
+            "127.0.0.1:0",
+            "--metrics",
+            "127.0.0.1:0",
+            "--no-disk",
+        ]);
+        for s in sets {
+            cmd.args(["--set", s]);
+        }
+        let out = cmd.output().unwrap();
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
+    let e = run(&[
+        "cluster.listen=127.0.0.1:7070",
+        "cluster.members=[\"127.0.0.1:7071\"]",
+    ]);
+    assert!(e.contains("cluster.members must name"), "{e}");
+    let e = run(&[
+        "cluster.listen=10.11.12.13:7070",
+        "cluster.members=[\"10.11.12.13:7070\"]",
+    ]);
+    assert!(e.contains("cluster.secret"), "{e}");
+    let e = run(&[
+        "cluster.listen=127.0.0.1:7070",
+        "cluster.members=[\"127.0.0.1:7070\"]",
+        "cluster.etcd=[\"http://127.0.0.1:2379\"]",
+    ]);
+    assert!(e.contains("cluster.etcd"), "{e}");
+}
+
+#[test]
+fn a_wrong_cluster_secret_is_refused() {
+    let p = free_ports(2);
+    let a = node("sec-a", p[0], &p, "right", true);
+    let b = node("sec-b", p[1], &p, "wrong", true);
+    let mut cb = b.client();
+    let ns = cb.register_namespace(&namespace()).unwrap();
+    put_all(&mut cb, ns, 0..20);
+    wait_until("A refuses B", 20, || {
+        metric(&metrics(&a), "kvtier_remote_auth_failures_total") > 0.0
+    });
+    let st = cli(&b, &["cluster"]);
+    assert!(st["push_failed"].as_u64().unwrap() > 0, "{st}");
+    // Nothing crossed: A holds none of B's blocks.
+    let mut ca = a.client();
+    ca.register_namespace(&namespace()).unwrap();
+    let l = ca
+        .lookup(&(0..20).map(key).collect::<Vec<_>>(), None)
+        .unwrap();
+    assert!(l.tiers.iter().all(|t| *t != Tier::Remote));
+    assert!(metric(&metrics(&a), "kvtier_remote_served_bytes_total{op=\"put\"}") == 0.0);
+}
