@@ -14,5 +14,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_server(true)
         .build_client(true)
         .compile_protos(&["proto/admin.proto"], &["proto"])?;
+    // The etcd v3 subset the cluster's membership uses (a client of a real etcd).
+    #[cfg(feature = "grpc")]
+    tonic_build::configure()
+        .build_server(false)
+        .build_client(true)
+        .compile_protos(&["proto/etcd.proto"], &["proto"])?;
     Ok(())
 }

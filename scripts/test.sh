@@ -10,10 +10,13 @@ if ! command -v cargo >/dev/null; then
     echo "cargo not found: install the Rust toolchain (https://rustup.rs)" >&2
     exit 1
 fi
-# fio and redis-server: baselines of the disk and peers benchmarks (their smoke tests run here).
+# fio, redis-server and iperf3: baselines of the disk, peers and remote benchmarks (their smoke
+# tests run here); etcd: the cluster's membership store (the etcd membership tests run it).
 need=()
 command -v fio >/dev/null || need+=(fio)
 command -v redis-server >/dev/null || need+=(redis-server)
+command -v iperf3 >/dev/null || need+=(iperf3)
+command -v etcd >/dev/null || need+=(etcd-server)
 if [ ${#need[@]} -gt 0 ]; then
     (apt-get install -y -q "${need[@]}" >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q "${need[@]}" >/dev/null; }) \
         || { echo "could not install ${need[*]} (apt-get install ${need[*]})" >&2; exit 1; }

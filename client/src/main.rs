@@ -115,16 +115,17 @@ async fn run() -> Result<()> {
                     json!({"version": h.version, "uptime_ms": h.uptime_ms, "io_engine": h.io_engine,
                         "host_capacity_bytes": h.host_capacity_bytes,
                         "populated_segments": h.populated_segments,
-                        "total_segments": h.total_segments})
+                        "total_segments": h.total_segments, "cluster": h.cluster})
                 );
             } else {
                 println!(
-                    "kvtierd {} up {:.1} s, disk engine {}, host arena {} ({:.0}% populated)",
+                    "kvtierd {} up {:.1} s, disk engine {}, host arena {} ({:.0}% populated), cluster {}",
                     h.version,
                     h.uptime_ms as f64 / 1000.0,
                     h.io_engine,
                     gib(h.host_capacity_bytes),
-                    pct
+                    pct,
+                    h.cluster
                 );
             }
         }
@@ -146,6 +147,7 @@ async fn run() -> Result<()> {
                 println!(
                     "{}",
                     json!({"enabled": r.enabled, "listen": r.listen, "membership": r.membership,
+                        "degraded": r.degraded, "membership_changes": r.membership_changes,
                         "replicas": r.replicas, "members": members, "pushes": r.pushes,
                         "push_dropped": r.push_dropped, "push_failed": r.push_failed,
                         "push_queue_bytes": r.push_queue_bytes, "served_bytes": r.served_bytes,
@@ -156,8 +158,8 @@ async fn run() -> Result<()> {
                 println!("no remote tier (set cluster.listen and cluster.members)");
             } else {
                 println!(
-                    "node {} ({} membership, {} replica(s)); pushed {}, dropped {}, failed {}; served {} to peers, stored {} blocks for them",
-                    r.listen, r.membership, r.replicas, r.pushes, r.push_dropped, r.push_failed,
+                    "node {} ({} membership{}, {} replica(s)); pushed {}, dropped {}, failed {}; served {} to peers, stored {} blocks for them",
+                    r.listen, r.membership, if r.degraded { ", DEGRADED: etcd unreachable" } else { "" }, r.replicas, r.pushes, r.push_dropped, r.push_failed,
                     gib(r.served_bytes), r.stored_for_peers
                 );
                 println!(

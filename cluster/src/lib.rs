@@ -1,5 +1,6 @@
 //! kvtier's remote tier: kvtierd nodes pool their blocks across a cluster.
 //!
+//! - [`membership`]: members registered in etcd under a lease, watched (or a static list).
 //! - [`placement`]: each block's owner among the members, by weighted rendezvous hashing.
 //! - [`wire`]: the data plane's framing (`proto/proto/cluster.proto`) and authentication.
 //! - [`server`]: answers peers from this node's own tiers (tokio).
@@ -9,11 +10,13 @@
 //! The daemon wires them: the store gets the remote tier last in its chain
 //! (`StoreConfig::remote`), and the server runs beside the engine socket.
 
+pub mod membership;
 pub mod placement;
 pub mod remote;
 pub mod server;
 pub mod wire;
 
+pub use membership::{leave, run_etcd, EtcdConfig, MembershipState};
 pub use placement::{Member, Placement};
 pub use remote::{PeerStatus, RemoteConfig, RemoteTier};
 pub use server::{serve, ServerConfig, ServerStats};

@@ -102,6 +102,7 @@ impl Admin for AdminService {
             populated_segments: s.populated_segments,
             total_segments: s.total_segments,
             host_capacity_bytes: s.capacity_bytes,
+            cluster: self.d.cluster.as_ref().map_or("off", |c| c.state()).into(),
         }))
     }
 
@@ -344,7 +345,9 @@ impl Admin for AdminService {
         Ok(Response::new(pb::ClusterReply {
             enabled: true,
             listen: cfg.listen.clone(),
-            membership: "static".into(),
+            membership: if c.etcd.is_some() { "etcd" } else { "static" }.into(),
+            degraded: c.state() == "degraded",
+            membership_changes: c.etcd.as_ref().map_or(0, |(_, m)| m.changes.load(Relaxed)),
             replicas: cfg.replicas,
             members: c
                 .remote

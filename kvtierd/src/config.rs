@@ -95,9 +95,15 @@ pub struct ClusterSection {
     pub listen: String,
     /// Static membership: every member's data-plane address, this node's included.
     pub members: Vec<String>,
-    /// etcd endpoints for membership under a lease, instead of `members` (not available in
-    /// this build: refused with an error naming it).
+    /// etcd endpoints (`http://host:port`) for membership under a lease, instead of
+    /// `members`: each node registers itself (address, capacity, version), keeps its lease
+    /// alive and watches the others.
     pub etcd: Vec<String>,
+    /// Key prefix of the members in etcd (one cluster per prefix).
+    pub etcd_prefix: String,
+    /// Lease TTL in etcd, milliseconds (whole seconds, at least 1 s): a member that stops
+    /// renewing leaves the placement after it.
+    pub lease_ttl_ms: u64,
     /// Shared secret every member presents at connection set-up (HMAC-SHA256 over a nonce);
     /// required when `listen` is not a loopback address.
     pub secret: String,
@@ -117,6 +123,8 @@ impl Default for ClusterSection {
             listen: String::new(),
             members: Vec::new(),
             etcd: Vec::new(),
+            etcd_prefix: "/kvtier/members/".into(),
+            lease_ttl_ms: 10_000,
             secret: String::new(),
             timeout_ms: 2_000,
             replicas: 1,
@@ -629,15 +637,29 @@ impl Config {
             "cluster.listen = {:?}: use IP:PORT (the address the other members name)",
             c.listen
         );
-        ensure!(
-            c.etcd.is_empty(),
-            "cluster.etcd: etcd membership is not available in this build; list the members in cluster.members"
-        );
-        ensure!(
-            c.members.contains(&c.listen),
-            "cluster.members must name this node's cluster.listen ({})",
-            c.listen
-        );
+        if c.etcd.is_empty() {
+            ensure!(
+                c.members.contains(&c.listen),
+                "cluster.members must name this node's cluster.listen ({})",
+                c.listen
+            );
+        } else {
+            ensure!(
+                c.members.is_empty(),
+                "cluster.members and cluster.etcd are both set: use one (etcd: membership under a lease)"
+            );
+            for e in &c.etcd {
+                ensure!(
+                    e.starts_with("http://"),
+                    "cluster.etcd: {e:?} is not an http:// URL"
+                );
+            }
+            ensure!(
+                c.lease_ttl_ms >= 1000,
+                "cluster.lease_ttl_ms = {}: at least 1000",
+                c.lease_ttl_ms
+            );
+        }
         for m in &c.members {
             ensure!(
                 m.parse::<SocketAddr>().is_ok(),
@@ -998,6 +1020,8 @@ mod tests {
             "timeout_ms",
             "replicas",
             "push_queue_bytes",
+            "etcd_prefix",
+            "lease_ttl_ms",
         ] {
             assert!(
                 text.contains(&format!("{key} =")),

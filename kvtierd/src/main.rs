@@ -118,6 +118,21 @@ pub struct Cluster {
     pub remote: Arc<kvtier_cluster::RemoteTier>,
     /// The data-plane server's counters.
     pub server: Arc<kvtier_cluster::ServerStats>,
+    /// etcd membership (None: static members).
+    pub etcd: Option<(
+        kvtier_cluster::EtcdConfig,
+        Arc<kvtier_cluster::MembershipState>,
+    )>,
+}
+
+impl Cluster {
+    /// "ok", or "degraded" while etcd is unreachable.
+    pub fn state(&self) -> &'static str {
+        match &self.etcd {
+            Some((_, m)) if m.degraded.load(Relaxed) => "degraded",
+            _ => "ok",
+        }
+    }
 }
 
 impl Daemon {
@@ -311,17 +326,45 @@ impl Daemon {
     }
 }
 
-/// The remote tier `[cluster]` asks for (static membership), if any.
-fn cluster_tier(cfg: &config::Config) -> Result<Option<Arc<kvtier_cluster::RemoteTier>>> {
+/// The remote tier `[cluster]` asks for, and its etcd membership, if any.
+type ClusterTier = (
+    Arc<kvtier_cluster::RemoteTier>,
+    Option<kvtier_cluster::EtcdConfig>,
+);
+
+/// The remote tier `[cluster]` asks for (static or etcd membership), if any.
+fn cluster_tier(cfg: &config::Config) -> Result<Option<ClusterTier>> {
     let c = &cfg.cluster;
     if c.listen.is_empty() {
         return Ok(None);
     }
-    let members = c
-        .members
-        .iter()
-        .map(|m| kvtier_cluster::Member::new(m.clone(), 1.0))
-        .collect();
+    let etcd = if c.etcd.is_empty() {
+        None
+    } else {
+        let s = cfg.store()?;
+        Some(kvtier_cluster::EtcdConfig {
+            endpoints: c.etcd.clone(),
+            prefix: c.etcd_prefix.clone(),
+            ttl: Duration::from_millis(c.lease_ttl_ms),
+            timeout: Duration::from_millis(c.timeout_ms),
+            me: c.listen.clone(),
+            capacity: s.capacity_bytes + s.disk.as_ref().map_or(0, |d| d.capacity_bytes),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+        })
+    };
+    // Static members weigh the same; with etcd each member's advertised capacity is its weight
+    // (until etcd answers, this node alone).
+    let members = match &etcd {
+        Some(e) => vec![kvtier_cluster::Member::new(
+            c.listen.clone(),
+            e.capacity as f64,
+        )],
+        None => c
+            .members
+            .iter()
+            .map(|m| kvtier_cluster::Member::new(m.clone(), 1.0))
+            .collect(),
+    };
     let t = kvtier_cluster::RemoteTier::new(kvtier_cluster::RemoteConfig {
         me: c.listen.clone(),
         members,
@@ -330,7 +373,7 @@ fn cluster_tier(cfg: &config::Config) -> Result<Option<Arc<kvtier_cluster::Remot
         replicas: c.replicas as usize,
     })
     .context("cluster")?;
-    Ok(Some(Arc::new(t)))
+    Ok(Some((Arc::new(t), etcd)))
 }
 
 fn main() -> ExitCode {
@@ -441,7 +484,7 @@ fn run() -> Result<()> {
         tenants[0].store
     } else {
         let mut scfg = cfg.store()?;
-        if let Some(r) = &remote {
+        if let Some((r, _)) = &remote {
             scfg.remote = Some(kvstore::SharedTier(r.clone()));
             scfg.push_queue_bytes = cfg.cluster.push_queue_bytes.0;
         }
@@ -487,14 +530,16 @@ fn run() -> Result<()> {
         .enable_all()
         .build()?;
     let mut daemon = Daemon::new(store, tenants, cfg.clone(), log_stats);
-    daemon.cluster = remote.map(|remote| Cluster {
+    daemon.cluster = remote.map(|(remote, etcd)| Cluster {
         remote,
         server: Arc::default(),
+        etcd: etcd.map(|e| (e, Arc::default())),
     });
     let d = Arc::new(daemon);
     rt.block_on(async {
         let mut cluster_at = String::new();
         let mut cluster_task = None;
+        let mut membership_task = None;
         if let Some(c) = &d.cluster {
             let l = tokio::net::TcpListener::bind(&cfg.cluster.listen)
                 .await
@@ -514,7 +559,14 @@ fn run() -> Result<()> {
                 c.server.clone(),
             )));
             tracing::info!(listen = %cfg.cluster.listen, members = cfg.cluster.members.len(),
-                replicas = cfg.cluster.replicas, "remote tier: serving peers");
+                etcd = ?cfg.cluster.etcd, replicas = cfg.cluster.replicas, "remote tier: serving peers");
+            if let Some((e, m)) = &c.etcd {
+                membership_task = Some(tokio::spawn(kvtier_cluster::run_etcd(
+                    e.clone(),
+                    c.remote.clone(),
+                    m.clone(),
+                )));
+            }
         }
         let grpc = tokio::net::TcpListener::bind(&cfg.server.grpc)
             .await
@@ -597,6 +649,13 @@ fn run() -> Result<()> {
         }
         let _ = tokio::time::timeout(Duration::from_secs(10), grpc_task).await;
         metrics_task.abort();
+        if let Some(t) = membership_task {
+            t.abort();
+        }
+        if let Some((e, m)) = d.cluster.as_ref().and_then(|c| c.etcd.as_ref()) {
+            // A clean stop leaves the placement at once (peers stop asking this node).
+            kvtier_cluster::leave(e, m).await;
+        }
         if let Some(t) = cluster_task {
             t.abort();
         }

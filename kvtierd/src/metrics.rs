@@ -160,6 +160,26 @@ pub fn render(d: &Daemon) -> String {
                 ("op=\"put\"", c.server.bytes_in.load(Relaxed) as f64),
             ],
         );
+        if let Some((_, m)) = &c.etcd {
+            metric(
+                "cluster_degraded",
+                "gauge",
+                "1 while etcd is unreachable (the last known membership is in use, local tiers serve).",
+                &[("", f64::from(u8::from(m.degraded.load(Relaxed))))],
+            );
+            metric(
+                "cluster_membership_changes_total",
+                "counter",
+                "Membership changes applied from etcd.",
+                &[("", m.changes.load(Relaxed) as f64)],
+            );
+        }
+        metric(
+            "cluster_members",
+            "gauge",
+            "Members in the placement (this node included).",
+            &[("", peers.len() as f64)],
+        );
         metric(
             "remote_auth_failures_total",
             "counter",

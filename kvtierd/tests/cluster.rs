@@ -28,9 +28,20 @@ fn node(name: &str, me: u16, members: &[u16], secret: &str, fresh: bool) -> Kvti
         .map(|p| format!("\"127.0.0.1:{p}\""))
         .collect::<Vec<_>>()
         .join(",");
+    node_with(
+        name,
+        me,
+        &format!("cluster.members=[{list}]"),
+        secret,
+        fresh,
+    )
+}
+
+fn node_with(name: &str, me: u16, membership: &str, secret: &str, fresh: bool) -> Kvtierd {
     let args = [
         format!("cluster.listen=127.0.0.1:{me}"),
-        format!("cluster.members=[{list}]"),
+        membership.to_string(),
+        "cluster.lease_ttl_ms=2000".to_string(),
         format!("cluster.secret={secret}"),
         "cluster.timeout_ms=1000".to_string(),
         // Blocks stored for peers reach the disk at once: a restarted node serves them again.
@@ -200,7 +211,7 @@ fn a_node_outside_the_members_or_off_loopback_without_a_secret_is_refused_at_sta
         "cluster.members=[\"127.0.0.1:7070\"]",
         "cluster.etcd=[\"http://127.0.0.1:2379\"]",
     ]);
-    assert!(e.contains("cluster.etcd"), "{e}");
+    assert!(e.contains("both set"), "{e}");
 }
 
 #[test]
@@ -224,4 +235,138 @@ fn a_wrong_cluster_secret_is_refused() {
         .unwrap();
     assert!(l.tiers.iter().all(|t| *t != Tier::Remote));
     assert!(metric(&metrics(&a), "kvtier_remote_served_bytes_total{op=\"put\"}") == 0.0);
+}
+
+/// A real etcd on loopback ports (Debian's etcd-server, installed by scripts/test.sh).
+struct Etcd {
+    child: std::process::Child,
+    url: String,
+    dir: std::path::PathBuf,
+    args: Vec<String>,
+}
+
+impl Etcd {
+    fn start() -> Option<Self> {
+        if Command::new("etcd").arg("--version").output().is_err() {
+            eprintln!("SKIPPED: etcd is not installed (scripts/test.sh installs etcd-server)");
+            return None;
+        }
+        let p = free_ports(2);
+        let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("etcd-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let url = format!("http://127.0.0.1:{}", p[0]);
+        let peer = format!("http://127.0.0.1:{}", p[1]);
+        let args = vec![
+            "--name".into(),
+            "kvtier-test".into(),
+            "--data-dir".into(),
+            dir.display().to_string(),
+            "--listen-client-urls".into(),
+            url.clone(),
+            "--advertise-client-urls".into(),
+            url.clone(),
+            "--listen-peer-urls".into(),
+            peer.clone(),
+            "--initial-advertise-peer-urls".into(),
+            peer.clone(),
+            "--initial-cluster".into(),
+            format!("kvtier-test={peer}"),
+            "--log-level".into(),
+            "error".into(),
+        ];
+        let mut e = Self {
+            child: Command::new("true").spawn().unwrap(),
+            url,
+            dir,
+            args,
+        };
+        e.restart();
+        Some(e)
+    }
+
+    fn restart(&mut self) {
+        self.child = Command::new("etcd")
+            .args(&self.args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let addr = self.url.trim_start_matches("http://").to_string();
+        wait_until("etcd listens", 30, || {
+            std::net::TcpStream::connect(&addr).is_ok()
+        });
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn members(d: &Kvtierd) -> usize {
+    cli(d, &["cluster"])["members"].as_array().unwrap().len()
+}
+
+#[test]
+fn etcd_membership_follows_leases_and_survives_etcd_going_away() {
+    let Some(mut etcd) = Etcd::start() else {
+        return;
+    };
+    let m = format!("cluster.etcd=[\"{}\"]", etcd.url);
+    let p = free_ports(3);
+    let a = node_with("etcd-a", p[0], &m, "s3cret", true);
+    let b = node_with("etcd-b", p[1], &m, "s3cret", true);
+    let c = node_with("etcd-c", p[2], &m, "s3cret", true);
+    for d in [&a, &b, &c] {
+        wait_until("every node sees three members", 20, || members(d) == 3);
+    }
+    assert_eq!(cli(&a, &["cluster"])["membership"], "etcd");
+    assert_eq!(cli(&a, &["status"])["cluster"], "ok");
+    let n = 24u64;
+    let keys: Vec<BlockKey> = (0..n).map(key).collect();
+    let mut ca = a.client();
+    let ns = ca.register_namespace(&namespace()).unwrap();
+    put_all(&mut ca, ns, 0..n);
+    let mut cc = c.client();
+    cc.register_namespace(&namespace()).unwrap();
+    wait_until("C sees the prefix", 20, || {
+        cc.lookup(&keys, None).unwrap().n == n as usize
+    });
+    assert_eq!(get_all(&mut cc, 0..n), n as usize);
+
+    // B dies: its lease lapses (2 s) and it leaves everyone's placement.
+    let mut b = b;
+    b.child.kill().unwrap();
+    b.child.wait().unwrap();
+    wait_until("B leaves the placement", 20, || {
+        members(&a) == 2 && members(&c) == 2
+    });
+
+    // etcd goes away: degraded, still serving local tiers and the last known members.
+    etcd.kill();
+    wait_until("A reports degraded", 20, || {
+        cli(&a, &["status"])["cluster"] == "degraded"
+    });
+    assert!(metric(&metrics(&a), "kvtier_cluster_degraded") == 1.0);
+    assert_eq!(members(&a), 2, "the last known membership stays");
+    put_all(&mut ca, ns, 200..204);
+    assert_eq!(get_all(&mut ca, 200..204), 4);
+
+    // etcd is back: registered again, not degraded.
+    etcd.restart();
+    wait_until("A is back to ok", 30, || {
+        cli(&a, &["status"])["cluster"] == "ok"
+    });
+    wait_until("A and C see each other", 20, || {
+        members(&a) == 2 && members(&c) == 2
+    });
+    assert!(metric(&metrics(&a), "kvtier_cluster_degraded") == 0.0);
 }

@@ -8,6 +8,14 @@ pub mod admin {
     tonic::include_proto!("kvtier.admin.v1");
 }
 
+/// The subset of etcd's v3 API (`etcdserverpb`) the cluster's membership uses: a client only;
+/// needs the `grpc` feature.
+#[cfg(feature = "grpc")]
+#[allow(missing_docs, clippy::all)]
+pub mod etcd {
+    tonic::include_proto!("etcdserverpb");
+}
+
 /// The local engine IPC protocol (`kvtier.ipc.v1`): prost messages only.
 #[allow(missing_docs, clippy::all)]
 pub mod ipc {
