@@ -10,6 +10,7 @@ mod host;
 mod ipc;
 mod peers;
 mod plot;
+mod remote;
 mod replay;
 mod report;
 mod rng;
@@ -50,6 +51,8 @@ enum Cmd {
     Events(events::EventsArgs),
     /// Through the kvtierd sidecar vs embedded: lookup+lease latency, put/get bandwidth.
     Ipc(ipc::IpcArgs),
+    /// The remote tier between two nodes on loopback vs iperf3 and Redis; lookup latency vs RTT.
+    Remote(remote::RemoteArgs),
     /// Save/load of a long prefix through the connector's CPU path vs memcpy, embedded and kvtierd.
     Connector(connector::ConnectorArgs),
     /// Engine processes against kvtierd for minutes, the daemon killed and restarted at random:
@@ -84,6 +87,7 @@ fn main() -> Result<()> {
         Cmd::Disk(a) => disk::run(a),
         Cmd::Replay(a) => replay::run(*a),
         Cmd::Peers(a) => peers::run(a),
+        Cmd::Remote(a) => remote::run(a),
         Cmd::Ipc(a) => ipc::run(a),
         Cmd::Events(a) => events::run(a),
         Cmd::Connector(a) => connector::run(a),

@@ -162,7 +162,7 @@ fn resp_line(r: &mut impl BufRead) -> Result<String> {
 }
 
 /// Redis: (put, get) GB/s per round, over one loopback TCP connection.
-fn redis(
+pub(crate) fn redis(
     size: u64,
     count: u64,
     rounds: usize,

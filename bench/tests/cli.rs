@@ -263,6 +263,42 @@ fn peers_bench_against_redis() {
 }
 
 #[test]
+fn remote_bench_against_iperf3_and_redis() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier-bench"))
+        .args([
+            "remote",
+            "--sizes",
+            "1M",
+            "--bytes",
+            "8M",
+            "--rounds",
+            "1",
+            "--lookups",
+            "50",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    let v = last_json(&out);
+    let rows = v["results"].as_array().unwrap();
+    let cases: Vec<&str> = rows.iter().map(|r| r["case"].as_str().unwrap()).collect();
+    assert_eq!(
+        cases,
+        [
+            "put 1MiB vs iperf3",
+            "get 1MiB vs iperf3",
+            "put 1MiB vs redis",
+            "get 1MiB vs redis",
+            "lookup 64 keys p50 vs 2xRTT+30us",
+            "lookup 64 keys p99 vs 2xRTT+30us"
+        ]
+    );
+    assert!(rows
+        .iter()
+        .all(|r| r["value"].as_f64().unwrap() > 0.0 && r["baseline"].as_f64().unwrap() > 0.0));
+}
+
+#[test]
 fn ipc_bench_against_the_sidecar() {
     let out = Command::new(env!("CARGO_BIN_EXE_kvtier-bench"))
         .args([

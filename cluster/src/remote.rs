@@ -31,6 +31,10 @@ const BREAKER_MIN: Duration = Duration::from_millis(500);
 const BREAKER_MAX: Duration = Duration::from_secs(30);
 /// Idle connections kept per peer.
 const POOL: usize = 4;
+/// Bytes read (and hashed) at a time.
+const PIECE: usize = 256 << 10;
+/// PUT requests written ahead of their replies.
+const WINDOW: usize = 32;
 
 /// How the remote tier reaches the cluster.
 #[derive(Clone, Debug)]
@@ -577,10 +581,15 @@ impl LowerTier for RemoteTier {
                     // SAFETY: the buffer is the block's reserved host slot (or an owned
                     // buffer), `cap` bytes long and ours alone until this call returns.
                     let dst = unsafe { std::slice::from_raw_parts_mut(it.buf.as_ptr(), len) };
-                    c.read_exact(dst)?;
+                    // Hashed piece by piece as it arrives (each piece still in cache).
+                    let mut h = kvstore::Checksummer::new();
+                    for piece in dst.chunks_mut(PIECE) {
+                        c.read_exact(piece)?;
+                        h.update(piece);
+                    }
                     s.peer.bytes_in.fetch_add(len as u64, Relaxed);
                     self.stats.bytes_read.fetch_add(len as u64, Relaxed);
-                    if kvstore::checksum(dst) != b.checksum {
+                    if h.finish() != b.checksum {
                         self.stats.checksum_failures.fetch_add(1, Relaxed);
                         tracing::warn!(peer = %s.peer.addr, key = %it.key,
                             "cluster: a block from a peer failed its checksum: a miss");
@@ -616,107 +625,102 @@ impl LowerTier for RemoteTier {
         let mut out = vec![WriteOutcome::Cancelled; items.len()];
         let started = Instant::now();
         let deadline = started + self.cfg.timeout;
-        // The bytes are checked against the commit checksum before they leave: a slot an
-        // engine wrote into after its commit is never pushed.
-        let mut ok = vec![false; items.len()];
-        for (i, it) in items.iter().enumerate() {
-            if !still_wanted(&it.key) {
-                continue;
-            }
-            if self.fp_of(it.ns).is_none() {
-                out[i] = WriteOutcome::Failed;
-                continue;
-            }
-            // SAFETY: the block's slot is pinned by the caller for this call, `len` <= cap.
-            let src = unsafe { std::slice::from_raw_parts(it.buf.as_ptr(), it.len as usize) };
-            if kvstore::checksum(src) != it.checksum {
-                out[i] = WriteOutcome::Corrupt;
-                continue;
-            }
-            ok[i] = true;
-        }
         let groups = self.group(items.iter().map(|it| it.key), true);
-        let mut sent = Vec::new();
+        // One PUT per block, pipelined: up to WINDOW requests are written before their replies
+        // are read, so the peer stores block i while this thread checks and sends block i+1.
         for (peer, idx) in groups {
-            let idx: Vec<usize> = idx.into_iter().filter(|&i| ok[i]).collect();
-            if idx.is_empty() {
-                continue;
-            }
-            let id = self.id();
-            let blocks = idx
-                .iter()
-                .map(|&i| Block {
-                    key: items[i].key.0.to_be_bytes().to_vec(),
-                    present: true,
-                    len: items[i].len,
-                    checksum: items[i].checksum,
-                    fingerprint: self
-                        .fp_of(items[i].ns)
-                        .map(wire::fp_bytes)
-                        .unwrap_or_default(),
-                })
-                .collect();
-            let req = Request {
-                id,
-                op: Op::Put as i32,
-                keys: Vec::new(),
-                blocks,
-            };
-            let payloads: Vec<&[u8]> = idx
-                .iter()
-                // SAFETY: as above: pinned by the caller for this call.
-                .map(|&i| unsafe {
-                    std::slice::from_raw_parts(items[i].buf.as_ptr(), items[i].len as usize)
-                })
-                .collect();
-            let (conn, res) = match self.send(&peer, &req, &payloads, deadline) {
-                Ok(c) => {
-                    let bytes: u64 = payloads.iter().map(|p| p.len() as u64).sum();
-                    peer.bytes_out.fetch_add(bytes, Relaxed);
-                    self.stats.bytes_written.fetch_add(bytes, Relaxed);
-                    (Some(c), Ok(()))
+            let mut conn: Option<TcpStream> = None;
+            let mut pending: std::collections::VecDeque<(usize, u64)> = Default::default();
+            let settle = |c: &mut TcpStream, (i, id): (usize, u64), out: &mut [WriteOutcome]| {
+                let r = Self::reply(c, id, 1, deadline)?;
+                let o = match r.outcomes.first().map(|&o| PutOutcome::from_wire(o)) {
+                    Some(PutOutcome::Stored) => WriteOutcome::Written,
+                    Some(PutOutcome::Present) => WriteOutcome::Present,
+                    _ => WriteOutcome::Failed,
+                };
+                // With replicas, the best outcome of any owner counts.
+                if out[i] != WriteOutcome::Written {
+                    out[i] = o;
                 }
-                Err(e) => (None, Err(e)),
+                io::Result::Ok(())
             };
-            sent.push((
-                Sent {
-                    peer,
-                    conn,
-                    idx,
-                    id,
-                },
-                res,
-            ));
-        }
-        for (mut s, res) in sent {
-            let res = res.and_then(|()| {
-                let c = s
-                    .conn
-                    .as_mut()
-                    .ok_or_else(|| io::Error::other("no connection"))?;
-                let r = Self::reply(c, s.id, s.idx.len(), deadline)?;
-                for (&i, &o) in s.idx.iter().zip(&r.outcomes) {
-                    let o = match PutOutcome::from_wire(o) {
-                        PutOutcome::Stored => WriteOutcome::Written,
-                        PutOutcome::Present => WriteOutcome::Present,
-                        PutOutcome::Failed | PutOutcome::Corrupt => WriteOutcome::Failed,
+            let res = (|| -> io::Result<()> {
+                for &i in &idx {
+                    let it = &items[i];
+                    if !still_wanted(&it.key) {
+                        continue;
+                    }
+                    let Some(fp) = self.fp_of(it.ns) else {
+                        out[i] = WriteOutcome::Failed;
+                        continue;
                     };
-                    // With replicas, the best outcome of any owner counts.
-                    if out[i] != WriteOutcome::Written {
-                        out[i] = o;
+                    // SAFETY: the block's slot is pinned by the caller for this call, `len`
+                    // <= cap.
+                    let src =
+                        unsafe { std::slice::from_raw_parts(it.buf.as_ptr(), it.len as usize) };
+                    // The bytes are checked against the commit checksum before they leave: a
+                    // slot an engine wrote into after its commit is never pushed.
+                    if kvstore::checksum(src) != it.checksum {
+                        out[i] = WriteOutcome::Corrupt;
+                        continue;
+                    }
+                    let id = self.id();
+                    let req = Request {
+                        id,
+                        op: Op::Put as i32,
+                        keys: Vec::new(),
+                        blocks: vec![Block {
+                            key: it.key.0.to_be_bytes().to_vec(),
+                            present: true,
+                            len: it.len,
+                            checksum: it.checksum,
+                            fingerprint: wire::fp_bytes(fp),
+                        }],
+                    };
+                    let c = match conn.as_mut() {
+                        Some(c) => c,
+                        None => conn.insert(self.connect(&peer, deadline)?),
+                    };
+                    c.set_write_timeout(Some(remaining(deadline)?))?;
+                    c.write_all(&wire::encode_header(&req))?;
+                    c.write_all(src)?;
+                    peer.bytes_out.fetch_add(u64::from(it.len), Relaxed);
+                    self.stats
+                        .bytes_written
+                        .fetch_add(u64::from(it.len), Relaxed);
+                    pending.push_back((i, id));
+                    while pending.len() > WINDOW {
+                        if let Some(p) = pending.pop_front() {
+                            settle(c, p, &mut out)?;
+                        }
+                    }
+                }
+                if let Some(c) = conn.as_mut() {
+                    while let Some(p) = pending.pop_front() {
+                        settle(c, p, &mut out)?;
                     }
                 }
                 Ok(())
-            });
+            })();
             if res.is_err() {
                 self.stats.write_errors.fetch_add(1, Relaxed);
-                for &i in &s.idx {
-                    if out[i] == WriteOutcome::Cancelled {
+                for &i in &idx {
+                    if matches!(out[i], WriteOutcome::Cancelled) && still_wanted(&items[i].key) {
                         out[i] = WriteOutcome::Failed;
                     }
                 }
             }
-            self.done(s, res);
+            if conn.is_some() || res.is_err() {
+                self.done(
+                    Sent {
+                        peer,
+                        conn,
+                        idx: Vec::new(),
+                        id: 0,
+                    },
+                    res,
+                );
+            }
         }
         self.stats.writes.fetch_add(1, Relaxed);
         self.lat.lock().1.add(started.elapsed().as_micros() as u64);

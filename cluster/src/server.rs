@@ -16,6 +16,9 @@ use tokio::net::{TcpListener, TcpStream};
 
 use crate::wire::{self, PutOutcome};
 
+/// Bytes read (and hashed) at a time.
+const PIECE: usize = 256 << 10;
+
 /// What the server needs to know.
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
@@ -253,9 +256,18 @@ async fn put_one(
     };
     match reserved {
         Ok(mut r) => {
-            rd.read_exact(r.as_mut_slice()).await?;
+            // Hashed piece by piece as it arrives (each piece still in cache).
+            let mut h = kvstore::Checksummer::new();
+            let slot = r.as_mut_slice();
+            let mut off = 0;
+            while off < len {
+                let n = (len - off).min(PIECE);
+                rd.read_exact(&mut slot[off..off + n]).await?;
+                h.update(&slot[off..off + n]);
+                off += n;
+            }
             stats.bytes_in.fetch_add(len as u64, Relaxed);
-            let sum = kvstore::checksum(r.as_mut_slice());
+            let sum = h.finish();
             if sum != b.checksum {
                 stats.corrupt.fetch_add(1, Relaxed);
                 tracing::warn!(key = ?wire::key16(&b.key), "cluster: a peer's block failed its checksum: not stored");

@@ -1,0 +1,373 @@
+//! `kvtier-bench remote`: the remote tier's data plane between two kvtier nodes on loopback
+//! (node B's store behind its data-plane server, node A's remote tier asking it), against the
+//! loopback's limit (iperf3, one stream) and Redis 7 on the same loopback, rounds interleaved.
+//! Also the latency of a 64-key lookup against the owner, next to the loopback round trip.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{ensure, Context, Result};
+use clap::Args;
+use kvstore::io::IoBuf;
+use kvstore::{AlignedBuf, BlockKey, LowerTier, ReadItem, ReadOutcome, StoreConfig, WriteItem};
+use kvtier_cluster::{Member, RemoteConfig, RemoteTier, ServerConfig, ServerStats};
+
+use crate::report::{row, Report, Row};
+
+/// Options of `kvtier-bench remote`.
+#[derive(Args, Debug)]
+pub struct RemoteArgs {
+    /// Block sizes.
+    #[arg(long, value_delimiter = ',', default_value = "2M,16M", value_parser = crate::parse_size)]
+    pub sizes: Vec<u64>,
+    /// Bytes put and got per round.
+    #[arg(long, default_value = "256M", value_parser = crate::parse_size)]
+    pub bytes: u64,
+    /// Rounds (after one warm-up round).
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// Peers besides iperf3: redis (empty: none).
+    #[arg(long, value_delimiter = ',', default_value = "redis")]
+    pub peers: Vec<String>,
+    /// Lookups timed for the latency rows.
+    #[arg(long, default_value_t = 2000)]
+    pub lookups: usize,
+    /// Print the JSON report as the last line.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Node B (owner of every block) serving on loopback, and node A's remote tier.
+struct Pair {
+    _rt: tokio::runtime::Runtime,
+    remote: RemoteTier,
+}
+
+fn pair(capacity: u64, segment: u64) -> Result<Pair> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+    let b = listener.local_addr()?.to_string();
+    let store: &'static kvstore::Store = Box::leak(Box::new(
+        StoreConfig {
+            capacity_bytes: capacity,
+            segment_bytes: segment,
+            populate: kvstore::Populate::Now,
+            ..Default::default()
+        }
+        .build()?,
+    ));
+    rt.spawn(kvtier_cluster::serve(
+        listener,
+        store,
+        ServerConfig {
+            node: b.clone(),
+            secret: "bench".into(),
+            capacity,
+            timeout: Duration::from_secs(30),
+        },
+        Arc::new(ServerStats::default()),
+    ));
+    let a = "127.0.0.1:1".to_string();
+    // B owns every block: A's weight is negligible.
+    let remote = RemoteTier::new(RemoteConfig {
+        me: a.clone(),
+        members: vec![Member::new(a, 1e-12), Member::new(b, 1e12)],
+        secret: "bench".into(),
+        timeout: Duration::from_secs(30),
+        replicas: 1,
+    })?;
+    remote.note_namespace(0, fingerprint())?;
+    Ok(Pair { _rt: rt, remote })
+}
+
+fn fingerprint() -> kvstore::Fingerprint {
+    kvstore::Namespace {
+        model: "bench/remote".into(),
+        dtype: "bfloat16".into(),
+        layout: "nhd".into(),
+        block_tokens: 256,
+        tp: kvstore::TpShard::Rank { size: 1, rank: 0 },
+        tenant: String::new(),
+        lora: String::new(),
+    }
+    .fingerprint()
+}
+
+fn keys(round: usize, count: u64) -> Vec<BlockKey> {
+    (0..count)
+        .map(|i| {
+            BlockKey(
+                (((round as u128) << 64) | (u128::from(i) + 1))
+                    .wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835),
+            )
+        })
+        .collect()
+}
+
+/// One round: put `count` blocks of `size` to B, then get them back; (put, get) GB/s.
+fn kvtier_round(
+    p: &Pair,
+    round: usize,
+    size: u64,
+    src: &AlignedBuf,
+    sums: &[u64],
+    dst: &mut AlignedBuf,
+) -> Result<(f64, f64)> {
+    let count = sums.len() as u64;
+    let ks = keys(round, count);
+    // Batches as the store's pusher sends them (max_batch_bytes, 256 MiB).
+    let per = ((256u64 << 20) / size).max(1) as usize;
+    let t = Instant::now();
+    for chunk in (0..count as usize).collect::<Vec<_>>().chunks(per) {
+        let items = chunk
+            .iter()
+            .map(|&i| WriteItem {
+                key: ks[i],
+                ns: 0,
+                // SAFETY: `src` outlives the call and nobody writes it meanwhile; the range
+                // lies inside it.
+                buf: unsafe {
+                    IoBuf::from_raw(
+                        src.as_ptr().add(i * size as usize) as *mut u8,
+                        size as usize,
+                    )
+                },
+                len: size as u32,
+                checksum: sums[i],
+            })
+            .collect();
+        let out = p.remote.write(items, &|_| true);
+        ensure!(
+            out.iter().all(|o| *o == kvstore::WriteOutcome::Written),
+            "put failed: {out:?}"
+        );
+    }
+    let put = (count * size) as f64 / t.elapsed().as_secs_f64() / 1e9;
+    let t = Instant::now();
+    for chunk in (0..count as usize).collect::<Vec<_>>().chunks(per) {
+        let items = chunk
+            .iter()
+            .map(|&i| ReadItem {
+                key: ks[i],
+                // SAFETY: `dst` outlives the call; each item's range is its own.
+                buf: unsafe {
+                    IoBuf::from_raw(dst.as_mut_ptr().add(i * size as usize), size as usize)
+                },
+            })
+            .collect();
+        let out = p.remote.read(items);
+        ensure!(
+            out.iter().all(|o| matches!(o, ReadOutcome::Hit(_))),
+            "get missed: {} of {} hits; {:?}",
+            out.iter()
+                .filter(|o| matches!(o, ReadOutcome::Hit(_)))
+                .count(),
+            out.len(),
+            p.remote.stats()
+        );
+    }
+    let get = (count * size) as f64 / t.elapsed().as_secs_f64() / 1e9;
+    ensure!(src[..] == dst[..], "remote get returned wrong bytes");
+    Ok((put, get))
+}
+
+/// iperf3, one stream over loopback for 2 s: GB/s.
+fn iperf3() -> Result<f64> {
+    let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let mut server = Command::new("iperf3")
+        .args(["-s", "-B", "127.0.0.1", "-p", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("starting iperf3 (apt-get install iperf3)")?;
+    // The client is retried until the server listens (a probe connection would upset it).
+    let until = Instant::now() + Duration::from_secs(10);
+    let out = loop {
+        let out = Command::new("iperf3")
+            .args(["-c", "127.0.0.1", "-p", &port.to_string(), "-t", "2", "-J"])
+            .output()
+            .context("running iperf3 -c")?;
+        // iperf3 -J exits 0 on errors too: the JSON says.
+        let failed = serde_json::from_slice::<serde_json::Value>(&out.stdout)
+            .map_or(true, |v| v.get("error").is_some());
+        if !failed || Instant::now() > until {
+            break out;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let _ = server.kill();
+    let _ = server.wait();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("iperf3 -J output")?;
+    let bps = v["end"]["sum_received"]["bits_per_second"]
+        .as_f64()
+        .context("iperf3 reported no throughput")?;
+    Ok(bps / 8.0 / 1e9)
+}
+
+/// Loopback round trip of one byte (p50, p99 µs), same-size samples as the lookups.
+fn rtt(n: usize) -> Result<(f64, f64)> {
+    let l = TcpListener::bind("127.0.0.1:0")?;
+    let addr = l.local_addr()?;
+    let echo = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = l.accept()?;
+        s.set_nodelay(true)?;
+        let mut b = [0u8; 1];
+        while s.read_exact(&mut b).is_ok() {
+            s.write_all(&b)?;
+        }
+        Ok(())
+    });
+    let mut c = TcpStream::connect(addr)?;
+    c.set_nodelay(true)?;
+    let mut v = Vec::with_capacity(n);
+    let mut b = [7u8; 1];
+    for _ in 0..n {
+        let t = Instant::now();
+        c.write_all(&b)?;
+        c.read_exact(&mut b)?;
+        v.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    drop(c);
+    let _ = echo.join();
+    Ok(pcts(v))
+}
+
+fn pcts(mut v: Vec<f64>) -> (f64, f64) {
+    v.sort_by(f64::total_cmp);
+    let at = |q: f64| v[((v.len() - 1) as f64 * q) as usize];
+    (at(0.5), at(0.99))
+}
+
+/// Lookup of a 64-key prefix held by B (p50, p99 µs).
+fn lookups(p: &Pair, n: usize) -> Result<(f64, f64)> {
+    let ks = keys(1 << 20, 64);
+    let data = vec![3u8; 4096];
+    let sum = kvstore::checksum(&data);
+    let items = ks
+        .iter()
+        .map(|k| WriteItem {
+            key: *k,
+            ns: 0,
+            // SAFETY: `data` outlives the call; nobody writes it.
+            buf: unsafe { IoBuf::from_raw(data.as_ptr() as *mut u8, 4096) },
+            len: 4096,
+            checksum: sum,
+        })
+        .collect();
+    p.remote.write(items, &|_| true);
+    let mut v = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        let r = p.remote.lookup_batch(&ks);
+        v.push(t.elapsed().as_secs_f64() * 1e6);
+        ensure!(r.iter().all(Option::is_some), "lookup missed");
+    }
+    Ok(pcts(v))
+}
+
+/// Runs the benchmark.
+pub fn run(args: RemoteArgs) -> Result<()> {
+    ensure!(args.rounds > 0, "--rounds must be at least 1");
+    let mut rows: Vec<Row> = Vec::new();
+    let mut last = None;
+    for &size in &args.sizes {
+        // A fresh owner per block size (one size class fills its arena).
+        let seg = (64u64 << 20).max(size);
+        // Room for every round's blocks (new blocks are what an S3-FIFO arena evicts first).
+        let capacity = (args.bytes * (args.rounds as u64 + 2) + 2 * seg).div_ceil(seg) * seg;
+        drop(last.take());
+        let p = pair(capacity, seg)?;
+        let count = (args.bytes / size).max(1);
+        let mut src = AlignedBuf::new((count * size) as usize)?;
+        src.fill_pattern(size);
+        let sums: Vec<u64> = src.chunks(size as usize).map(kvstore::checksum).collect();
+        let mut dst = AlignedBuf::new((count * size) as usize)?;
+        dst.fill(1);
+        let sz = crate::host::human(size);
+        let (mut put, mut get) = (Vec::new(), Vec::new());
+        let mut redis_rounds: Vec<(f64, f64)> = Vec::new();
+        let redis = if args.peers.iter().any(|x| x == "redis") {
+            let mut rd = AlignedBuf::new((count * size) as usize)?;
+            match crate::peers::redis(size, count, args.rounds, &src, &mut rd) {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    eprintln!("peer redis skipped: {e:#}");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        for round in 0..=args.rounds {
+            let limit = iperf3()?;
+            let (pu, ge) = kvtier_round(&p, round + size as usize, size, &src, &sums, &mut dst)?;
+            if round > 0 {
+                put.push((pu, limit));
+                get.push((ge, limit));
+                if let Some(r) = &redis {
+                    redis_rounds.push((pu, r[round - 1].0));
+                    redis_rounds.push((ge, r[round - 1].1));
+                }
+            }
+        }
+        rows.push(row(
+            format!("put {sz} vs iperf3"),
+            "GB/s",
+            "iperf3, one loopback stream",
+            &put,
+        ));
+        rows.push(row(
+            format!("get {sz} vs iperf3"),
+            "GB/s",
+            "iperf3, one loopback stream",
+            &get,
+        ));
+        if !redis_rounds.is_empty() {
+            let pu: Vec<_> = redis_rounds.iter().step_by(2).copied().collect();
+            let ge: Vec<_> = redis_rounds.iter().skip(1).step_by(2).copied().collect();
+            rows.push(row(
+                format!("put {sz} vs redis"),
+                "GB/s",
+                "redis 7 (loopback TCP)",
+                &pu,
+            ));
+            rows.push(row(
+                format!("get {sz} vs redis"),
+                "GB/s",
+                "redis 7 (loopback TCP)",
+                &ge,
+            ));
+        }
+        last = Some(p);
+    }
+    let p = match last {
+        Some(p) => p,
+        None => pair(256 << 20, 64 << 20)?,
+    };
+    let (l50, l99) = lookups(&p, args.lookups)?;
+    let (r50, r99) = rtt(args.lookups)?;
+    // The goal is lookup <= 2 x RTT + 30 us: the baseline is that bound.
+    rows.push(row(
+        "lookup 64 keys p50 vs 2xRTT+30us".into(),
+        "us",
+        "2 x loopback RTT p50 + 30 us",
+        &[(l50, 2.0 * r50 + 30.0)],
+    ));
+    rows.push(row(
+        "lookup 64 keys p99 vs 2xRTT+30us".into(),
+        "us",
+        "2 x loopback RTT p99 + 30 us",
+        &[(l99, 2.0 * r99 + 30.0)],
+    ));
+    let report = Report {
+        bench: "remote",
+        results: rows,
+    };
+    report.print(args.json)
+}
