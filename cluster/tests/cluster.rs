@@ -311,3 +311,39 @@ fn a_damaged_block_from_a_peer_is_a_miss() {
     assert_eq!(t.checksum_failures, 3, "{t:?}");
     assert!(!store.in_host(&keys[0]));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hint_preloads_remote_blocks_into_host_memory() {
+    let nodes = cluster(2, &["s"]).await;
+    let id = register(&nodes);
+    let (keys, data) = blocks(10, 4);
+    for (k, d) in keys.iter().zip(&data) {
+        nodes[0].store.put(id, *k, d).unwrap();
+    }
+    tokio::task::block_in_place(|| {
+        wait_placed(&nodes, &keys);
+        let b = nodes[1].store;
+        let far = Instant::now() + Duration::from_secs(30);
+        let p = b.prefetch(&keys, 0, far, 7);
+        assert_eq!(p.present, keys.len(), "{p:?}");
+        let until = Instant::now() + Duration::from_secs(10);
+        while !keys.iter().all(|k| b.in_host(k)) {
+            assert!(Instant::now() < until, "not preloaded: {:?}", b.stats().prefetch);
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let l = b.load(&keys).unwrap();
+        assert_eq!(l.len(), keys.len());
+        for (i, d) in data.iter().enumerate() {
+            assert_eq!(l.block(i), &d[..]);
+        }
+        let own = keys
+            .iter()
+            .filter(|k| nodes[1].remote.placement().owner(k) == Some(nodes[1].addr.as_str()))
+            .count();
+        assert_eq!(
+            b.stats().prefetch.in_time as usize,
+            keys.len() - own,
+            "the remote blocks were read ahead, not at load"
+        );
+    });
+}
