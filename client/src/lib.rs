@@ -100,6 +100,7 @@ pub fn tier_name(t: i32) -> &'static str {
     match pb::Tier::try_from(t) {
         Ok(pb::Tier::Host) => "host",
         Ok(pb::Tier::Disk) => "disk",
+        Ok(pb::Tier::Remote) => "remote",
         _ => "?",
     }
 }

@@ -328,7 +328,11 @@ async fn a_hint_preloads_remote_blocks_into_host_memory() {
         assert_eq!(p.present, keys.len(), "{p:?}");
         let until = Instant::now() + Duration::from_secs(10);
         while !keys.iter().all(|k| b.in_host(k)) {
-            assert!(Instant::now() < until, "not preloaded: {:?}", b.stats().prefetch);
+            assert!(
+                Instant::now() < until,
+                "not preloaded: {:?}",
+                b.stats().prefetch
+            );
             std::thread::sleep(Duration::from_millis(10));
         }
         let l = b.load(&keys).unwrap();

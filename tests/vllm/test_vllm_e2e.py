@@ -80,9 +80,9 @@ class PhasedEngine:
 
 
 class Daemon:
-    def __init__(self, data_dir):
+    def __init__(self, data_dir, *extra):
         self.data_dir = data_dir
-        self.start()
+        self.start(*extra)
 
     def start(self, *extra):
         self.p = subprocess.Popen(
@@ -354,3 +354,58 @@ def test_vllm_engines_share_kv_through_kvtierd(model, ref, tmp_path):
         del side
     finally:
         d.stop()
+
+
+def free_ports(n):
+    import socket
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def test_two_nodes_share_a_prefix_over_the_remote_tier(model, ref, tmp_path):
+    """Engine 1 on node A writes; a fresh engine 2 on node B (its own kvtierd, empty local
+    tiers) gets the prefixes from A's cluster over the remote tier: same tokens and
+    log-probabilities as an engine without any connector."""
+    from kvtier import Sidecar
+    from kvtier.vllm import prompt_keys
+
+    def keys(prompt):
+        return prompt_keys(prompt, model=str(model), block_size=BS, hash_seed=ENV["PYTHONHASHSEED"])
+
+    ports = free_ports(2)
+    members = "[" + ",".join(f'"127.0.0.1:{p}"' for p in ports) + "]"
+    nodes = [Daemon(tmp_path / f"node{i}", "--set", f"cluster.listen=127.0.0.1:{p}",
+                    "--set", f"cluster.members={members}", "--set", "cluster.secret=e2e")
+             for i, p in enumerate(ports)]
+    a, b = nodes
+    try:
+        first = engine(model, [A, C, F], a.conn())["outputs"]
+        for out, name in zip(first, "ACF"):
+            assert out["num_cached_tokens"] == 0
+            same(out, ref[name])
+        # Pushed to their owners in the background: node B sees every full block.
+        side = Sidecar(b.socket, "e2e-test")
+        deadline = time.time() + 30
+        while not all(side.match_prefix(keys(p)) == len(p) // BS for p in (A, C, F)):
+            assert time.time() < deadline, "node B never saw the prefixes"
+            time.sleep(0.2)
+        del side
+        again = engine(model, [A, C, F], b.conn())["outputs"]
+        assert again[0]["num_cached_tokens"] >= len(A) - BS
+        same(again[0], ref["A"])
+        assert again[1]["num_cached_tokens"] >= 2 * BS
+        same(again[1], ref["C"])
+        assert again[2]["num_cached_tokens"] == len(F) - 1
+        same(again[2], ref["F"])
+        st = b.cli("stats")
+        remote = [t for t in st["tiers"] if t["tier"] == "remote"]
+        assert remote and remote[0]["bytes_read"] > 0, st["tiers"]
+        assert a.cli("cluster")["served_bytes"] > 0 or b.cli("cluster")["served_bytes"] > 0
+    finally:
+        for n in nodes:
+            n.stop()

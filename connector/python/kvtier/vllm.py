@@ -357,7 +357,9 @@ class KvtierConnector(KVConnectorBase_V1):
         rid = request.request_id
         tiers = self._tiers.get(rid, [])
         start = self._loading.get(rid, (0, []))[0]
-        by = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+        # The remote tier (another node's kvtierd) is vLLM's peer-to-peer source.
+        by = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK,
+              "remote": CacheHitSource.P2P}
         out: dict = {}
         left = num_external_tokens
         for t in tiers[start:]:

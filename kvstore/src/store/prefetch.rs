@@ -454,8 +454,8 @@ impl Inner {
             let found = match (self.find_below(k), remote_tier) {
                 (Some(x), _) => Some(x),
                 (None, Some(ri)) => {
-                    let (start, infos) = far
-                        .get_or_insert_with(|| (i, self.tiers[ri].lookup_batch(&keys[i..])));
+                    let (start, infos) =
+                        far.get_or_insert_with(|| (i, self.tiers[ri].lookup_batch(&keys[i..])));
                     infos
                         .get(i - *start)
                         .copied()
