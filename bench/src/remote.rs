@@ -35,6 +35,25 @@ pub struct RemoteArgs {
     /// Lookups timed for the latency rows.
     #[arg(long, default_value_t = 2000)]
     pub lookups: usize,
+    /// Trace for the cluster replay (Mooncake JSONL, or `gen:chat|agent|docqa`); empty: no
+    /// replay rows.
+    #[arg(
+        long,
+        default_value = "../shared/traces/mooncake_synthetic_trace.jsonl"
+    )]
+    pub trace: std::path::PathBuf,
+    /// Requests of a generated trace.
+    #[arg(long, default_value_t = 4000)]
+    pub trace_requests: usize,
+    /// Nodes of the cluster replay (requests assigned round-robin).
+    #[arg(long, default_value_t = 3)]
+    pub nodes: usize,
+    /// Host capacity of each node in the replay, percent of the trace's distinct blocks.
+    #[arg(long, default_value_t = 10.0)]
+    pub node_pct: f64,
+    /// Block bytes in the replay.
+    #[arg(long, default_value = "64K", value_parser = crate::parse_size)]
+    pub block_bytes: u64,
     /// Print the JSON report as the last line.
     #[arg(long)]
     pub json: bool,
@@ -53,7 +72,7 @@ fn pair(capacity: u64, segment: u64) -> Result<Pair> {
         .build()?;
     let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
     let b = listener.local_addr()?.to_string();
-    let store: &'static kvstore::Store = Box::leak(Box::new(
+    let store = Arc::new(
         StoreConfig {
             capacity_bytes: capacity,
             segment_bytes: segment,
@@ -61,7 +80,7 @@ fn pair(capacity: u64, segment: u64) -> Result<Pair> {
             ..Default::default()
         }
         .build()?,
-    ));
+    );
     rt.spawn(kvtier_cluster::serve(
         listener,
         store,
@@ -365,9 +384,150 @@ pub fn run(args: RemoteArgs) -> Result<()> {
         "2 x loopback RTT p99 + 30 us",
         &[(l99, 2.0 * r99 + 30.0)],
     ));
+    if !args.trace.as_os_str().is_empty() {
+        rows.extend(replay(&args)?);
+    }
     let report = Report {
         bench: "remote",
         results: rows,
     };
     report.print(args.json)
+}
+
+/// `nodes` stores on loopback; with `pooled`, each has the remote tier over all of them.
+fn nodes(
+    n: usize,
+    capacity: u64,
+    seg: u64,
+    pooled: bool,
+) -> Result<(tokio::runtime::Runtime, Vec<Arc<kvstore::Store>>)> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let mut ls = Vec::new();
+    for _ in 0..n {
+        ls.push(rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?);
+    }
+    let addrs: Vec<String> = ls
+        .iter()
+        .map(|l| l.local_addr().map(|a| a.to_string()))
+        .collect::<std::io::Result<_>>()?;
+    let members: Vec<Member> = addrs.iter().map(|a| Member::new(a.clone(), 1.0)).collect();
+    let mut stores = Vec::new();
+    for (l, a) in ls.into_iter().zip(&addrs) {
+        let remote = if pooled {
+            Some(kvstore::SharedTier(Arc::new(RemoteTier::new(
+                RemoteConfig {
+                    me: a.clone(),
+                    members: members.clone(),
+                    secret: "bench".into(),
+                    timeout: Duration::from_secs(5),
+                    replicas: 1,
+                },
+            )?)))
+        } else {
+            None
+        };
+        let store = Arc::new(
+            StoreConfig {
+                capacity_bytes: capacity,
+                segment_bytes: seg,
+                remote,
+                ..Default::default()
+            }
+            .build()?,
+        );
+        rt.spawn(kvtier_cluster::serve(
+            l,
+            store.clone(),
+            ServerConfig {
+                node: a.clone(),
+                secret: "bench".into(),
+                capacity,
+                timeout: Duration::from_secs(5),
+            },
+            Arc::new(ServerStats::default()),
+        ));
+        stores.push(store);
+    }
+    Ok((rt, stores))
+}
+
+/// The trace's requests round-robin over `--nodes` nodes: block hits per tier, pooled (remote
+/// tier) against the same nodes on their own.
+fn replay(args: &RemoteArgs) -> Result<Vec<Row>> {
+    let reqs = crate::replay::load_trace(&args.trace, 1, args.trace_requests)
+        .with_context(|| format!("reading the trace {}", args.trace.display()))?;
+    let distinct = crate::replay::distinct_blocks(&reqs);
+    let bb = args.block_bytes;
+    let seg = 16u64 << 20;
+    let want = (distinct as f64 * args.node_pct / 100.0) as u64 * bb.max(64 << 10);
+    let capacity = want.div_ceil(seg).max(2) * seg;
+    let ns = kvstore::Namespace {
+        model: "bench/remote-replay".into(),
+        dtype: "bfloat16".into(),
+        layout: "nhd".into(),
+        block_tokens: 16,
+        tp: kvstore::TpShard::Rank { size: 1, rank: 0 },
+        tenant: String::new(),
+        lora: String::new(),
+    };
+    let data = vec![5u8; bb as usize];
+    let run = |pooled: bool| -> Result<(u64, u64, u64)> {
+        let (rt, stores) = nodes(args.nodes, capacity, seg, pooled)?;
+        let ids: Vec<kvstore::NsId> = stores
+            .iter()
+            .map(|s| s.register_namespace(&ns))
+            .collect::<Result<_, _>>()?;
+        let (mut hits, mut remote, mut blocks) = (0u64, 0u64, 0u64);
+        for (i, r) in reqs.iter().enumerate() {
+            let s = &stores[i % stores.len()];
+            let keys: Vec<BlockKey> = r
+                .hash_ids
+                .iter()
+                .map(|&h| {
+                    BlockKey(
+                        u128::from(h).wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835) | 1,
+                    )
+                })
+                .collect();
+            blocks += keys.len() as u64;
+            let m = s.match_prefix(&keys);
+            let l = s.load(&keys[..m.n])?;
+            hits += l.len() as u64;
+            remote += m.tiers[..l.len()]
+                .iter()
+                .filter(|t| **t == kvstore::Tier::Remote)
+                .count() as u64;
+            let n = l.len();
+            drop(l);
+            for k in &keys[n..] {
+                s.put(ids[i % stores.len()], *k, &data)?;
+            }
+        }
+        // The servers (and their store handles) go with the runtime, then the stores.
+        drop(rt);
+        drop(stores);
+        Ok((hits, remote, blocks))
+    };
+    let (alone_hits, _, blocks) = run(false)?;
+    let (hits, remote, _) = run(true)?;
+    let name = crate::replay::trace_name(&args.trace);
+    let n = args.nodes;
+    let ratio = |x: u64| x as f64 / blocks.max(1) as f64;
+    Ok(vec![
+        row(
+            format!("replay {name} {n} nodes hit ratio pooled vs alone"),
+            "hit ratio",
+            "the same nodes without the remote tier",
+            &[(ratio(hits), ratio(alone_hits))],
+        ),
+        row(
+            format!("replay {name} {n} nodes remote share of hits"),
+            "fraction",
+            "all block hits",
+            &[(remote as f64 / hits.max(1) as f64, 1.0)],
+        ),
+    ])
 }

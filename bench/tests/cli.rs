@@ -275,6 +275,10 @@ fn remote_bench_against_iperf3_and_redis() {
             "1",
             "--lookups",
             "50",
+            "--trace",
+            "gen:chat",
+            "--trace-requests",
+            "300",
             "--json",
         ])
         .output()
@@ -290,12 +294,16 @@ fn remote_bench_against_iperf3_and_redis() {
             "put 1MiB vs redis",
             "get 1MiB vs redis",
             "lookup 64 keys p50 vs 2xRTT+30us",
-            "lookup 64 keys p99 vs 2xRTT+30us"
+            "lookup 64 keys p99 vs 2xRTT+30us",
+            "replay chat 3 nodes hit ratio pooled vs alone",
+            "replay chat 3 nodes remote share of hits"
         ]
     );
     assert!(rows
         .iter()
         .all(|r| r["value"].as_f64().unwrap() > 0.0 && r["baseline"].as_f64().unwrap() > 0.0));
+    // Pooling three nodes' memory never loses hits against the same nodes alone.
+    assert!(rows[6]["ratio"].as_f64().unwrap() >= 1.0, "{}", rows[6]);
 }
 
 #[test]

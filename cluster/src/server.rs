@@ -51,13 +51,12 @@ pub struct ServerStats {
     pub corrupt: AtomicU64,
 }
 
-/// Serves peers on `listener` until the task is dropped.
-pub async fn serve(
-    listener: TcpListener,
-    store: &'static Store,
-    cfg: ServerConfig,
-    stats: Arc<ServerStats>,
-) {
+/// Serves peers on `listener` until the task is dropped. `store`: a `&'static Store` (the
+/// daemon's) or an `Arc<Store>`.
+pub async fn serve<S>(listener: TcpListener, store: S, cfg: ServerConfig, stats: Arc<ServerStats>)
+where
+    S: std::ops::Deref<Target = Store> + Clone + Send + Sync + 'static,
+{
     let cfg = Arc::new(cfg);
     // Connections live in the set: when this task is dropped (the daemon stops serving),
     // they end with it.
@@ -72,9 +71,9 @@ pub async fn serve(
                 continue;
             }
         };
-        let (cfg, stats) = (cfg.clone(), stats.clone());
+        let (cfg, stats, store) = (cfg.clone(), stats.clone(), store.clone());
         conns.spawn(async move {
-            if let Err(e) = connection(sock, store, &cfg, &stats).await {
+            if let Err(e) = connection(sock, &store, &cfg, &stats).await {
                 if !matches!(
                     e.kind(),
                     io::ErrorKind::UnexpectedEof
@@ -90,7 +89,7 @@ pub async fn serve(
 
 async fn connection(
     sock: TcpStream,
-    store: &'static Store,
+    store: &Store,
     cfg: &ServerConfig,
     stats: &ServerStats,
 ) -> io::Result<()> {
@@ -235,7 +234,7 @@ async fn connection(
 /// One block of a PUT: its payload is read into a reserved slot (or skipped), committed only
 /// whole and with a matching checksum.
 async fn put_one(
-    store: &'static Store,
+    store: &Store,
     cfg: &ServerConfig,
     stats: &ServerStats,
     b: &Block,
