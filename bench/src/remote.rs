@@ -35,8 +35,10 @@ pub struct RemoteArgs {
     /// Lookups timed for the latency rows.
     #[arg(long, default_value_t = 2000)]
     pub lookups: usize,
-    /// Trace for the cluster replay (Mooncake JSONL, or `gen:chat|agent|docqa`); empty: no
-    /// replay rows.
+    /// Skip the cluster replay.
+    #[arg(long)]
+    pub no_replay: bool,
+    /// Trace for the cluster replay (Mooncake JSONL, or `gen:chat|agent|docqa`).
     #[arg(
         long,
         default_value = "../shared/traces/mooncake_synthetic_trace.jsonl"
@@ -131,7 +133,7 @@ fn keys(round: usize, count: u64) -> Vec<BlockKey> {
 
 /// One round: put `count` blocks of `size` to B, then get them back; (put, get) GB/s.
 fn kvtier_round(
-    p: &Pair,
+    tier: &dyn LowerTier,
     round: usize,
     size: u64,
     src: &AlignedBuf,
@@ -161,7 +163,7 @@ fn kvtier_round(
                 checksum: sums[i],
             })
             .collect();
-        let out = p.remote.write(items, &|_| true);
+        let out = tier.write(items, &|_| true);
         ensure!(
             out.iter().all(|o| *o == kvstore::WriteOutcome::Written),
             "put failed: {out:?}"
@@ -180,7 +182,7 @@ fn kvtier_round(
                 },
             })
             .collect();
-        let out = p.remote.read(items);
+        let out = tier.read(items);
         ensure!(
             out.iter().all(|o| matches!(o, ReadOutcome::Hit(_))),
             "get missed: {} of {} hits; {:?}",
@@ -188,7 +190,7 @@ fn kvtier_round(
                 .filter(|o| matches!(o, ReadOutcome::Hit(_)))
                 .count(),
             out.len(),
-            p.remote.stats()
+            tier.stats()
         );
     }
     let get = (count * size) as f64 / t.elapsed().as_secs_f64() / 1e9;
@@ -311,6 +313,33 @@ pub fn run(args: RemoteArgs) -> Result<()> {
         let sz = crate::host::human(size);
         let (mut put, mut get) = (Vec::new(), Vec::new());
         let mut redis_rounds: Vec<(f64, f64)> = Vec::new();
+        let mut backend_rounds = Vec::new();
+        // kvtier's own Redis backend (the remote tier on a Redis), against the same server.
+        let backend_server = if args.peers.iter().any(|x| x == "redis") {
+            match start_redis() {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    eprintln!("kvtier redis backend skipped: {e:#}");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let backend = match &backend_server {
+            Some((_, port)) => {
+                let t = kvtier_cluster::RedisTier::new(kvtier_cluster::RedisConfig {
+                    urls: vec![format!("redis://127.0.0.1:{port}/")],
+                    cluster: false,
+                    prefix: "kvtier:".into(),
+                    ttl_s: 0,
+                    timeout: Duration::from_secs(30),
+                })?;
+                t.note_namespace(0, fingerprint())?;
+                Some(t)
+            }
+            None => None,
+        };
         let redis = if args.peers.iter().any(|x| x == "redis") {
             let mut rd = AlignedBuf::new((count * size) as usize)?;
             match crate::peers::redis(size, count, args.rounds, &src, &mut rd) {
@@ -325,7 +354,20 @@ pub fn run(args: RemoteArgs) -> Result<()> {
         };
         for round in 0..=args.rounds {
             let limit = iperf3()?;
-            let (pu, ge) = kvtier_round(&p, round + size as usize, size, &src, &sums, &mut dst)?;
+            let (pu, ge) = kvtier_round(
+                &p.remote,
+                round + size as usize,
+                size,
+                &src,
+                &sums,
+                &mut dst,
+            )?;
+            if let Some(t) = &backend {
+                let (bp, bg) = kvtier_round(t, round + size as usize, size, &src, &sums, &mut dst)?;
+                if round > 0 {
+                    backend_rounds.push(((pu, bp), (ge, bg)));
+                }
+            }
             if round > 0 {
                 put.push((pu, limit));
                 get.push((ge, limit));
@@ -363,6 +405,13 @@ pub fn run(args: RemoteArgs) -> Result<()> {
                 &ge,
             ));
         }
+        if !backend_rounds.is_empty() {
+            let pu: Vec<_> = backend_rounds.iter().map(|r| r.0).collect();
+            let ge: Vec<_> = backend_rounds.iter().map(|r| r.1).collect();
+            let is = "kvtier's Redis backend (remote tier on redis 7)";
+            rows.push(row(format!("put {sz} vs kvtier-redis"), "GB/s", is, &pu));
+            rows.push(row(format!("get {sz} vs kvtier-redis"), "GB/s", is, &ge));
+        }
         last = Some(p);
     }
     let p = match last {
@@ -384,7 +433,7 @@ pub fn run(args: RemoteArgs) -> Result<()> {
         "2 x loopback RTT p99 + 30 us",
         &[(l99, 2.0 * r99 + 30.0)],
     ));
-    if !args.trace.as_os_str().is_empty() {
+    if !args.no_replay {
         rows.extend(replay(&args)?);
     }
     let report = Report {
@@ -530,4 +579,44 @@ fn replay(args: &RemoteArgs) -> Result<Vec<Row>> {
             &[(remote as f64 / hits.max(1) as f64, 1.0)],
         ),
     ])
+}
+
+/// A redis-server on a free loopback port, killed when dropped.
+fn start_redis() -> Result<(RedisProc, u16)> {
+    let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let child = Command::new("redis-server")
+        .args([
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            &port.to_string(),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--maxmemory",
+            "8gb",
+            "--proto-max-bulk-len",
+            "1gb",
+        ])
+        .stdout(Stdio::null())
+        .spawn()
+        .context("starting redis-server")?;
+    let p = RedisProc(child);
+    let until = Instant::now() + Duration::from_secs(10);
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        ensure!(Instant::now() < until, "redis-server did not listen");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok((p, port))
+}
+
+/// A child process killed when dropped.
+struct RedisProc(std::process::Child);
+
+impl Drop for RedisProc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }

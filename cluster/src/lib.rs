@@ -12,12 +12,14 @@
 
 pub mod membership;
 pub mod placement;
+pub mod redis_tier;
 pub mod remote;
 pub mod server;
 pub mod wire;
 
 pub use membership::{leave, run_etcd, EtcdConfig, MembershipState};
 pub use placement::{Member, Placement};
+pub use redis_tier::{RedisConfig, RedisTier};
 pub use remote::{PeerStatus, RemoteConfig, RemoteTier};
 pub use server::{serve, ServerConfig, ServerStats};
 

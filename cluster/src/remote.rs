@@ -146,7 +146,7 @@ struct Counters {
 }
 
 /// Namespace fingerprints by local id, and local ids by fingerprint.
-type NsTable = (Vec<Option<Fingerprint>>, HashMap<Fingerprint, u16>);
+pub(crate) type NsTable = (Vec<Option<Fingerprint>>, HashMap<Fingerprint, u16>);
 
 /// The remote tier (see the module docs).
 pub struct RemoteTier {

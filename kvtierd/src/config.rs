@@ -115,6 +115,15 @@ pub struct ClusterSection {
     /// Most bytes of saved blocks queued for pushing to their owners; past it a block is not
     /// pushed (counted), so a slow network never holds up an engine.
     pub push_queue_bytes: Size,
+    /// An existing Redis or Valkey as the remote tier instead of kvtierd peers:
+    /// `redis://host:port[/db]` (comma-separated seeds with `redis_cluster`); empty: none.
+    pub redis: String,
+    /// `redis` names a Redis Cluster.
+    pub redis_cluster: bool,
+    /// Key prefix of the blocks in Redis.
+    pub redis_prefix: String,
+    /// Time to live of each block in Redis, seconds (0: none).
+    pub redis_ttl_s: u64,
 }
 
 impl Default for ClusterSection {
@@ -129,6 +138,10 @@ impl Default for ClusterSection {
             timeout_ms: 2_000,
             replicas: 1,
             push_queue_bytes: Size(256 << 20),
+            redis: String::new(),
+            redis_cluster: false,
+            redis_prefix: "kvtier:".into(),
+            redis_ttl_s: 86_400,
         }
     }
 }
@@ -625,6 +638,24 @@ impl Config {
 
     fn validate_cluster(&self) -> Result<()> {
         let c = &self.cluster;
+        if !c.redis.is_empty() {
+            ensure!(
+                c.listen.is_empty() && c.members.is_empty() && c.etcd.is_empty(),
+                "cluster.redis and cluster.listen/members/etcd are both set: the remote tier is either kvtierd peers or Redis"
+            );
+            for u in c.redis.split(',') {
+                ensure!(
+                    u.trim().starts_with("redis://") || u.trim().starts_with("rediss://"),
+                    "cluster.redis: {u:?} is not a redis:// URL"
+                );
+            }
+            ensure!(c.timeout_ms > 0, "cluster.timeout_ms must be positive");
+            ensure!(
+                self.server.isolation != "tenant",
+                "cluster.redis with server.isolation = \"tenant\": tenants' stores stay local"
+            );
+            return Ok(());
+        }
         if c.listen.is_empty() {
             ensure!(
                 c.members.is_empty() && c.etcd.is_empty(),
@@ -1022,6 +1053,10 @@ mod tests {
             "push_queue_bytes",
             "etcd_prefix",
             "lease_ttl_ms",
+            "redis",
+            "redis_cluster",
+            "redis_prefix",
+            "redis_ttl_s",
         ] {
             assert!(
                 text.contains(&format!("{key} =")),

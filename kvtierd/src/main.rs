@@ -487,6 +487,19 @@ fn run() -> Result<()> {
         if let Some((r, _)) = &remote {
             scfg.remote = Some(kvstore::SharedTier(r.clone()));
             scfg.push_queue_bytes = cfg.cluster.push_queue_bytes.0;
+        } else if !cfg.cluster.redis.is_empty() {
+            let c = &cfg.cluster;
+            let t = kvtier_cluster::RedisTier::new(kvtier_cluster::RedisConfig {
+                urls: c.redis.split(',').map(|u| u.trim().to_string()).collect(),
+                cluster: c.redis_cluster,
+                prefix: c.redis_prefix.clone(),
+                ttl_s: c.redis_ttl_s,
+                timeout: Duration::from_millis(c.timeout_ms),
+            })
+            .context("cluster.redis")?;
+            tracing::info!(redis = %c.redis, cluster = c.redis_cluster, "remote tier: Redis");
+            scfg.remote = Some(kvstore::SharedTier(std::sync::Arc::new(t)));
+            scfg.push_queue_bytes = c.push_queue_bytes.0;
         }
         tracing::info!(
             host_bytes = scfg.capacity_bytes,

@@ -370,3 +370,58 @@ fn etcd_membership_follows_leases_and_survives_etcd_going_away() {
     });
     assert!(metric(&metrics(&a), "kvtier_cluster_degraded") == 0.0);
 }
+
+#[test]
+fn two_daemons_share_blocks_through_redis() {
+    if Command::new("redis-server")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!("SKIPPED: redis-server is not installed (scripts/test.sh installs it)");
+        return;
+    }
+    let port = free_ports(1)[0];
+    let mut redis = Command::new("redis-server")
+        .args([
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            &port.to_string(),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_until("redis listens", 10, || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
+    let url = format!("cluster.redis=redis://127.0.0.1:{port}/");
+    let a = Kvtierd::start("redis-a", &["--set", &url], true);
+    let b = Kvtierd::start("redis-b", &["--set", &url], true);
+    let n = 12u64;
+    let keys: Vec<BlockKey> = (0..n).map(key).collect();
+    let mut ca = a.client();
+    let ns = ca.register_namespace(&namespace()).unwrap();
+    put_all(&mut ca, ns, 0..n);
+    let mut cb = b.client();
+    cb.register_namespace(&namespace()).unwrap();
+    wait_until("B sees the prefix in Redis", 20, || {
+        cb.lookup(&keys, None).unwrap().n == n as usize
+    });
+    assert_eq!(get_all(&mut cb, 0..n), n as usize);
+    let st = cli(&b, &["stats"]);
+    let remote = st["tiers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["tier"] == "remote")
+        .cloned()
+        .unwrap();
+    assert!(remote["bytes_read"].as_u64().unwrap() > 0, "{st}");
+    let _ = redis.kill();
+    let _ = redis.wait();
+}

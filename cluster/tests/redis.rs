@@ -1,0 +1,273 @@
+//! The Redis-backed remote tier against a real redis-server on loopback (Debian's, installed by
+//! scripts/test.sh): two stores share a prefix through it, byte-exact; a damaged value is a
+//! miss; blocks carry a TTL; a dead Redis costs misses within the deadline.
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvstore::{LowerTier, Namespace, Store, StoreConfig, Tier, TpShard};
+use kvtier_cluster::{RedisConfig, RedisTier};
+
+struct Redis(Child, u16);
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn redis() -> Option<Redis> {
+    if Command::new("redis-server")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!("SKIPPED: redis-server is not installed (scripts/test.sh installs it)");
+        return None;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let c = Command::new("redis-server")
+        .args([
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            &port.to_string(),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let until = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < until, "redis-server did not listen");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Some(Redis(c, port))
+}
+
+fn ns() -> Namespace {
+    Namespace {
+        model: "redis-test".into(),
+        dtype: "bfloat16".into(),
+        layout: "nhd".into(),
+        block_tokens: 16,
+        tp: TpShard::Rank { size: 1, rank: 0 },
+        tenant: String::new(),
+        lora: String::new(),
+    }
+}
+
+fn store(port: u16) -> (Store, Arc<RedisTier>) {
+    let t = Arc::new(
+        RedisTier::new(RedisConfig {
+            urls: vec![format!("redis://127.0.0.1:{port}/")],
+            cluster: false,
+            prefix: "kvtier:".into(),
+            ttl_s: 600,
+            timeout: Duration::from_millis(800),
+        })
+        .unwrap(),
+    );
+    let s = StoreConfig {
+        capacity_bytes: 32 << 20,
+        segment_bytes: 16 << 20,
+        remote: Some(kvstore::SharedTier(t.clone())),
+        ..Default::default()
+    }
+    .build()
+    .unwrap();
+    s.register_namespace(&ns()).unwrap();
+    (s, t)
+}
+
+fn raw(port: u16, args: &[&str]) -> String {
+    let out = Command::new("redis-cli")
+        .args(["-p", &port.to_string()])
+        .args(args)
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+#[test]
+fn two_stores_share_a_prefix_through_redis_and_damage_is_a_miss() {
+    let Some(r) = redis() else { return };
+    let (a, _) = store(r.1);
+    let (b, bt) = store(r.1);
+    let id = a.register_namespace(&ns()).unwrap();
+    let keys = ns().token_keys(&[9; 16 * 6], &[]);
+    let data: Vec<Vec<u8>> = (0..6)
+        .map(|i| vec![i as u8 + 1; 70_000 + i * 100])
+        .collect();
+    for (k, d) in keys.iter().zip(&data) {
+        a.put(id, *k, d).unwrap();
+    }
+    let until = Instant::now() + Duration::from_secs(10);
+    while a.stats().pushes < 6 {
+        assert!(Instant::now() < until, "not pushed: {:?}", a.stats());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let m = b.match_prefix(&keys);
+    assert_eq!(m.n, 6);
+    assert!(m.tiers.iter().all(|t| *t == Tier::Remote));
+    let l = b.load(&keys).unwrap();
+    assert_eq!(l.len(), 6);
+    for (i, d) in data.iter().enumerate() {
+        assert_eq!(l.block(i), &d[..]);
+    }
+    drop(l);
+    // Every block carries its TTL.
+    let ttl: i64 = raw(r.1, &["TTL", &format!("kvtier:{}", keys[0])])
+        .parse()
+        .unwrap();
+    assert!(ttl > 0 && ttl <= 600, "{ttl}");
+    // A value damaged inside Redis (its header intact, one payload byte changed): a miss.
+    let (c, ct) = store(r.1);
+    let name = format!("kvtier:{}", keys[2]);
+    assert_eq!(
+        raw(r.1, &["SETRANGE", &name, "100", "Z"]),
+        (32 + 70_200).to_string()
+    );
+    let l = c.load(&keys).unwrap();
+    assert_eq!(l.len(), 2, "the prefix ends before the damaged block");
+    drop(l);
+    assert_eq!(ct.stats().checksum_failures, 1);
+    assert!(!c.in_host(&keys[2]));
+    assert_eq!(bt.stats().checksum_failures, 0);
+}
+
+#[test]
+fn a_dead_redis_costs_misses_within_the_deadline() {
+    let Some(r) = redis() else { return };
+    let (a, _) = store(r.1);
+    let id = a.register_namespace(&ns()).unwrap();
+    let keys = ns().token_keys(&[3; 16 * 4], &[]);
+    for k in &keys {
+        a.put(id, *k, &[1u8; 5000]).unwrap();
+    }
+    let (b, bt) = store(r.1);
+    drop(r);
+    for _ in 0..5 {
+        let t = Instant::now();
+        let l = b.load(&keys).unwrap();
+        assert_eq!(l.len(), 0);
+        assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    }
+    assert_eq!(bt.stats().checksum_failures, 0);
+}
+
+#[test]
+fn a_redis_cluster_works_the_same() {
+    if Command::new("redis-server")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!("SKIPPED: redis-server is not installed");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("kvtier-redis-cluster-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut nodes = Vec::new();
+    for i in 0..3 {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let d = dir.join(i.to_string());
+        std::fs::create_dir_all(&d).unwrap();
+        let c = Command::new("redis-server")
+            .current_dir(&d)
+            .args([
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                &port.to_string(),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--cluster-enabled",
+                "yes",
+            ])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        nodes.push(Redis(c, port));
+    }
+    for n in &nodes {
+        let until = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", n.1)).is_err() {
+            assert!(Instant::now() < until);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.1)).collect();
+    let out = Command::new("redis-cli")
+        .args(["--cluster", "create"])
+        .args(&addrs)
+        .args(["--cluster-replicas", "0", "--cluster-yes"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let until = Instant::now() + Duration::from_secs(20);
+    while !raw(nodes[0].1, &["CLUSTER", "INFO"]).contains("cluster_state:ok") {
+        assert!(Instant::now() < until, "cluster not ok");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let mk = || {
+        let t = Arc::new(
+            RedisTier::new(RedisConfig {
+                urls: addrs.iter().map(|a| format!("redis://{a}/")).collect(),
+                cluster: true,
+                prefix: "kvtier:".into(),
+                ttl_s: 0,
+                timeout: Duration::from_secs(2),
+            })
+            .unwrap(),
+        );
+        let s = StoreConfig {
+            capacity_bytes: 32 << 20,
+            segment_bytes: 16 << 20,
+            remote: Some(kvstore::SharedTier(t)),
+            ..Default::default()
+        }
+        .build()
+        .unwrap();
+        s.register_namespace(&ns()).unwrap();
+        s
+    };
+    let (a, b) = (mk(), mk());
+    let id = a.register_namespace(&ns()).unwrap();
+    let keys = ns().token_keys(&[4; 16 * 12], &[]);
+    for (i, k) in keys.iter().enumerate() {
+        a.put(id, *k, &vec![i as u8; 9000]).unwrap();
+    }
+    let until = Instant::now() + Duration::from_secs(10);
+    while a.stats().pushes < 12 {
+        assert!(Instant::now() < until, "not pushed: {:?}", a.stats().tiers);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let l = b.load(&keys).unwrap();
+    assert_eq!(l.len(), 12);
+    for i in 0..12 {
+        assert_eq!(l.block(i), &vec![i as u8; 9000][..]);
+    }
+    drop(l);
+    drop(nodes);
+    let _ = std::fs::remove_dir_all(&dir);
+}
