@@ -28,10 +28,23 @@ enum Cmd {
     Status,
     /// Counters per tier and per namespace.
     Stats,
-    /// Longest present prefix of a key chain (32-hex-digit keys, in order).
+    /// Longest present prefix of a key chain (32-hex-digit keys, in order), or of a prompt
+    /// (`--tokens`) or an engine's block hashes (`--hashes`) in a namespace; `--cluster`: where
+    /// in the cluster (per node and tier).
     Lookup {
         /// Keys.
         keys: Vec<String>,
+        /// Token ids, comma-separated (kvtier's token keys, one per full block).
+        #[arg(long, value_delimiter = ',')]
+        tokens: Vec<u32>,
+        /// The engine's block hashes, hex, comma-separated.
+        #[arg(long, value_delimiter = ',')]
+        hashes: Vec<String>,
+        #[command(flatten)]
+        ns: NsArgs,
+        /// Answer per node of the cluster.
+        #[arg(long)]
+        cluster: bool,
     },
     /// Preload: promote the keys found only on disk into host memory in the background (a hint
     /// that these blocks will be loaded soon).
@@ -73,6 +86,35 @@ enum Cmd {
     },
 }
 
+/// The namespace of `--tokens` / `--hashes` (as the engine registered it).
+#[derive(clap::Args)]
+struct NsArgs {
+    /// Model id (and revision) as the engine names it.
+    #[arg(long, default_value = "")]
+    model: String,
+    /// KV dtype.
+    #[arg(long, default_value = "bfloat16")]
+    dtype: String,
+    /// KV layout name.
+    #[arg(long, default_value = "nhd")]
+    layout: String,
+    /// Tokens per block.
+    #[arg(long, default_value_t = 16)]
+    block_tokens: u32,
+    /// Tensor-parallel size (0: KV shared by every rank, MLA).
+    #[arg(long, default_value_t = 1)]
+    tp_size: u32,
+    /// Tensor-parallel rank.
+    #[arg(long, default_value_t = 0)]
+    tp_rank: u32,
+    /// Cache salt / tenant of the namespace.
+    #[arg(long, default_value = "")]
+    salt: String,
+    /// LoRA adapter.
+    #[arg(long, default_value = "")]
+    lora: String,
+}
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> std::process::ExitCode {
     match run().await {
@@ -91,7 +133,8 @@ fn gib(b: u64) -> String {
 async fn run() -> Result<()> {
     let cli = Cli::parse();
     // Bad input is reported before trying to reach the daemon.
-    if let Cmd::Lookup { keys } | Cmd::Pin { keys, .. } | Cmd::Prefetch { keys, .. } = &cli.cmd {
+    if let Cmd::Lookup { keys, .. } | Cmd::Pin { keys, .. } | Cmd::Prefetch { keys, .. } = &cli.cmd
+    {
         for k in keys {
             parse_key(k)?;
         }
@@ -291,14 +334,39 @@ async fn run() -> Result<()> {
                 }
             }
         }
-        Cmd::Lookup { keys } => {
+        Cmd::Lookup {
+            keys,
+            tokens,
+            hashes,
+            ns,
+            cluster,
+        } => {
             let keys = keys
                 .iter()
                 .map(|k| parse_key(k))
                 .collect::<Result<Vec<_>>>()?;
+            let block_hashes = hashes
+                .iter()
+                .map(|h| unhex(h))
+                .collect::<Result<Vec<_>>>()?;
+            let namespace =
+                (!tokens.is_empty() || !block_hashes.is_empty()).then(|| pb::NamespaceSpec {
+                    model: ns.model,
+                    dtype: ns.dtype,
+                    layout: ns.layout,
+                    block_tokens: ns.block_tokens,
+                    tp_size: ns.tp_size,
+                    tp_rank: ns.tp_rank,
+                    tenant: ns.salt,
+                    lora: ns.lora,
+                });
             let r = c
                 .lookup(pb::LookupRequest {
                     keys,
+                    namespace,
+                    block_hashes,
+                    token_ids: tokens,
+                    cluster,
                     ..Default::default()
                 })
                 .await
@@ -306,9 +374,26 @@ async fn run() -> Result<()> {
                 .into_inner();
             let tiers: Vec<&str> = r.tiers.iter().map(|t| tier_name(*t)).collect();
             if cli.json {
-                println!("{}", json!({"n": r.n, "tiers": tiers}));
+                let nodes: Vec<_> = r
+                    .nodes
+                    .iter()
+                    .map(|n| {
+                        let t: Vec<&str> = n.tiers.iter().map(|t| tier_name(*t)).collect();
+                        json!({"node": n.node, "n": n.n, "tiers": t, "local": n.local,
+                            "error": n.error})
+                    })
+                    .collect();
+                println!("{}", json!({"n": r.n, "tiers": tiers, "nodes": nodes}));
             } else {
                 println!("{} leading keys present: {}", r.n, tiers.join(" "));
+                for n in &r.nodes {
+                    let t: Vec<&str> = n.tiers.iter().map(|t| tier_name(*t)).collect();
+                    if n.error.is_empty() {
+                        println!("  {:<24} {:>4}  {}", n.node, n.n, t.join(" "));
+                    } else {
+                        println!("  {:<24}    ?  ({})", n.node, n.error);
+                    }
+                }
             }
         }
         Cmd::Prefetch {
@@ -435,4 +520,20 @@ async fn run() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Bytes from hex (an engine block hash).
+fn unhex(h: &str) -> Result<Vec<u8>> {
+    let h = h.trim();
+    anyhow::ensure!(
+        h.len() % 2 == 0 && !h.is_empty() && h.len() <= 128,
+        "{h:?} is not a hex block hash (2 to 128 hex digits)"
+    );
+    (0..h.len())
+        .step_by(2)
+        .map(|i| {
+            u8::from_str_radix(&h[i..i + 2], 16)
+                .map_err(|_| anyhow::anyhow!("{h:?} is not a hex block hash"))
+        })
+        .collect()
 }

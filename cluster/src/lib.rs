@@ -20,7 +20,7 @@ pub mod wire;
 pub use membership::{leave, run_etcd, EtcdConfig, MembershipState};
 pub use placement::{Member, Placement};
 pub use redis_tier::{RedisConfig, RedisTier};
-pub use remote::{PeerStatus, RemoteConfig, RemoteTier};
+pub use remote::{NodePrefix, PeerStatus, RemoteConfig, RemoteTier};
 pub use server::{serve, ServerConfig, ServerStats};
 
 /// Whether `addr` (`host:port`) is a loopback address: the only place a data plane without a

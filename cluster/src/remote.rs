@@ -51,6 +51,17 @@ pub struct RemoteConfig {
     pub replicas: usize,
 }
 
+/// What one member holds of a prefix (see [`RemoteTier::node_prefixes`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodePrefix {
+    /// Its data-plane address.
+    pub addr: String,
+    /// The tier of each leading block it holds.
+    pub tiers: Vec<Tier>,
+    /// Why it did not answer.
+    pub error: Option<String>,
+}
+
 /// A peer's state, for `kvtier cluster` and metrics.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PeerStatus {
@@ -416,6 +427,96 @@ impl RemoteTier {
         groups
     }
 
+    /// For routers: the longest run of leading `keys` each other member holds in its own
+    /// tiers, with the tier of each block; one EXISTS to every member, all sent before any
+    /// answer is read (one round trip, bounded by the deadline). A member that fails answers
+    /// with its error.
+    pub fn node_prefixes(&self, keys: &[BlockKey]) -> Vec<NodePrefix> {
+        let deadline = Instant::now() + self.cfg.timeout;
+        let peers: Vec<Arc<Peer>> = {
+            let p = self.placement();
+            let peers = self.peers.read();
+            p.members()
+                .iter()
+                .filter_map(|m| peers.get(&m.addr).cloned())
+                .collect()
+        };
+        let packed = wire::pack_keys(keys);
+        let sent: Vec<(Arc<Peer>, u64, io::Result<TcpStream>)> = peers
+            .into_iter()
+            .map(|peer| {
+                let id = self.id();
+                let req = Request {
+                    id,
+                    op: Op::Exists as i32,
+                    keys: packed.clone(),
+                    blocks: Vec::new(),
+                };
+                let c = if peer.allowed() {
+                    self.send(&peer, &req, &[], deadline)
+                } else {
+                    Err(io::Error::other("breaker open: the peer keeps failing"))
+                };
+                (peer, id, c)
+            })
+            .collect();
+        sent.into_iter()
+            .map(|(peer, id, c)| {
+                let res = c.and_then(|mut c| {
+                    let r = Self::reply(&mut c, id, keys.len(), deadline)?;
+                    Ok((c, r))
+                });
+                let addr = peer.addr.clone();
+                match res {
+                    Ok((c, r)) => {
+                        let tiers = r
+                            .blocks
+                            .iter()
+                            .take_while(|b| b.present)
+                            .map(|b| if b.tier == 1 { Tier::Host } else { Tier::Disk })
+                            .collect();
+                        self.done(
+                            Sent {
+                                peer,
+                                conn: Some(c),
+                                idx: Vec::new(),
+                                id,
+                            },
+                            Ok(()),
+                        );
+                        NodePrefix {
+                            addr,
+                            tiers,
+                            error: None,
+                        }
+                    }
+                    Err(e) => {
+                        let error = Some(e.to_string());
+                        self.done(
+                            Sent {
+                                peer,
+                                conn: None,
+                                idx: Vec::new(),
+                                id,
+                            },
+                            Err(e),
+                        );
+                        NodePrefix {
+                            addr,
+                            tiers: Vec::new(),
+                            error,
+                        }
+                    }
+                }
+            })
+            .collect()
+    }
+
+    /// This node's data-plane address.
+    pub fn me(&self) -> &str {
+        &self.cfg.me
+    }
+
     fn local_ns(&self, fp: &[u8]) -> Option<u16> {
         let fp = wire::fingerprint(fp)?;
         self.ns.read().1.get(&fp).copied()
@@ -675,6 +776,7 @@ impl LowerTier for RemoteTier {
                             len: it.len,
                             checksum: it.checksum,
                             fingerprint: wire::fp_bytes(fp),
+                            tier: 0,
                         }],
                     };
                     let c = match conn.as_mut() {

@@ -181,6 +181,7 @@ async fn connection(
                                 len: loaded.block(i).len() as u32,
                                 checksum: loaded.checksum(i),
                                 fingerprint: fps[i].fingerprint.clone(),
+                                tier: fps[i].tier,
                             }
                         } else {
                             absent(k)
@@ -308,20 +309,28 @@ fn reserve(
     }
 }
 
-/// One Block per key: what this node's own tiers hold.
+/// One Block per key: what this node's own tiers hold (and in which tier).
 fn exists(store: &Store, keys: &[BlockKey]) -> Vec<Block> {
     store
         .probe_local(keys)
         .into_iter()
         .zip(keys)
         .map(|(info, k)| {
-            match info.and_then(|i| store.fingerprint(NsId(u32::from(i.ns))).map(|fp| (i, fp))) {
-                Some((i, fp)) => Block {
+            match info.and_then(|(i, t)| {
+                store
+                    .fingerprint(NsId(u32::from(i.ns)))
+                    .map(|fp| (i, t, fp))
+            }) {
+                Some((i, t, fp)) => Block {
                     key: k.0.to_be_bytes().to_vec(),
                     present: true,
                     len: i.len,
                     checksum: i.checksum,
                     fingerprint: wire::fp_bytes(fp),
+                    tier: match t {
+                        kvstore::Tier::Host => 1,
+                        _ => 2,
+                    },
                 },
                 None => absent(k),
             }

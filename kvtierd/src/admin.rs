@@ -29,6 +29,53 @@ fn keys(raw: &[Vec<u8>]) -> Result<Vec<BlockKey>, Status> {
         .collect()
 }
 
+/// The keys a Lookup names: given, or derived from the engine's block hashes or the prompt's
+/// token ids in the request's namespace.
+fn lookup_keys(r: &pb::LookupRequest) -> Result<Vec<BlockKey>, Status> {
+    let derived = !r.block_hashes.is_empty() || !r.token_ids.is_empty();
+    if !derived {
+        return keys(&r.keys);
+    }
+    if !r.keys.is_empty() || (!r.block_hashes.is_empty() && !r.token_ids.is_empty()) {
+        return Err(Status::invalid_argument(
+            "name the blocks one way: keys, block_hashes or token_ids",
+        ));
+    }
+    let spec = r.namespace.as_ref().ok_or_else(|| {
+        Status::invalid_argument("block_hashes and token_ids need the namespace they belong to")
+    })?;
+    let ns = kvstore::Namespace {
+        model: spec.model.clone(),
+        dtype: spec.dtype.clone(),
+        layout: spec.layout.clone(),
+        block_tokens: spec.block_tokens,
+        tp: if spec.tp_size == 0 {
+            kvstore::TpShard::Shared
+        } else {
+            kvstore::TpShard::Rank {
+                size: spec.tp_size,
+                rank: spec.tp_rank,
+            }
+        },
+        tenant: spec.tenant.clone(),
+        lora: spec.lora.clone(),
+    };
+    ns.validate()
+        .map_err(|e| Status::invalid_argument(format!("namespace: {e}")))?;
+    if !r.token_ids.is_empty() {
+        return Ok(ns.token_keys(&r.token_ids, &[]));
+    }
+    let fp = ns.fingerprint();
+    r.block_hashes
+        .iter()
+        .enumerate()
+        .map(|(i, h)| {
+            BlockKey::from_engine_hash(&fp, h)
+                .map_err(|e| Status::invalid_argument(format!("block hash {i}: {e}")))
+        })
+        .collect()
+}
+
 fn tier(t: Tier) -> i32 {
     match t {
         Tier::Disk => pb::Tier::Disk as i32,
@@ -231,13 +278,59 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::LookupRequest>,
     ) -> Result<Response<pb::LookupReply>, Status> {
-        let ks = keys(&req.get_ref().keys)?;
-        let (_, store) = self.store(&req.get_ref().tenant)?;
-        let m = store.match_prefix(&ks);
-        Ok(Response::new(pb::LookupReply {
-            n: m.n as u32,
-            tiers: m.tiers.into_iter().map(tier).collect(),
-        }))
+        let r = req.into_inner();
+        let ks = lookup_keys(&r)?;
+        let max_keys = self.d.cfg.server.max_keys as usize;
+        if ks.len() > max_keys {
+            return Err(Status::invalid_argument(format!(
+                "{} keys in one request; the limit is {max_keys} (server.max_keys)",
+                ks.len()
+            )));
+        }
+        let (_, store) = self.store(&r.tenant)?;
+        let d = self.d.clone();
+        // The remote tier answers over the network: off the async threads.
+        let reply = tokio::task::spawn_blocking(move || {
+            let m = store.match_prefix(&ks);
+            let mut nodes = Vec::new();
+            if r.cluster {
+                let local: Vec<Tier> = store
+                    .probe_local(&ks)
+                    .into_iter()
+                    .map_while(|x| x.map(|(_, t)| t))
+                    .collect();
+                let me = d
+                    .cluster
+                    .as_ref()
+                    .map_or("local".to_string(), |c| c.remote.me().to_string());
+                nodes.push(pb::NodePrefix {
+                    node: me,
+                    n: local.len() as u32,
+                    tiers: local.into_iter().map(tier).collect(),
+                    local: true,
+                    error: String::new(),
+                });
+                if let Some(c) = &d.cluster {
+                    for p in c.remote.node_prefixes(&ks) {
+                        nodes.push(pb::NodePrefix {
+                            node: p.addr,
+                            n: p.tiers.len() as u32,
+                            tiers: p.tiers.into_iter().map(tier).collect(),
+                            local: false,
+                            error: p.error.unwrap_or_default(),
+                        });
+                    }
+                }
+            }
+            pb::LookupReply {
+                n: m.n as u32,
+                tiers: m.tiers.into_iter().map(tier).collect(),
+                nodes,
+            }
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?;
+        Ok(Response::new(reply))
     }
 
     async fn clear_namespace(

@@ -425,3 +425,60 @@ fn two_daemons_share_blocks_through_redis() {
     let _ = redis.kill();
     let _ = redis.wait();
 }
+
+#[test]
+fn a_cluster_lookup_by_tokens_names_the_node_and_tier() {
+    let p = free_ports(2);
+    let a = node("lk-a", p[0], &p, "s", true);
+    let b = node("lk-b", p[1], &p, "s", true);
+    let tokens: Vec<u32> = (1..=16 * 5 + 3).collect();
+    let keys = namespace().token_keys(&tokens, &[]);
+    assert_eq!(keys.len(), 5);
+    let mut ca = a.client();
+    let ns = ca.register_namespace(&namespace()).unwrap();
+    let lens = vec![50_000u32; keys.len()];
+    let slots = ca.reserve(ns, &keys, &lens).unwrap();
+    let mut tokens_ = Vec::new();
+    for s in slots {
+        let kvtier_ipc::SlotStatus::Slot { token, .. } = s else {
+            panic!("{s:?}")
+        };
+        ca.write(token, &[7u8; 50_000]).unwrap();
+        tokens_.push(token);
+    }
+    ca.commit(&tokens_).unwrap();
+    let list: Vec<String> = tokens.iter().map(u32::to_string).collect();
+    let args = [
+        "lookup",
+        "--cluster",
+        "--tokens",
+        &list.join(","),
+        "--model",
+        "test/model",
+        "--block-tokens",
+        "16",
+    ];
+    // From B, which no engine wrote to: A holds the whole prefix in host memory.
+    let r = cli(&b, &args);
+    let nodes = r["nodes"].as_array().unwrap();
+    assert_eq!(nodes.len(), 2, "{r}");
+    let na = nodes
+        .iter()
+        .find(|n| n["node"] == format!("127.0.0.1:{}", p[0]))
+        .unwrap();
+    assert_eq!(na["n"], 5, "{r}");
+    assert!(na["tiers"].as_array().unwrap().iter().all(|t| t == "host"));
+    assert_eq!(na["local"], false);
+    let nb = nodes.iter().find(|n| n["local"] == true).unwrap();
+    assert_eq!(nb["node"], format!("127.0.0.1:{}", p[1]));
+    // Once pushed, B can load all of it (its own tiers, then A's).
+    wait_until("B can load the prefix", 20, || cli(&b, &args)["n"] == 5);
+    // Block hashes need their namespace; a bad hash is a clear error.
+    let exe = std::path::Path::new(env!("CARGO_BIN_EXE_kvtierd")).with_file_name("kvtier");
+    let out = Command::new(exe)
+        .args(["--addr", &b.grpc, "lookup", "--hashes", "zz"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("hex"));
+}

@@ -95,7 +95,7 @@ impl Store {
 
     /// Per key, what this node's own tiers (host memory, disk) say of it, never asking the
     /// remote tier: the cluster's data plane answers peers with it. `ns` is this store's id.
-    pub fn probe_local(&self, keys: &[BlockKey]) -> Vec<Option<BlockInfo>> {
+    pub fn probe_local(&self, keys: &[BlockKey]) -> Vec<Option<(BlockInfo, Tier)>> {
         self.inner.probe_local(keys)
     }
 
@@ -410,7 +410,7 @@ impl Inner {
 
     /// Per key, what the local tiers (host memory first) say of it: for the cluster's data
     /// plane, which answers for the blocks this node owns and never asks further.
-    pub(crate) fn probe_local(&self, keys: &[BlockKey]) -> Vec<Option<BlockInfo>> {
+    pub(crate) fn probe_local(&self, keys: &[BlockKey]) -> Vec<Option<(BlockInfo, Tier)>> {
         keys.iter()
             .map(|k| {
                 let host = self
@@ -425,13 +425,18 @@ impl Inner {
                         let slot = e.slot();
                         let checksum =
                             self.classes[slot.class as usize].lock().sums[slot.idx as usize];
-                        Some(BlockInfo {
-                            len: e.len,
-                            ns: e.ns,
-                            checksum,
-                        })
+                        Some((
+                            BlockInfo {
+                                len: e.len,
+                                ns: e.ns,
+                                checksum,
+                            },
+                            Tier::Host,
+                        ))
                     }
-                    None => self.find_below(k).map(|(_, info)| info),
+                    None => self
+                        .find_below(k)
+                        .map(|(i, info)| (info, self.tiers[i].kind())),
                 }
             })
             .collect()

@@ -1,0 +1,212 @@
+"""Cache-aware routing with kvtier: ask kvtierd where a prompt's prefix is (which node, which
+tier) and turn the answer into a cost per engine, the way Dynamo's KV router weights what an
+engine already has (GPU > host memory > disk > another node), weights configurable.
+
+    from kvtier import router
+    # One kvtierd per node; each engine uses its node's kvtierd.
+    costs = router.score({"engine-a": "10.0.0.5:50551", "engine-b": "10.0.0.6:50551"},
+                         token_ids=prompt, namespace=dict(model="meta-llama/Llama-3.1-8B",
+                         block_tokens=16))
+    best = min(costs, key=costs.get)
+
+    # Or one round trip through any node of a kvtier cluster (engines named by their node's
+    # cluster.listen address):
+    costs = router.score({"engine-a": "10.0.0.5:7070", "engine-b": "10.0.0.6:7070"},
+                         keys=keys, via="10.0.0.5:50551")
+
+`lookup` is the admin gRPC `Lookup` (grpcio, the one dependency; its messages are encoded
+here, so no generated code is needed). A cost is in blocks: a block computed costs 1, a block
+loaded from tier t costs 1 - weight[t].
+"""
+
+from __future__ import annotations
+
+TIERS = {0: "?", 1: "host", 2: "disk", 3: "remote"}
+WEIGHTS = {"gpu": 1.0, "host": 0.9, "disk": 0.6, "remote": 0.4}
+METHOD = "/kvtier.admin.v1.Admin/Lookup"
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _field(num: int, wire: int, payload: bytes) -> bytes:
+    key = _varint(num << 3 | wire)
+    if wire == 0:
+        return key + payload
+    return key + _varint(len(payload)) + payload
+
+
+def _encode_request(keys, token_ids, block_hashes, namespace, cluster, tenant) -> bytes:
+    out = bytearray()
+    for k in keys or []:
+        if len(k) != 16:
+            raise ValueError(f"a key is 16 bytes, not {len(k)}")
+        out += _field(1, 2, bytes(k))
+    if tenant:
+        out += _field(2, 2, tenant.encode())
+    if namespace is not None:
+        ns = bytearray()
+        for i, name in ((1, "model"), (2, "dtype"), (3, "layout")):
+            default = {"dtype": "bfloat16", "layout": "nhd"}.get(name, "")
+            v = str(namespace.get(name, default))
+            if v:
+                ns += _field(i, 2, v.encode())
+        for i, name, default in ((4, "block_tokens", 16), (5, "tp_size", 1), (6, "tp_rank", 0)):
+            v = int(namespace.get(name, default))
+            if v:
+                ns += _field(i, 0, _varint(v))
+        for i, name in ((7, "tenant"), (8, "lora")):
+            v = str(namespace.get(name, ""))
+            if v:
+                ns += _field(i, 2, v.encode())
+        out += _field(3, 2, bytes(ns))
+    for h in block_hashes or []:
+        out += _field(4, 2, bytes(h))
+    if token_ids:
+        out += _field(5, 2, b"".join(_varint(int(t)) for t in token_ids))
+    if cluster:
+        out += _field(6, 0, _varint(1))
+    return bytes(out)
+
+
+def _read_varint(b: bytes, i: int):
+    n = shift = 0
+    while True:
+        x = b[i]
+        i += 1
+        n |= (x & 0x7F) << shift
+        shift += 7
+        if not x & 0x80:
+            return n, i
+
+
+def _fields(b: bytes):
+    i = 0
+    while i < len(b):
+        key, i = _read_varint(b, i)
+        num, wire = key >> 3, key & 7
+        if wire == 0:
+            v, i = _read_varint(b, i)
+        elif wire == 2:
+            n, i = _read_varint(b, i)
+            v, i = b[i:i + n], i + n
+        elif wire == 1:
+            v, i = b[i:i + 8], i + 8
+        elif wire == 5:
+            v, i = b[i:i + 4], i + 4
+        else:
+            raise ValueError(f"unknown wire type {wire}")
+        yield num, wire, v
+
+
+def _tiers(wire, v, into):
+    if wire == 0:
+        into.append(TIERS.get(v, "?"))
+    else:  # packed
+        i = 0
+        while i < len(v):
+            t, i = _read_varint(v, i)
+            into.append(TIERS.get(t, "?"))
+
+
+def _decode_reply(b: bytes) -> dict:
+    out = {"n": 0, "tiers": [], "nodes": []}
+    for num, wire, v in _fields(b):
+        if num == 1:
+            out["n"] = v
+        elif num == 2:
+            _tiers(wire, v, out["tiers"])
+        elif num == 3:
+            node = {"node": "", "n": 0, "tiers": [], "local": False, "error": ""}
+            for n2, w2, v2 in _fields(v):
+                if n2 == 1:
+                    node["node"] = v2.decode()
+                elif n2 == 2:
+                    node["n"] = v2
+                elif n2 == 3:
+                    _tiers(w2, v2, node["tiers"])
+                elif n2 == 4:
+                    node["local"] = bool(v2)
+                elif n2 == 5:
+                    node["error"] = v2.decode()
+            out["nodes"].append(node)
+    return out
+
+
+def lookup(endpoint: str, keys=None, *, token_ids=None, block_hashes=None, namespace=None,
+           cluster: bool = False, token: str | None = None, tenant: str = "",
+           timeout: float = 5.0) -> dict:
+    """kvtierd's answer for a prefix: {"n", "tiers", "nodes": [{"node", "n", "tiers", "local",
+    "error"}]}. Name the blocks by 16-byte `keys`, or by `token_ids` / the engine's
+    `block_hashes` with the `namespace` (dict: model, dtype, layout, block_tokens, tp_size,
+    tp_rank, tenant, lora)."""
+    import grpc
+
+    req = _encode_request(keys, token_ids, block_hashes, namespace, cluster, tenant)
+    md = [("authorization", f"Bearer {token}")] if token else None
+    with grpc.insecure_channel(endpoint) as ch:
+        call = ch.unary_unary(METHOD, request_serializer=lambda x: x,
+                              response_deserializer=lambda x: x)
+        return _decode_reply(call(req, timeout=timeout, metadata=md))
+
+
+def cost(tiers, total: int, weights=None, gpu_blocks: int = 0, cluster_n: int = 0) -> float:
+    """Blocks of work for an engine: its first `gpu_blocks` blocks are in its GPU cache, the
+    next ones load from `tiers`, blocks up to `cluster_n` from another node, the rest are
+    computed."""
+    w = {**WEIGHTS, **(weights or {})}
+    c = 0.0
+    for i in range(total):
+        if i < gpu_blocks:
+            c += 1.0 - w["gpu"]
+        elif i < len(tiers):
+            c += 1.0 - w.get(tiers[i], 0.0)
+        elif i < cluster_n:
+            c += 1.0 - w["remote"]
+        else:
+            c += 1.0
+    return c
+
+
+def score(endpoints: dict, keys=None, *, token_ids=None, block_hashes=None, namespace=None,
+          via: str | None = None, weights=None, gpu: dict | None = None,
+          token: str | None = None, timeout: float = 5.0) -> dict:
+    """Cost per engine of serving a prompt (lower is better; see `cost`).
+
+    Without `via`: `endpoints` maps each engine to its node's kvtierd admin address, asked
+    one by one (what that node can load, its remote tier included). With `via` (any node's
+    admin address): one cluster lookup, and `endpoints` maps each engine to its node's
+    `cluster.listen` address. `gpu` maps engines to the leading blocks already in their GPU
+    prefix cache (known to the router from vLLM's KV events)."""
+    gpu = gpu or {}
+    kw = dict(keys=keys, token_ids=token_ids, block_hashes=block_hashes, namespace=namespace,
+              token=token, timeout=timeout)
+    if block_hashes is not None:
+        total = len(block_hashes)
+    elif token_ids is not None:
+        total = len(token_ids) // int((namespace or {}).get("block_tokens", 16))
+    else:
+        total = len(keys or [])
+    out = {}
+    if via is None:
+        for engine, ep in endpoints.items():
+            r = lookup(ep, **kw)
+            out[engine] = cost(r["tiers"], total, weights, gpu.get(engine, 0))
+        return out
+    r = lookup(via, cluster=True, **kw)
+    best = max([n["n"] for n in r["nodes"] if not n["error"]] or [0])
+    by_node = {n["node"]: n for n in r["nodes"]}
+    for engine, node in endpoints.items():
+        n = by_node.get(node)
+        tiers = n["tiers"] if n and not n["error"] else []
+        out[engine] = cost(tiers, total, weights, gpu.get(engine, 0), best)
+    return out

@@ -1,0 +1,84 @@
+"""kvtier.router against two real kvtierd nodes (a cluster on loopback): the lookup names the
+node and tier that hold a prefix, and score() prefers the engine whose node has it."""
+
+import json
+import pathlib
+import socket
+import subprocess
+import time
+
+from kvtier import Sidecar, engine_key, namespace_fingerprint, router
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def start(data_dir, port, members):
+    p = subprocess.Popen(
+        [str(REPO / "target" / "debug" / "kvtierd"), "--data-dir", str(data_dir),
+         "--host-capacity", "128M", "--no-disk", "--grpc", "127.0.0.1:0",
+         "--metrics", "127.0.0.1:0", "--set", "host.segment=16M", "--set", "log=warn",
+         "--set", f"cluster.listen=127.0.0.1:{port}",
+         "--set", "cluster.members=[" + ",".join(f'"127.0.0.1:{m}"' for m in members) + "]"],
+        stdout=subprocess.PIPE, text=True)
+    f = dict(w.split("=", 1) for w in p.stdout.readline().split() if "=" in w)
+    return p, f
+
+
+def test_lookup_and_score_find_the_node_with_the_prefix(tmp_path):
+    ports = free_ports(2)
+    nodes = [start(tmp_path / f"n{i}", p, ports) for i, p in enumerate(ports)]
+    try:
+        (_, a), (_, b) = nodes
+        side = Sidecar(a["socket"], "router-test")
+        enc, fp = namespace_fingerprint(model="router/model", dtype="bf16", layout="nhd",
+                                        block_tokens=16, tp_size=1, tp_rank=0)
+        ns = side.register_namespace(enc)
+        keys = [engine_key(fp, bytes([i]) * 32) for i in range(6)]
+        for k in keys:
+            assert side.put(ns, k, b"k" * 8192)
+        # Asked through node B (which no engine wrote to): node A has all of it in host memory.
+        r = router.lookup(b["grpc"], keys, cluster=True)
+        by = {n["node"]: n for n in r["nodes"]}
+        na = by[f"127.0.0.1:{ports[0]}"]
+        assert na["n"] == 6 and na["tiers"] == ["host"] * 6 and not na["local"], r
+        assert by[f"127.0.0.1:{ports[1]}"]["local"]
+        engines = {"on-a": f"127.0.0.1:{ports[0]}", "on-b": f"127.0.0.1:{ports[1]}"}
+        costs = router.score(engines, keys, via=b["grpc"])
+        assert costs["on-a"] < costs["on-b"], costs
+        assert abs(costs["on-a"] - 6 * (1 - router.WEIGHTS["host"])) < 1e-9
+        # B's engine can still load what B does not hold from A (the remote weight).
+        assert costs["on-b"] <= 6 * (1 - router.WEIGHTS["remote"]) + 1e-9
+        # One lookup per node (no `via`): A answers host for all six.
+        direct = router.score({"on-a": a["grpc"]}, keys)
+        assert abs(direct["on-a"] - costs["on-a"]) < 1e-9
+        # GPU-resident blocks weigh most; an unknown prompt costs every block.
+        assert router.score({"on-a": a["grpc"]}, keys, gpu={"on-a": 6})["on-a"] == 0.0
+        other = [engine_key(fp, bytes([200 + i]) * 32) for i in range(4)]
+        assert router.score(engines, other, via=b["grpc"]) == {"on-a": 4.0, "on-b": 4.0}
+        # Token ids with their namespace: kvtier's token keys, computed by the daemon.
+        r = router.lookup(a["grpc"], token_ids=list(range(40)),
+                          namespace=dict(model="router/model", block_tokens=16))
+        assert r["n"] == 0 and r["tiers"] == []
+    finally:
+        for p, _ in nodes:
+            p.terminate()
+            assert p.wait(timeout=60) == 0
+
+
+def test_requests_encode_as_protobuf():
+    # Field 1 (keys) length-delimited, field 5 (token_ids) packed, field 6 (cluster) varint.
+    b = router._encode_request([b"\x01" * 16], [1, 300], None, {"model": "m"}, True, "")
+    fields = [(n, w) for n, w, _ in router._fields(b)]
+    assert fields == [(1, 2), (3, 2), (5, 2), (6, 0)]
+    reply = bytes([0x08, 0x02, 0x12, 0x02, 0x01, 0x02])  # n=2, tiers=[host, disk] packed
+    assert router._decode_reply(reply) == {"n": 2, "tiers": ["host", "disk"], "nodes": []}
