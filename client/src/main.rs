@@ -350,7 +350,7 @@ async fn run() -> Result<()> {
                 .map(|h| unhex(h))
                 .collect::<Result<Vec<_>>>()?;
             let namespace =
-                (!tokens.is_empty() || !block_hashes.is_empty()).then(|| pb::NamespaceSpec {
+                (!tokens.is_empty() || !block_hashes.is_empty()).then_some(pb::NamespaceSpec {
                     model: ns.model,
                     dtype: ns.dtype,
                     layout: ns.layout,
