@@ -259,6 +259,7 @@ fn a_damaged_block_from_a_peer_is_a_miss() {
                         len: 8192,
                         checksum: kvstore::checksum(&[7u8; 8192]),
                         fingerprint: wire::fp_bytes(fp),
+                        tier: 1,
                     })
                     .collect();
                 wire::write_header(
