@@ -309,6 +309,51 @@ fn remote_bench_against_iperf3_and_redis() {
 }
 
 #[test]
+fn replay_over_nodes_compares_routings() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier-bench"))
+        .args([
+            "replay",
+            "--trace",
+            "gen:chat",
+            "--synthetic-requests",
+            "400",
+            "--nodes",
+            "3",
+            "--host",
+            "10%",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    let v = last_json(&out);
+    let rows = v["results"].as_array().unwrap();
+    let cases: Vec<&str> = rows.iter().map(|r| r["case"].as_str().unwrap()).collect();
+    assert_eq!(
+        cases,
+        [
+            "chat 3 nodes prefix vs round-robin block hit ratio",
+            "chat 3 nodes prefix vs round-robin prefill tokens saved"
+        ]
+    );
+    // Routing by kvtier's lookup finds at least the hits round-robin finds.
+    assert!(rows[0]["ratio"].as_f64().unwrap() >= 1.0, "{}", rows[0]);
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier-bench"))
+        .args([
+            "replay",
+            "--trace",
+            "gen:chat",
+            "--nodes",
+            "2",
+            "--routing",
+            "random",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--routing"));
+}
+
+#[test]
 fn ipc_bench_against_the_sidecar() {
     let out = Command::new(env!("CARGO_BIN_EXE_kvtier-bench"))
         .args([
