@@ -37,6 +37,8 @@ cargo test --locked -p kvtier-connector --features cuda
 
 echo "== pytest"
 .venv/bin/python -m pytest -q tests/python
+echo "== pytest (deployment files)"
+.venv/bin/python -m pytest -q tests/deploy
 
 # The vLLM end-to-end test: vLLM's CPU build in its own virtualenv (~6 GB, ~4 min the first
 # time; its requirements are installed first, then the package without dependencies).

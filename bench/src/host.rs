@@ -311,7 +311,54 @@ fn metadata_case(blocks: u64, rows: &mut Vec<Row>) -> Result<()> {
         sweep: None,
         baseline_is: "target 128 B/block",
     });
+    let at_scale = lookup_latency(&store, blocks);
+    drop(store);
+    // The same lookups against a store of 65,536 blocks, same run: what scale costs.
+    let small = StoreConfig {
+        capacity_bytes: (65_536u64 * 4096).div_ceil(seg) * seg,
+        segment_bytes: seg,
+        size_classes: vec![4096],
+        populate: kvstore::Populate::Lazy,
+        ..Default::default()
+    }
+    .build()?;
+    let sns = small.register_namespace(&namespace())?;
+    for i in 0..65_536 {
+        if let Reserve::Slot(r) = small.reserve(sns, key(i), 4096)? {
+            r.commit_with_checksum(0)?;
+        }
+    }
+    let base = lookup_latency(&small, 65_536);
+    for (q, v, b) in [("p50", at_scale.0, base.0), ("p99", at_scale.1, base.1)] {
+        rows.push(Row {
+            case: format!("lookup 64 keys {q} at {} blocks", human_count(blocks)),
+            unit: "us",
+            value: v,
+            baseline: b,
+            ratio: v / b,
+            ratio_spread: None,
+            sweep: None,
+            baseline_is: "the same lookup at 65,536 blocks",
+        });
+    }
     Ok(())
+}
+
+/// p50 and p99 (µs) of longest-prefix lookups of 64 present keys at random places among
+/// `blocks` stored ones (2,000 lookups).
+fn lookup_latency(store: &kvstore::Store, blocks: u64) -> (f64, f64) {
+    let mut rng = crate::rng::Rng(blocks);
+    let mut v = Vec::with_capacity(2000);
+    for _ in 0..2000 {
+        let start = rng.below(blocks.saturating_sub(64).max(1));
+        let keys: Vec<_> = (start..start + 64).map(key).collect();
+        let t = Instant::now();
+        let m = store.match_prefix(&keys);
+        v.push(t.elapsed().as_secs_f64() * 1e6);
+        assert_eq!(m.n, keys.len().min((blocks - start) as usize));
+    }
+    v.sort_by(f64::total_cmp);
+    (v[v.len() / 2], v[v.len() * 99 / 100])
 }
 
 pub(crate) fn human(b: u64) -> String {

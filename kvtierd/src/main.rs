@@ -605,6 +605,10 @@ fn run() -> Result<()> {
                 events_at.push_str(&format!(" events_replay={r}"));
             }
         }
+        // SIGTERM is handled from before the ready line: a supervisor that stops the daemon
+        // right after it reported ready still gets a clean shutdown.
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
         let st = store.stats();
         logging::say(
             std::io::stdout(),
@@ -644,10 +648,9 @@ fn run() -> Result<()> {
                 ),
         );
 
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         tokio::select! {
             _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
-            _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
+            _ = int.recv() => tracing::info!("SIGINT: shutting down"),
         }
         // Stop accepting; let in-flight requests finish.
         d.stop.store(true, Relaxed);

@@ -160,13 +160,13 @@ pub fn render(d: &Daemon) -> String {
                 ("op=\"put\"", c.server.bytes_in.load(Relaxed) as f64),
             ],
         );
+        metric(
+            "cluster_degraded",
+            "gauge",
+            "1 while etcd is unreachable (the last known membership is in use, local tiers serve); always 0 with static members.",
+            &[("", f64::from(u8::from(c.state() == "degraded")))],
+        );
         if let Some((_, m)) = &c.etcd {
-            metric(
-                "cluster_degraded",
-                "gauge",
-                "1 while etcd is unreachable (the last known membership is in use, local tiers serve).",
-                &[("", f64::from(u8::from(m.degraded.load(Relaxed))))],
-            );
             metric(
                 "cluster_membership_changes_total",
                 "counter",

@@ -68,8 +68,9 @@ pub struct StoreConfig {
     /// any: asked for what the local tiers miss, and fed by write-behind pushes of committed
     /// blocks.
     pub remote: Option<crate::tier::SharedTier>,
-    /// Most bytes of committed blocks queued for pushing to the remote tier; a block past it is
-    /// not pushed (counted in `push_dropped`), so a slow network never holds up an engine.
+    /// Most bytes of committed blocks queued for pushing to the remote tier (at most a quarter
+    /// of the host tier: queued blocks are pinned); a block past it is not pushed (counted in
+    /// `push_dropped`), so a slow network never holds up an engine.
     pub push_queue_bytes: u64,
 }
 

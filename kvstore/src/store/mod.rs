@@ -415,7 +415,11 @@ impl Store {
             tiers,
             demote_to,
             push_to,
-            push_queue_bytes: cfg.push_queue_bytes,
+            // Queued pushes pin their blocks: at most a quarter of the host tier.
+            push_queue_bytes: cfg
+                .push_queue_bytes
+                .min(n_segments * cfg.segment_bytes / 4)
+                .max(1),
             arena,
             seg_pages,
             class_sizes,
