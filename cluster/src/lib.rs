@@ -11,6 +11,7 @@
 //! (`StoreConfig::remote`), and the server runs beside the engine socket.
 
 pub mod membership;
+mod nsmap;
 pub mod placement;
 pub mod redis_tier;
 pub mod remote;

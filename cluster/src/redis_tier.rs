@@ -13,7 +13,7 @@ use kvstore::{
     BlockInfo, BlockKey, Fingerprint, LowerTier, NsUsage, ReadItem, ReadOutcome, Tier, TierStats,
     WriteItem, WriteOutcome,
 };
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
 
 const MAGIC: &[u8; 4] = b"KVT1";
 const HEADER: usize = 32;
@@ -73,7 +73,7 @@ pub struct RedisTier {
     cluster: Option<redis::cluster::ClusterClient>,
     pool: Mutex<Vec<Conn>>,
     breaker: Mutex<Breaker>,
-    ns: RwLock<crate::remote::NsTable>,
+    ns: crate::nsmap::NsMap,
     stats: Counters,
 }
 
@@ -106,7 +106,7 @@ impl RedisTier {
             cluster,
             pool: Mutex::default(),
             breaker: Mutex::default(),
-            ns: RwLock::default(),
+            ns: Default::default(),
             stats: Counters::default(),
         })
     }
@@ -244,7 +244,7 @@ impl RedisTier {
         let len = u32::from_le_bytes(v[4..8].try_into().ok()?);
         let sum = u64::from_le_bytes(v[8..16].try_into().ok()?);
         let fp = crate::wire::fingerprint(&v[16..32])?;
-        let ns = self.ns.read().1.get(&fp).copied()?;
+        let ns = self.ns.id_of(&fp)?;
         Some((len, sum, ns))
     }
 }
@@ -366,7 +366,7 @@ impl LowerTier for RedisTier {
             if !still_wanted(&it.key) {
                 continue;
             }
-            let Some(fp) = self.ns.read().0.get(usize::from(it.ns)).copied().flatten() else {
+            let Some(fp) = self.ns.fp_of(it.ns) else {
                 out[i] = WriteOutcome::Failed;
                 continue;
             };
@@ -445,15 +445,7 @@ impl LowerTier for RedisTier {
     }
 
     fn note_namespace(&self, id: u16, fp: Fingerprint) -> io::Result<()> {
-        let mut ns = self.ns.write();
-        let i = usize::from(id);
-        if ns.0.len() <= i {
-            ns.0.resize(i + 1, None);
-        }
-        if let Some(old) = ns.0[i].replace(fp) {
-            ns.1.remove(&old);
-        }
-        ns.1.insert(fp, id);
+        self.ns.note(id, fp);
         Ok(())
     }
 

@@ -156,16 +156,13 @@ struct Counters {
     checksum_failures: AtomicU64,
 }
 
-/// Namespace fingerprints by local id, and local ids by fingerprint.
-pub(crate) type NsTable = (Vec<Option<Fingerprint>>, HashMap<Fingerprint, u16>);
-
 /// The remote tier (see the module docs).
 pub struct RemoteTier {
     cfg: RemoteConfig,
     placement: RwLock<Arc<Placement>>,
     peers: RwLock<HashMap<String, Arc<Peer>>>,
     /// Namespace fingerprints by local id, and back.
-    ns: RwLock<NsTable>,
+    ns: crate::nsmap::NsMap,
     stats: Counters,
     next_id: AtomicU64,
     lat: Mutex<(kvstore_hist::Hist, kvstore_hist::Hist)>,
@@ -217,7 +214,7 @@ impl RemoteTier {
         let t = Self {
             placement: RwLock::new(Arc::new(Placement::new(cfg.members.clone()))),
             peers: RwLock::default(),
-            ns: RwLock::default(),
+            ns: Default::default(),
             stats: Counters::default(),
             next_id: AtomicU64::new(1),
             lat: Mutex::default(),
@@ -369,6 +366,40 @@ impl RemoteTier {
         Ok(c)
     }
 
+    /// Sends one request of `op` to each peer for its keys (`key_of` each position), all
+    /// before any reply is read.
+    fn ask_each(
+        &self,
+        groups: Vec<(Arc<Peer>, Vec<usize>)>,
+        op: Op,
+        key_of: impl Fn(usize) -> BlockKey,
+        deadline: Instant,
+    ) -> Vec<(Sent, io::Result<()>)> {
+        groups
+            .into_iter()
+            .map(|(peer, idx)| {
+                let id = self.id();
+                let req = Request {
+                    id,
+                    op: op as i32,
+                    keys: wire::pack_keys(&idx.iter().map(|&i| key_of(i)).collect::<Vec<_>>()),
+                    blocks: Vec::new(),
+                };
+                let (conn, res) = match self.send(&peer, &req, &[], deadline) {
+                    Ok(c) => (Some(c), Ok(())),
+                    Err(e) => (None, Err(e)),
+                };
+                let s = Sent {
+                    peer,
+                    conn,
+                    idx,
+                    id,
+                };
+                (s, res)
+            })
+            .collect()
+    }
+
     /// Reads the reply to request `id` on `c`.
     fn reply(c: &mut TcpStream, id: u64, n: usize, deadline: Instant) -> io::Result<Reply> {
         c.set_read_timeout(Some(remaining(deadline)?))?;
@@ -518,12 +549,11 @@ impl RemoteTier {
     }
 
     fn local_ns(&self, fp: &[u8]) -> Option<u16> {
-        let fp = wire::fingerprint(fp)?;
-        self.ns.read().1.get(&fp).copied()
+        self.ns.id_of(&wire::fingerprint(fp)?)
     }
 
     fn fp_of(&self, ns: u16) -> Option<Fingerprint> {
-        self.ns.read().0.get(usize::from(ns)).copied().flatten()
+        self.ns.fp_of(ns)
     }
 
     fn id(&self) -> u64 {
@@ -577,31 +607,7 @@ impl LowerTier for RemoteTier {
         self.stats.lookups.fetch_add(1, Relaxed);
         let deadline = Instant::now() + self.cfg.timeout;
         // Every owner is asked before any answer is read.
-        let sent: Vec<(Sent, io::Result<()>)> = groups
-            .into_iter()
-            .map(|(peer, idx)| {
-                let id = self.id();
-                let req = Request {
-                    id,
-                    op: Op::Exists as i32,
-                    keys: wire::pack_keys(&idx.iter().map(|&i| keys[i]).collect::<Vec<_>>()),
-                    blocks: Vec::new(),
-                };
-                let (conn, res) = match self.send(&peer, &req, &[], deadline) {
-                    Ok(c) => (Some(c), Ok(())),
-                    Err(e) => (None, Err(e)),
-                };
-                (
-                    Sent {
-                        peer,
-                        conn,
-                        idx,
-                        id,
-                    },
-                    res,
-                )
-            })
-            .collect();
+        let sent = self.ask_each(groups, Op::Exists, |i| keys[i], deadline);
         for (mut s, res) in sent {
             let res = res.and_then(|()| {
                 let c = s
@@ -633,31 +639,7 @@ impl LowerTier for RemoteTier {
         let groups = self.group(items.iter().map(|it| it.key), false);
         let started = Instant::now();
         let deadline = started + self.cfg.timeout;
-        let sent: Vec<(Sent, io::Result<()>)> = groups
-            .into_iter()
-            .map(|(peer, idx)| {
-                let id = self.id();
-                let req = Request {
-                    id,
-                    op: Op::Get as i32,
-                    keys: wire::pack_keys(&idx.iter().map(|&i| items[i].key).collect::<Vec<_>>()),
-                    blocks: Vec::new(),
-                };
-                let (conn, res) = match self.send(&peer, &req, &[], deadline) {
-                    Ok(c) => (Some(c), Ok(())),
-                    Err(e) => (None, Err(e)),
-                };
-                (
-                    Sent {
-                        peer,
-                        conn,
-                        idx,
-                        id,
-                    },
-                    res,
-                )
-            })
-            .collect();
+        let sent = self.ask_each(groups, Op::Get, |i| items[i].key, deadline);
         for (mut s, res) in sent {
             let res = res.and_then(|()| {
                 let c = s
@@ -866,15 +848,7 @@ impl LowerTier for RemoteTier {
     }
 
     fn note_namespace(&self, id: u16, fp: Fingerprint) -> io::Result<()> {
-        let mut ns = self.ns.write();
-        let i = usize::from(id);
-        if ns.0.len() <= i {
-            ns.0.resize(i + 1, None);
-        }
-        if let Some(old) = ns.0[i].replace(fp) {
-            ns.1.remove(&old);
-        }
-        ns.1.insert(fp, id);
+        self.ns.note(id, fp);
         Ok(())
     }
 
