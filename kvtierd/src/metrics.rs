@@ -440,7 +440,7 @@ pub fn render(d: &Daemon) -> String {
     o
 }
 
-/// Serves `/metrics` until shutdown.
+/// Serves `/metrics` (and `/healthz`, `/readyz` for probes) until shutdown.
 pub async fn serve(
     listener: TcpListener,
     d: Arc<Daemon>,
@@ -482,10 +482,25 @@ pub async fn serve(
                             crate::admin::same(x.1.trim().as_bytes(), want.as_bytes())
                         })
                 });
-            let (status, body) = if !head.starts_with("GET /metrics") {
+            // Probes carry no token and learn nothing but up / ready.
+            let (status, body) = if head.starts_with("GET /healthz ") {
+                ("200 OK", "ok\n".to_string())
+            } else if head.starts_with("GET /readyz ") {
+                let st = d.store.stats();
+                if d.stopping() {
+                    ("503 Service Unavailable", "stopping\n".to_string())
+                } else if st.populated_segments == 0 {
+                    (
+                        "503 Service Unavailable",
+                        "host arena not usable yet\n".to_string(),
+                    )
+                } else {
+                    ("200 OK", "ready\n".to_string())
+                }
+            } else if !head.starts_with("GET /metrics") {
                 (
                     "404 Not Found",
-                    "only GET /metrics is served here\n".to_string(),
+                    "GET /metrics, /healthz or /readyz\n".to_string(),
                 )
             } else if !authorized {
                 ("401 Unauthorized", "bearer token required\n".to_string())

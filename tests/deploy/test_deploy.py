@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import tomllib
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -154,6 +155,34 @@ def test_every_metric_the_dashboard_queries_is_exported(tmp_path):
         _stop(p)
     exported = set(re.findall(r"^# TYPE (kvtier_[a-z_]+) ", text, re.M))
     assert wanted <= exported, sorted(wanted - exported)
+
+
+def test_probe_endpoints_answer_without_a_token(tmp_path):
+    p, f = _start(tmp_path, "--set", "server.token=probe-token")
+    try:
+        r = urllib.request.urlopen(f"http://{f['metrics']}/healthz", timeout=10)
+        assert r.status == 200 and r.read().decode().strip() == "ok"
+        # Ready once the first arena segment is usable (503 until then, within a moment).
+        import time
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                r = urllib.request.urlopen(f"http://{f['metrics']}/readyz", timeout=10)
+                assert r.read().decode().strip() == "ready"
+                break
+            except urllib.error.HTTPError as e:
+                assert e.code == 503 and time.monotonic() < deadline, e
+        try:
+            urllib.request.urlopen(f"http://{f['metrics']}/metrics", timeout=10)
+            raise AssertionError("/metrics answered without the token")
+        except urllib.error.HTTPError as e:
+            assert e.code == 401
+    finally:
+        _stop(p)
+    ds = next(d for _, d in k8s_docs() if d["kind"] == "DaemonSet")
+    c = ds["spec"]["template"]["spec"]["containers"][0]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
 
 
 @pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
