@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use hdrhistogram::Histogram;
 use kvstore::{
     BlockInfo, BlockKey, Fingerprint, LowerTier, NsUsage, ReadItem, ReadOutcome, Tier, TierStats,
     WriteItem, WriteOutcome,
@@ -165,30 +166,8 @@ pub struct RemoteTier {
     ns: crate::nsmap::NsMap,
     stats: Counters,
     next_id: AtomicU64,
-    lat: Mutex<(kvstore_hist::Hist, kvstore_hist::Hist)>,
-}
-
-/// A tiny latency record (p50/p99 over the last 1024 samples), so the tier needs no
-/// histogram crate.
-mod kvstore_hist {
-    #[derive(Default)]
-    pub struct Hist(Vec<u64>, usize);
-    impl Hist {
-        pub fn add(&mut self, us: u64) {
-            if self.0.len() < 1024 {
-                self.0.push(us);
-            } else {
-                self.0[self.1 % 1024] = us;
-            }
-            self.1 += 1;
-        }
-        pub fn p50_p99(&self) -> (u64, u64) {
-            let mut v = self.0.clone();
-            v.sort_unstable();
-            let at = |q: f64| v.get(((v.len() as f64 - 1.0) * q) as usize).copied();
-            (at(0.5).unwrap_or(0), at(0.99).unwrap_or(0))
-        }
-    }
+    /// Read and write call latencies, microseconds.
+    lat: Mutex<(Histogram<u64>, Histogram<u64>)>,
 }
 
 /// A request to one peer: the keys' (or items') positions in the caller's batch.
@@ -217,7 +196,7 @@ impl RemoteTier {
             ns: Default::default(),
             stats: Counters::default(),
             next_id: AtomicU64::new(1),
-            lat: Mutex::default(),
+            lat: Mutex::new((hist()?, hist()?)),
             cfg,
         };
         t.sync_peers();
@@ -343,26 +322,11 @@ impl RemoteTier {
         Ok(s)
     }
 
-    /// Sends one request to `peer` (a fresh or pooled connection); the payloads follow it.
-    fn send(
-        &self,
-        peer: &Arc<Peer>,
-        req: &Request,
-        payloads: &[&[u8]],
-        deadline: Instant,
-    ) -> io::Result<TcpStream> {
+    /// Sends one request (no payload) to `peer` on a fresh or pooled connection.
+    fn send(&self, peer: &Arc<Peer>, req: &Request, deadline: Instant) -> io::Result<TcpStream> {
         let mut c = self.connect(peer, deadline)?;
         c.set_write_timeout(Some(remaining(deadline)?))?;
-        let mut head = wire::encode_header(req);
-        if payloads.len() == 1 && payloads[0].len() < 64 << 10 {
-            head.extend_from_slice(payloads[0]);
-            c.write_all(&head)?;
-        } else {
-            c.write_all(&head)?;
-            for p in payloads {
-                c.write_all(p)?;
-            }
-        }
+        c.write_all(&wire::encode_header(req))?;
         Ok(c)
     }
 
@@ -385,7 +349,7 @@ impl RemoteTier {
                     keys: wire::pack_keys(&idx.iter().map(|&i| key_of(i)).collect::<Vec<_>>()),
                     blocks: Vec::new(),
                 };
-                let (conn, res) = match self.send(&peer, &req, &[], deadline) {
+                let (conn, res) = match self.send(&peer, &req, deadline) {
                     Ok(c) => (Some(c), Ok(())),
                     Err(e) => (None, Err(e)),
                 };
@@ -422,18 +386,20 @@ impl RemoteTier {
         Ok(r)
     }
 
-    fn done(&self, s: Sent, res: io::Result<()>) {
+    /// Records a request's outcome on `peer`; a connection that served it goes back to the
+    /// pool.
+    fn done(&self, peer: &Peer, conn: Option<TcpStream>, res: io::Result<()>) {
         match res {
             Ok(()) => {
-                s.peer.ok();
-                if let Some(c) = s.conn {
-                    let mut pool = s.peer.pool.lock();
+                peer.ok();
+                if let Some(c) = conn {
+                    let mut pool = peer.pool.lock();
                     if pool.len() < POOL {
                         pool.push(c);
                     }
                 }
             }
-            Err(e) => s.peer.failed(&e),
+            Err(e) => peer.failed(&e),
         }
     }
 
@@ -464,83 +430,49 @@ impl RemoteTier {
     /// with its error.
     pub fn node_prefixes(&self, keys: &[BlockKey]) -> Vec<NodePrefix> {
         let deadline = Instant::now() + self.cfg.timeout;
-        let peers: Vec<Arc<Peer>> = {
+        let (asked, paused): (Vec<Arc<Peer>>, Vec<Arc<Peer>>) = {
             let p = self.placement();
             let peers = self.peers.read();
             p.members()
                 .iter()
                 .filter_map(|m| peers.get(&m.addr).cloned())
-                .collect()
+                .partition(|peer| peer.allowed())
         };
-        let packed = wire::pack_keys(keys);
-        let sent: Vec<(Arc<Peer>, u64, io::Result<TcpStream>)> = peers
-            .into_iter()
-            .map(|peer| {
-                let id = self.id();
-                let req = Request {
-                    id,
-                    op: Op::Exists as i32,
-                    keys: packed.clone(),
-                    blocks: Vec::new(),
-                };
-                let c = if peer.allowed() {
-                    self.send(&peer, &req, &[], deadline)
-                } else {
-                    Err(io::Error::other("breaker open: the peer keeps failing"))
-                };
-                (peer, id, c)
+        let mut out: Vec<NodePrefix> = paused
+            .iter()
+            .map(|peer| NodePrefix {
+                addr: peer.addr.clone(),
+                tiers: Vec::new(),
+                error: Some("breaker open: the peer keeps failing".into()),
             })
             .collect();
-        sent.into_iter()
-            .map(|(peer, id, c)| {
-                let res = c.and_then(|mut c| {
-                    let r = Self::reply(&mut c, id, keys.len(), deadline)?;
-                    Ok((c, r))
-                });
-                let addr = peer.addr.clone();
-                match res {
-                    Ok((c, r)) => {
-                        let tiers = r
-                            .blocks
-                            .iter()
-                            .take_while(|b| b.present)
-                            .map(|b| if b.tier == 1 { Tier::Host } else { Tier::Disk })
-                            .collect();
-                        self.done(
-                            Sent {
-                                peer,
-                                conn: Some(c),
-                                idx: Vec::new(),
-                                id,
-                            },
-                            Ok(()),
-                        );
-                        NodePrefix {
-                            addr,
-                            tiers,
-                            error: None,
-                        }
-                    }
-                    Err(e) => {
-                        let error = Some(e.to_string());
-                        self.done(
-                            Sent {
-                                peer,
-                                conn: None,
-                                idx: Vec::new(),
-                                id,
-                            },
-                            Err(e),
-                        );
-                        NodePrefix {
-                            addr,
-                            tiers: Vec::new(),
-                            error,
-                        }
-                    }
-                }
-            })
-            .collect()
+        let all: Vec<usize> = (0..keys.len()).collect();
+        let groups = asked.into_iter().map(|p| (p, all.clone())).collect();
+        for (mut s, res) in self.ask_each(groups, Op::Exists, |i| keys[i], deadline) {
+            let mut tiers = Vec::new();
+            let res = res.and_then(|()| {
+                let c = s
+                    .conn
+                    .as_mut()
+                    .ok_or_else(|| io::Error::other("no connection"))?;
+                let r = Self::reply(c, s.id, keys.len(), deadline)?;
+                tiers = r
+                    .blocks
+                    .iter()
+                    .take_while(|b| b.present)
+                    .map(|b| if b.tier == 1 { Tier::Host } else { Tier::Disk })
+                    .collect();
+                Ok(())
+            });
+            out.push(NodePrefix {
+                addr: s.peer.addr.clone(),
+                tiers,
+                error: res.as_ref().err().map(|e| e.to_string()),
+            });
+            self.done(&s.peer, s.conn, res);
+        }
+        out.sort_by(|a, b| a.addr.cmp(&b.addr));
+        out
     }
 
     /// This node's data-plane address.
@@ -559,6 +491,10 @@ impl RemoteTier {
     fn id(&self) -> u64 {
         self.next_id.fetch_add(1, Relaxed)
     }
+}
+
+fn hist() -> io::Result<Histogram<u64>> {
+    Histogram::new_with_bounds(1, 60_000_000, 2).map_err(|e| io::Error::other(e.to_string()))
 }
 
 fn remaining(deadline: Instant) -> io::Result<Duration> {
@@ -622,7 +558,7 @@ impl LowerTier for RemoteTier {
                 }
                 Ok(())
             });
-            self.done(s, res);
+            self.done(&s.peer, s.conn, res);
         }
         out
     }
@@ -692,10 +628,14 @@ impl LowerTier for RemoteTier {
                     out[i] = ReadOutcome::Miss;
                 }
             }
-            self.done(s, res);
+            self.done(&s.peer, s.conn, res);
         }
         self.stats.reads.fetch_add(1, Relaxed);
-        self.lat.lock().0.add(started.elapsed().as_micros() as u64);
+        let _ = self
+            .lat
+            .lock()
+            .0
+            .record((started.elapsed().as_micros() as u64).max(1));
         out
     }
 
@@ -795,19 +735,15 @@ impl LowerTier for RemoteTier {
                 }
             }
             if conn.is_some() || res.is_err() {
-                self.done(
-                    Sent {
-                        peer,
-                        conn,
-                        idx: Vec::new(),
-                        id: 0,
-                    },
-                    res,
-                );
+                self.done(&peer, conn, res);
             }
         }
         self.stats.writes.fetch_add(1, Relaxed);
-        self.lat.lock().1.add(started.elapsed().as_micros() as u64);
+        let _ = self
+            .lat
+            .lock()
+            .1
+            .record((started.elapsed().as_micros() as u64).max(1));
         out
     }
 
@@ -828,7 +764,8 @@ impl LowerTier for RemoteTier {
         let s = &self.stats;
         let (r, w) = {
             let l = self.lat.lock();
-            (l.0.p50_p99(), l.1.p50_p99())
+            let pct = |h: &Histogram<u64>| (h.value_at_quantile(0.5), h.value_at_quantile(0.99));
+            (pct(&l.0), pct(&l.1))
         };
         TierStats {
             tier: Some(Tier::Remote),

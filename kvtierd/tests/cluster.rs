@@ -37,13 +37,25 @@ fn node(name: &str, me: u16, members: &[u16], secret: &str, fresh: bool) -> Kvti
     )
 }
 
+/// A node with a 1 s deadline per peer request (the dead-peer checks time against it).
 fn node_with(name: &str, me: u16, membership: &str, secret: &str, fresh: bool) -> Kvtierd {
+    node_timed(name, me, membership, secret, fresh, 1000)
+}
+
+fn node_timed(
+    name: &str,
+    me: u16,
+    membership: &str,
+    secret: &str,
+    fresh: bool,
+    timeout_ms: u64,
+) -> Kvtierd {
     let args = [
         format!("cluster.listen=127.0.0.1:{me}"),
         membership.to_string(),
         "cluster.lease_ttl_ms=2000".to_string(),
         format!("cluster.secret={secret}"),
-        "cluster.timeout_ms=1000".to_string(),
+        format!("cluster.timeout_ms={timeout_ms}"),
         // Blocks stored for peers reach the disk at once: a restarted node serves them again.
         "disk.write_through=true".to_string(),
         "disk.admission=always".to_string(),
@@ -429,8 +441,14 @@ fn two_daemons_share_blocks_through_redis() {
 #[test]
 fn a_cluster_lookup_by_tokens_names_the_node_and_tier() {
     let p = free_ports(2);
-    let a = node("lk-a", p[0], &p, "s", true);
-    let b = node("lk-b", p[1], &p, "s", true);
+    // A roomy deadline: this test needs every push to land (a push that times out under the
+    // load of the parallel tests is counted and not retried), not the dead-peer timing.
+    let members = format!(
+        "cluster.members=[\"127.0.0.1:{}\",\"127.0.0.1:{}\"]",
+        p[0], p[1]
+    );
+    let a = node_timed("lk-a", p[0], &members, "s", true, 5000);
+    let b = node_timed("lk-b", p[1], &members, "s", true, 5000);
     let tokens: Vec<u32> = (1..=16 * 5 + 3).collect();
     let keys = namespace().token_keys(&tokens, &[]);
     assert_eq!(keys.len(), 5);

@@ -53,22 +53,26 @@ def test_lookup_and_score_find_the_node_with_the_prefix(tmp_path):
         assert na["n"] == 6 and na["tiers"] == ["host"] * 6 and not na["local"], r
         assert by[f"127.0.0.1:{ports[1]}"]["local"]
         engines = {"on-a": f"127.0.0.1:{ports[0]}", "on-b": f"127.0.0.1:{ports[1]}"}
-        costs = router.score(engines, keys, via=b["grpc"])
+        costs = router.score(engines, keys=keys, via=b["grpc"])
         assert costs["on-a"] < costs["on-b"], costs
         assert abs(costs["on-a"] - 6 * (1 - router.WEIGHTS["host"])) < 1e-9
         # B's engine can still load what B does not hold from A (the remote weight).
         assert costs["on-b"] <= 6 * (1 - router.WEIGHTS["remote"]) + 1e-9
         # One lookup per node (no `via`): A answers host for all six.
-        direct = router.score({"on-a": a["grpc"]}, keys)
+        direct = router.score({"on-a": a["grpc"]}, keys=keys)
         assert abs(direct["on-a"] - costs["on-a"]) < 1e-9
         # GPU-resident blocks weigh most; an unknown prompt costs every block.
-        assert router.score({"on-a": a["grpc"]}, keys, gpu={"on-a": 6})["on-a"] == 0.0
+        assert router.score({"on-a": a["grpc"]}, keys=keys, gpu={"on-a": 6})["on-a"] == 0.0
         other = [engine_key(fp, bytes([200 + i]) * 32) for i in range(4)]
-        assert router.score(engines, other, via=b["grpc"]) == {"on-a": 4.0, "on-b": 4.0}
+        assert router.score(engines, keys=other, via=b["grpc"]) == {"on-a": 4.0, "on-b": 4.0}
         # Token ids with their namespace: kvtier's token keys, computed by the daemon.
         r = router.lookup(a["grpc"], token_ids=list(range(40)),
                           namespace=dict(model="router/model", block_tokens=16))
         assert r["n"] == 0 and r["tiers"] == []
+        # score(endpoints, prompt): a prompt no node holds costs each of its full blocks.
+        ns = dict(model="router/model", block_tokens=16)
+        assert router.score(engines, list(range(40)), namespace=ns, via=b["grpc"]) == {
+            "on-a": 2.0, "on-b": 2.0}
     finally:
         for p, _ in nodes:
             p.terminate()

@@ -5,7 +5,7 @@ engine already has (GPU > host memory > disk > another node), weights configurab
     from kvtier import router
     # One kvtierd per node; each engine uses its node's kvtierd.
     costs = router.score({"engine-a": "10.0.0.5:50551", "engine-b": "10.0.0.6:50551"},
-                         token_ids=prompt, namespace=dict(model="meta-llama/Llama-3.1-8B",
+                         prompt, namespace=dict(model="meta-llama/Llama-3.1-8B",
                          block_tokens=16))
     best = min(costs, key=costs.get)
 
@@ -177,10 +177,11 @@ def cost(tiers, total: int, weights=None, gpu_blocks: int = 0, cluster_n: int = 
     return c
 
 
-def score(endpoints: dict, keys=None, *, token_ids=None, block_hashes=None, namespace=None,
+def score(endpoints: dict, prompt=None, *, keys=None, block_hashes=None, namespace=None,
           via: str | None = None, weights=None, gpu: dict | None = None,
           token: str | None = None, timeout: float = 5.0) -> dict:
-    """Cost per engine of serving a prompt (lower is better; see `cost`).
+    """Cost per engine of serving `prompt` (its token ids, in `namespace`; or name its blocks
+    by 16-byte `keys` or the engine's `block_hashes`). Lower is better; see `cost`.
 
     Without `via`: `endpoints` maps each engine to its node's kvtierd admin address, asked
     one by one (what that node can load, its remote tier included). With `via` (any node's
@@ -188,6 +189,7 @@ def score(endpoints: dict, keys=None, *, token_ids=None, block_hashes=None, name
     `cluster.listen` address. `gpu` maps engines to the leading blocks already in their GPU
     prefix cache (known to the router from vLLM's KV events)."""
     gpu = gpu or {}
+    token_ids = prompt
     kw = dict(keys=keys, token_ids=token_ids, block_hashes=block_hashes, namespace=namespace,
               token=token, timeout=timeout)
     if block_hashes is not None:

@@ -409,8 +409,7 @@ impl Inner {
         // (tier, items, bytes)
         let mut batches: Vec<(usize, Vec<Promote>, u64)> = Vec::new();
         let mut seen = FoldMap::default();
-        let remote_tier = self.remote_tier();
-        let mut far: Option<(usize, Vec<Option<crate::types::BlockInfo>>)> = None;
+        let mut far = None;
         for (i, k) in keys.iter().enumerate() {
             let mk = MapKey::from(*k);
             if seen.insert(mk, ()).is_some() {
@@ -449,22 +448,8 @@ impl Inner {
                 Some((Life::Filling | Life::Cancelled, _)) => break,
                 None => {}
             }
-            // The local tiers first; then the remote tier, asked once for the rest of the
-            // hint (one batched lookup), so remote blocks are preloaded too.
-            let found = match (self.find_below(k), remote_tier) {
-                (Some(x), _) => Some(x),
-                (None, Some(ri)) => {
-                    let (start, infos) =
-                        far.get_or_insert_with(|| (i, self.tiers[ri].lookup_batch(&keys[i..])));
-                    infos
-                        .get(i - *start)
-                        .copied()
-                        .flatten()
-                        .map(|info| (ri, info))
-                }
-                (None, None) => None,
-            };
-            let Some((ti, info)) = found else {
+            // The local tiers, then the remote tier: remote blocks are preloaded too.
+            let Some((ti, info)) = self.find_below_or_far(keys, i, true, &mut far) else {
                 break;
             };
             out.present += 1;

@@ -356,6 +356,30 @@ impl Inner {
         self.tiers.iter().position(|t| !t.local())
     }
 
+    /// Where `keys[pos]` is below host memory: the first local lower tier holding it, else
+    /// (with `remote`) what the remote tier says. The remote tier is asked once per walk of a
+    /// prefix, for every key from the first the local tiers miss, and its answer kept in
+    /// `far` for the later keys (which are still looked up locally first).
+    pub(crate) fn find_below_or_far(
+        &self,
+        keys: &[BlockKey],
+        pos: usize,
+        remote: bool,
+        far: &mut Option<(usize, Vec<Option<BlockInfo>>)>,
+    ) -> Option<(usize, BlockInfo)> {
+        if let Some(x) = self.find_below(&keys[pos]) {
+            return Some(x);
+        }
+        let ri = self.remote_tier().filter(|_| remote)?;
+        let (start, infos) =
+            far.get_or_insert_with(|| (pos, self.tiers[ri].lookup_batch(&keys[pos..])));
+        infos
+            .get(pos - *start)
+            .copied()
+            .flatten()
+            .map(|info| (ri, info))
+    }
+
     /// The longest present prefix: the local chain first, then (with `remote`) one batched
     /// question to the remote tier for the rest. Beside it, for each block below host memory,
     /// its tier's index and what that tier says of it.
@@ -366,10 +390,7 @@ impl Inner {
     ) -> (PrefixMatch, Vec<Option<(usize, BlockInfo)>>) {
         let mut tiers = Vec::new();
         let mut below = Vec::new();
-        // The remote tier's answer for the keys from the first that the local tiers miss on
-        // (asked once, in one batch); later keys are still looked up locally first.
-        let remote_tier = self.remote_tier().filter(|_| remote);
-        let mut far: Option<(usize, Vec<Option<BlockInfo>>)> = None;
+        let mut far = None;
         for (pos, k) in keys.iter().enumerate() {
             let host = self
                 .shard(*k)
@@ -382,20 +403,9 @@ impl Inner {
                 below.push(None);
                 continue;
             }
-            let found = match (self.find_below(k), remote_tier) {
-                (Some(x), _) => Some(x),
-                (None, Some(ri)) => {
-                    let (start, infos) =
-                        far.get_or_insert_with(|| (pos, self.tiers[ri].lookup_batch(&keys[pos..])));
-                    infos
-                        .get(pos - *start)
-                        .copied()
-                        .flatten()
-                        .map(|info| (ri, info))
-                }
-                (None, None) => None,
+            let Some((i, info)) = self.find_below_or_far(keys, pos, remote, &mut far) else {
+                break;
             };
-            let Some((i, info)) = found else { break };
             tiers.push(self.tiers[i].kind());
             below.push(Some((i, info)));
         }
@@ -467,10 +477,7 @@ impl Inner {
         // Own promotions, one batch per lower tier.
         let mut batches: Vec<(usize, Vec<Promote>)> = Vec::new();
         let mut seen = crate::types::FoldMap::default();
-        // The remote tier's answer for the keys from the first that the local tiers miss on
-        // (asked once, in one batch).
-        let mut far: Option<(usize, Vec<Option<BlockInfo>>)> = None;
-        let remote_tier = self.remote_tier().filter(|_| remote);
+        let mut far = None;
         'keys: for (pos, k) in keys.iter().enumerate() {
             let mk = MapKey::from(*k);
             if seen.insert(mk, ()).is_some() {
@@ -496,21 +503,7 @@ impl Inner {
                     Found::Absent if attempt == 1 => break 'keys,
                     Found::Absent => {}
                 }
-                let found = match (self.find_below(k), remote_tier) {
-                    (Some(x), _) => Some(x),
-                    (None, Some(ri)) => {
-                        let (start, infos) = far.get_or_insert_with(|| {
-                            (pos, self.tiers[ri].lookup_batch(&keys[pos..]))
-                        });
-                        infos
-                            .get(pos - *start)
-                            .copied()
-                            .flatten()
-                            .map(|info| (ri, info))
-                    }
-                    (None, None) => None,
-                };
-                let Some((ti, info)) = found else {
+                let Some((ti, info)) = self.find_below_or_far(keys, pos, remote, &mut far) else {
                     break 'keys;
                 };
                 let Ok(class) = self.class_for(info.len as usize) else {

@@ -5,6 +5,9 @@
 //!   `max_batch_bytes`), queued by allocations (write-back) and commits (write-through). A
 //!   removal cancels a queued demotion (it is skipped) and an in-flight one (the tier asks
 //!   `still_wanted` before the block becomes visible below).
+//! - **pusher** (with a write-behind tier, the remote tier): committed blocks pushed to it in
+//!   batches, each pinned while queued; the queue is bounded by bytes and a block past it is
+//!   not pushed (counted), so no commit ever waits for the network.
 //! - **reader**: promotions (blocks read from a lower tier into reserved host slots), queued by
 //!   loads; a load waits for its own batch with one deadline and may abandon it.
 //! - **populator** (with `Populate::Background`): faults the arena in segment by segment and
@@ -30,7 +33,9 @@ use crate::types::{FoldMap, MapKey, Tier};
 use super::index::{Copy, Removed, Slot};
 use super::Inner;
 
-/// A host block queued for writing below; it holds one pin until written.
+/// A host block queued for writing below (or pushing to the write-behind tier); it holds one
+/// pin until written.
+#[derive(Clone, Copy)]
 pub(crate) struct Demote {
     pub key: BlockKey,
     pub slot: Slot,

@@ -177,32 +177,25 @@ impl Inner {
                     return false;
                 }
                 Some(_) => {
-                    let cap = self.class_sizes[slot.class as usize];
-                    if self.push_to.is_some() && r.push {
-                        if let Some(e) = sh.map.get_mut(&mk) {
+                    let d = Demote {
+                        key,
+                        slot,
+                        page: r.page,
+                        cap: self.class_sizes[slot.class as usize],
+                        len: len as u32,
+                        ns: r.ns,
+                    };
+                    let through_admitted = self.write_through && self.admitted(key, false);
+                    if let Some(e) = sh.map.get_mut(&mk) {
+                        // Each queue holds its own pin until it is done with the block.
+                        if self.push_to.is_some() && r.push {
                             e.pins += 1;
-                            push = Some(Demote {
-                                key,
-                                slot,
-                                page: r.page,
-                                cap,
-                                len: len as u32,
-                                ns: r.ns,
-                            });
+                            push = Some(d);
                         }
-                    }
-                    if self.write_through && self.admitted(key, false) {
-                        if let Some(e) = sh.map.get_mut(&mk) {
+                        if through_admitted {
                             e.set_copy(Copy::Demoting);
                             e.pins += 1;
-                            through = Some(Demote {
-                                key,
-                                slot,
-                                page: r.page,
-                                cap: self.class_sizes[slot.class as usize],
-                                len: len as u32,
-                                ns: r.ns,
-                            });
+                            through = Some(d);
                         }
                     }
                 }
