@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use kvstore::{
-    BlockInfo, BlockKey, Fingerprint, LowerTier, NsUsage, ReadItem, ReadOutcome, Tier, TierStats,
-    WriteItem, WriteOutcome,
+    BlockInfo, BlockKey, Fingerprint, LatencyBuckets, LowerTier, NsUsage, ReadItem, ReadOutcome,
+    Tier, TierStats, WriteItem, WriteOutcome,
 };
 use kvtier_proto::cluster::{request::Op, Auth, AuthReply, Block, Hello, Reply, Request};
 use kvtier_proto::CLUSTER_VERSION;
@@ -762,10 +762,15 @@ impl LowerTier for RemoteTier {
 
     fn stats(&self) -> TierStats {
         let s = &self.stats;
-        let (r, w) = {
+        let (r, w, rl, wl) = {
             let l = self.lat.lock();
             let pct = |h: &Histogram<u64>| (h.value_at_quantile(0.5), h.value_at_quantile(0.99));
-            (pct(&l.0), pct(&l.1))
+            (
+                pct(&l.0),
+                pct(&l.1),
+                LatencyBuckets::from_hdr(&l.0),
+                LatencyBuckets::from_hdr(&l.1),
+            )
         };
         TierStats {
             tier: Some(Tier::Remote),
@@ -780,6 +785,8 @@ impl LowerTier for RemoteTier {
             checksum_failures: s.checksum_failures.load(Relaxed),
             read_us: r,
             write_us: w,
+            read_latency: rl,
+            write_latency: wl,
             ..Default::default()
         }
     }

@@ -44,6 +44,7 @@ pub use store::{
     PREFETCH_WAITING_KEYS_MAX,
 };
 pub use tier::{
-    LowerTier, NsUsage, ReadItem, ReadOutcome, SharedTier, TierStats, WriteItem, WriteOutcome,
+    LatencyBuckets, LowerTier, NsUsage, ReadItem, ReadOutcome, SharedTier, TierStats, WriteItem,
+    WriteOutcome, LATENCY_BOUNDS_US,
 };
 pub use types::{BlockInfo, FoldHasher, FoldMap, LeaseId, MapKey, NsId, Tier};

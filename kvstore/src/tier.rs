@@ -70,6 +70,51 @@ pub struct NsUsage {
     pub bytes: u64,
 }
 
+/// Upper bounds, in microseconds, of the latency buckets exported to Prometheus; one more
+/// bucket holds everything above the last bound.
+pub const LATENCY_BOUNDS_US: [u64; 16] = [
+    10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000,
+    1_000_000, 5_000_000,
+];
+
+/// A latency distribution since start in the fixed buckets of [`LATENCY_BOUNDS_US`]: a
+/// Prometheus histogram, taken from the HdrHistogram a tier records into.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LatencyBuckets {
+    /// Values per bucket (not cumulative): one per bound, then the overflow bucket. Empty
+    /// when nothing was recorded.
+    pub counts: Vec<u64>,
+    /// Sum of every recorded value, microseconds.
+    pub sum_us: u64,
+}
+
+impl LatencyBuckets {
+    /// Buckets the values recorded in `h` (microseconds), at its precision.
+    pub fn from_hdr(h: &hdrhistogram::Histogram<u64>) -> Self {
+        if h.is_empty() {
+            return Self::default();
+        }
+        let mut counts = vec![0u64; LATENCY_BOUNDS_US.len() + 1];
+        let mut sum = 0u64;
+        for v in h.iter_recorded() {
+            let value = h.median_equivalent(v.value_iterated_to());
+            let n = v.count_at_value();
+            sum = sum.saturating_add(value.saturating_mul(n));
+            let i = LATENCY_BOUNDS_US.partition_point(|&b| b < value);
+            counts[i] += n;
+        }
+        Self {
+            counts,
+            sum_us: sum,
+        }
+    }
+
+    /// Values recorded.
+    pub fn count(&self) -> u64 {
+        self.counts.iter().sum()
+    }
+}
+
 /// Counters of a tier below the host arena.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TierStats {
@@ -107,6 +152,10 @@ pub struct TierStats {
     pub read_us: (u64, u64),
     /// Write latency percentiles, microseconds (p50, p99).
     pub write_us: (u64, u64),
+    /// Read latency distribution since start (what `/metrics` exports as a histogram).
+    pub read_latency: LatencyBuckets,
+    /// Write latency distribution since start.
+    pub write_latency: LatencyBuckets,
     /// Achieved read bandwidth of promotions from this tier, bytes/s, exponentially weighted
     /// over read batches (0 until the first one): what break-even admission prices loads with.
     pub read_bandwidth: u64,
@@ -249,5 +298,29 @@ pub struct SharedTier(pub std::sync::Arc<dyn LowerTier>);
 impl std::fmt::Debug for SharedTier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "SharedTier({:?})", self.0.kind())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn latency_buckets_place_each_value_under_its_first_bound() {
+        let mut h = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 60_000_000, 2).unwrap();
+        assert_eq!(LatencyBuckets::from_hdr(&h), LatencyBuckets::default());
+        for (v, n) in [(7, 3), (10, 1), (11, 2), (900, 4), (7_000_000, 1)] {
+            h.record_n(v, n).unwrap();
+        }
+        let b = LatencyBuckets::from_hdr(&h);
+        assert_eq!(b.counts.len(), LATENCY_BOUNDS_US.len() + 1);
+        assert_eq!(b.count(), 11);
+        assert_eq!(b.counts[0], 4, "7 and 10 are <= 10 µs: {:?}", b.counts);
+        assert_eq!(b.counts[1], 2, "11 µs is in (10, 25]");
+        assert_eq!(b.counts[6], 4, "900 µs is in (500, 1000]");
+        assert_eq!(b.counts[16], 1, "7 s is past the last bound");
+        // The sum is exact to the histogram's two significant digits.
+        let exact = 7 * 3 + 10 + 11 * 2 + 900 * 4 + 7_000_000;
+        assert!(b.sum_us.abs_diff(exact) * 100 <= exact, "{} vs {exact}", b.sum_us);
     }
 }

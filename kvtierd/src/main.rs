@@ -307,21 +307,14 @@ impl Daemon {
         let _ = h.record((d.as_micros() as u64).max(1));
     }
 
-    /// (op, count, p50 µs, p99 µs) per engine request kind.
-    pub fn latency_quantiles(&self) -> Vec<(&'static str, u64, u64, u64)> {
+    /// Service-time distribution per engine request kind, sorted by kind.
+    pub fn latency_buckets(&self) -> Vec<(&'static str, kvstore::LatencyBuckets)> {
         let m = self.latency.lock();
         let mut v: Vec<_> = m
             .iter()
-            .map(|(op, h)| {
-                (
-                    *op,
-                    h.len(),
-                    h.value_at_quantile(0.5),
-                    h.value_at_quantile(0.99),
-                )
-            })
+            .map(|(op, h)| (*op, kvstore::LatencyBuckets::from_hdr(h)))
             .collect();
-        v.sort();
+        v.sort_by_key(|(op, _)| *op);
         v
     }
 }

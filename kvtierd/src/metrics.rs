@@ -1,405 +1,435 @@
-//! Prometheus text exposition on `GET /metrics`, rendered from the store's counters at scrape
-//! time.
+//! `GET /metrics` in the OpenMetrics text format (the `prometheus-client` crate's encoder),
+//! read from the store's counters at scrape time; `/healthz` and `/readyz` for probes. Served
+//! by axum (hyper) on the metrics listener.
 
-use std::fmt::Write as _;
+use std::fmt;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use kvstore::{LatencyBuckets, LATENCY_BOUNDS_US};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, NoLabelSet};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::{Registry, Unit};
 use tokio::net::TcpListener;
 
 use crate::Daemon;
 
-/// Renders every metric.
-pub fn render(d: &Daemon) -> String {
-    let s = d.store.stats();
-    let mut o = String::new();
-    let mut metric = |name: &str, kind: &str, help: &str, samples: &[(&str, f64)]| {
-        let _ = writeln!(
-            o,
-            "# HELP kvtier_{name} {help}\n# TYPE kvtier_{name} {kind}"
-        );
-        for (labels, v) in samples {
-            if labels.is_empty() {
-                let _ = writeln!(o, "kvtier_{name} {v}");
-            } else {
-                let _ = writeln!(o, "kvtier_{name}{{{labels}}} {v}");
-            }
+/// The OpenMetrics content type Prometheus negotiates.
+const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// A sample's labels.
+type Labels = Vec<(&'static str, String)>;
+
+fn no_labels() -> Labels {
+    Vec::new()
+}
+
+fn label(k: &'static str, v: impl Into<String>) -> Labels {
+    vec![(k, v.into())]
+}
+
+/// Writes metric families through the OpenMetrics encoder. Counter names are given without
+/// `_total` (the encoder adds it); histogram names without their unit.
+struct Out<'a>(DescriptorEncoder<'a>);
+
+impl Out<'_> {
+    fn counter(&mut self, name: &str, help: &str, samples: &[(Labels, u64)]) -> fmt::Result {
+        let mut m = self
+            .0
+            .encode_descriptor(name, help, None, MetricType::Counter)?;
+        for (l, v) in samples {
+            m.encode_family(l)?
+                .encode_counter::<NoLabelSet, u64, u64>(v, None)?;
         }
-    };
+        Ok(())
+    }
+
+    fn gauge(&mut self, name: &str, help: &str, samples: &[(Labels, f64)]) -> fmt::Result {
+        let mut m = self
+            .0
+            .encode_descriptor(name, help, None, MetricType::Gauge)?;
+        for (l, v) in samples {
+            m.encode_family(l)?.encode_gauge(v)?;
+        }
+        Ok(())
+    }
+
+    /// A latency histogram in seconds (`<name>_seconds_bucket`, `_sum`, `_count`).
+    fn latency(
+        &mut self,
+        name: &str,
+        help: &str,
+        samples: &[(Labels, &LatencyBuckets)],
+    ) -> fmt::Result {
+        let mut m =
+            self.0
+                .encode_descriptor(name, help, Some(&Unit::Seconds), MetricType::Histogram)?;
+        for (l, h) in samples {
+            let mut buckets: Vec<(f64, u64)> = LATENCY_BOUNDS_US
+                .iter()
+                .map(|&b| b as f64 / 1e6)
+                .chain([f64::INFINITY])
+                .zip(h.counts.iter().copied().chain(std::iter::repeat(0)))
+                .collect();
+            // An empty distribution still lists every bucket (all zero).
+            buckets.truncate(LATENCY_BOUNDS_US.len() + 1);
+            m.encode_family(l)?.encode_histogram::<NoLabelSet>(
+                h.sum_us as f64 / 1e6,
+                h.count(),
+                &buckets,
+                None,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The daemon's metrics, read at scrape time.
+struct Scrape(Arc<Daemon>);
+
+impl fmt::Debug for Scrape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Scrape")
+    }
+}
+
+impl Collector for Scrape {
+    fn encode(&self, e: DescriptorEncoder) -> fmt::Result {
+        collect(&self.0, &mut Out(e))
+    }
+}
+
+/// Renders every metric (OpenMetrics text, ending in `# EOF`).
+pub fn render(d: &Arc<Daemon>) -> String {
+    let mut r = Registry::with_prefix("kvtier");
+    r.register_collector(Box::new(Scrape(d.clone())));
+    let mut o = String::new();
+    if let Err(e) = prometheus_client::encoding::text::encode(&mut o, &r) {
+        tracing::warn!("metrics: encoding failed: {e}");
+    }
+    o
+}
+
+fn collect(d: &Daemon, o: &mut Out) -> fmt::Result {
+    let s = d.store.stats();
     let disk = s.disk().cloned().unwrap_or_default();
     let has_disk = s.disk().is_some();
-    let tiered = |host: u64, dsk: u64| -> Vec<(&'static str, f64)> {
-        let mut v = vec![("tier=\"host\"", host as f64)];
+    let tiered = |host: u64, dsk: u64| -> Vec<(Labels, u64)> {
+        let mut v = vec![(label("tier", "host"), host)];
         if has_disk {
-            v.push(("tier=\"disk\"", dsk as f64));
+            v.push((label("tier", "disk"), dsk));
         }
         v
     };
-    metric(
-        "hits_total",
-        "counter",
-        "Block gets served.",
-        &[("", s.hits as f64)],
-    );
-    metric(
-        "misses_total",
-        "counter",
-        "Block gets not found.",
-        &[("", s.misses as f64)],
-    );
-    metric(
+    let as_gauge = |v: Vec<(Labels, u64)>| -> Vec<(Labels, f64)> {
+        v.into_iter().map(|(l, x)| (l, x as f64)).collect()
+    };
+    let one = |v: u64| vec![(no_labels(), v)];
+    let one_f = |v: f64| vec![(no_labels(), v)];
+    o.counter("hits", "Block gets served.", &one(s.hits))?;
+    o.counter("misses", "Block gets not found.", &one(s.misses))?;
+    o.gauge(
         "capacity_bytes",
-        "gauge",
         "Bytes of block space per tier.",
-        &tiered(s.capacity_bytes, disk.capacity_bytes),
-    );
-    metric(
+        &as_gauge(tiered(s.capacity_bytes, disk.capacity_bytes)),
+    )?;
+    o.gauge(
         "used_bytes",
-        "gauge",
         "Bytes of committed blocks per tier.",
-        &tiered(s.used_bytes, disk.used_bytes),
-    );
-    metric(
+        &as_gauge(tiered(s.used_bytes, disk.used_bytes)),
+    )?;
+    o.gauge(
         "blocks",
-        "gauge",
         "Committed blocks per tier.",
-        &tiered(s.blocks, disk.blocks),
-    );
-    metric(
-        "evictions_total",
-        "counter",
+        &as_gauge(tiered(s.blocks, disk.blocks)),
+    )?;
+    o.counter(
+        "evictions",
         "Blocks evicted per tier.",
         &tiered(s.evictions, disk.evictions),
-    );
-    metric(
-        "read_bytes_total",
-        "counter",
+    )?;
+    o.counter(
+        "read_bytes",
         "Bytes read out of each tier.",
         &tiered(s.bytes_out, disk.bytes_read),
-    );
-    metric(
-        "written_bytes_total",
-        "counter",
+    )?;
+    o.counter(
+        "written_bytes",
         "Bytes written into each tier.",
         &tiered(s.bytes_in, disk.bytes_written),
-    );
+    )?;
     if let Some(c) = &d.cluster {
-        use std::sync::atomic::Ordering::Relaxed;
-        let peers = c.remote.peers();
-        let labels: Vec<String> = peers
-            .iter()
-            .map(|p| format!("peer=\"{}\"", p.addr))
+        let peers: Vec<_> = c
+            .remote
+            .peers()
+            .into_iter()
+            .filter(|p| p.state != "self")
             .collect();
-        let per = |f: &dyn Fn(&kvtier_cluster::PeerStatus) -> f64| -> Vec<(&str, f64)> {
+        let per = |f: &dyn Fn(&kvtier_cluster::PeerStatus) -> u64| -> Vec<(Labels, u64)> {
             peers
                 .iter()
-                .zip(&labels)
-                .filter(|(p, _)| p.state != "self")
-                .map(|(p, l)| (l.as_str(), f(p)))
+                .map(|p| (label("peer", p.addr.to_string()), f(p)))
                 .collect()
         };
-        metric(
+        o.gauge(
             "remote_peer_up",
-            "gauge",
             "1 while a peer answers (or was not asked yet), 0 while it fails or its breaker is open.",
-            &per(&|p| f64::from(u8::from(matches!(p.state, "up" | "unknown")))),
-        );
-        metric(
-            "remote_peer_received_bytes_total",
-            "counter",
+            &as_gauge(per(&|p| u64::from(matches!(p.state, "up" | "unknown")))),
+        )?;
+        o.counter(
+            "remote_peer_received_bytes",
             "Block payload bytes read from each peer.",
-            &per(&|p| p.bytes_in as f64),
-        );
-        metric(
-            "remote_peer_sent_bytes_total",
-            "counter",
+            &per(&|p| p.bytes_in),
+        )?;
+        o.counter(
+            "remote_peer_sent_bytes",
             "Block payload bytes pushed to each peer.",
-            &per(&|p| p.bytes_out as f64),
-        );
-        metric(
-            "remote_peer_failures_total",
-            "counter",
+            &per(&|p| p.bytes_out),
+        )?;
+        o.counter(
+            "remote_peer_failures",
             "Requests to each peer that failed (timeout, refused, broken connection).",
-            &per(&|p| p.failures as f64),
-        );
-        metric(
-            "remote_pushes_total",
-            "counter",
+            &per(&|p| p.failures),
+        )?;
+        o.counter(
+            "remote_pushes",
             "Saved blocks pushed to their owners (pushed), not pushed because the queue was full (dropped), or failed.",
             &[
-                ("outcome=\"pushed\"", s.pushes as f64),
-                ("outcome=\"dropped\"", s.push_dropped as f64),
-                ("outcome=\"failed\"", s.push_failed as f64),
+                (label("outcome", "pushed"), s.pushes),
+                (label("outcome", "dropped"), s.push_dropped),
+                (label("outcome", "failed"), s.push_failed),
             ],
-        );
-        metric(
+        )?;
+        o.gauge(
             "remote_push_queue_bytes",
-            "gauge",
             "Bytes of saved blocks waiting to be pushed to their owners.",
-            &[("", s.push_queue_bytes as f64)],
-        );
+            &one_f(s.push_queue_bytes as f64),
+        )?;
         let r = s
             .tiers
             .iter()
             .find(|t| t.tier == Some(kvstore::Tier::Remote))
             .cloned()
             .unwrap_or_default();
-        metric(
-            "remote_checksum_failures_total",
-            "counter",
+        o.counter(
+            "remote_checksum_failures",
             "Blocks from peers that failed their checksum (misses, never served).",
-            &[("", r.checksum_failures as f64)],
-        );
-        metric(
-            "remote_served_bytes_total",
-            "counter",
+            &one(r.checksum_failures),
+        )?;
+        o.latency(
+            "remote_latency",
+            "Requests to peers: completion time of a batched read (op=read) or push (op=write).",
+            &[
+                (label("op", "read"), &r.read_latency),
+                (label("op", "write"), &r.write_latency),
+            ],
+        )?;
+        o.counter(
+            "remote_served_bytes",
             "Block payload bytes this node served to peers (get) and stored for them (put).",
             &[
-                ("op=\"get\"", c.server.bytes_out.load(Relaxed) as f64),
-                ("op=\"put\"", c.server.bytes_in.load(Relaxed) as f64),
+                (label("op", "get"), c.server.bytes_out.load(Relaxed)),
+                (label("op", "put"), c.server.bytes_in.load(Relaxed)),
             ],
-        );
-        metric(
+        )?;
+        o.gauge(
             "cluster_degraded",
-            "gauge",
             "1 while etcd is unreachable (the last known membership is in use, local tiers serve); always 0 with static members.",
-            &[("", f64::from(u8::from(c.state() == "degraded")))],
-        );
+            &one_f(f64::from(u8::from(c.state() == "degraded"))),
+        )?;
         if let Some((_, m)) = &c.etcd {
-            metric(
-                "cluster_membership_changes_total",
-                "counter",
+            o.counter(
+                "cluster_membership_changes",
                 "Membership changes applied from etcd.",
-                &[("", m.changes.load(Relaxed) as f64)],
-            );
+                &one(m.changes.load(Relaxed)),
+            )?;
         }
-        metric(
+        o.gauge(
             "cluster_members",
-            "gauge",
             "Members in the placement (this node included).",
-            &[("", peers.len() as f64)],
-        );
-        metric(
-            "remote_auth_failures_total",
-            "counter",
+            &one_f(c.remote.peers().len() as f64),
+        )?;
+        o.counter(
+            "remote_auth_failures",
             "Peer connections refused at set-up (wrong cluster secret or protocol version).",
-            &[("", c.server.auth_failures.load(Relaxed) as f64)],
-        );
+            &one(c.server.auth_failures.load(Relaxed)),
+        )?;
     }
-    metric(
-        "promotions_total",
-        "counter",
+    o.counter(
+        "promotions",
         "Blocks copied disk to host.",
-        &[("", s.promotions as f64)],
-    );
-    metric(
-        "prefetch_blocks_total",
-        "counter",
+        &one(s.promotions),
+    )?;
+    let p = &s.prefetch;
+    o.counter(
+        "prefetch_blocks",
         "Preload hints: blocks queued (hinted), used from host memory (in_time), waited for (late), cancelled, expired unread, given up (dropped).",
         &[
-            ("outcome=\"hinted\"", s.prefetch.hinted as f64),
-            ("outcome=\"in_time\"", s.prefetch.in_time as f64),
-            ("outcome=\"late\"", s.prefetch.late as f64),
-            ("outcome=\"cancelled\"", s.prefetch.cancelled as f64),
-            ("outcome=\"expired\"", s.prefetch.expired as f64),
-            ("outcome=\"dropped\"", s.prefetch.dropped as f64),
+            (label("outcome", "hinted"), p.hinted),
+            (label("outcome", "in_time"), p.in_time),
+            (label("outcome", "late"), p.late),
+            (label("outcome", "cancelled"), p.cancelled),
+            (label("outcome", "expired"), p.expired),
+            (label("outcome", "dropped"), p.dropped),
         ],
-    );
-    metric(
-        "prefetch_wasted_bytes_total",
-        "counter",
+    )?;
+    o.counter(
+        "prefetch_wasted_bytes",
         "Bytes of preloaded blocks no load used before their hint's deadline.",
-        &[("", s.prefetch.wasted_bytes as f64)],
-    );
-    metric(
+        &one(p.wasted_bytes),
+    )?;
+    o.gauge(
         "prefetch_held_bytes",
-        "gauge",
         "Bytes of blocks held in host memory for the load a hint announced.",
-        &[("", s.prefetch.held_bytes as f64)],
-    );
-    metric(
+        &one_f(p.held_bytes as f64),
+    )?;
+    o.gauge(
         "prefetch_waiting_keys",
-        "gauge",
         "Keys of hints waiting for preload room.",
-        &[("", s.prefetch.waiting_keys as f64)],
-    );
-    metric(
+        &one_f(p.waiting_keys as f64),
+    )?;
+    o.gauge(
         "prefetch_inflight_bytes",
-        "gauge",
         "Bytes of preloads queued or being read.",
-        &[("", s.prefetch.inflight_bytes as f64)],
-    );
-    metric(
+        &one_f(p.inflight_bytes as f64),
+    )?;
+    o.gauge(
         "tier_read_bandwidth_bytes_per_second",
-        "gauge",
         "Measured read bandwidth of promotions per lower tier (what break-even admission uses).",
-        &[("tier=\"disk\"", disk.read_bandwidth as f64)],
-    );
-    metric(
-        "break_even_cuts_total",
-        "counter",
+        &[(label("tier", "disk"), disk.read_bandwidth as f64)],
+    )?;
+    o.counter(
+        "break_even_cuts",
         "Priced lookups cut short by break-even admission.",
-        &[("", s.break_even_cuts as f64)],
-    );
-    metric(
-        "demotions_total",
-        "counter",
+        &one(s.break_even_cuts),
+    )?;
+    o.counter(
+        "demotions",
         "Blocks written host to disk.",
-        &[("", s.demotions as f64)],
-    );
-    metric(
-        "admission_rejects_total",
-        "counter",
+        &one(s.demotions),
+    )?;
+    o.counter(
+        "admission_rejects",
         "Blocks the disk admission policy refused.",
-        &[("", s.admission_rejects as f64)],
-    );
-    metric(
-        "checksum_failures_total",
-        "counter",
+        &one(s.admission_rejects),
+    )?;
+    o.counter(
+        "checksum_failures",
         "Disk blocks that failed their checksum (served as misses).",
-        &[("", disk.checksum_failures as f64)],
-    );
-    metric(
-        "io_errors_total",
-        "counter",
+        &one(disk.checksum_failures),
+    )?;
+    o.counter(
+        "io_errors",
         "Failed disk reads and writes.",
         &[
-            ("op=\"read\"", disk.read_errors as f64),
-            ("op=\"write\"", disk.write_errors as f64),
+            (label("op", "read"), disk.read_errors),
+            (label("op", "write"), disk.write_errors),
         ],
-    );
-    metric(
-        "disk_latency_us",
-        "summary",
-        "Disk I/O completion latency within a batch, microseconds.",
-        &[
-            ("op=\"read\",quantile=\"0.5\"", disk.read_us.0 as f64),
-            ("op=\"read\",quantile=\"0.99\"", disk.read_us.1 as f64),
-            ("op=\"write\",quantile=\"0.5\"", disk.write_us.0 as f64),
-            ("op=\"write\",quantile=\"0.99\"", disk.write_us.1 as f64),
-        ],
-    );
-    metric(
-        "leases",
-        "gauge",
-        "Leases outstanding.",
-        &[("", s.leases as f64)],
-    );
-    metric(
-        "leases_expired_total",
-        "counter",
+    )?;
+    if has_disk {
+        o.latency(
+            "disk_latency",
+            "Disk I/O completion time within a batch.",
+            &[
+                (label("op", "read"), &disk.read_latency),
+                (label("op", "write"), &disk.write_latency),
+            ],
+        )?;
+    }
+    o.gauge("leases", "Leases outstanding.", &one_f(s.leases as f64))?;
+    o.counter(
+        "leases_expired",
         "Leases that lapsed without release.",
-        &[("", s.leases_expired as f64)],
-    );
-    metric(
+        &one(s.leases_expired),
+    )?;
+    o.gauge(
         "ipc_clients",
-        "gauge",
         "Engine connections.",
-        &[("", d.ipc_clients.load(Relaxed) as f64)],
-    );
-    metric(
-        "ipc_errors_total",
-        "counter",
+        &one_f(d.ipc_clients.load(Relaxed) as f64),
+    )?;
+    o.counter(
+        "ipc_errors",
         "Engine requests answered with an error.",
-        &[("", d.ipc_errors.load(Relaxed) as f64)],
-    );
+        &one(d.ipc_errors.load(Relaxed)),
+    )?;
     for (name, help, v) in [
         (
-            "events_published_total",
+            "events_published",
             "Block events published on the KV event socket ([events]).",
             &d.events.events,
         ),
         (
-            "event_batches_total",
+            "event_batches",
             "KV event batches published (and buffered for replay).",
             &d.events.batches,
         ),
         (
-            "event_batches_dropped_total",
+            "event_batches_dropped",
             "KV event batches dropped: events.hwm batches were queued.",
             &d.events.dropped_batches,
         ),
         (
-            "event_replays_total",
+            "event_replays",
             "KV event replay requests served.",
             &d.events.replays,
         ),
     ] {
-        metric(name, "counter", help, &[("", v.load(Relaxed) as f64)]);
+        o.counter(name, help, &one(v.load(Relaxed)))?;
     }
-    let lat = d.latency_quantiles();
-    let samples: Vec<(String, f64)> = lat
+    let lat = d.latency_buckets();
+    let samples: Vec<(Labels, &LatencyBuckets)> =
+        lat.iter().map(|(op, h)| (label("op", *op), h)).collect();
+    o.latency(
+        "ipc_request",
+        "Engine request service time, per request kind.",
+        &samples,
+    )?;
+    let counts: Vec<(Labels, u64)> = lat
         .iter()
-        .flat_map(|(op, _, p50, p99)| {
-            [
-                (format!("op=\"{op}\",quantile=\"0.5\""), *p50 as f64),
-                (format!("op=\"{op}\",quantile=\"0.99\""), *p99 as f64),
-            ]
-        })
+        .map(|(op, h)| (label("op", *op), h.count()))
         .collect();
-    let refs: Vec<(&str, f64)> = samples.iter().map(|(l, v)| (l.as_str(), *v)).collect();
-    metric(
-        "ipc_request_us",
-        "summary",
-        "Engine request service time, microseconds.",
-        &refs,
-    );
-    let counts: Vec<(String, f64)> = lat
-        .iter()
-        .map(|(op, n, _, _)| (format!("op=\"{op}\""), *n as f64))
-        .collect();
-    let refs: Vec<(&str, f64)> = counts.iter().map(|(l, v)| (l.as_str(), *v)).collect();
-    metric(
-        "ipc_requests_total",
-        "counter",
-        "Engine requests served.",
-        &refs,
-    );
-    metric(
-        "events_dropped_total",
-        "counter",
+    o.counter("ipc_requests", "Engine requests served.", &counts)?;
+    o.counter(
+        "events_dropped",
         "Block events lost because a watcher fell behind.",
-        &[("", d.store.events_dropped() as f64)],
-    );
-    metric(
-        "host_checksum_failures_total",
-        "counter",
+        &one(d.store.events_dropped()),
+    )?;
+    o.counter(
+        "host_checksum_failures",
         "Host blocks whose bytes no longer matched their commit checksum (dropped, never served).",
-        &[("", s.checksum_failures as f64)],
-    );
-    metric(
-        "waits_total",
-        "counter",
+        &one(s.checksum_failures),
+    )?;
+    o.counter(
+        "waits",
         "Requests that waited for room or for another request's promotion.",
-        &[("", s.waits as f64)],
-    );
-    metric(
+        &one(s.waits),
+    )?;
+    o.gauge(
         "demote_queue_bytes",
-        "gauge",
         "Bytes queued for the tiering worker to write below.",
-        &[("", s.demote_queue_bytes as f64)],
-    );
-    metric(
+        &one_f(s.demote_queue_bytes as f64),
+    )?;
+    o.gauge(
         "promote_queue",
-        "gauge",
         "Promotion batches queued for the tiering worker.",
-        &[("", s.promote_queue as f64)],
-    );
-    metric(
+        &one_f(s.promote_queue as f64),
+    )?;
+    o.gauge(
         "host_populated_ratio",
-        "gauge",
         "Share of the host arena faulted in and usable.",
-        &[(
-            "",
-            s.populated_segments as f64 / (s.total_segments.max(1)) as f64,
-        )],
-    );
+        &one_f(s.populated_segments as f64 / (s.total_segments.max(1)) as f64),
+    )?;
     if !d.tenants.is_empty() {
         let per: Vec<(String, kvstore::StoreStats)> = d
             .tenants
             .iter()
-            .map(|t| (format!("tenant=\"{}\"", t.cfg.name), t.store.stats()))
+            .map(|t| (t.cfg.name.clone(), t.store.stats()))
             .collect();
         for (name, help, f) in [
             (
@@ -423,100 +453,70 @@ pub fn render(d: &Daemon) -> String {
                 |s| s.disk().map_or(0, |k| k.used_bytes),
             ),
         ] {
-            let samples: Vec<(&str, f64)> =
-                per.iter().map(|(l, s)| (l.as_str(), f(s) as f64)).collect();
-            metric(name, "gauge", help, &samples);
+            let samples: Vec<(Labels, f64)> = per
+                .iter()
+                .map(|(t, s)| (label("tenant", t.as_str()), f(s) as f64))
+                .collect();
+            o.gauge(name, help, &samples)?;
         }
     }
-    metric(
-        "log_lines_dropped_total",
-        "counter",
+    o.counter(
+        "log_lines_dropped",
         "Log lines dropped because stderr was gone, failing or stalled.",
-        &[(
-            "",
-            (d.log.dropped_full.load(Relaxed) + d.log.dropped_errors.load(Relaxed)) as f64,
-        )],
-    );
-    o
+        &one(d.log.dropped_full.load(Relaxed) + d.log.dropped_errors.load(Relaxed)),
+    )
 }
 
-/// Serves `/metrics` (and `/healthz`, `/readyz` for probes) until shutdown.
+/// Serves `/metrics` (bearer token when `server.token` is set) and `/healthz`, `/readyz` (no
+/// token: they tell nothing but up / ready) until `stop` turns true.
 pub async fn serve(
     listener: TcpListener,
     d: Arc<Daemon>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
-    loop {
-        let conn = tokio::select! {
-            c = listener.accept() => c,
-            _ = stop.changed() => return,
-        };
-        let Ok((mut sock, _)) = conn else { continue };
-        let d = d.clone();
-        tokio::spawn(async move {
-            let mut buf = vec![0u8; 8192];
-            let mut n = 0;
-            // Read the request head (bounded).
-            while n < buf.len() {
-                match tokio::time::timeout(
-                    std::time::Duration::from_secs(5),
-                    sock.read(&mut buf[n..]),
-                )
-                .await
-                {
-                    Ok(Ok(0)) | Err(_) | Ok(Err(_)) => break,
-                    Ok(Ok(k)) => {
-                        n += k;
-                        if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
-                            break;
-                        }
-                    }
-                }
-            }
-            let head = String::from_utf8_lossy(&buf[..n]);
-            let want = format!("Bearer {}", d.cfg.server.token);
-            let authorized = d.cfg.server.token.is_empty()
-                || head.lines().any(|l| {
-                    l.to_ascii_lowercase().starts_with("authorization:")
-                        && l.split_once(':').is_some_and(|x| {
-                            crate::admin::same(x.1.trim().as_bytes(), want.as_bytes())
-                        })
-                });
-            // Probes carry no token and learn nothing but up / ready.
-            let (status, body) = if head.starts_with("GET /healthz ") {
-                ("200 OK", "ok\n".to_string())
-            } else if head.starts_with("GET /readyz ") {
-                let st = d.store.stats();
-                if d.stopping() {
-                    ("503 Service Unavailable", "stopping\n".to_string())
-                } else if st.populated_segments == 0 {
-                    (
-                        "503 Service Unavailable",
-                        "host arena not usable yet\n".to_string(),
-                    )
-                } else {
-                    ("200 OK", "ready\n".to_string())
-                }
-            } else if !head.starts_with("GET /metrics") {
-                (
-                    "404 Not Found",
-                    "GET /metrics, /healthz or /readyz\n".to_string(),
-                )
-            } else if !authorized {
-                ("401 Unauthorized", "bearer token required\n".to_string())
-            } else {
-                let d2 = d.clone();
-                let text = tokio::task::spawn_blocking(move || render(&d2))
-                    .await
-                    .unwrap_or_default();
-                ("200 OK", text)
-            };
-            let resp = format!(
-                "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = sock.write_all(resp.as_bytes()).await;
-            let _ = sock.shutdown().await;
-        });
+    let app = Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(ready))
+        .fallback(|| async { (StatusCode::NOT_FOUND, "GET /metrics, /healthz or /readyz\n") })
+        .with_state(d);
+    let r = axum::serve(listener, app)
+        .with_graceful_shutdown(async move {
+            let _ = stop.changed().await;
+        })
+        .await;
+    if let Err(e) = r {
+        tracing::warn!("metrics listener failed: {e}");
+    }
+}
+
+async fn ready(State(d): State<Arc<Daemon>>) -> Response {
+    if d.stopping() {
+        (StatusCode::SERVICE_UNAVAILABLE, "stopping\n").into_response()
+    } else if d.store.stats().populated_segments == 0 {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "host arena not usable yet\n",
+        )
+            .into_response()
+    } else {
+        "ready\n".into_response()
+    }
+}
+
+async fn metrics(State(d): State<Arc<Daemon>>, headers: HeaderMap) -> Response {
+    let token = &d.cfg.server.token;
+    if !token.is_empty() {
+        let want = format!("Bearer {token}");
+        let ok = headers
+            .get(header::AUTHORIZATION)
+            .is_some_and(|v| crate::admin::same(v.as_bytes(), want.as_bytes()));
+        if !ok {
+            return (StatusCode::UNAUTHORIZED, "bearer token required\n").into_response();
+        }
+    }
+    match tokio::task::spawn_blocking(move || render(&d)).await {
+        Ok(text) => ([(header::CONTENT_TYPE, CONTENT_TYPE)], text).into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response(),
     }
 }

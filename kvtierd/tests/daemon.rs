@@ -294,7 +294,11 @@ fn admin_api_limits_token_metrics_and_events() {
         } else {
             ""
         };
-        write!(s, "GET /metrics HTTP/1.1\r\nHost: x\r\n{hdr}\r\n").unwrap();
+        write!(
+            s,
+            "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{hdr}\r\n"
+        )
+        .unwrap();
         let mut out = String::new();
         s.read_to_string(&mut out).unwrap();
         out
@@ -302,15 +306,43 @@ fn admin_api_limits_token_metrics_and_events() {
     assert!(get(false).starts_with("HTTP/1.1 401"));
     let m = get(true);
     assert!(m.starts_with("HTTP/1.1 200"), "{m}");
+    assert!(
+        m.to_ascii_lowercase()
+            .contains("content-type: application/openmetrics-text; version=1.0.0"),
+        "{m}"
+    );
     for name in [
-        "kvtier_hits_total",
+        "kvtier_hits_total ",
         "kvtier_blocks{tier=\"disk\"}",
-        "kvtier_checksum_failures_total",
-        "kvtier_leases",
-        "kvtier_ipc_request_us",
+        "kvtier_checksum_failures_total ",
+        "kvtier_leases ",
+        "# TYPE kvtier_ipc_request_seconds histogram",
+        "kvtier_ipc_request_seconds_bucket{le=\"+Inf\",op=\"commit\"}",
+        "kvtier_ipc_requests_total{op=\"commit\"}",
+        "kvtier_disk_latency_seconds_count{op=\"write\"}",
     ] {
         assert!(m.contains(name), "metrics lack {name}:\n{m}");
     }
+    assert!(m.trim_end().ends_with("# EOF"), "{m}");
+    // Histogram buckets are cumulative and end at the request count.
+    let sample = |prefix: &str| -> Vec<f64> {
+        m.lines()
+            .filter(|l| l.starts_with(prefix))
+            .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
+            .collect()
+    };
+    let buckets = sample("kvtier_ipc_request_seconds_bucket{");
+    let put: Vec<f64> = m
+        .lines()
+        .filter(|l| {
+            l.starts_with("kvtier_ipc_request_seconds_bucket{") && l.contains("op=\"commit\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
+        .collect();
+    assert!(buckets.len() >= 17 && put.len() == 17, "{m}");
+    assert!(put.windows(2).all(|w| w[0] <= w[1]), "{put:?}");
+    let count = sample("kvtier_ipc_requests_total{op=\"commit\"}");
+    assert!(put[16] > 0.0 && count == vec![put[16]], "{put:?} {count:?}");
 }
 
 #[test]

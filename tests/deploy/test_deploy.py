@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 from kubernetes.client import ApiClient
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -83,6 +84,41 @@ def test_every_kubernetes_object_matches_the_api_model(name, doc):
     # Strict: what the model does not know would be silently dropped by a lenient reading.
     back = _strip_none(api.sanitize_for_serialization(obj))
     assert back == doc, f"{name}: fields the {model} model does not know (typo?)"
+
+
+def test_service_monitor_scrapes_the_service_metrics_port_with_the_admin_token():
+    # A CRD: no model in the kubernetes client. Its parts that are core types are checked
+    # against their models, the rest against the ServiceMonitor v1 fields it may use.
+    kust = yaml.safe_load((DEPLOY / "k8s" / "monitoring" / "kustomization.yaml").read_text())
+    assert kust["resources"][0] == ".." and "servicemonitor.yaml" in kust["resources"]
+    sm = yaml.safe_load((DEPLOY / "k8s" / "monitoring" / "servicemonitor.yaml").read_text())
+    assert (sm["apiVersion"], sm["kind"]) == ("monitoring.coreos.com/v1", "ServiceMonitor")
+    api = ApiClient()
+
+    def model(doc, name):
+        back = _strip_none(api.sanitize_for_serialization(api.deserialize(_Resp(doc), name)))
+        assert back == doc, name
+
+    model(sm["metadata"], "V1ObjectMeta")
+    model(sm["spec"]["selector"], "V1LabelSelector")
+    assert set(sm["spec"]) <= {"selector", "endpoints", "namespaceSelector", "jobLabel"}
+    docs = {d["kind"]: d for f, d in k8s_docs() if f in ("service.yaml", "secret.yaml",
+                                                          "daemonset.yaml")}
+    svc, secret = docs["Service"], docs["Secret"]
+    labels = svc["metadata"]["labels"]
+    assert all(labels.get(k) == v for k, v in sm["spec"]["selector"]["matchLabels"].items())
+    [ep] = sm["spec"]["endpoints"]
+    assert set(ep) <= {"port", "path", "interval", "scrapeTimeout", "scheme", "authorization",
+                       "honorLabels", "relabelings", "metricRelabelings"}, ep
+    assert ep["port"] in {p["name"] for p in svc["spec"]["ports"]} and ep["path"] == "/metrics"
+    assert ep["authorization"]["type"] == "Bearer"
+    model(ep["authorization"]["credentials"], "V1SecretKeySelector")
+    cred = ep["authorization"]["credentials"]
+    assert cred["name"] == secret["metadata"]["name"] and cred["key"] in secret["stringData"]
+    # The token Prometheus sends is the one kvtierd checks.
+    c = docs["DaemonSet"]["spec"]["template"]["spec"]["containers"][0]
+    token = next(e for e in c["env"] if e["name"] == "KVTIERD_SERVER_TOKEN")
+    assert token["valueFrom"]["secretKeyRef"] == {"name": cred["name"], "key": cred["key"]}
 
 
 def test_daemonset_memory_follows_host_capacity_and_mounts_the_socket():
@@ -153,8 +189,28 @@ def test_every_metric_the_dashboard_queries_is_exported(tmp_path):
         text = urllib.request.urlopen(f"http://{f['metrics']}/metrics", timeout=10).read().decode()
     finally:
         _stop(p)
-    exported = set(re.findall(r"^# TYPE (kvtier_[a-z_]+) ", text, re.M))
+    # The exposition parses with the Prometheus project's own OpenMetrics parser (strict:
+    # EOF marker, counter `_total` suffixes, histogram buckets cumulative and ending in +Inf).
+    families = list(text_string_to_metric_families(text))
+    # A labelled family without children yet (no engine request, no peer but this node)
+    # still declares its series names.
+    suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}
+    exported = {f.name + x for f in families for x in suffixes.get(f.type, [""])}
+    assert {s.name for f in families for s in f.samples} <= exported
     assert wanted <= exported, sorted(wanted - exported)
+    by_name = {f.name: f for f in families}
+    assert by_name["kvtier_hits"].type == "counter"
+    for name in ("kvtier_ipc_request_seconds", "kvtier_disk_latency_seconds",
+                 "kvtier_remote_latency_seconds"):
+        h = by_name[name]
+        assert h.type == "histogram" and h.unit == "seconds", (name, h.type, h.unit)
+        for op in {s.labels["op"] for s in h.samples}:
+            b = [s for s in h.samples if s.name == name + "_bucket" and s.labels["op"] == op]
+            assert b[-1].labels["le"] == "+Inf" and len(b) == 17, b
+            assert [s.value for s in b] == sorted(s.value for s in b), b
+            count = next(s.value for s in h.samples
+                         if s.name == name + "_count" and s.labels["op"] == op)
+            assert b[-1].value == count, (name, op)
 
 
 def test_probe_endpoints_answer_without_a_token(tmp_path):

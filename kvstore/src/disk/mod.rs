@@ -31,7 +31,9 @@ use parking_lot::Mutex;
 use crate::events::{EventKind, Events};
 use crate::io::{self as kio, IoConfig, IoEngine, IoKind, IoReq, ALIGN};
 use crate::key::{BlockKey, Fingerprint};
-use crate::tier::{LowerTier, NsUsage, ReadItem, ReadOutcome, TierStats, WriteItem, WriteOutcome};
+use crate::tier::{
+    LatencyBuckets, LowerTier, NsUsage, ReadItem, ReadOutcome, TierStats, WriteItem, WriteOutcome,
+};
 use crate::types::{BlockInfo, MapKey, Tier};
 
 pub use config::{Admission, DiskConfig, DiskError};
@@ -683,6 +685,8 @@ impl LowerTier for DiskTier {
             evictions: s.evictions.load(Relaxed),
             read_us: pct(&self.read_hist),
             write_us: pct(&self.write_hist),
+            read_latency: LatencyBuckets::from_hdr(&self.read_hist.lock()),
+            write_latency: LatencyBuckets::from_hdr(&self.write_hist.lock()),
             // Measured by the store's reader (it times whole promotion batches).
             read_bandwidth: 0,
             read_latency_ns: 0,
