@@ -321,6 +321,10 @@ mod tests {
         assert_eq!(b.counts[16], 1, "7 s is past the last bound");
         // The sum is exact to the histogram's two significant digits.
         let exact = 7 * 3 + 10 + 11 * 2 + 900 * 4 + 7_000_000;
-        assert!(b.sum_us.abs_diff(exact) * 100 <= exact, "{} vs {exact}", b.sum_us);
+        assert!(
+            b.sum_us.abs_diff(exact) * 100 <= exact,
+            "{} vs {exact}",
+            b.sum_us
+        );
     }
 }

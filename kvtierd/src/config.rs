@@ -452,6 +452,16 @@ fn set_path(
     Ok(())
 }
 
+/// Fails, naming `origin`, when the layers merged so far (ending with the one from `origin`)
+/// do not make a configuration: an unknown key or a mistyped value is blamed on the file,
+/// variable or flag that brought it (the layers before it were fine).
+fn check_layer(table: &toml::Table, origin: &str) -> Result<()> {
+    match Config::deserialize(toml::Value::Table(table.clone())) {
+        Ok(_) => Ok(()),
+        Err(e) => bail!("invalid configuration from {origin}: {e}"),
+    }
+}
+
 const SECTIONS: [&str; 4] = ["host", "disk", "server", "cluster"];
 
 /// Where the configuration comes from.
@@ -470,8 +480,10 @@ pub fn load(src: Sources<'_>) -> Result<Config> {
         Some(p) => {
             let text = std::fs::read_to_string(p)
                 .with_context(|| format!("reading the config file {}", p.display()))?;
-            toml::from_str::<toml::Table>(&text)
-                .with_context(|| format!("config file {}", p.display()))?
+            let t = toml::from_str::<toml::Table>(&text)
+                .with_context(|| format!("config file {}", p.display()))?;
+            check_layer(&t, &format!("config file {}", p.display()))?;
+            t
         }
         None => toml::Table::new(),
     };
@@ -493,6 +505,7 @@ pub fn load(src: Sources<'_>) -> Result<Config> {
             v,
             &format!("environment variable {k}"),
         )?;
+        check_layer(&table, &format!("environment variable {k}"))?;
     }
     for s in &src.sets {
         let (k, v) = s
@@ -506,6 +519,7 @@ pub fn load(src: Sources<'_>) -> Result<Config> {
             v.trim(),
             &format!("--set {k}"),
         )?;
+        check_layer(&table, &format!("--set {k}"))?;
     }
     let cfg = Config::deserialize(toml::Value::Table(table))
         .map_err(|e| anyhow::anyhow!("invalid configuration: {e}"))?;
@@ -871,7 +885,9 @@ mod tests {
     fn load_with(toml: &str, env: &[(&str, &str)], sets: &[&str]) -> Result<Config> {
         let dir = std::env::temp_dir().join(format!("kvtierd-cfg-{}", std::process::id()));
         std::fs::create_dir_all(&dir)?;
-        let f = dir.join(format!("c{}.toml", toml.len()));
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let f = dir.join(format!("c{n}.toml"));
         std::fs::write(&f, toml)?;
         load(Sources {
             file: Some(&f),
@@ -964,6 +980,38 @@ mod tests {
             load_with("", &[], &["host.size_classes=[1,"]).unwrap_err()
         );
         assert!(e.contains("size_classes") && e.contains("--set"), "{e}");
+        // Unknown and mistyped keys name the layer that brought them, not just the key.
+        let e = format!(
+            "{:#}",
+            load_with(
+                "[disk]\nqueue_depth = 8\n",
+                &[("KVTIERD_HOST_CAPACTY", "1G")],
+                &["disk.queue_depth=16"]
+            )
+            .unwrap_err()
+        );
+        assert!(
+            e.contains("capacty") && e.contains("environment variable KVTIERD_HOST_CAPACTY"),
+            "{e}"
+        );
+        let e = format!(
+            "{:#}",
+            load_with(
+                "",
+                &[("KVTIERD_DISK_QUEUE_DEPTH", "8")],
+                &["disk.queue_depth=lots"]
+            )
+            .unwrap_err()
+        );
+        assert!(
+            e.contains("queue_depth") && e.contains("--set disk.queue_depth"),
+            "{e}"
+        );
+        let e = format!(
+            "{:#}",
+            load_with("[host]\nnope = 1\n", &[], &[]).unwrap_err()
+        );
+        assert!(e.contains("nope") && e.contains("config file"), "{e}");
     }
 
     #[test]
