@@ -5,7 +5,11 @@
 //! Cases: `put blocks/s with events` against the daemon without (ratio: the publishing cost on
 //! saves; goal ≥ 0.95) and `events/s at N blocks`: the N events the subscriber received over
 //! the time from the first put to the last event, against the put rate without events (ratio ≥
-//! 1: the publisher keeps up with the fastest saves).
+//! 1: the publisher keeps up with the fastest saves). Then both daemons clear everything they
+//! hold through the admin API: `removal events/s at N blocks` is the `BlockRemoved` events the
+//! subscriber received over the time from the clear request to the last of them, against the
+//! blocks/s the daemon without events clears (the publisher's own speed, with a source faster
+//! than any engine's saves).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -88,9 +92,9 @@ fn put_all(
     Ok(t.elapsed().as_secs_f64())
 }
 
-/// Block hashes in one msgpack KVEventBatch payload (counts `block_hashes` entries of
-/// BlockStored events, map encoding: the key string precedes each array).
-fn stored_in(payload: &[u8]) -> Result<u64> {
+/// Block hashes of BlockStored and of BlockRemoved events in one msgpack KVEventBatch payload
+/// (map encoding: the key string precedes each value).
+fn hashes_in(payload: &[u8]) -> Result<(u64, u64)> {
     let mut rd = payload;
     ensure!(
         rmp::decode::read_array_len(&mut rd)? == 3,
@@ -98,7 +102,7 @@ fn stored_in(payload: &[u8]) -> Result<u64> {
     );
     let _ts = rmp::decode::read_f64(&mut rd)?;
     let events = rmp::decode::read_array_len(&mut rd)?;
-    let mut n = 0;
+    let (mut n, mut removed) = (0, 0);
     for _ in 0..events {
         let fields = rmp::decode::read_map_len(&mut rd)?;
         let mut stored = false;
@@ -122,6 +126,8 @@ fn stored_in(payload: &[u8]) -> Result<u64> {
                     }
                     if stored {
                         n += u64::from(len);
+                    } else {
+                        removed += u64::from(len);
                     }
                 }
                 "parent_block_hash" | "lora_id" | "lora_name" => {
@@ -141,7 +147,22 @@ fn stored_in(payload: &[u8]) -> Result<u64> {
             }
         }
     }
-    Ok(n)
+    Ok((n, removed))
+}
+
+/// Clears namespace `id` of the daemon at `grpc`; returns the blocks removed.
+fn clear(rt: &tokio::runtime::Runtime, grpc: &str, id: u32) -> Result<u64> {
+    rt.block_on(async {
+        let mut a = kvtier_client::connect(grpc, None).await?;
+        let r = a
+            .clear_namespace(kvtier_client::pb::ClearRequest {
+                namespace_id: id,
+                tenant: String::new(),
+            })
+            .await
+            .map_err(kvtier_client::explain)?;
+        anyhow::Ok(r.into_inner().removed)
+    })
 }
 
 /// Runs the events benchmark.
@@ -189,7 +210,7 @@ pub fn run(args: EventsArgs) -> Result<()> {
         .enable_all()
         .build()?;
     // The subscriber: counts stored blocks as they arrive, on its own thread.
-    let (count_tx, count_rx) = std::sync::mpsc::channel::<(u64, Instant)>();
+    let (count_tx, count_rx) = std::sync::mpsc::channel::<(u64, u64, Instant)>();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
     let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let done_sub = done.clone();
@@ -206,8 +227,8 @@ pub fn run(args: EventsArgs) -> Result<()> {
                     Err(_) => continue,
                 };
                 let Some(p) = m.get(2) else { continue };
-                let n = stored_in(p)?;
-                if count_tx.send((n, Instant::now())).is_err() {
+                let (n, removed) = hashes_in(p)?;
+                if count_tx.send((n, removed, Instant::now())).is_err() {
                     return Ok(());
                 }
             }
@@ -230,7 +251,7 @@ pub fn run(args: EventsArgs) -> Result<()> {
         let mut got = 0u64;
         let mut last = start;
         while got < args.blocks {
-            let Ok((n, at)) = count_rx.recv_timeout(Duration::from_secs(60)) else {
+            let Ok((n, _, at)) = count_rx.recv_timeout(Duration::from_secs(60)) else {
                 done.store(true, std::sync::atomic::Ordering::Relaxed);
                 match sub_thread.join() {
                     Ok(Err(e)) => bail!("the subscriber failed: {e:#}"),
@@ -255,6 +276,37 @@ pub fn run(args: EventsArgs) -> Result<()> {
             (last - start).as_secs_f64()
         );
     }
+    // Everything cleared at once: the removal events come as fast as the store walks its
+    // blocks. The daemon without events clears first (its time is the baseline).
+    let admin = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let id_without = co.register_namespace(&ns())?.0;
+    let id_with = cw.register_namespace(&ns())?.0;
+    let t = Instant::now();
+    let cleared_without = clear(&admin, &without.grpc, id_without)?;
+    let clear_rate = cleared_without as f64 / t.elapsed().as_secs_f64();
+    let start = Instant::now();
+    let cleared = clear(&admin, &with.grpc, id_with)?;
+    let (mut removed, mut last) = (0u64, start);
+    // Until all arrived, or nothing came for 5 s (events a lagging store watcher lost are
+    // counted by kvtierd in kvtier_events_dropped_total; here they show as missing).
+    while removed < cleared {
+        let Ok((_, r, at)) = count_rx.recv_timeout(Duration::from_secs(5)) else {
+            break;
+        };
+        removed += r;
+        last = at;
+    }
+    ensure!(
+        removed > 0,
+        "no removal event arrived for a clear of {cleared} blocks"
+    );
+    let removal_rate = removed as f64 / (last - start).as_secs_f64().max(1e-9);
+    eprintln!(
+        "clear: {removed} of {cleared} removal events in {:.3} s ({removal_rate:.0}/s); without events {cleared_without} blocks cleared at {clear_rate:.0}/s",
+        (last - start).as_secs_f64()
+    );
     done.store(true, std::sync::atomic::Ordering::Relaxed);
     drop(count_rx);
     if let Ok(Err(e)) = sub_thread.join() {
@@ -277,6 +329,12 @@ pub fn run(args: EventsArgs) -> Result<()> {
                 "events/s",
                 "put rate without events",
                 &rates,
+            ),
+            row(
+                format!("removal events/s at {} blocks", cleared),
+                "events/s",
+                "blocks/s the daemon without events clears",
+                &[(removal_rate, clear_rate)],
             ),
         ],
     };

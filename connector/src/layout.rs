@@ -265,6 +265,41 @@ impl PagedKv {
         Ok(())
     }
 
+    /// Layers.
+    pub fn layers(&self) -> usize {
+        self.plans.len()
+    }
+
+    /// Copies layer `layer` of `src` (canonical form of engine blocks `ids`, every layer) into
+    /// that layer's tensor only: what a layer-by-layer load moves before the layer runs.
+    pub fn scatter_layer(
+        &self,
+        ids: &[usize],
+        src: &[u8],
+        layer: usize,
+    ) -> Result<(), LayoutError> {
+        self.check(ids, src.len())?;
+        let Some(p) = self.plans.get(layer) else {
+            return Err(LayoutError::Mismatch {
+                layer,
+                what: "layer index",
+            });
+        };
+        let before: usize = self.plans[..layer].iter().map(|q| q.bytes).sum();
+        for (k, &id) in ids.iter().enumerate() {
+            let mut at = k * self.block_bytes + before;
+            let base = p.ptr as isize + id as isize * p.block_stride;
+            walk(p, base, &mut |dst, len| {
+                // SAFETY: as in scatter: within the layer tensor, which nobody else reads or
+                // writes during the copy (PagedKv::new's contract).
+                let to = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len) };
+                to.copy_from_slice(&src[at..at + len]);
+                at += len;
+            });
+        }
+        Ok(())
+    }
+
     /// Copies `src` (canonical form of engine blocks `ids`) into the engine's tensors.
     pub fn scatter(&self, ids: &[usize], src: &[u8]) -> Result<(), LayoutError> {
         self.scatter_with(ids, src, &mut |_| {})

@@ -328,7 +328,28 @@ impl Backend {
         keys: &[BlockKey],
         block_ids: &[Vec<usize>],
     ) -> Result<usize, TransferError> {
+        self.save_tagged(ns, paged, keys, block_ids, &[])
+    }
+
+    /// [`Backend::save`], with the engine's own hash of each block (`engine_hashes` empty, or
+    /// one per key, at most 32 bytes each): kvtierd publishes the blocks' KV events under them
+    /// (the embedded store publishes none).
+    pub fn save_tagged(
+        &self,
+        ns: NsId,
+        paged: &PagedKv,
+        keys: &[BlockKey],
+        block_ids: &[Vec<usize>],
+        engine_hashes: &[Vec<u8>],
+    ) -> Result<usize, TransferError> {
         check_pairs(keys, block_ids)?;
+        if !engine_hashes.is_empty() && engine_hashes.len() != keys.len() {
+            return Err(TransferError::Input(format!(
+                "{} keys but {} engine hashes",
+                keys.len(),
+                engine_hashes.len()
+            )));
+        }
         // Every id checked before anything is reserved.
         for ids in block_ids {
             paged.check_ids(ids)?;
@@ -339,7 +360,7 @@ impl Backend {
             Ok(paged.gather_hashed(&block_ids[i], slot)?)
         };
         Ok(self
-            .store_blocks(ns, keys, &lens, &fill)?
+            .store_blocks(ns, keys, &lens, &fill, engine_hashes)?
             .iter()
             .filter(|s| **s == Stored::Now)
             .count())
@@ -416,7 +437,7 @@ impl Backend {
         let fill = |i: usize, slot: &mut [u8]| -> Result<u64, TransferError> {
             Ok(gather_segments(&pages[i], slot))
         };
-        self.store_blocks(ns, keys, &lens, &fill)
+        self.store_blocks(ns, keys, &lens, &fill, &[])
     }
 
     /// Copies the longest present prefix of `keys` into the pages' segments. One bool per key:
@@ -450,6 +471,7 @@ impl Backend {
         keys: &[BlockKey],
         lens: &[usize],
         fill: &Fill<'_>,
+        engine_hashes: &[Vec<u8>],
     ) -> Result<Vec<Stored>, TransferError> {
         let mut out = vec![Stored::NoRoom; keys.len()];
         match &self.kind {
@@ -497,7 +519,11 @@ impl Backend {
                     let ns = map.get(c, ns)?;
                     // Connection errors go to `call` (a lost daemon is a miss); the save's own
                     // errors come back to the caller.
-                    match save_chunks(c, ns, keys, &lens32, fill, &self.copies, &mut out) {
+                    let tagged = Tagged {
+                        keys,
+                        engine_hashes,
+                    };
+                    match save_chunks(c, ns, tagged, &lens32, fill, &self.copies, &mut out) {
                         Err(TransferError::Ipc(e)) => Err(e),
                         r => Ok(r),
                     }
@@ -564,6 +590,86 @@ impl Backend {
                     None => Ok(0),
                     Some((kept, results)) => {
                         let n = prefix(results)?;
+                        Ok(if kept { n } else { 0 })
+                    }
+                }
+            }
+        }
+    }
+
+    /// Loads the longest present prefix of `keys` into engine blocks `block_ids[i]` layer by
+    /// layer: every block is pinned and its checksum verified first (a damaged or wrong-sized
+    /// block ends the prefix before any byte reaches the engine), then layer 0 of every block
+    /// is copied, `on_layer(0, n)` called, layer 1, and so on, so the engine may run a layer
+    /// as soon as its KV is in. Returns how many leading keys were loaded: 0 when a sidecar
+    /// lease lapsed before release (the engine must then treat those blocks as failed, even
+    /// though `on_layer` reported them).
+    pub fn load_layerwise(
+        &self,
+        paged: &PagedKv,
+        keys: &[BlockKey],
+        block_ids: &[Vec<usize>],
+        ttl: Duration,
+        on_layer: &mut dyn FnMut(usize, usize),
+    ) -> Result<usize, TransferError> {
+        check_pairs(keys, block_ids)?;
+        for ids in block_ids {
+            paged.check_ids(ids)?;
+        }
+        let bb = paged.block_bytes();
+        let mut layers = |blocks: &[(&[u8], u64)]| -> Result<usize, TransferError> {
+            // The valid prefix, every block checked before anything is copied.
+            let mut n = 0;
+            while n < blocks.len().min(keys.len()) {
+                let (b, sum) = blocks[n];
+                if b.len() != block_ids[n].len() * bb || !verified(kvstore::checksum(b), sum) {
+                    break;
+                }
+                n += 1;
+            }
+            for layer in 0..paged.layers() {
+                for i in 0..n {
+                    paged.scatter_layer(&block_ids[i], blocks[i].0, layer)?;
+                }
+                on_layer(layer, n);
+            }
+            Ok(n)
+        };
+        match &self.kind {
+            Kind::Embedded(s) => {
+                let l = s.load(keys)?;
+                let m = l.len().min(keys.len());
+                let blocks: Vec<(&[u8], u64)> =
+                    (0..m).map(|i| (l.block(i), l.checksum(i))).collect();
+                layers(&blocks)
+            }
+            Kind::Sidecar(side) => {
+                let got = side.call(|c, _| {
+                    let l = c.load(keys, ttl.max(Duration::from_millis(1)), None)?;
+                    let guard = LeaseGuard { id: l.lease, c };
+                    let k = l.blocks.len().min(keys.len());
+                    let sums: Vec<u64> = l.blocks[..k].iter().map(|b| b.checksum).collect();
+                    let r = guard.c.with_blocks(&l, |blocks| {
+                        let pinned: Vec<(&[u8], u64)> = blocks[..k]
+                            .iter()
+                            .copied()
+                            .zip(sums.iter().copied())
+                            .collect();
+                        layers(&pinned)
+                    })?;
+                    let kept = guard.release();
+                    Ok((kept, r))
+                })?;
+                match got {
+                    // The daemon is unreachable: nothing loaded; the engine computes.
+                    None => {
+                        for layer in 0..paged.layers() {
+                            on_layer(layer, 0);
+                        }
+                        Ok(0)
+                    }
+                    Some((kept, r)) => {
+                        let n = r?;
                         Ok(if kept { n } else { 0 })
                     }
                 }
@@ -654,10 +760,20 @@ impl Backend {
 /// A save through a live connection, in reservations of at most the daemon's per-connection
 /// limit; fills `out`. The outer error is the connection's (it is gone); the inner one the
 /// save's own (a fill that failed: its chunk was aborted, nothing half-written committed).
+/// Keys to save, with the engine's own hashes of the blocks (empty, or one per key).
+#[derive(Clone, Copy)]
+struct Tagged<'a> {
+    keys: &'a [BlockKey],
+    engine_hashes: &'a [Vec<u8>],
+}
+
 fn save_chunks(
     c: &mut IpcClient,
     ns: NsId,
-    keys: &[BlockKey],
+    Tagged {
+        keys,
+        engine_hashes,
+    }: Tagged<'_>,
     lens32: &[u32],
     fill: &Fill<'_>,
     copies: &Copies,
@@ -714,7 +830,15 @@ fn save_chunks(
             }
             return Err(e);
         }
-        let r = c.commit(&toks)?;
+        let r = if engine_hashes.is_empty() {
+            c.commit(&toks)?
+        } else {
+            let tags: Vec<Vec<u8>> = tokens
+                .iter()
+                .map(|(i, _)| engine_hashes[*i].clone())
+                .collect();
+            c.commit_tagged(&toks, &tags)?
+        };
         for (i, t) in &tokens {
             if r.expired.contains(t) {
                 out[*i] = Stored::NoRoom;

@@ -263,3 +263,64 @@ fn parallel_copies_are_byte_exact_and_keep_prefix_semantics() {
     drop(dst);
     assert_eq!(out, pages_src);
 }
+
+#[test]
+fn layerwise_loads_copy_each_layer_before_reporting_it() {
+    let b = store();
+    let id = b.register_namespace(&ns()).unwrap();
+    let layers = 3;
+    let mut src = tensors(7, layers);
+    let ps = paged(&mut src);
+    let keys: Vec<BlockKey> = (20..24).map(key).collect();
+    let ids = vec![vec![1], vec![2, 3], vec![4], vec![5]];
+    assert_eq!(b.save(id, &ps, &keys[..3], &ids[..3]).unwrap(), 3);
+    let mut dst = tensors(8, layers);
+    let pd = paged(&mut dst);
+    let into = vec![vec![9], vec![10, 11], vec![12], vec![13]];
+    // Every layer is the same size here: the canonical block is `layers` equal parts.
+    let per = ps.block_bytes() / layers;
+    let mut seen = Vec::new();
+    let n = b
+        .load_layerwise(&pd, &keys, &into, Duration::ZERO, &mut |layer, n| {
+            seen.push((layer, n));
+            // When layer k is reported, layers <= k of every loaded block hold the saved
+            // bytes and the later layers are untouched.
+            for (from, to) in ids.iter().zip(&into).take(n) {
+                let mut a = vec![0u8; from.len() * ps.block_bytes()];
+                let mut c = vec![0u8; to.len() * pd.block_bytes()];
+                ps.gather(from, &mut a).unwrap();
+                pd.gather(to, &mut c).unwrap();
+                for e in 0..from.len() {
+                    for l in 0..layers {
+                        let at = e * ps.block_bytes() + l * per;
+                        let (x, y) = (&a[at..at + per], &c[at..at + per]);
+                        if l <= layer {
+                            assert_eq!(x, y, "layer {l} when {layer} was reported");
+                        } else {
+                            assert_ne!(x, y, "layer {l} copied before {layer} was reported");
+                        }
+                    }
+                }
+            }
+        })
+        .unwrap();
+    assert_eq!(n, 3, "key 23 is missing: the prefix is 3");
+    assert_eq!(seen, vec![(0, 3), (1, 3), (2, 3)]);
+    // Block 13 (key 23, not loaded) is untouched.
+    let mut fresh = tensors(8, layers);
+    let pf = paged(&mut fresh);
+    let (mut x, mut y) = (vec![0u8; pf.block_bytes()], vec![0u8; pd.block_bytes()]);
+    pf.gather(&[13], &mut x).unwrap();
+    pd.gather(&[13], &mut y).unwrap();
+    assert_eq!(x, y);
+    // Bad block ids are refused before anything is loaded.
+    assert!(b
+        .load_layerwise(
+            &pd,
+            &keys[..1],
+            &[vec![BLOCKS]],
+            Duration::ZERO,
+            &mut |_, _| { panic!("no layer may be reported") }
+        )
+        .is_err());
+}

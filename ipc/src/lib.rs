@@ -658,6 +658,23 @@ impl IpcClient {
     /// Commits reserved slots (their bytes written). Each goes with the checksum of what was
     /// written into it (a slot committed unwritten is hashed as it is now).
     pub fn commit(&mut self, tokens: &[u64]) -> Result<Committed, IpcError> {
+        self.commit_tagged(tokens, &[])
+    }
+
+    /// [`IpcClient::commit`], with the engine's own hash of each block (`engine_hashes` empty,
+    /// or one per token): the daemon's KV events name the blocks by it.
+    pub fn commit_tagged(
+        &mut self,
+        tokens: &[u64],
+        engine_hashes: &[Vec<u8>],
+    ) -> Result<Committed, IpcError> {
+        if !engine_hashes.is_empty() && engine_hashes.len() != tokens.len() {
+            return Err(IpcError::Protocol(format!(
+                "{} tokens but {} engine hashes",
+                tokens.len(),
+                engine_hashes.len()
+            )));
+        }
         let mut checksums = Vec::with_capacity(tokens.len());
         for t in tokens {
             let sum = match self.pending.remove(t) {
@@ -676,6 +693,7 @@ impl IpcClient {
         match self.call(request::Body::Commit(pb::Commit {
             tokens: tokens.to_vec(),
             checksums,
+            engine_hashes: engine_hashes.to_vec(),
         }))? {
             response::Body::Commit(r) => Ok(Committed {
                 committed: r.committed,

@@ -11,12 +11,16 @@
 //!   `[b"", -1, b""]`.
 //!
 //! Events come from the store's event channel: `BlockStored` / `BlockRemoved` with `medium`
-//! `CPU` (host tier) or `STORAGE` (disk tier). kvtierd keeps no engine block hash per block (the
-//! 128-byte metadata budget): a block is published under its 16-byte kvtier key (or, with
-//! `events.int_hashes`, its low 64 bits as an integer); `parent_block_hash` is nil and
-//! `token_ids` empty; `block_size` is the tokens per block of the block's namespace as its
-//! engine registered it (0 if none has since the daemon started). Consecutive events of one
-//! kind and tier become one event with several hashes.
+//! `CPU` (host tier) or `STORAGE` (disk tier). A block committed with the engine's own hash (the
+//! vLLM connector sends vLLM's block hashes with its commits) is published under that hash, as
+//! vLLM's publisher would; the daemon keeps it in [`EngineHashes`] (outside the store's
+//! per-block metadata, only while events are on) until the block has left every tier. A block
+//! without one (raw IPC keys, SGLang, blocks recovered from disk after a restart) is published
+//! under its 16-byte kvtier key. With `events.int_hashes` a hash goes as vLLM's integer form (its
+//! low 64 bits, big-endian). `parent_block_hash` is nil and `token_ids` empty; `block_size` is
+//! the tokens per block of the block's namespace as its engine registered it (0 if none has
+//! since the daemon started). Consecutive events of one kind and tier become one event with
+//! several hashes.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::AtomicU64;
@@ -57,12 +61,132 @@ pub struct EventStats {
 pub type BlockTokens = Arc<Mutex<HashMap<(usize, u16), u32>>>;
 
 /// How events are encoded.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Encoding {
     /// Tagged arrays (older vLLM) instead of tagged maps.
     pub array: bool,
     /// Hashes as the key's low 64 bits (an integer) instead of its 16 bytes.
     pub int_hashes: bool,
+}
+
+/// Longest engine hash kept (vLLM's SHA-256 block hashes are 32 bytes).
+pub const MAX_ENGINE_HASH: usize = 32;
+
+/// Most blocks whose engine hash is kept (about 70 bytes each): past it, new blocks are
+/// published under their kvtier keys (counted in `EngineHashes::refused`).
+const MAX_ENGINE_HASHES: usize = 8 << 20;
+
+/// An engine's own hash of a block, inline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EngineHash {
+    len: u8,
+    bytes: [u8; MAX_ENGINE_HASH],
+}
+
+impl EngineHash {
+    /// `None` when empty or longer than [`MAX_ENGINE_HASH`].
+    pub fn new(h: &[u8]) -> Option<Self> {
+        if h.is_empty() || h.len() > MAX_ENGINE_HASH {
+            return None;
+        }
+        let mut bytes = [0; MAX_ENGINE_HASH];
+        bytes[..h.len()].copy_from_slice(h);
+        Some(Self {
+            len: h.len() as u8,
+            bytes,
+        })
+    }
+
+    /// The hash as the engine gave it.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len as usize]
+    }
+
+    /// vLLM's integer form: `int.from_bytes(h, "big") & (2**64 - 1)`.
+    pub fn low64(&self) -> u64 {
+        self.as_bytes()
+            .iter()
+            .fold(0u64, |a, &b| (a << 8) | u64::from(b))
+    }
+}
+
+struct Held {
+    hash: EngineHash,
+    /// Tiers the block is in, one bit per [`Tier`] (0 while its commit is in progress).
+    tiers: u8,
+}
+
+fn tier_bit(t: Tier) -> u8 {
+    1 << (t as u8 & 7)
+}
+
+/// The engine hash of every block stored with one, per store, from its commit until it left
+/// its last tier; kept only while KV events are on.
+#[derive(Default)]
+pub struct EngineHashes {
+    map: Mutex<HashMap<(usize, u128), Held>>,
+    /// Hashes not kept because [`MAX_ENGINE_HASHES`] blocks had one.
+    pub refused: AtomicU64,
+}
+
+impl EngineHashes {
+    /// Notes `hash` for `key` of store `t` before its commit (the commit's `Stored` event may
+    /// be handled at once by the events thread).
+    pub fn note(&self, t: usize, key: u128, hash: &[u8]) {
+        let Some(hash) = EngineHash::new(hash) else {
+            return;
+        };
+        let mut m = self.map.lock();
+        if let Some(h) = m.get_mut(&(t, key)) {
+            h.hash = hash;
+        } else if m.len() < MAX_ENGINE_HASHES {
+            m.insert((t, key), Held { hash, tiers: 0 });
+        } else {
+            self.refused.fetch_add(1, Relaxed);
+        }
+    }
+
+    /// Forgets `key` if its commit did not store it (and no tier holds it).
+    pub fn abandon(&self, t: usize, key: u128) {
+        let mut m = self.map.lock();
+        if m.get(&(t, key)).is_some_and(|h| h.tiers == 0) {
+            m.remove(&(t, key));
+        }
+    }
+
+    /// The hash to publish event `e` of store `t` under, tracking where the block is.
+    fn resolve(&self, t: usize, e: &BlockEvent) -> Hash {
+        let mut m = self.map.lock();
+        let k = (t, e.key.0);
+        let Some(h) = m.get_mut(&k) else {
+            return Hash::Key(e.key.0);
+        };
+        let hash = h.hash;
+        match e.kind {
+            EventKind::Stored => h.tiers |= tier_bit(e.tier),
+            EventKind::Removed => {
+                h.tiers &= !tier_bit(e.tier);
+                if h.tiers == 0 {
+                    m.remove(&k);
+                }
+            }
+        }
+        Hash::Engine(hash)
+    }
+
+    /// Blocks whose engine hash is kept.
+    pub fn len(&self) -> usize {
+        self.map.lock().len()
+    }
+}
+
+/// What a block is published under.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hash {
+    /// Its 16-byte kvtier key.
+    Key(u128),
+    /// The engine's own hash.
+    Engine(EngineHash),
 }
 
 /// One vLLM KV event over a run of blocks.
@@ -74,8 +198,8 @@ pub struct Run {
     pub tier: Tier,
     /// Tokens per block (BlockStored).
     pub block_size: u32,
-    /// The blocks' keys.
-    pub keys: Vec<u128>,
+    /// The blocks' hashes.
+    pub keys: Vec<Hash>,
 }
 
 /// vLLM's `medium` of a tier: `CPU`, `STORAGE`, and `REMOTE` for another node's.
@@ -87,20 +211,23 @@ fn medium(t: Tier) -> &'static str {
     }
 }
 
-/// Groups events into runs of one kind, tier and block size.
-pub fn runs(events: &[BlockEvent], block_size: impl Fn(u16) -> u32) -> Vec<Run> {
+/// Groups events into runs of one kind, tier and block size, each block under `hash(event)`.
+pub fn runs(
+    events: &[BlockEvent],
+    block_size: impl Fn(u16) -> u32,
+    hash: impl Fn(&BlockEvent) -> Hash,
+) -> Vec<Run> {
     let mut out: Vec<Run> = Vec::new();
     for e in events {
         let bs = block_size(e.ns);
+        let h = hash(e);
         match out.last_mut() {
-            Some(r) if r.kind == e.kind && r.tier == e.tier && r.block_size == bs => {
-                r.keys.push(e.key.0)
-            }
+            Some(r) if r.kind == e.kind && r.tier == e.tier && r.block_size == bs => r.keys.push(h),
             _ => out.push(Run {
                 kind: e.kind,
                 tier: e.tier,
                 block_size: bs,
-                keys: vec![e.key.0],
+                keys: vec![h],
             }),
         }
     }
@@ -116,13 +243,22 @@ fn nil(b: &mut Vec<u8>) {
     let _ = rmp::encode::write_nil(b);
 }
 
-fn hashes(b: &mut Vec<u8>, keys: &[u128], enc: Encoding) {
+fn hashes(b: &mut Vec<u8>, keys: &[Hash], enc: Encoding) {
     let _ = rmp::encode::write_array_len(b, keys.len() as u32);
     for k in keys {
-        if enc.int_hashes {
-            let _ = rmp::encode::write_uint(b, *k as u64);
-        } else {
-            let _ = rmp::encode::write_bin(b, &k.to_be_bytes());
+        match (k, enc.int_hashes) {
+            (Hash::Key(k), true) => {
+                let _ = rmp::encode::write_uint(b, *k as u64);
+            }
+            (Hash::Key(k), false) => {
+                let _ = rmp::encode::write_bin(b, &k.to_be_bytes());
+            }
+            (Hash::Engine(h), true) => {
+                let _ = rmp::encode::write_uint(b, h.low64());
+            }
+            (Hash::Engine(h), false) => {
+                let _ = rmp::encode::write_bin(b, h.as_bytes());
+            }
         }
     }
 }
@@ -180,7 +316,7 @@ fn event(b: &mut Vec<u8>, r: &Run, enc: Encoding) {
 
 /// A `KVEventBatch` payload: `[ts, [events], data_parallel_rank]`.
 pub fn batch(ts: f64, runs: &[Run], enc: Encoding) -> Vec<u8> {
-    let mut b = Vec::with_capacity(64 + runs.iter().map(|r| 20 * r.keys.len()).sum::<usize>());
+    let mut b = Vec::with_capacity(64 + runs.iter().map(|r| 36 * r.keys.len()).sum::<usize>());
     let _ = rmp::encode::write_array_len(&mut b, 3);
     let _ = rmp::encode::write_f64(&mut b, ts);
     let _ = rmp::encode::write_array_len(&mut b, runs.len() as u32);
@@ -210,6 +346,7 @@ pub async fn start(
     cfg: &EventsSection,
     stores: Vec<(usize, &'static Store)>,
     block_tokens: BlockTokens,
+    engine_hashes: Arc<EngineHashes>,
     stats: Arc<EventStats>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> Result<Publisher> {
@@ -240,6 +377,7 @@ pub async fn start(
     for (t, store) in stores {
         let rx_events = store.subscribe(1 << 16);
         let (tx, tokens, stats) = (tx.clone(), block_tokens.clone(), stats.clone());
+        let engine = engine_hashes.clone();
         let queued = queued.clone();
         std::thread::Builder::new()
             .name(format!("kvtierd-events-{t}"))
@@ -256,7 +394,11 @@ pub async fn start(
                     }
                     let rs = {
                         let m = tokens.lock();
-                        runs(&buf, |ns| m.get(&(t, ns)).copied().unwrap_or(0))
+                        runs(
+                            &buf,
+                            |ns| m.get(&(t, ns)).copied().unwrap_or(0),
+                            |e| engine.resolve(t, e),
+                        )
                     };
                     let ts = SystemTime::now()
                         .duration_since(UNIX_EPOCH)
@@ -390,7 +532,11 @@ mod tests {
             ev(EventKind::Removed, 1, Tier::Host, 0),
             ev(EventKind::Stored, 4, Tier::Host, 1),
         ];
-        let rs = runs(&evs, |ns| if ns == 0 { 16 } else { 32 });
+        let rs = runs(
+            &evs,
+            |ns| if ns == 0 { 16 } else { 32 },
+            |e| Hash::Key(e.key.0),
+        );
         let shape: Vec<(EventKind, Tier, u32, usize)> = rs
             .iter()
             .map(|r| (r.kind, r.tier, r.block_size, r.keys.len()))
@@ -412,7 +558,7 @@ mod tests {
             kind: EventKind::Stored,
             tier: Tier::Disk,
             block_size: 16,
-            keys: vec![u128::MAX - 1],
+            keys: vec![Hash::Key(u128::MAX - 1)],
         };
         for (array, int_hashes) in [(false, false), (true, true)] {
             let enc = Encoding { array, int_hashes };
@@ -436,5 +582,57 @@ mod tests {
         let key = (u128::MAX - 1).to_be_bytes();
         assert!(b.windows(16).any(|w| w == key));
         assert!(b.windows(7).any(|w| w == b"STORAGE"));
+    }
+
+    #[test]
+    fn blocks_committed_with_engine_hashes_are_published_under_them_until_gone() {
+        let hs = EngineHashes::default();
+        let vllm: Vec<u8> = (0..32).collect();
+        hs.note(0, 7, &vllm);
+        hs.note(0, 8, &[9; 40]); // too long: not kept
+        hs.note(0, 9, &[1, 2, 3]);
+        hs.abandon(0, 9); // its commit stored nothing
+        let resolve = |kind, key, tier| hs.resolve(0, &ev(kind, key, tier, 0));
+        let engine = Hash::Engine(EngineHash::new(&vllm).unwrap());
+        assert_eq!(resolve(EventKind::Stored, 7, Tier::Host), engine);
+        assert_eq!(resolve(EventKind::Stored, 8, Tier::Host), Hash::Key(8));
+        assert_eq!(resolve(EventKind::Stored, 9, Tier::Host), Hash::Key(9));
+        // Another store's block of the same key is not this one.
+        assert_eq!(
+            hs.resolve(1, &ev(EventKind::Stored, 7, Tier::Host, 0)),
+            Hash::Key(7)
+        );
+        // Written below, then evicted from host: still known until it leaves the disk too.
+        assert_eq!(resolve(EventKind::Stored, 7, Tier::Disk), engine);
+        assert_eq!(resolve(EventKind::Removed, 7, Tier::Host), engine);
+        assert_eq!(hs.len(), 1);
+        assert_eq!(resolve(EventKind::Removed, 7, Tier::Disk), engine);
+        assert_eq!(hs.len(), 0);
+        assert_eq!(resolve(EventKind::Stored, 7, Tier::Host), Hash::Key(7));
+        // Bytes as given, and vLLM's integer form (low 64 bits, big-endian).
+        let r = Run {
+            kind: EventKind::Removed,
+            tier: Tier::Host,
+            block_size: 16,
+            keys: vec![engine],
+        };
+        let b = batch(0.0, std::slice::from_ref(&r), Encoding::default());
+        assert!(b.windows(32).any(|w| w == vllm.as_slice()));
+        assert_eq!(
+            EngineHash::new(&vllm).unwrap().low64(),
+            u64::from_be_bytes(vllm[24..].try_into().unwrap())
+        );
+        let b = batch(
+            0.0,
+            &[r],
+            Encoding {
+                array: true,
+                int_hashes: true,
+            },
+        );
+        let low = u64::from_be_bytes(vllm[24..].try_into().unwrap());
+        let mut want = Vec::new();
+        rmp::encode::write_uint(&mut want, low).unwrap();
+        assert!(b.windows(want.len()).any(|w| w == want.as_slice()));
     }
 }

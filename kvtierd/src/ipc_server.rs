@@ -537,11 +537,34 @@ impl<'d> Conn<'d> {
                         c.checksums.len()
                     ));
                 }
+                if !c.engine_hashes.is_empty() && c.engine_hashes.len() != c.tokens.len() {
+                    return Err(format!(
+                        "{} tokens but {} engine hashes",
+                        c.tokens.len(),
+                        c.engine_hashes.len()
+                    ));
+                }
+                // Engine hashes matter only to the KV event publisher.
+                let engine = self
+                    .d
+                    .engine_hashes
+                    .as_ref()
+                    .filter(|_| !c.engine_hashes.is_empty());
                 let mut reply = pb::CommitReply::default();
-                for (t, sum) in c.tokens.into_iter().zip(c.checksums) {
+                for (i, (t, sum)) in c.tokens.into_iter().zip(c.checksums).enumerate() {
                     match self.take(t) {
                         Some(r) => {
-                            if r.commit_with_checksum(sum).map_err(|e| e.to_string())? {
+                            let key = r.key().0;
+                            if let Some(e) = engine {
+                                e.note(self.t, key, &c.engine_hashes[i]);
+                            }
+                            let stored = r.commit_with_checksum(sum).map_err(|e| e.to_string());
+                            if stored != Ok(true) {
+                                if let Some(e) = engine {
+                                    e.abandon(self.t, key);
+                                }
+                            }
+                            if stored? {
                                 reply.committed += 1;
                             } else {
                                 reply.cancelled.push(t);

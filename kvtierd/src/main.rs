@@ -108,6 +108,8 @@ pub struct Daemon {
     pub block_tokens: events::BlockTokens,
     /// KV event publisher counters.
     pub events: Arc<events::EventStats>,
+    /// Engine hashes of stored blocks, for KV events (only while `[events]` is on).
+    pub engine_hashes: Option<Arc<events::EngineHashes>>,
     /// The remote tier, when `[cluster]` is on.
     pub cluster: Option<Cluster>,
 }
@@ -169,7 +171,9 @@ impl Daemon {
         cfg: config::Config,
         log: Arc<logging::LogStats>,
     ) -> Self {
+        let engine_hashes = (!cfg.events.endpoint.is_empty()).then(Arc::default);
         Self {
+            engine_hashes,
             store,
             tenants,
             cfg,
@@ -207,6 +211,11 @@ impl Daemon {
         if let Some(i) = store.namespaces().iter().position(|f| *f == fp) {
             let id = kvstore::NsId(i as u32);
             check(id)?;
+            // Known already (registered before, or recovered from the disk tier after a
+            // restart): its tokens per block still have to reach the KV events.
+            self.block_tokens
+                .lock()
+                .insert((t, id.0 as u16), ns.block_tokens);
             return Ok(id);
         }
         check(kvstore::NsId(u32::MAX))?;
@@ -589,6 +598,7 @@ fn run() -> Result<()> {
                 &cfg.events,
                 stores,
                 d.block_tokens.clone(),
+                d.engine_hashes.clone().unwrap_or_default(),
                 d.events.clone(),
                 stop_rx.clone(),
             )

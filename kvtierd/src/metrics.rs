@@ -382,6 +382,18 @@ fn collect(d: &Daemon, o: &mut Out) -> fmt::Result {
     ] {
         o.counter(name, help, &one(v.load(Relaxed)))?;
     }
+    if let Some(h) = &d.engine_hashes {
+        o.gauge(
+            "event_engine_hashes",
+            "Stored blocks whose KV events go under the engine's own hash (kept while events are on).",
+            &one_f(h.len() as f64),
+        )?;
+        o.counter(
+            "event_engine_hashes_refused",
+            "Engine hashes not kept (the table was full): those blocks' events use kvtier keys.",
+            &one(h.refused.load(Relaxed)),
+        )?;
+    }
     let lat = d.latency_buckets();
     let samples: Vec<(Labels, &LatencyBuckets)> =
         lat.iter().map(|(op, h)| (label("op", *op), h)).collect();

@@ -95,6 +95,7 @@ class Daemon:
         line = self.p.stdout.readline()
         f = dict(w.split("=", 1) for w in line.split() if "=" in w)
         self.socket, self.grpc = f["socket"], f["grpc"]
+        self.events = f.get("events")
 
     def stop(self):
         if self.p.poll() is None:
@@ -283,7 +284,8 @@ def test_vllm_engines_share_kv_through_kvtierd(model, ref, tmp_path):
         pre = d.cli("stats")["prefetch"]
         assert pre["hinted"] > 0 and pre["in_time"] > 0, pre
         d.stop()
-        d.start()
+        # Integer hashes, as vLLM publishes them by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES).
+        d.start("--set", "events.endpoint=tcp://127.0.0.1:0", "--set", "events.int_hashes=true")
 
         # Cleared: a miss, and still the same output. A consumer engine (kv_role kv_consumer)
         # stores nothing; C and D are stored again by the next one.
@@ -307,6 +309,10 @@ def test_vllm_engines_share_kv_through_kvtierd(model, ref, tmp_path):
         sub = zmq.Context.instance().socket(zmq.SUB)
         sub.connect(f"tcp://127.0.0.1:{port}")
         sub.setsockopt(zmq.SUBSCRIBE, b"")
+        # kvtierd's own publisher ([events]) at the same time.
+        daemon_sub = zmq.Context.instance().socket(zmq.SUB)
+        daemon_sub.connect(d.events)
+        daemon_sub.setsockopt(zmq.SUBSCRIBE, b"")
         cleared = engine(model, [C, D], d.conn(), kv_events=f"tcp://*:{port}")["outputs"]
         for out, name in zip(cleared, "CD"):
             assert out["num_cached_tokens"] == 0
@@ -324,6 +330,22 @@ def test_vllm_engines_share_kv_through_kvtierd(model, ref, tmp_path):
             assert full in saved_tokens, (full, saved_tokens)
         assert all(len(e.block_hashes) * BS == len(e.token_ids) and e.block_size == BS
                    for e in ours)
+        # kvtierd names the blocks the connector saved by vLLM's own block hashes (sent with
+        # the commits), so a router indexing vLLM's events matches kvtierd's, evictions
+        # included.
+        daemon = []
+        while daemon_sub.poll(1000):
+            _, _, payload = daemon_sub.recv_multipart()
+            daemon += [e for e in dec.decode(payload).events if isinstance(e, BlockStored)]
+        daemon_sub.close(linger=0)
+        vllm_hashes = {h for e in ours for h in e.block_hashes}
+        daemon_hashes = {h for e in daemon for h in e.block_hashes}
+        assert vllm_hashes and vllm_hashes <= daemon_hashes, (vllm_hashes, daemon_hashes)
+        assert all(isinstance(h, int) for h in daemon_hashes)
+        # Host memory, and the disk tier (admission always) as the blocks are written below;
+        # the tokens per block as the engine registered them, after a restart too.
+        assert all(e.medium in ("CPU", "STORAGE") and e.block_size == BS for e in daemon), \
+            [(e.medium, e.block_size) for e in daemon]
 
         # Data files corrupted on disk: the index says present, the checksum says no.
         d.stop()
@@ -409,3 +431,42 @@ def test_two_nodes_share_a_prefix_over_the_remote_tier(model, ref, tmp_path):
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_layerwise_loads_are_awaited_layer_by_layer(model, ref, tmp_path):
+    """`layerwise` with synchronous loads: a step's loads run layer by layer on a thread while
+    the forward pass starts; each layer waits for its own KV (wait_for_layer_load) and runs only
+    after it is in. Same tokens and log-probabilities as without kvtier."""
+    trace = tmp_path / "layers.jsonl"
+    conn = {"mode": "embedded", "disk_dir": str(tmp_path / "store"), "host_bytes": 64 << 20,
+            "disk_bytes": 256 << 20, "segment_bytes": 16 << 20, "async_load": False,
+            "layerwise": True, "layer_trace": str(trace)}
+    first = engine(model, [A, C], conn, in_process=True)["outputs"]
+    for out, name in zip(first, "AC"):
+        assert out["num_cached_tokens"] == 0
+        same(out, ref[name])
+    trace.unlink(missing_ok=True)
+    again = engine(model, [A, C, B], conn, in_process=True)["outputs"]
+    assert again[0]["num_cached_tokens"] >= len(A) - BS
+    same(again[0], ref["A"])
+    assert again[1]["num_cached_tokens"] >= 2 * BS
+    same(again[1], ref["C"])
+    assert again[2]["num_cached_tokens"] >= BS  # B shares a block with A
+    same(again[2], ref["B"])
+    ev = sorted((json.loads(l) for l in trace.read_text().splitlines()), key=lambda e: e["t"])
+    waited = [e for e in ev if e["event"] == "waited"]
+    # A's and C's first steps loaded KV (B's shared block is in vLLM's own prefix cache by
+    # then); each waited for every layer, in order.
+    steps = len(waited) // LAYERS
+    assert steps >= 2 and [e["layer"] for e in waited] == list(range(LAYERS)) * steps, waited
+    for e in waited:
+        i = ev.index(e)
+        before = [x for x in ev[:i] if x["layer"] == e["layer"]]
+        # The layer's KV was in before its wait returned (one more time than it was waited
+        # for before)...
+        loads = sum(x["event"] == "loaded" for x in before)
+        waits = sum(x["event"] == "waited" for x in before)
+        assert loads > waits, (e, before)
+        # ...and the layer ran after its wait, before the next layer's.
+        nxt = next(x for x in ev[i + 1:] if x["event"] == "ran")
+        assert nxt["layer"] == e["layer"], (e, nxt)

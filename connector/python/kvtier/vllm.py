@@ -31,6 +31,11 @@ Extra config keys:
         computes the rest), "wait_complete" (waits until all have arrived, at most 60 s),
         "best_effort" (never waits: loads what is in host memory now)
   load_deadline_ms: see load_policy (default 2000)
+  layerwise: with ``async_load`` false, a step's loads run layer by layer on a thread of their
+        own while the forward pass starts: every block is pinned and checksum-verified first,
+        then each layer is copied in order and ``wait_for_layer_load`` waits only for its own
+        layer (default false: the whole load finishes in ``start_load_kv``). Saves stay whole
+        requests, after the forward pass.
   prefill_tokens_per_s: the engine's prefill rate; when set, break-even admission loads a block
         from disk only if that beats recomputing it (each tier priced by its measured read
         bandwidth and latency); 0 (default) loads every hit
@@ -127,6 +132,52 @@ class KvtierMetadata(KVConnectorMetadata):
     async_load: bool = True
 
 
+class _LayerLoads:
+    """One step's synchronous loads, layer by layer on a thread of their own while the forward
+    pass runs: ``wait(layer)`` returns once that layer of every loaded block is in the engine's
+    tensors (blocks are verified before any layer is copied); ``finish()`` waits for all and
+    returns the engine blocks that were not loaded."""
+
+    def __init__(self, load_one, transfers: list[_Transfer], layers: int, trace=None):
+        self._cv = threading.Condition()
+        self._layers = layers
+        self._reached = [-1] * len(transfers)
+        self._failed: set[int] = set()
+        self._trace = trace
+        self._thread = threading.Thread(target=self._run, args=(load_one, transfers),
+                                        name="kvtier-layer-loads", daemon=True)
+        self._thread.start()
+
+    def _run(self, load_one, transfers) -> None:
+        for i, t in enumerate(transfers):
+            def on_layer(layer, n, i=i):
+                if self._trace:
+                    self._trace("loaded", layer)
+                with self._cv:
+                    self._reached[i] = max(self._reached[i], layer)
+                    self._cv.notify_all()
+            try:
+                self._failed.update(load_one(t, on_layer))
+            except Exception:  # noqa: BLE001 - the blocks are reported failed, never used
+                log.exception("kvtier: layer-wise load for %s failed", t.req_id)
+                self._failed.update(t.block_ids)
+            finally:
+                with self._cv:
+                    self._reached[i] = self._layers - 1
+                    self._cv.notify_all()
+
+    def wait(self, layer: int) -> None:
+        with self._cv:
+            while not all(r >= layer for r in self._reached):
+                if not self._thread.is_alive():
+                    break
+                self._cv.wait(timeout=1.0)
+
+    def finish(self) -> set[int]:
+        self._thread.join()
+        return self._failed
+
+
 class _Mover:
     """The worker's transfer thread. Loads go before saves; each kind in order. Tracks which
     async loads finished (with their failed blocks) and which requests still have saves queued."""
@@ -212,6 +263,12 @@ class KvtierConnector(KVConnectorBase_V1):
         self._extra = extra
         self._sidecar = extra.get("mode", "embedded") == "sidecar"
         self._async = bool(extra.get("async_load", True))
+        self._layerwise = bool(extra.get("layerwise", False))
+        if self._layerwise and self._async:
+            log.warning("kvtier: layerwise applies to synchronous loads (async_load: false); "
+                        "asynchronous loads finish before their request runs")
+        # A debugging aid (and what the tests read): one JSON line per layer event.
+        self._layer_trace_path = extra.get("layer_trace")
         self._lease_ms = int(extra.get("lease_ms", 30_000))
         self._preload = bool(extra.get("preload", True))
         self._policy = str(extra.get("load_policy", "timeout"))
@@ -286,6 +343,8 @@ class KvtierConnector(KVConnectorBase_V1):
         self._failed: set[int] = set()
         self._save_reqs: set[str] = set()
         self._finishing: set[str] = set()
+        self._layer_index: dict[str, int] = {}
+        self._layer_loads: _LayerLoads | None = None
 
     # ---- keys ------------------------------------------------------------------------------
 
@@ -506,6 +565,7 @@ class KvtierConnector(KVConnectorBase_V1):
             layers.append((t.data_ptr(), shape, strides, dims, t.element_size()))
         self._kv_caches = kv_caches  # keep the tensors alive
         self._paged = PagedKv(layers)
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         self._mover = _Mover(self._load, self._save)
 
     def _load(self, t: _Transfer) -> list[int]:
@@ -530,7 +590,10 @@ class KvtierConnector(KVConnectorBase_V1):
     def _save(self, t: _Transfer) -> None:
         keys = [engine_key(self._fp, h) for h in t.hashes]
         try:
-            self._store.save(self._ns, self._paged, keys, [[b] for b in t.block_ids])
+            # vLLM's own block hashes go along: kvtierd's KV events name the blocks by them,
+            # as vLLM's publisher does.
+            self._store.save(self._ns, self._paged, keys, [[b] for b in t.block_ids],
+                             engine_hashes=[bytes(h) for h in t.hashes])
         except Exception:
             log.exception("kvtier: save of %d blocks for %s failed", len(keys), t.req_id)
 
@@ -543,21 +606,66 @@ class KvtierConnector(KVConnectorBase_V1):
             self._save_reqs.difference_update(preempted)
             self._finishing.difference_update(preempted)
 
+    def _trace_layer(self, what: str, layer: int) -> None:
+        if self._layer_trace_path:
+            import json
+            with open(self._layer_trace_path, "a") as f:
+                f.write(json.dumps({"event": what, "layer": layer, "t": time.monotonic()}) + "\n")
+
+    def _load_layerwise(self, t: _Transfer, on_layer) -> list[int]:
+        """Loads one transfer layer by layer; returns the engine blocks not loaded."""
+        if not t.hashes:
+            for layer in range(len(self._layer_index)):
+                on_layer(layer, 0)
+            return list(t.block_ids)
+        keys = [engine_key(self._fp, h) for h in t.hashes]
+        ids = [[b] for b in t.block_ids]
+        n = self._store.load_layerwise(self._paged, keys, ids, on_layer, self._lease_ms)
+        if n < len(keys):
+            log.warning("kvtier: %d of %d blocks for %s could not be loaded",
+                        len(keys) - n, len(keys), t.req_id)
+        return list(t.block_ids[n:])
+
+    def _finish_layer_loads(self) -> None:
+        if self._layer_loads is not None:
+            self._failed.update(self._layer_loads.finish())
+            self._layer_loads = None
+
     def start_load_kv(self, forward_context, **kwargs):
         meta = self._get_connector_metadata()
+        sync = []
         for t in meta.loads:
             if meta.async_load:
                 self._mover.submit_load(t)
+            elif self._layerwise:
+                sync.append(t)
             else:
                 self._failed.update(self._load(t))
+        if sync:
+            self._finish_layer_loads()
+            trace = self._trace_layer if self._layer_trace_path else None
+            self._layer_loads = _LayerLoads(self._load_layerwise, sync, len(self._layer_index),
+                                            trace)
 
     def wait_for_layer_load(self, layer_name):
-        return
+        if self._layer_loads is None:
+            return
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            # A layer kvtier does not know: wait for every layer rather than guess.
+            self._finish_layer_loads()
+            return
+        self._layer_loads.wait(layer)
+        self._trace_layer("waited", layer)
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
-        return
+        # Called after the layer's attention ran (what the layer-wise tests check against).
+        if self._layer_trace_path and layer_name in self._layer_index:
+            self._trace_layer("ran", self._layer_index[layer_name])
 
     def wait_for_save(self):
+        # The forward pass is over: the step's layer-wise loads are all in.
+        self._finish_layer_loads()
         meta = self._get_connector_metadata()
         for t in meta.saves:
             # Every rank reports the save done (the scheduler waits for all of them); a rank
@@ -582,6 +690,7 @@ class KvtierConnector(KVConnectorBase_V1):
         return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self):
+        self._finish_layer_loads()
         failed, self._failed = self._failed, set()
         return failed
 

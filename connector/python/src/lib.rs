@@ -332,6 +332,9 @@ impl Backend {
 
     /// Saves engine blocks: `keys[i]` gets the canonical bytes of engine blocks `block_ids[i]`,
     /// gathered straight into a reserved slot. Returns how many were stored now.
+    /// `engine_hashes`, if given, is the engine's own hash of each block (vLLM's block hash, at
+    /// most 32 bytes): kvtierd's KV events name the blocks by it.
+    #[pyo3(signature = (ns, paged, keys, block_ids, engine_hashes=None))]
     fn save(
         &self,
         py: Python<'_>,
@@ -339,10 +342,15 @@ impl Backend {
         paged: &PagedKv,
         keys: Vec<Vec<u8>>,
         block_ids: Vec<Vec<usize>>,
+        engine_hashes: Option<Vec<Vec<u8>>>,
     ) -> PyResult<usize> {
         let ks = paired_keys(&keys, &block_ids)?;
-        py.allow_threads(|| self.b.save(NsId(ns), &paged.inner, &ks, &block_ids))
-            .map_err(transfer_err)
+        let tags = engine_hashes.unwrap_or_default();
+        py.allow_threads(|| {
+            self.b
+                .save_tagged(NsId(ns), &paged.inner, &ks, &block_ids, &tags)
+        })
+        .map_err(transfer_err)
     }
 
     /// Loads the longest present prefix of `keys` into engine blocks `block_ids[i]` (scattered
@@ -362,6 +370,35 @@ impl Backend {
         let ttl = Duration::from_millis(ttl_ms);
         py.allow_threads(|| self.b.load(&paged.inner, &ks, &block_ids, ttl))
             .map_err(transfer_err)
+    }
+
+    /// Loads like `load`, layer by layer: every block is pinned and checked first, then each
+    /// layer of every block is copied and `on_layer(layer, loaded)` called (with the GIL) as
+    /// soon as it is in, so the engine can run that layer. Returns how many leading keys were
+    /// loaded (0 if a lease lapsed: treat them all as failed, whatever `on_layer` said).
+    #[pyo3(signature = (paged, keys, block_ids, on_layer, ttl_ms=30_000))]
+    fn load_layerwise(
+        &self,
+        py: Python<'_>,
+        paged: &PagedKv,
+        keys: Vec<Vec<u8>>,
+        block_ids: Vec<Vec<usize>>,
+        on_layer: PyObject,
+        ttl_ms: u64,
+    ) -> PyResult<usize> {
+        let ks = paired_keys(&keys, &block_ids)?;
+        let ttl = Duration::from_millis(ttl_ms);
+        py.allow_threads(|| {
+            self.b
+                .load_layerwise(&paged.inner, &ks, &block_ids, ttl, &mut |layer, n| {
+                    Python::with_gil(|py| {
+                        if let Err(e) = on_layer.call1(py, (layer, n)) {
+                            e.print(py);
+                        }
+                    })
+                })
+        })
+        .map_err(transfer_err)
     }
 
     /// Copies the longest present prefix of `keys` into the caller's pages (each a list of
