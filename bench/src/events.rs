@@ -183,6 +183,9 @@ pub fn run(args: EventsArgs) -> Result<()> {
             capacity.to_string(),
             "--set".into(),
             format!("host.segment={seg}"),
+            // The clear at the end is an admin write (loopback only, no token here).
+            "--set".into(),
+            "server.allow_unauthenticated_admin=true".into(),
         ];
         if events {
             a.extend(["--set".into(), "events.endpoint=tcp://127.0.0.1:0".into()]);
