@@ -174,8 +174,9 @@ pub fn run(args: EventsArgs) -> Result<()> {
     let bin = sidecar::binary(args.kvtierd.as_deref())?;
     let block = args.block as usize;
     let seg = 64u64 << 20;
-    let capacity =
-        ((args.blocks * args.block.max(4096) * (args.rounds as u64 + 1)) / seg + 2) * seg;
+    // Every round's blocks stay (fresh keys each round), with a little room to spare: no
+    // eviction while measuring.
+    let capacity = ((args.blocks * args.block.max(4096) * args.rounds as u64) / seg + 2) * seg;
     let common = |events: bool| {
         let mut a: Vec<String> = vec![
             "--no-disk".into(),
@@ -183,6 +184,9 @@ pub fn run(args: EventsArgs) -> Result<()> {
             capacity.to_string(),
             "--set".into(),
             format!("host.segment={seg}"),
+            // Slots of exactly the block size (the default classes start at 64 KiB).
+            "--set".into(),
+            format!("host.size_classes=[{}]", args.block.max(4096)),
             // The clear at the end is an admin write (loopback only, no token here).
             "--set".into(),
             "server.allow_unauthenticated_admin=true".into(),
@@ -203,6 +207,9 @@ pub fn run(args: EventsArgs) -> Result<()> {
         std::env::temp_dir().join(format!("kvtier-bench-noev-{pid}")),
         &common(false),
     )?;
+    for d in [&with, &without] {
+        d.wait_populated(Duration::from_secs(600))?;
+    }
     let endpoint = with
         .ready
         .split_whitespace()

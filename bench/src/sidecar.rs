@@ -91,4 +91,34 @@ impl Sidecar {
             dir,
         })
     }
+
+    /// Waits (at most `limit`) until kvtierd's host arena is faulted in: puts before that find
+    /// only the populated segments and evict, and the faulting competes for the CPU, so a
+    /// measurement must not start earlier.
+    pub fn wait_populated(&self, limit: std::time::Duration) -> Result<()> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let end = std::time::Instant::now() + limit;
+        rt.block_on(async {
+            let mut c = kvtier_client::connect(&self.grpc, None).await?;
+            loop {
+                let h = c
+                    .health(kvtier_client::pb::HealthRequest {})
+                    .await
+                    .map_err(kvtier_client::explain)?
+                    .into_inner();
+                if h.populated_segments >= h.total_segments {
+                    return Ok(());
+                }
+                anyhow::ensure!(
+                    std::time::Instant::now() < end,
+                    "kvtierd's host arena: {} of {} segments populated after {limit:?}",
+                    h.populated_segments,
+                    h.total_segments
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+        })
+    }
 }
