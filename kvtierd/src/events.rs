@@ -154,9 +154,23 @@ impl EngineHashes {
         }
     }
 
-    /// The hash to publish event `e` of store `t` under, tracking where the block is.
-    fn resolve(&self, t: usize, e: &BlockEvent) -> Hash {
+    /// The hash to publish each of `events` (of store `t`) under, in order: one lock for the
+    /// batch, none while no engine hash is kept.
+    fn resolve_all(&self, t: usize, events: &[BlockEvent]) -> Vec<Hash> {
         let mut m = self.map.lock();
+        if m.is_empty() {
+            return events.iter().map(|e| Hash::Key(e.key.0)).collect();
+        }
+        events.iter().map(|e| Self::resolve_in(&mut m, t, e)).collect()
+    }
+
+    /// The hash to publish event `e` of store `t` under, tracking where the block is.
+    #[cfg(test)]
+    fn resolve(&self, t: usize, e: &BlockEvent) -> Hash {
+        Self::resolve_in(&mut self.map.lock(), t, e)
+    }
+
+    fn resolve_in(m: &mut HashMap<(usize, u128), Held>, t: usize, e: &BlockEvent) -> Hash {
         let k = (t, e.key.0);
         let Some(h) = m.get_mut(&k) else {
             return Hash::Key(e.key.0);
@@ -215,7 +229,7 @@ fn medium(t: Tier) -> &'static str {
 pub fn runs(
     events: &[BlockEvent],
     block_size: impl Fn(u16) -> u32,
-    hash: impl Fn(&BlockEvent) -> Hash,
+    mut hash: impl FnMut(&BlockEvent) -> Hash,
 ) -> Vec<Run> {
     let mut out: Vec<Run> = Vec::new();
     for e in events {
@@ -392,12 +406,14 @@ pub async fn start(
                             Err(_) => break,
                         }
                     }
+                    let hashes = engine.resolve_all(t, &buf);
                     let rs = {
                         let m = tokens.lock();
+                        let mut next = hashes.into_iter();
                         runs(
                             &buf,
                             |ns| m.get(&(t, ns)).copied().unwrap_or(0),
-                            |e| engine.resolve(t, e),
+                            |e| next.next().unwrap_or(Hash::Key(e.key.0)),
                         )
                     };
                     let ts = SystemTime::now()
