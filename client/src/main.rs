@@ -193,6 +193,7 @@ async fn run() -> Result<()> {
                         "degraded": r.degraded, "membership_changes": r.membership_changes,
                         "replicas": r.replicas, "members": members, "pushes": r.pushes,
                         "push_dropped": r.push_dropped, "push_failed": r.push_failed,
+                        "push_retries": r.push_retries,
                         "push_queue_bytes": r.push_queue_bytes, "served_bytes": r.served_bytes,
                         "received_bytes": r.received_bytes, "stored_for_peers": r.stored_for_peers,
                         "auth_failures": r.auth_failures})
@@ -201,8 +202,8 @@ async fn run() -> Result<()> {
                 println!("no remote tier (set cluster.listen and cluster.members)");
             } else {
                 println!(
-                    "node {} ({} membership{}, {} replica(s)); pushed {}, dropped {}, failed {}; served {} to peers, stored {} blocks for them",
-                    r.listen, r.membership, if r.degraded { ", DEGRADED: etcd unreachable" } else { "" }, r.replicas, r.pushes, r.push_dropped, r.push_failed,
+                    "node {} ({} membership{}, {} replica(s)); pushed {}, dropped {}, retried {}, failed {}; served {} to peers, stored {} blocks for them",
+                    r.listen, r.membership, if r.degraded { ", DEGRADED: etcd unreachable" } else { "" }, r.replicas, r.pushes, r.push_dropped, r.push_retries, r.push_failed,
                     gib(r.served_bytes), r.stored_for_peers
                 );
                 println!(

@@ -649,6 +649,26 @@ impl LowerTier for RemoteTier {
         let started = Instant::now();
         let deadline = started + self.cfg.timeout;
         let groups = self.group(items.iter().map(|it| it.key), true);
+        // A block whose other owners all have their breaker open is not "nothing to do": it
+        // is busy (the pusher tries it again later), never silently left out.
+        let mut sent = vec![false; items.len()];
+        for (_, idx) in &groups {
+            for &i in idx {
+                sent[i] = true;
+            }
+        }
+        {
+            let p = self.placement();
+            for (i, it) in items.iter().enumerate() {
+                let elsewhere = p
+                    .owners(&it.key, self.cfg.replicas)
+                    .into_iter()
+                    .any(|m| p.members()[m].addr != self.cfg.me);
+                if !sent[i] && elsewhere {
+                    out[i] = WriteOutcome::Busy;
+                }
+            }
+        }
         // One PUT per block, pipelined: up to WINDOW requests are written before their replies
         // are read, so the peer stores block i while this thread checks and sends block i+1.
         for (peer, idx) in groups {

@@ -178,7 +178,8 @@ async fn a_wrong_secret_is_refused_and_its_blocks_stay_local() {
     }
     tokio::task::block_in_place(|| {
         let until = Instant::now() + Duration::from_secs(10);
-        while nodes[0].store.stats().push_failed == 0 {
+        // Failed pushes are tried again later (and given up after 21 s).
+        while nodes[0].store.stats().push_retries == 0 {
             assert!(Instant::now() < until);
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -220,6 +221,72 @@ async fn a_dead_peer_costs_a_miss_within_the_deadline_and_opens_its_breaker() {
         let a = st.iter().find(|p| p.addr == nodes[0].addr).unwrap();
         assert!(a.failures >= 1, "{st:?}");
     });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pushes_to_an_owner_that_was_down_are_retried_when_it_is_back() {
+    let nodes = cluster(2, &["s"]).await;
+    let id = register(&nodes);
+    // B's server goes away before anything is saved: A's pushes to B fail.
+    nodes[1].server.abort();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (keys, data) = blocks(16, 4);
+    for (k, d) in keys.iter().zip(&data) {
+        nodes[0].store.put(id, *k, d).unwrap();
+    }
+    let to_b = keys
+        .iter()
+        .filter(|k| nodes[0].remote.placement().owner(k) == Some(nodes[1].addr.as_str()))
+        .count();
+    assert!(to_b > 0);
+    tokio::task::block_in_place(|| {
+        let until = Instant::now() + Duration::from_secs(10);
+        while nodes[0].store.stats().push_retries == 0 {
+            assert!(Instant::now() < until, "no push failed");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    });
+    // B is back on its address (same store): the retries deliver every block it owns.
+    let l = tokio::net::TcpListener::bind(&nodes[1].addr).await.unwrap();
+    let again = tokio::spawn(serve(
+        l,
+        nodes[1].store,
+        ServerConfig {
+            node: nodes[1].addr.clone(),
+            secret: "s".into(),
+            capacity: nodes[1].store.capacity_bytes(),
+            timeout: Duration::from_millis(1500),
+        },
+        nodes[1].stats.clone(),
+    ));
+    tokio::task::block_in_place(|| {
+        let until = Instant::now() + Duration::from_secs(30);
+        while (nodes[0].store.stats().pushes as usize) < to_b {
+            assert!(
+                Instant::now() < until,
+                "retried pushes did not arrive: {:?}",
+                nodes[0].store.stats()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        wait_placed(&nodes, &keys);
+        // Byte-exact on B, from its own host memory.
+        let b = nodes[1].store;
+        let mine: Vec<(usize, BlockKey)> = keys
+            .iter()
+            .copied()
+            .enumerate()
+            .filter(|(_, k)| nodes[0].remote.placement().owner(k) == Some(nodes[1].addr.as_str()))
+            .collect();
+        for (i, k) in mine {
+            assert!(b.probe_local(&[k])[0].is_some());
+            let l = b.load(&[k]).unwrap();
+            assert_eq!(l.block(0), &data[i][..], "block {i}");
+        }
+    });
+    let s = nodes[0].store.stats();
+    assert_eq!(s.push_failed, 0, "{s:?}");
+    again.abort();
 }
 
 /// A peer that answers every question and then sends bytes that are not the block it

@@ -458,6 +458,7 @@ impl Admin for AdminService {
             pushes: s.pushes,
             push_dropped: s.push_dropped,
             push_failed: s.push_failed,
+            push_retries: s.push_retries,
             push_queue_bytes: s.push_queue_bytes,
             served_bytes: c.server.bytes_out.load(Relaxed),
             received_bytes: c.server.bytes_in.load(Relaxed),

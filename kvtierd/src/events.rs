@@ -161,7 +161,10 @@ impl EngineHashes {
         if m.is_empty() {
             return events.iter().map(|e| Hash::Key(e.key.0)).collect();
         }
-        events.iter().map(|e| Self::resolve_in(&mut m, t, e)).collect()
+        events
+            .iter()
+            .map(|e| Self::resolve_in(&mut m, t, e))
+            .collect()
     }
 
     /// The hash to publish event `e` of store `t` under, tracking where the block is.

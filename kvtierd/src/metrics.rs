@@ -199,10 +199,11 @@ fn collect(d: &Daemon, o: &mut Out) -> fmt::Result {
         )?;
         o.counter(
             "remote_pushes",
-            "Saved blocks pushed to their owners (pushed), not pushed because the queue was full (dropped), or failed.",
+            "Saved blocks pushed to their owners (pushed), not pushed because the queue was full (dropped), failed and tried again later (retried), or failed for good.",
             &[
                 (label("outcome", "pushed"), s.pushes),
                 (label("outcome", "dropped"), s.push_dropped),
+                (label("outcome", "retried"), s.push_retries),
                 (label("outcome", "failed"), s.push_failed),
             ],
         )?;

@@ -121,9 +121,11 @@ pub struct StoreStats {
     pub pushes: u64,
     /// Blocks not pushed: the push queue was full (`push_queue_bytes`).
     pub push_dropped: u64,
-    /// Pushes that failed (owner unreachable, refused): the block stays local only.
+    /// Pushes that failed (owner unreachable, refused) and were retried later.
+    pub push_retries: u64,
+    /// Pushes that failed for good (after their retries): the block stays local only.
     pub push_failed: u64,
-    /// Bytes queued for pushing.
+    /// Bytes queued for pushing (retries waiting included).
     pub push_queue_bytes: u64,
 }
 
@@ -180,6 +182,7 @@ pub(crate) struct Counters {
     pub break_even_blocks_cut: AtomicU64,
     pub pushes: AtomicU64,
     pub push_dropped: AtomicU64,
+    pub push_retries: AtomicU64,
     pub push_failed: AtomicU64,
 }
 
@@ -730,6 +733,7 @@ impl Store {
             break_even_blocks_cut: s.break_even_blocks_cut.load(Relaxed),
             pushes: s.pushes.load(Relaxed),
             push_dropped: s.push_dropped.load(Relaxed),
+            push_retries: s.push_retries.load(Relaxed),
             push_failed: s.push_failed.load(Relaxed),
             push_queue_bytes: q.push_bytes,
         }

@@ -45,6 +45,11 @@ pub(crate) struct Demote {
     pub ns: u16,
 }
 
+/// Tries of a failed push after the first, and the wait before the first of them (then 4×
+/// longer each time: 1 s, 4 s, 16 s, long enough for an owner's restart).
+const PUSH_RETRIES: u8 = 3;
+const PUSH_RETRY_FIRST: Duration = Duration::from_secs(1);
+
 /// A host slot reserved (Promoting, one pin held for the load that asked) to read a block into.
 #[derive(Clone, Copy)]
 pub(crate) struct Promote {
@@ -152,9 +157,12 @@ struct Queues {
     /// The first waiting hint made no progress when last resumed: not again until room
     /// changes.
     resume_stalled: bool,
-    /// Committed blocks to push to the write-behind tier (each holds one pin), and their bytes.
+    /// Committed blocks to push to the write-behind tier (each holds one pin), and their bytes
+    /// (retries included).
     push: VecDeque<Demote>,
     push_bytes: u64,
+    /// Pushes that failed, waiting for their next try (due time, tries so far), due order.
+    push_retry: VecDeque<(Instant, u8, Demote)>,
     stop: bool,
 }
 
@@ -444,42 +452,63 @@ impl Inner {
     }
 
     /// The pusher: batches of committed blocks to the write-behind tier (the remote tier), in
-    /// commit order. A failed push leaves the block local only; nothing waits for it.
+    /// commit order. A failed push is tried again after 1 s, 4 s and 16 s (an owner that
+    /// restarts or a breaker that closes again still gets the block), holding its pin and its
+    /// bytes of the push queue meanwhile; after that the block stays local only. Nothing waits
+    /// for a push.
     fn pusher_loop(&self) {
         let Some(tier) = self.push_to.and_then(|i| self.tiers.get(i)) else {
             return;
         };
         loop {
-            let batch: Vec<Demote> = {
+            let batch: Vec<(u8, Demote)> = {
                 let mut q = self.work.q.lock();
-                while q.push.is_empty() && !q.stop {
-                    self.work.pusher_cv.wait(&mut q);
-                }
-                if q.stop {
-                    // Shutting down: what is queued is not pushed.
-                    let left: Vec<Demote> = q.push.drain(..).collect();
-                    q.push_bytes = 0;
-                    drop(q);
-                    for d in left {
-                        self.unpin(d.key, d.slot);
+                loop {
+                    if q.stop {
+                        // Shutting down: what is queued is not pushed.
+                        let mut left: Vec<Demote> = q.push.drain(..).collect();
+                        left.extend(q.push_retry.drain(..).map(|r| r.2));
+                        q.push_bytes = 0;
+                        drop(q);
+                        for d in left {
+                            self.unpin(d.key, d.slot);
+                        }
+                        return;
                     }
-                    return;
+                    let due = q.push_retry.front().is_some_and(|r| r.0 <= Instant::now());
+                    if !q.push.is_empty() || due {
+                        break;
+                    }
+                    match q.push_retry.front().map(|r| r.0) {
+                        Some(at) => {
+                            self.work.pusher_cv.wait_until(&mut q, at);
+                        }
+                        None => self.work.pusher_cv.wait(&mut q),
+                    }
                 }
                 let mut batch = Vec::new();
                 let mut bytes = 0u64;
+                let now = Instant::now();
+                while q.push_retry.front().is_some_and(|r| r.0 <= now) {
+                    let Some((_, tries, d)) = q.push_retry.pop_front() else {
+                        break;
+                    };
+                    bytes += u64::from(d.len);
+                    batch.push((tries, d));
+                }
                 while let Some(d) = q.push.front() {
                     if !batch.is_empty() && bytes + u64::from(d.len) > self.max_batch_bytes {
                         break;
                     }
                     bytes += u64::from(d.len);
-                    batch.extend(q.push.pop_front());
+                    batch.extend(q.push.pop_front().map(|d| (0, d)));
                 }
                 q.push_bytes -= bytes;
                 batch
             };
             let items = batch
                 .iter()
-                .map(|d| {
+                .map(|(_, d)| {
                     let checksum =
                         self.classes[d.slot.class as usize].lock().sums[d.slot.idx as usize];
                     WriteItem {
@@ -501,12 +530,23 @@ impl Inner {
                     .is_some_and(|e| e.ready())
             };
             let outcomes = tier.write(items, &still_wanted);
-            for (d, o) in batch.iter().zip(outcomes) {
+            for ((tries, d), o) in batch.iter().zip(outcomes) {
                 match o {
                     WriteOutcome::Written | WriteOutcome::Present => {
                         self.stats.pushes.fetch_add(1, Relaxed);
                     }
                     WriteOutcome::Cancelled => {}
+                    WriteOutcome::Busy | WriteOutcome::Failed if *tries < PUSH_RETRIES => {
+                        // Keeps its pin and its share of the queue until the next try.
+                        let at = Instant::now() + PUSH_RETRY_FIRST * (1 << (2 * tries));
+                        let mut q = self.work.q.lock();
+                        if !q.stop {
+                            q.push_bytes += u64::from(d.len);
+                            q.push_retry.push_back((at, tries + 1, *d));
+                            self.stats.push_retries.fetch_add(1, Relaxed);
+                            continue;
+                        }
+                    }
                     WriteOutcome::Busy | WriteOutcome::Failed => {
                         self.stats.push_failed.fetch_add(1, Relaxed);
                     }
