@@ -272,7 +272,7 @@ fn layerwise_loads_copy_each_layer_before_reporting_it() {
     let mut src = tensors(7, layers);
     let ps = paged(&mut src);
     let keys: Vec<BlockKey> = (20..24).map(key).collect();
-    let ids = vec![vec![1], vec![2, 3], vec![4], vec![5]];
+    let ids = [vec![1], vec![2, 3], vec![4], vec![5]];
     assert_eq!(b.save(id, &ps, &keys[..3], &ids[..3]).unwrap(), 3);
     let mut dst = tensors(8, layers);
     let pd = paged(&mut dst);
