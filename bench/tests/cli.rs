@@ -493,11 +493,13 @@ fn events_bench_counts_every_stored_block_through_a_subscriber() {
     let v = last_json(&out);
     assert_eq!(v["bench"], "events");
     let rows = v["results"].as_array().unwrap();
-    assert_eq!(rows.len(), 2);
+    assert_eq!(rows.len(), 3);
     assert!(rows[1]["case"]
         .as_str()
         .unwrap()
         .starts_with("events/s at 3000 blocks"));
+    // The clear at the end: every block the daemon held announced removed.
+    assert_eq!(rows[2]["case"], "removal events/s at 3000 blocks");
     for r in rows {
         assert!(r["value"].as_f64().unwrap() > 0.0, "{r}");
     }

@@ -757,9 +757,6 @@ impl Backend {
     }
 }
 
-/// A save through a live connection, in reservations of at most the daemon's per-connection
-/// limit; fills `out`. The outer error is the connection's (it is gone); the inner one the
-/// save's own (a fill that failed: its chunk was aborted, nothing half-written committed).
 /// Keys to save, with the engine's own hashes of the blocks (empty, or one per key).
 #[derive(Clone, Copy)]
 struct Tagged<'a> {
@@ -767,6 +764,9 @@ struct Tagged<'a> {
     engine_hashes: &'a [Vec<u8>],
 }
 
+/// A save through a live connection, in reservations of at most the daemon's per-connection
+/// limit; fills `out`. The outer error is the connection's (it is gone); the inner one the
+/// save's own (a fill that failed: its chunk was aborted, nothing half-written committed).
 fn save_chunks(
     c: &mut IpcClient,
     ns: NsId,

@@ -143,6 +143,9 @@ class _LayerLoads:
         self._layers = layers
         self._reached = [-1] * len(transfers)
         self._failed: set[int] = set()
+        self._blocks = [b for t in transfers for b in t.block_ids]
+        # Layers the forward pass waited for (wait_for_layer_load).
+        self.awaited: set[int] = set()
         self._trace = trace
         self._thread = threading.Thread(target=self._run, args=(load_one, transfers),
                                         name="kvtier-layer-loads", daemon=True)
@@ -175,6 +178,15 @@ class _LayerLoads:
 
     def finish(self) -> set[int]:
         self._thread.join()
+        if len(self.awaited) < self._layers:
+            # A layer ran without waiting for its KV (an attention backend that does not call
+            # wait_for_layer_load): what it computed may have read blocks still being copied.
+            # Every block of the step is reported failed, so vLLM recomputes them.
+            log.error("kvtier: %d of %d layers ran without waiting for their layer-wise load; "
+                      "the step's %d loaded blocks are reported failed (use layerwise: false "
+                      "with this attention backend)", self._layers - len(self.awaited),
+                      self._layers, len(self._blocks))
+            return set(self._blocks)
         return self._failed
 
 
@@ -653,9 +665,11 @@ class KvtierConnector(KVConnectorBase_V1):
         layer = self._layer_index.get(layer_name)
         if layer is None:
             # A layer kvtier does not know: wait for every layer rather than guess.
+            self._layer_loads.awaited.update(range(len(self._layer_index)))
             self._finish_layer_loads()
             return
         self._layer_loads.wait(layer)
+        self._layer_loads.awaited.add(layer)
         self._trace_layer("waited", layer)
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
