@@ -752,8 +752,9 @@ impl Inner {
     }
 
     pub(crate) fn shard(&self, key: BlockKey) -> &Mutex<Shard> {
-        let hi = (key.0 >> 64) as u64;
-        let i = hi.checked_shr(64 - self.shard_bits).unwrap_or(0) as usize;
+        let i = crate::types::key_mix(key)
+            .checked_shr(64 - self.shard_bits)
+            .unwrap_or(0) as usize;
         &self.shards[i]
     }
 
