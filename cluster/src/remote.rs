@@ -664,7 +664,8 @@ impl LowerTier for RemoteTier {
                     .owners(&it.key, self.cfg.replicas)
                     .into_iter()
                     .any(|m| p.members()[m].addr != self.cfg.me);
-                if !sent[i] && elsewhere {
+                // (A block removed here since it was queued is simply not pushed.)
+                if !sent[i] && elsewhere && still_wanted(&it.key) {
                     out[i] = WriteOutcome::Busy;
                 }
             }
