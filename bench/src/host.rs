@@ -276,19 +276,23 @@ fn match_prefix_case(args: &HostArgs, rows: &mut Vec<Row>) -> Result<()> {
     Ok(())
 }
 
-fn metadata_case(blocks: u64, rows: &mut Vec<Row>) -> Result<()> {
+/// A store with room for `blocks` 4 KiB blocks whose arena is never touched: reserved slots
+/// are committed without writing, so the memfd stays sparse and only metadata costs memory.
+fn sparse_store(blocks: u64) -> Result<kvstore::Store> {
     let seg: u64 = 64 << 20;
-    let before = alloc_count::live_bytes();
-    let store = StoreConfig {
+    Ok(StoreConfig {
         capacity_bytes: (blocks * 4096).div_ceil(seg) * seg,
         segment_bytes: seg,
         size_classes: vec![4096],
-        // The arena is never touched: reserved slots are committed without writing, so the
-        // memfd stays sparse and only metadata costs memory.
         populate: kvstore::Populate::Lazy,
         ..Default::default()
     }
-    .build()?;
+    .build()?)
+}
+
+fn metadata_case(blocks: u64, rows: &mut Vec<Row>) -> Result<()> {
+    let before = alloc_count::live_bytes();
+    let store = sparse_store(blocks)?;
     let ns = store.register_namespace(&namespace())?;
     for i in 0..blocks {
         match store.reserve(ns, key(i), 4096)? {
@@ -314,14 +318,7 @@ fn metadata_case(blocks: u64, rows: &mut Vec<Row>) -> Result<()> {
     let at_scale = lookup_latency(&store, blocks);
     drop(store);
     // The same lookups against a store of 65,536 blocks, same run: what scale costs.
-    let small = StoreConfig {
-        capacity_bytes: (65_536u64 * 4096).div_ceil(seg) * seg,
-        segment_bytes: seg,
-        size_classes: vec![4096],
-        populate: kvstore::Populate::Lazy,
-        ..Default::default()
-    }
-    .build()?;
+    let small = sparse_store(65_536)?;
     let sns = small.register_namespace(&namespace())?;
     for i in 0..65_536 {
         if let Reserve::Slot(r) = small.reserve(sns, key(i), 4096)? {

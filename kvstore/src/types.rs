@@ -101,17 +101,22 @@ pub(crate) fn key_mix(k: BlockKey) -> u64 {
 /// per-process random secret by a folded multiply (foldhash's construction): a few cycles,
 /// and without the secret a client cannot aim collisions.
 #[derive(Clone, Copy)]
-pub struct FoldHasher(u64);
+pub struct FoldHasher {
+    state: u64,
+    /// The secret's multiplier word, read once per hasher.
+    k: u64,
+}
 
 impl Default for FoldHasher {
     fn default() -> Self {
-        Self(fold_seed().0)
+        let (state, k) = fold_seed();
+        Self { state, k }
     }
 }
 
 impl Hasher for FoldHasher {
     fn finish(&self) -> u64 {
-        fold(self.0, fold_seed().1 ^ 0x9E37_79B9_7F4A_7C15)
+        fold(self.state, self.k ^ 0x9E37_79B9_7F4A_7C15)
     }
     fn write(&mut self, bytes: &[u8]) {
         for c in bytes.chunks(8) {
@@ -121,7 +126,7 @@ impl Hasher for FoldHasher {
         }
     }
     fn write_u64(&mut self, x: u64) {
-        self.0 = fold(self.0 ^ x, fold_seed().1);
+        self.state = fold(self.state ^ x, self.k);
     }
     fn write_usize(&mut self, x: usize) {
         self.write_u64(x as u64);

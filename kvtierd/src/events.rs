@@ -130,19 +130,21 @@ pub struct EngineHashes {
 }
 
 impl EngineHashes {
-    /// Notes `hash` for `key` of store `t` before its commit (the commit's `Stored` event may
-    /// be handled at once by the events thread).
-    pub fn note(&self, t: usize, key: u128, hash: &[u8]) {
-        let Some(hash) = EngineHash::new(hash) else {
-            return;
-        };
+    /// Notes each `(key, hash)` of store `t` before their commit (the commit's `Stored`
+    /// events may be handled at once by the events thread); one lock for the commit.
+    pub fn note<'a>(&self, t: usize, blocks: impl IntoIterator<Item = (u128, &'a [u8])>) {
         let mut m = self.map.lock();
-        if let Some(h) = m.get_mut(&(t, key)) {
-            h.hash = hash;
-        } else if m.len() < MAX_ENGINE_HASHES {
-            m.insert((t, key), Held { hash, tiers: 0 });
-        } else {
-            self.refused.fetch_add(1, Relaxed);
+        for (key, hash) in blocks {
+            let Some(hash) = EngineHash::new(hash) else {
+                continue;
+            };
+            if let Some(h) = m.get_mut(&(t, key)) {
+                h.hash = hash;
+            } else if m.len() < MAX_ENGINE_HASHES {
+                m.insert((t, key), Held { hash, tiers: 0 });
+            } else {
+                self.refused.fetch_add(1, Relaxed);
+            }
         }
     }
 
@@ -607,9 +609,8 @@ mod tests {
     fn blocks_committed_with_engine_hashes_are_published_under_them_until_gone() {
         let hs = EngineHashes::default();
         let vllm: Vec<u8> = (0..32).collect();
-        hs.note(0, 7, &vllm);
-        hs.note(0, 8, &[9; 40]); // too long: not kept
-        hs.note(0, 9, &[1, 2, 3]);
+        // Key 8's is too long: not kept.
+        hs.note(0, [(7, &vllm[..]), (8, &[9; 40][..]), (9, &[1, 2, 3][..])]);
         hs.abandon(0, 9); // its commit stored nothing
         let resolve = |kind, key, tier| hs.resolve(0, &ev(kind, key, tier, 0));
         let engine = Hash::Engine(EngineHash::new(&vllm).unwrap());

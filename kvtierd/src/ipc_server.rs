@@ -550,14 +550,20 @@ impl<'d> Conn<'d> {
                     .engine_hashes
                     .as_ref()
                     .filter(|_| !c.engine_hashes.is_empty());
+                if let Some(e) = engine {
+                    e.note(
+                        self.t,
+                        c.tokens.iter().zip(&c.engine_hashes).filter_map(|(t, h)| {
+                            let (r, _) = self.reservations.get(t)?;
+                            Some((r.key().0, h.as_slice()))
+                        }),
+                    );
+                }
                 let mut reply = pb::CommitReply::default();
-                for (i, (t, sum)) in c.tokens.into_iter().zip(c.checksums).enumerate() {
+                for (t, sum) in c.tokens.into_iter().zip(c.checksums) {
                     match self.take(t) {
                         Some(r) => {
                             let key = r.key().0;
-                            if let Some(e) = engine {
-                                e.note(self.t, key, &c.engine_hashes[i]);
-                            }
                             let stored = r.commit_with_checksum(sum).map_err(|e| e.to_string());
                             if stored != Ok(true) {
                                 if let Some(e) = engine {

@@ -71,14 +71,14 @@ impl Out<'_> {
             self.0
                 .encode_descriptor(name, help, Some(&Unit::Seconds), MetricType::Histogram)?;
         for (l, h) in samples {
-            let mut buckets: Vec<(f64, u64)> = LATENCY_BOUNDS_US
+            // An empty distribution (no counts yet) still lists every bucket, all zero.
+            let buckets: Vec<(f64, u64)> = LATENCY_BOUNDS_US
                 .iter()
                 .map(|&b| b as f64 / 1e6)
                 .chain([f64::INFINITY])
-                .zip(h.counts.iter().copied().chain(std::iter::repeat(0)))
+                .enumerate()
+                .map(|(i, le)| (le, h.counts.get(i).copied().unwrap_or(0)))
                 .collect();
-            // An empty distribution still lists every bucket (all zero).
-            buckets.truncate(LATENCY_BOUNDS_US.len() + 1);
             m.encode_family(l)?.encode_histogram::<NoLabelSet>(
                 h.sum_us as f64 / 1e6,
                 h.count(),
