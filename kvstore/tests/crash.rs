@@ -82,9 +82,12 @@ fn sigkill_mid_load_recovers_every_acknowledged_block() {
         child(PathBuf::from(dir));
         return;
     }
-    let dir =
-        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("crash-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    // Removed when the test ends, failed or not.
+    let tmp = tempfile::Builder::new()
+        .prefix("crash-")
+        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+        .unwrap();
+    let dir = tmp.path().to_path_buf();
     let mut proc = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
@@ -140,5 +143,4 @@ fn sigkill_mid_load_recovers_every_acknowledged_block() {
     );
     assert!(served > acked);
     drop(store);
-    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -1,7 +1,7 @@
 //! The disk tier, each test body run against both I/O engines, on a real ext4 file under the
 //! build directory (never tmpfs).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use kvstore::io::fault::{FaultEngine, FaultPlan};
@@ -14,11 +14,12 @@ use kvstore::{
 const ENGINES: [IoEngineKind; 2] = [IoEngineKind::Uring, IoEngineKind::Psync];
 const SYNC: std::time::Duration = std::time::Duration::from_secs(60);
 
-fn dir(name: &str, engine: IoEngineKind) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("disk-{name}-{engine:?}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+/// A fresh directory under the build directory, removed when the test ends (failed or not).
+fn dir(name: &str, engine: IoEngineKind) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("disk-{name}-{engine:?}-"))
+        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+        .unwrap()
 }
 
 fn config(
@@ -95,7 +96,8 @@ fn check_all(store: &Store, n: u32) -> u32 {
 #[test]
 fn demote_and_promote_roundtrip() {
     for engine in ENGINES {
-        let d = dir("roundtrip", engine);
+        let tmp = dir("roundtrip", engine);
+        let d = tmp.path();
         let store = config(&d, engine, Admission::Always, false)
             .build()
             .unwrap();
@@ -144,7 +146,8 @@ fn demote_and_promote_roundtrip() {
 #[test]
 fn restart_recovers_blocks_and_namespaces() {
     for engine in ENGINES {
-        let d = dir("restart", engine);
+        let tmp = dir("restart", engine);
+        let d = tmp.path();
         {
             let store = config(&d, engine, Admission::Always, false)
                 .build()
@@ -182,7 +185,8 @@ fn restart_recovers_blocks_and_namespaces() {
 #[test]
 fn admission_seen_twice_and_write_through() {
     for engine in ENGINES {
-        let d = dir("admission", engine);
+        let tmp = dir("admission", engine);
+        let d = tmp.path();
         // LRU, so the re-seen blocks are the ones evicted next (S3-FIFO would keep them in
         // host memory, which is its point).
         let mut cfg = config(&d, engine, Admission::SeenTwice, false);
@@ -214,7 +218,9 @@ fn admission_seen_twice_and_write_through() {
         drop(store);
         std::fs::remove_dir_all(&d).unwrap();
 
-        let d = dir("through", engine);
+        let tmp = dir("through", engine);
+
+        let d = tmp.path();
         let store = config(&d, engine, Admission::Always, true).build().unwrap();
         let n = ns(&store);
         for i in 0..20 {
@@ -299,7 +305,8 @@ fn faults_never_serve_wrong_bytes_nor_leak() {
     ];
     for engine in ENGINES {
         for (name, plan) in &plans {
-            let d = dir(name, engine);
+            let tmp = dir(name, engine);
+            let d = tmp.path();
             let mut store = config(&d, engine, Admission::Always, false)
                 .build()
                 .unwrap();
@@ -369,7 +376,8 @@ fn faults_never_serve_wrong_bytes_nor_leak() {
 #[test]
 fn remove_during_a_disk_write_is_not_undone() {
     for engine in ENGINES {
-        let d = dir("remove-inflight", engine);
+        let tmp = dir("remove-inflight", engine);
+        let d = tmp.path();
         let mut store = config(&d, engine, Admission::Always, true).build().unwrap();
         let faults = with_faults(&mut store);
         let n = ns(&store);
@@ -420,7 +428,8 @@ fn disk_config(d: &Path) -> DiskConfig {
 #[test]
 fn a_write_longer_than_its_buffer_is_refused_not_read_past() {
     use kvstore::{DiskTier, LowerTier, WriteItem, WriteOutcome};
-    let d = dir("len-cap", IoEngineKind::Auto);
+    let tmp = dir("len-cap", IoEngineKind::Auto);
+    let d = tmp.path();
     let tier = DiskTier::open(disk_config(&d), Default::default()).unwrap();
     let mut buf = kvstore::AlignedBuf::new(4096).unwrap();
     buf.fill_pattern(3);
@@ -454,7 +463,8 @@ fn a_write_longer_than_its_buffer_is_refused_not_read_past() {
 #[test]
 fn an_interrupted_creation_is_reinitialised_not_fatal() {
     use kvstore::DiskTier;
-    let d = dir("creation", IoEngineKind::Auto);
+    let tmp = dir("creation", IoEngineKind::Auto);
+    let d = tmp.path();
     std::fs::create_dir_all(&d).unwrap();
     // What a crash (or a failed preallocation) during creation leaves: data files, some
     // empty, and no journal.
@@ -468,7 +478,8 @@ fn an_interrupted_creation_is_reinitialised_not_fatal() {
     let tier = DiskTier::open(disk_config(&d), Default::default()).unwrap();
     drop(tier);
     // A preallocation that cannot succeed leaves nothing that would block the next start.
-    let mut big = disk_config(&dir("prealloc", IoEngineKind::Auto));
+    let big_tmp = dir("prealloc", IoEngineKind::Auto);
+    let mut big = disk_config(big_tmp.path());
     big.capacity_bytes = 8 << 40; // more than this file system has free
     big.files = 1;
     assert!(DiskTier::open(big.clone(), Default::default()).is_err());
@@ -477,13 +488,12 @@ fn an_interrupted_creation_is_reinitialised_not_fatal() {
         "a half-made data file was left behind"
     );
     assert!(!big.dir.join("journal.kvj").exists());
-    std::fs::remove_dir_all(&d).unwrap();
-    let _ = std::fs::remove_dir_all(&big.dir);
 }
 
 #[test]
 fn two_stores_cannot_share_a_disk_directory() {
-    let d = dir("locked", IoEngineKind::Auto);
+    let tmp = dir("locked", IoEngineKind::Auto);
+    let d = tmp.path();
     let a = config(&d, IoEngineKind::Auto, Admission::Always, false)
         .build()
         .unwrap();
@@ -504,7 +514,8 @@ fn a_disk_tier_of_an_older_format_starts_empty() {
     // Journal version 1 computed block checksums otherwise: its blocks cannot be checked, so
     // the tier starts empty (with a warning) instead of failing to open or serving them.
     let engine = IoEngineKind::Psync;
-    let d = dir("oldformat", engine);
+    let tmp = dir("oldformat", engine);
+    let d = tmp.path();
     {
         let store = config(&d, engine, Admission::Always, false)
             .build()

@@ -12,7 +12,6 @@
 //! memory only after it is durable below.
 
 use std::collections::HashSet;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use kvstore::io::{IoConfig, IoEngineKind};
@@ -111,11 +110,12 @@ fn check_get(store: &Store, i: u32, maybe: &HashSet<u32>) {
 }
 
 fn run(write_through: bool, policy: PolicyKind, ops: Vec<Op>, case: u64) {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
-        "model-tiers-{}-{case}-{write_through}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
+    // Removed when the case ends, failed or not (proptest runs hundreds of cases).
+    let tmp = tempfile::Builder::new()
+        .prefix(&format!("model-tiers-{case}-{write_through}-"))
+        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+        .unwrap();
+    let dir = tmp.path();
     let mut store = config(&dir, write_through, policy).build().unwrap();
     let mut ns = namespaces(&store);
     // Keys that may be present (put and not removed since).
@@ -189,7 +189,6 @@ fn run(write_through: bool, policy: PolicyKind, ops: Vec<Op>, case: u64) {
         check_get(&store, i, &maybe);
     }
     drop(store);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 proptest! {

@@ -3,7 +3,6 @@
 //! waits for it, and requests never do I/O they did not ask for. On a real ext4 directory under
 //! the build directory, through the io_uring engine with a fault injector in front.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -16,11 +15,12 @@ use kvstore::{
 
 const SYNC: Duration = Duration::from_secs(60);
 
-fn dir(name: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("tiering-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+/// A fresh directory under the build directory, removed when the test ends (failed or not).
+fn dir(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("tiering-{name}-"))
+        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+        .unwrap()
 }
 
 fn config(d: &std::path::Path, write_through: bool, host_mib: u64) -> StoreConfig {
@@ -93,7 +93,8 @@ fn slow(store: &mut Store, ms: u64) -> Arc<FaultEngine> {
 #[test]
 fn a_block_removed_while_queued_for_demotion_never_comes_back() {
     for write_through in [false, true] {
-        let d = dir(&format!("removed-queued-{write_through}"));
+        let tmp = dir(&format!("removed-queued-{write_through}"));
+        let d = tmp.path();
         let mut store = config(&d, write_through, 2).build().unwrap();
         let faults = slow(&mut store, 150);
         let n = ns(&store);
@@ -138,7 +139,8 @@ fn a_block_removed_while_queued_for_demotion_never_comes_back() {
 /// for a while, not unwritable for good: once the old copy is gone, the new one is written.
 #[test]
 fn a_transient_disk_state_is_retried_not_final() {
-    let d = dir("transient");
+    let tmp = dir("transient");
+    let d = tmp.path();
     let store = config(&d, false, 8).build().unwrap();
     let n = ns(&store);
     store.put(n, key(2), &data(2)).unwrap();
@@ -177,7 +179,8 @@ fn a_transient_disk_state_is_retried_not_final() {
 /// and a put never waits for a disk write it did not ask for longer than the worker needs.
 #[test]
 fn concurrent_loads_share_one_promotion() {
-    let d = dir("shared-promotion");
+    let tmp = dir("shared-promotion");
+    let d = tmp.path();
     let store = config(&d, true, 8).build().unwrap();
     let n = ns(&store);
     let keys: Vec<BlockKey> = (0..8).map(key).collect();
@@ -215,7 +218,8 @@ fn concurrent_loads_share_one_promotion() {
 /// and leaks nothing: once the reads land, everything can be evicted again.
 #[test]
 fn a_load_past_its_deadline_is_a_miss_and_leaks_nothing() {
-    let d = dir("deadline");
+    let tmp = dir("deadline");
+    let d = tmp.path();
     let cfg = config(&d, true, 8);
     {
         let store = cfg.clone().build().unwrap();
@@ -269,7 +273,8 @@ fn a_load_past_its_deadline_is_a_miss_and_leaks_nothing() {
 fn a_clean_shutdown_keeps_every_acknowledged_block_under_concurrent_traffic() {
     use std::collections::HashSet;
     use std::sync::Mutex;
-    let d = dir("flush-race");
+    let tmp = dir("flush-race");
+    let d = tmp.path();
     let acked = Mutex::new(HashSet::new());
     // Mixed sizes in several size classes (which take segments from each other), S3-FIFO.
     let size = |i: u32| [16usize << 10, 64 << 10, 256 << 10, 1 << 20][i as usize % 4];
@@ -345,7 +350,8 @@ fn a_clean_shutdown_keeps_every_acknowledged_block_under_concurrent_traffic() {
 /// second copy to write.
 #[test]
 fn a_key_on_disk_is_present_to_a_writer() {
-    let d = dir("present-below");
+    let tmp = dir("present-below");
+    let d = tmp.path();
     let store = config(&d, true, 2).build().unwrap();
     let id = ns(&store);
     store.put(id, key(1), &data(1)).unwrap();
@@ -369,7 +375,8 @@ fn a_key_on_disk_is_present_to_a_writer() {
 /// prefill rate is cut from the answer (host blocks stay); a fast enough one is kept.
 #[test]
 fn break_even_admission_refuses_a_tier_slower_than_recomputing() {
-    let d = dir("break-even");
+    let tmp = dir("break-even");
+    let d = tmp.path();
     let mut store = config(&d, true, 2).build().unwrap();
     let id = ns(&store);
     for i in 0..6 {

@@ -30,7 +30,9 @@ fn a_client_cannot_resize_the_arena_under_the_daemon() {
     assert_eq!(get_all(&mut good, 0..4), 4);
     put_all(&mut good, ns, 4..8);
     assert_eq!(get_all(&mut good, 0..8), 8);
+    let dir = d.dir.clone();
     assert!(d.term().success());
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// A writer stalled past its reservation's TTL still has the slot mapped. If it writes after
@@ -173,12 +175,12 @@ fn two_daemons_cannot_share_a_disk_directory() {
     let _ = std::fs::remove_dir_all(&shared);
     let disk = format!("disk.dir={}", shared.display());
     let a = Kvtierd::start("disk-owner", &["--set", &disk], true);
+    let intruder = a
+        .dir
+        .with_file_name(format!("disk-intruder-{}", std::process::id()));
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvtierd"))
         .arg("--data-dir")
-        .arg(
-            a.dir
-                .with_file_name(format!("disk-intruder-{}", std::process::id())),
-        )
+        .arg(&intruder)
         .args(["--host-capacity", "64M", "--disk-capacity", "128M"])
         .args(["--grpc", "127.0.0.1:0", "--metrics", "127.0.0.1:0"])
         .args(["--set", "host.segment=4M", "--set", &disk])
@@ -193,6 +195,7 @@ fn two_daemons_cannot_share_a_disk_directory() {
     assert_eq!(get_all(&mut c, 0..3), 3);
     drop(a);
     let _ = std::fs::remove_dir_all(&shared);
+    let _ = std::fs::remove_dir_all(&intruder);
 }
 
 fn ns_named(i: u32) -> kvstore::Namespace {

@@ -70,12 +70,14 @@ impl Default for DiskConfig {
 #[non_exhaustive]
 pub enum DiskError {
     /// File system error on a path.
-    #[error("disk tier: {path}: {source}")]
+    // The I/O error is part of the message, not a `source`: error reporters that print the
+    // chain would say it twice.
+    #[error("disk tier: {path}: {error}")]
     Io {
         /// The path.
         path: PathBuf,
         /// The error.
-        source: io::Error,
+        error: io::Error,
     },
     /// Existing files do not match the configuration or each other.
     #[error("disk tier: {0}")]

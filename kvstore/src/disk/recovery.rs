@@ -27,9 +27,9 @@ use super::PAGE;
 const DATA_MAGIC: &[u8; 8] = b"KVTDATA\0";
 
 pub(crate) fn io_err(path: &Path) -> impl FnOnce(io::Error) -> DiskError + '_ {
-    move |source| DiskError::Io {
+    move |error| DiskError::Io {
         path: path.to_path_buf(),
-        source,
+        error,
     }
 }
 
@@ -184,7 +184,7 @@ fn create(
                 if e.raw_os_error() == Some(libc::ENOSPC) {
                     return Err(DiskError::Io {
                         path: p.clone(),
-                        source: io::Error::new(
+                        error: io::Error::new(
                             e.kind(),
                             format!(
                                 "cannot preallocate {bytes} bytes: {e}; lower the disk capacity"

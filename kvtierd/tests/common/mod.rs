@@ -77,6 +77,8 @@ impl Kvtierd {
         IpcClient::connect(&self.socket, "test").unwrap()
     }
 
+    /// SIGTERM and wait; the data directory stays (a restart reuses it), so a test that does not
+    /// restart removes it.
     pub fn term(mut self) -> std::process::ExitStatus {
         // SAFETY: kill(2) on our own child's pid.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
