@@ -179,7 +179,7 @@ fn replay_bench_on_a_small_trace_with_report() {
         .filter(|r| r["case"].as_str().unwrap().starts_with("sim "))
         .collect();
     // Two capacities × every policy × prefix and block hits, on this trace only.
-    assert_eq!(sims.len(), 2 * 4 * 2);
+    assert_eq!(sims.len(), 2 * kvstore::PolicyKind::ALL.len() * 2);
     for s in sims {
         assert_eq!(s["trace"], "trace");
         if s["metric"] == "block" {

@@ -98,9 +98,7 @@ fn demote_and_promote_roundtrip() {
     for engine in ENGINES {
         let tmp = dir("roundtrip", engine);
         let d = tmp.path();
-        let store = config(&d, engine, Admission::Always, false)
-            .build()
-            .unwrap();
+        let store = config(d, engine, Admission::Always, false).build().unwrap();
         let n = ns(&store);
         for i in 0..200 {
             store.put(n, key(i), &data(i)).unwrap();
@@ -139,7 +137,7 @@ fn demote_and_promote_roundtrip() {
         assert_eq!(store.load(&first).unwrap().len(), 40);
         assert!(first.iter().all(|k| store.in_host(k)));
         drop(store);
-        std::fs::remove_dir_all(&d).unwrap();
+        std::fs::remove_dir_all(d).unwrap();
     }
 }
 
@@ -149,9 +147,7 @@ fn restart_recovers_blocks_and_namespaces() {
         let tmp = dir("restart", engine);
         let d = tmp.path();
         {
-            let store = config(&d, engine, Admission::Always, false)
-                .build()
-                .unwrap();
+            let store = config(d, engine, Admission::Always, false).build().unwrap();
             let n = ns(&store);
             assert_eq!(n, NsId(0));
             for i in 0..100 {
@@ -160,9 +156,7 @@ fn restart_recovers_blocks_and_namespaces() {
             store.remove(&key(7));
             assert!(store.flush() > 0);
         }
-        let store = config(&d, engine, Admission::Always, false)
-            .build()
-            .unwrap();
+        let store = config(d, engine, Admission::Always, false).build().unwrap();
         let st = store.stats();
         assert_eq!(st.disk().unwrap().recovered_blocks, 99, "{st:?}");
         assert_eq!(st.blocks, 0, "host memory starts empty");
@@ -174,11 +168,11 @@ fn restart_recovers_blocks_and_namespaces() {
         assert_eq!(check_all(&store, 100), 0);
         drop(store);
         // A different capacity is refused with an error that says what to do.
-        let mut cfg = config(&d, engine, Admission::Always, false);
+        let mut cfg = config(d, engine, Admission::Always, false);
         cfg.disk.as_mut().unwrap().capacity_bytes = 64 << 20;
         let e = cfg.build().unwrap_err().to_string();
         assert!(e.contains("pages") && e.contains("capacity_bytes"), "{e}");
-        std::fs::remove_dir_all(&d).unwrap();
+        std::fs::remove_dir_all(d).unwrap();
     }
 }
 
@@ -189,7 +183,7 @@ fn admission_seen_twice_and_write_through() {
         let d = tmp.path();
         // LRU, so the re-seen blocks are the ones evicted next (S3-FIFO would keep them in
         // host memory, which is its point).
-        let mut cfg = config(&d, engine, Admission::SeenTwice, false);
+        let mut cfg = config(d, engine, Admission::SeenTwice, false);
         cfg.policy = PolicyKind::Lru;
         let store = cfg.build().unwrap();
         let n = ns(&store);
@@ -216,12 +210,12 @@ fn admission_seen_twice_and_write_through() {
         );
         assert!(check_all(&store, 50) >= 40);
         drop(store);
-        std::fs::remove_dir_all(&d).unwrap();
+        std::fs::remove_dir_all(d).unwrap();
 
         let tmp = dir("through", engine);
 
         let d = tmp.path();
-        let store = config(&d, engine, Admission::Always, true).build().unwrap();
+        let store = config(d, engine, Admission::Always, true).build().unwrap();
         let n = ns(&store);
         for i in 0..20 {
             store.put(n, key(i), &data(i)).unwrap();
@@ -235,7 +229,7 @@ fn admission_seen_twice_and_write_through() {
             "write-through wrote at commit"
         );
         drop(store);
-        std::fs::remove_dir_all(&d).unwrap();
+        std::fs::remove_dir_all(d).unwrap();
     }
 }
 
@@ -307,9 +301,7 @@ fn faults_never_serve_wrong_bytes_nor_leak() {
         for (name, plan) in &plans {
             let tmp = dir(name, engine);
             let d = tmp.path();
-            let mut store = config(&d, engine, Admission::Always, false)
-                .build()
-                .unwrap();
+            let mut store = config(d, engine, Admission::Always, false).build().unwrap();
             let faults = with_faults(&mut store);
             faults.set_plan(plan.clone());
             let n = ns(&store);
@@ -352,7 +344,7 @@ fn faults_never_serve_wrong_bytes_nor_leak() {
             assert_eq!((disk.blocks, disk.used_bytes), (0, 0), "{name}: disk leak");
             drop(store);
             let store = {
-                let mut c = config(&d, engine, Admission::Always, true);
+                let mut c = config(d, engine, Admission::Always, true);
                 c.capacity_bytes = 32 << 20;
                 c.build().unwrap()
             };
@@ -368,7 +360,7 @@ fn faults_never_serve_wrong_bytes_nor_leak() {
             assert_eq!(disk.blocks, fit, "{name}: free space was lost");
             assert_eq!(disk.evictions, 0, "{name}: {disk:?}");
             drop(store);
-            std::fs::remove_dir_all(&d).unwrap();
+            std::fs::remove_dir_all(d).unwrap();
         }
     }
 }
@@ -378,7 +370,7 @@ fn remove_during_a_disk_write_is_not_undone() {
     for engine in ENGINES {
         let tmp = dir("remove-inflight", engine);
         let d = tmp.path();
-        let mut store = config(&d, engine, Admission::Always, true).build().unwrap();
+        let mut store = config(d, engine, Admission::Always, true).build().unwrap();
         let faults = with_faults(&mut store);
         let n = ns(&store);
         faults.set_plan(FaultPlan {
@@ -400,14 +392,14 @@ fn remove_during_a_disk_write_is_not_undone() {
         assert_eq!(store.stats().disk().cloned().unwrap().blocks, 0);
         faults.set_plan(FaultPlan::default());
         drop(store);
-        let store = config(&d, engine, Admission::Always, true).build().unwrap();
+        let store = config(d, engine, Admission::Always, true).build().unwrap();
         assert!(
             !store.contains(&key(1)),
             "{engine:?}: removed block recovered after restart"
         );
         assert_eq!(store.stats().disk().cloned().unwrap().recovered_blocks, 0);
         drop(store);
-        std::fs::remove_dir_all(&d).unwrap();
+        std::fs::remove_dir_all(d).unwrap();
     }
 }
 
@@ -430,7 +422,7 @@ fn a_write_longer_than_its_buffer_is_refused_not_read_past() {
     use kvstore::{DiskTier, LowerTier, WriteItem, WriteOutcome};
     let tmp = dir("len-cap", IoEngineKind::Auto);
     let d = tmp.path();
-    let tier = DiskTier::open(disk_config(&d), Default::default()).unwrap();
+    let tier = DiskTier::open(disk_config(d), Default::default()).unwrap();
     let mut buf = kvstore::AlignedBuf::new(4096).unwrap();
     buf.fill_pattern(3);
     let sum = kvstore::checksum(&buf);
@@ -457,7 +449,7 @@ fn a_write_longer_than_its_buffer_is_refused_not_read_past() {
     assert_eq!(tier.write(items, &|_| true), vec![WriteOutcome::Corrupt]);
     assert!(tier.lookup(&key(2)).is_none());
     drop(tier);
-    std::fs::remove_dir_all(&d).unwrap();
+    std::fs::remove_dir_all(d).unwrap();
 }
 
 #[test]
@@ -465,17 +457,17 @@ fn an_interrupted_creation_is_reinitialised_not_fatal() {
     use kvstore::DiskTier;
     let tmp = dir("creation", IoEngineKind::Auto);
     let d = tmp.path();
-    std::fs::create_dir_all(&d).unwrap();
+    std::fs::create_dir_all(d).unwrap();
     // What a crash (or a failed preallocation) during creation leaves: data files, some
     // empty, and no journal.
     std::fs::write(d.join("data-0.kvd"), vec![7u8; 8192]).unwrap();
     std::fs::write(d.join("data-1.kvd"), b"").unwrap();
-    let tier = DiskTier::open(disk_config(&d), Default::default()).unwrap();
+    let tier = DiskTier::open(disk_config(d), Default::default()).unwrap();
     use kvstore::LowerTier;
     assert_eq!(tier.stats().blocks, 0);
     drop(tier);
     // And it opens again, as a tier now.
-    let tier = DiskTier::open(disk_config(&d), Default::default()).unwrap();
+    let tier = DiskTier::open(disk_config(d), Default::default()).unwrap();
     drop(tier);
     // A preallocation that cannot succeed leaves nothing that would block the next start.
     let big_tmp = dir("prealloc", IoEngineKind::Auto);
@@ -494,19 +486,19 @@ fn an_interrupted_creation_is_reinitialised_not_fatal() {
 fn two_stores_cannot_share_a_disk_directory() {
     let tmp = dir("locked", IoEngineKind::Auto);
     let d = tmp.path();
-    let a = config(&d, IoEngineKind::Auto, Admission::Always, false)
+    let a = config(d, IoEngineKind::Auto, Admission::Always, false)
         .build()
         .unwrap();
-    let e = config(&d, IoEngineKind::Auto, Admission::Always, false)
+    let e = config(d, IoEngineKind::Auto, Admission::Always, false)
         .build()
         .unwrap_err()
         .to_string();
     assert!(e.contains("in use by another process"), "{e}");
     drop(a);
-    config(&d, IoEngineKind::Auto, Admission::Always, false)
+    config(d, IoEngineKind::Auto, Admission::Always, false)
         .build()
         .unwrap();
-    std::fs::remove_dir_all(&d).unwrap();
+    std::fs::remove_dir_all(d).unwrap();
 }
 
 #[test]
@@ -517,9 +509,7 @@ fn a_disk_tier_of_an_older_format_starts_empty() {
     let tmp = dir("oldformat", engine);
     let d = tmp.path();
     {
-        let store = config(&d, engine, Admission::Always, false)
-            .build()
-            .unwrap();
+        let store = config(d, engine, Admission::Always, false).build().unwrap();
         let n = ns(&store);
         for i in 0..20 {
             store.put(n, key(i), &data(i)).unwrap();
@@ -534,9 +524,7 @@ fn a_disk_tier_of_an_older_format_starts_empty() {
     let sum = xxhash_rust::xxh3::xxh3_64(&bytes[..56]);
     bytes[56..64].copy_from_slice(&sum.to_le_bytes());
     std::fs::write(&j, &bytes).unwrap();
-    let store = config(&d, engine, Admission::Always, false)
-        .build()
-        .unwrap();
+    let store = config(d, engine, Admission::Always, false).build().unwrap();
     assert_eq!(store.stats().disk().unwrap().recovered_blocks, 0);
     assert_eq!(check_all(&store, 20), 0);
     // And it works as a fresh tier.
@@ -544,10 +532,8 @@ fn a_disk_tier_of_an_older_format_starts_empty() {
     store.put(n, key(1), &data(1)).unwrap();
     assert!(store.flush() > 0);
     drop(store);
-    let store = config(&d, engine, Admission::Always, false)
-        .build()
-        .unwrap();
+    let store = config(d, engine, Admission::Always, false).build().unwrap();
     assert_eq!(store.stats().disk().unwrap().recovered_blocks, 1);
     drop(store);
-    std::fs::remove_dir_all(&d).unwrap();
+    std::fs::remove_dir_all(d).unwrap();
 }

@@ -116,7 +116,7 @@ fn run(write_through: bool, policy: PolicyKind, ops: Vec<Op>, case: u64) {
         .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
         .unwrap();
     let dir = tmp.path();
-    let mut store = config(&dir, write_through, policy).build().unwrap();
+    let mut store = config(dir, write_through, policy).build().unwrap();
     let mut ns = namespaces(&store);
     // Keys that may be present (put and not removed since).
     let mut maybe: HashSet<u32> = HashSet::new();
@@ -165,7 +165,7 @@ fn run(write_through: bool, policy: PolicyKind, ops: Vec<Op>, case: u64) {
             }
             Op::Restart => {
                 drop(store);
-                store = config(&dir, write_through, policy).build().unwrap();
+                store = config(dir, write_through, policy).build().unwrap();
                 ns = namespaces(&store);
                 let present: HashSet<u32> =
                     (0..KEYS).filter(|&i| store.contains(&key(i))).collect();

@@ -95,7 +95,7 @@ fn a_block_removed_while_queued_for_demotion_never_comes_back() {
     for write_through in [false, true] {
         let tmp = dir(&format!("removed-queued-{write_through}"));
         let d = tmp.path();
-        let mut store = config(&d, write_through, 2).build().unwrap();
+        let mut store = config(d, write_through, 2).build().unwrap();
         let faults = slow(&mut store, 150);
         let n = ns(&store);
         // 2 MiB of 64 KiB slots = 32 blocks; 60 puts: with write-back, evictions queue the
@@ -122,7 +122,7 @@ fn a_block_removed_while_queued_for_demotion_never_comes_back() {
         }
         assert_eq!(store.stats().disk().unwrap().blocks, 0);
         drop(store);
-        let store = config(&d, write_through, 2).build().unwrap();
+        let store = config(d, write_through, 2).build().unwrap();
         assert_eq!(store.stats().disk().unwrap().recovered_blocks, 0);
         for i in 0..60 {
             assert!(
@@ -131,7 +131,7 @@ fn a_block_removed_while_queued_for_demotion_never_comes_back() {
             );
         }
         drop(store);
-        std::fs::remove_dir_all(&d).unwrap();
+        std::fs::remove_dir_all(d).unwrap();
     }
 }
 
@@ -141,7 +141,7 @@ fn a_block_removed_while_queued_for_demotion_never_comes_back() {
 fn a_transient_disk_state_is_retried_not_final() {
     let tmp = dir("transient");
     let d = tmp.path();
-    let store = config(&d, false, 8).build().unwrap();
+    let store = config(d, false, 8).build().unwrap();
     let n = ns(&store);
     store.put(n, key(2), &data(2)).unwrap();
     assert_eq!(store.flush(), 1);
@@ -172,7 +172,7 @@ fn a_transient_disk_state_is_retried_not_final() {
     assert!(*b == data(2)[..]);
     drop(b);
     drop(store);
-    std::fs::remove_dir_all(&d).unwrap();
+    std::fs::remove_dir_all(d).unwrap();
 }
 
 /// Two loads of the same disk-only prefix at once: one read from disk, both get the blocks;
@@ -181,7 +181,7 @@ fn a_transient_disk_state_is_retried_not_final() {
 fn concurrent_loads_share_one_promotion() {
     let tmp = dir("shared-promotion");
     let d = tmp.path();
-    let store = config(&d, true, 8).build().unwrap();
+    let store = config(d, true, 8).build().unwrap();
     let n = ns(&store);
     let keys: Vec<BlockKey> = (0..8).map(key).collect();
     for i in 0..8 {
@@ -190,7 +190,7 @@ fn concurrent_loads_share_one_promotion() {
     assert!(store.sync(SYNC));
     drop(store);
     // Restart: host memory empty, the blocks on disk only.
-    let mut store = config(&d, true, 8).build().unwrap();
+    let mut store = config(d, true, 8).build().unwrap();
     let faults = slow(&mut store, 100);
     let reads_before = store.stats().disk().unwrap().reads;
     let start = Instant::now();
@@ -211,7 +211,7 @@ fn concurrent_loads_share_one_promotion() {
         assert!(*store.get(&key(i)).unwrap() == data(i)[..]);
     }
     drop(store);
-    std::fs::remove_dir_all(&d).unwrap();
+    std::fs::remove_dir_all(d).unwrap();
 }
 
 /// A load that cannot get its promotions within its deadline is a short prefix, not a hang,
@@ -220,7 +220,7 @@ fn concurrent_loads_share_one_promotion() {
 fn a_load_past_its_deadline_is_a_miss_and_leaks_nothing() {
     let tmp = dir("deadline");
     let d = tmp.path();
-    let cfg = config(&d, true, 8);
+    let cfg = config(d, true, 8);
     {
         let store = cfg.clone().build().unwrap();
         let n = ns(&store);
@@ -261,7 +261,7 @@ fn a_load_past_its_deadline_is_a_miss_and_leaks_nothing() {
         "a promoted block stayed pinned"
     );
     drop(store);
-    std::fs::remove_dir_all(&d).unwrap();
+    std::fs::remove_dir_all(d).unwrap();
 }
 
 /// A clean shutdown (`flush`, then drop) keeps every block whose commit was acknowledged:
@@ -284,7 +284,7 @@ fn a_clean_shutdown_keeps_every_acknowledged_block_under_concurrent_traffic() {
         v
     };
     let cfg = || {
-        let mut c = config(&d, false, 24);
+        let mut c = config(d, false, 24);
         c.segment_bytes = 4 << 20;
         c.size_classes = Vec::new();
         c.policy = PolicyKind::S3Fifo;
@@ -352,13 +352,13 @@ fn a_clean_shutdown_keeps_every_acknowledged_block_under_concurrent_traffic() {
 fn a_key_on_disk_is_present_to_a_writer() {
     let tmp = dir("present-below");
     let d = tmp.path();
-    let store = config(&d, true, 2).build().unwrap();
+    let store = config(d, true, 2).build().unwrap();
     let id = ns(&store);
     store.put(id, key(1), &data(1)).unwrap();
     assert!(store.sync(SYNC));
     store.flush();
     drop(store);
-    let store = config(&d, true, 2).build().unwrap();
+    let store = config(d, true, 2).build().unwrap();
     let id = ns(&store);
     assert!(!store.in_host(&key(1)));
     assert!(matches!(
@@ -377,7 +377,7 @@ fn a_key_on_disk_is_present_to_a_writer() {
 fn break_even_admission_refuses_a_tier_slower_than_recomputing() {
     let tmp = dir("break-even");
     let d = tmp.path();
-    let mut store = config(&d, true, 2).build().unwrap();
+    let mut store = config(d, true, 2).build().unwrap();
     let id = ns(&store);
     for i in 0..6 {
         store.put(id, key(i), &data(i)).unwrap();
@@ -385,7 +385,7 @@ fn break_even_admission_refuses_a_tier_slower_than_recomputing() {
     assert!(store.sync(SYNC));
     store.flush();
     drop(store);
-    store = config(&d, true, 2).build().unwrap();
+    store = config(d, true, 2).build().unwrap();
     // Every disk read takes 50 ms: ~1 MB/s for these 50 KB blocks.
     let faults = slow(&mut store, 50);
     let keys: Vec<BlockKey> = (0..6).map(key).collect();

@@ -35,6 +35,12 @@ impl<const N: usize> Lists<N> {
         }
     }
 
+    /// Sizes the tables for ids `0..ids` exactly.
+    pub(super) fn reserve(&mut self, ids: usize) {
+        super::reserve_total(&mut self.tag, ids);
+        super::reserve_total(&mut self.links, ids);
+    }
+
     /// The list `id` is in.
     pub(super) fn list_of(&self, id: u32) -> Option<usize> {
         match self.tag.get(id as usize) {

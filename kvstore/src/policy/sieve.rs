@@ -37,6 +37,11 @@ impl EvictionPolicy for Sieve {
         "sieve"
     }
 
+    fn reserve(&mut self, ids: usize) {
+        self.q.reserve(ids);
+        super::reserve_total(&mut self.visited, ids);
+    }
+
     fn insert(&mut self, id: u32, _key_hash: u64) {
         if self.visited.len() <= id as usize {
             self.visited.resize(id as usize + 1, false);

@@ -238,6 +238,11 @@ impl EvictionPolicy for WTinyLfu {
         "wtinylfu"
     }
 
+    fn reserve(&mut self, ids: usize) {
+        self.lists.reserve(ids);
+        super::reserve_total(&mut self.hash, ids);
+    }
+
     fn insert(&mut self, id: u32, key_hash: u64) {
         self.lists.ensure(id);
         if self.hash.len() <= id as usize {

@@ -396,7 +396,14 @@ impl Store {
         let n_tiers = tiers.len();
         let classes = class_sizes
             .iter()
-            .map(|&sz| Mutex::new(Class::new(sz, cfg.segment_bytes, cfg.policy.build())))
+            .map(|&sz| {
+                Mutex::new(Class::new(
+                    sz,
+                    cfg.segment_bytes,
+                    n_segments as u32,
+                    cfg.policy.build(),
+                ))
+            })
             .collect();
         let shards = (0..cfg.shards).map(|_| Mutex::default()).collect();
         let background = cfg.populate == Populate::Background;

@@ -3,7 +3,7 @@
 //! knows about keys beyond remembering which key each slot holds (for eviction).
 
 use crate::key::BlockKey;
-use crate::policy::EvictionPolicy;
+use crate::policy::{reserve_total, EvictionPolicy};
 
 use super::config::PAGE;
 
@@ -23,6 +23,9 @@ pub(crate) struct Class {
     pub sums: Vec<u64>,
     pub used: Vec<bool>,
     pub policy: Box<dyn EvictionPolicy>,
+    /// The most slots this class can ever have: the whole arena cut into its slots (a chunk
+    /// exists only while it holds a segment or waits in `free_chunks` for the next one).
+    max_slots: usize,
 }
 
 /// Arena page of slot `idx` of a class with the given chunk table.
@@ -41,11 +44,14 @@ impl Class {
     pub(crate) fn new(
         slot_bytes: usize,
         segment_bytes: u64,
+        segments: u32,
         policy: Box<dyn EvictionPolicy>,
     ) -> Self {
+        let per_seg = (segment_bytes as usize / slot_bytes) as u32;
         Self {
             slot_bytes,
-            per_seg: (segment_bytes as usize / slot_bytes) as u32,
+            per_seg,
+            max_slots: per_seg as usize * segments as usize,
             chunks: Vec::new(),
             free_chunks: Vec::new(),
             live: Vec::new(),
@@ -77,6 +83,14 @@ impl Class {
         let start = chunk * self.per_seg;
         let end = start + self.per_seg;
         if self.keys.len() < end as usize {
+            // Grow geometrically, but never past `max_slots`: a store filled to capacity keeps
+            // no doubling slack in its per-slot tables (bench: `metadata 10M blocks`).
+            let n = end as usize;
+            let cap = (self.keys.capacity() * 2).clamp(n, self.max_slots.max(n));
+            reserve_total(&mut self.keys, cap);
+            reserve_total(&mut self.sums, cap);
+            reserve_total(&mut self.used, cap);
+            self.policy.reserve(cap);
             self.keys.resize(end as usize, BlockKey::default());
             self.sums.resize(end as usize, 0);
             self.used.resize(end as usize, false);
@@ -134,7 +148,7 @@ mod tests {
 
     #[test]
     fn segments_carve_into_slots_and_come_back() {
-        let mut c = Class::new(64 << 10, 1 << 20, PolicyKind::Lru.build());
+        let mut c = Class::new(64 << 10, 1 << 20, 8, PolicyKind::Lru.build());
         assert_eq!(c.per_seg, 16);
         c.add_segment(3);
         assert_eq!(c.free.len(), 16);
@@ -152,5 +166,25 @@ mod tests {
         assert!(c.free.is_empty());
         c.add_segment(4);
         assert_eq!(c.page_of(0, 256), 4 * 256, "the chunk id is reused");
+    }
+
+    #[test]
+    fn a_full_class_keeps_no_doubling_slack() {
+        // 5 segments of 16 slots: the tables grow geometrically, up to the 80 slots the arena
+        // can hold in this class, and not past them.
+        for p in PolicyKind::ALL {
+            let mut c = Class::new(64 << 10, 1 << 20, 5, p.build());
+            for seg in 0..5 {
+                c.add_segment(seg);
+                while let Some(idx) = c.free.pop() {
+                    c.take(idx, BlockKey(u128::from(idx)));
+                    c.policy.insert(idx, u64::from(idx));
+                }
+            }
+            assert_eq!(c.keys.len(), 80);
+            assert_eq!(c.keys.capacity(), 80, "{}", p.name());
+            assert_eq!(c.sums.capacity(), 80);
+            assert_eq!(c.used.capacity(), 80);
+        }
     }
 }
