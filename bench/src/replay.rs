@@ -43,7 +43,7 @@ pub struct ReplayArgs {
     /// Disk capacity, same forms; "0" for no disk tier.
     #[arg(long, default_value = "20%")]
     pub disk: String,
-    /// Eviction policy: wtinylfu, s3fifo, lru, sieve or arc (default: the store's default).
+    /// Eviction policy: wtinylfu, s3fifo, s3fifo-adaptive, lru, sieve or arc (default: the store's default).
     #[arg(long)]
     pub policy: Option<String>,
     /// Disk admission: seen-twice or always.
@@ -666,7 +666,9 @@ pub fn run(args: ReplayArgs) -> Result<()> {
         None => PolicyKind::default(),
         Some(p) => match PolicyKind::parse(p) {
             Some(p) => p,
-            None => bail!("--policy must be wtinylfu, s3fifo, lru, sieve or arc, not {p:?}"),
+            None => bail!(
+                "--policy must be wtinylfu, s3fifo, s3fifo-adaptive, lru, sieve or arc, not {p:?}"
+            ),
         },
     };
     let order = match args.sim_order.as_str() {

@@ -266,7 +266,7 @@ pub struct HostSection {
     pub segment: Size,
     /// Slot sizes; empty: 4 per power of two from 64 KiB to the segment size.
     pub size_classes: Vec<Size>,
-    /// Eviction policy: s3fifo (default), lru, sieve, wtinylfu or arc.
+    /// Eviction policy: s3fifo (default), s3fifo-adaptive, lru, sieve, wtinylfu or arc.
     pub policy: String,
     /// Explicit huge pages (needs vm.nr_hugepages).
     pub huge_pages: bool,
@@ -573,12 +573,12 @@ impl Config {
         }
         ensure!(
             PolicyKind::parse(&self.host.policy).is_some(),
-            "host.policy = {:?}: use s3fifo, lru, sieve, wtinylfu or arc",
+            "host.policy = {:?}: use s3fifo, s3fifo-adaptive, lru, sieve, wtinylfu or arc",
             self.host.policy
         );
         ensure!(
             PolicyKind::parse(&self.disk.policy).is_some(),
-            "disk.policy = {:?}: use s3fifo, lru, sieve, wtinylfu or arc",
+            "disk.policy = {:?}: use s3fifo, s3fifo-adaptive, lru, sieve, wtinylfu or arc",
             self.disk.policy
         );
         ensure!(

@@ -71,6 +71,10 @@ pub enum PolicyKind {
     /// ARC (Megiddo and Modha): recency and frequency lists with ghost histories that adapt
     /// their split.
     Arc,
+    /// S3-FIFO whose small-queue share is adapted by ghost hits, as ARC adapts its split: a
+    /// ghost history for each queue's evictions; a small-queue eviction that comes back grows
+    /// the share, a main-queue one shrinks it.
+    S3FifoAdaptive,
 }
 
 impl PolicyKind {
@@ -82,12 +86,14 @@ impl PolicyKind {
             PolicyKind::Sieve => Box::new(Sieve::default()),
             PolicyKind::WTinyLfu => Box::new(WTinyLfu::default()),
             PolicyKind::Arc => Box::new(Arc::default()),
+            PolicyKind::S3FifoAdaptive => Box::new(S3Fifo::adaptive()),
         }
     }
 
     /// Every policy, the default first.
-    pub const ALL: [PolicyKind; 5] = [
+    pub const ALL: [PolicyKind; 6] = [
         PolicyKind::S3Fifo,
+        PolicyKind::S3FifoAdaptive,
         PolicyKind::WTinyLfu,
         PolicyKind::Lru,
         PolicyKind::Sieve,
@@ -102,6 +108,7 @@ impl PolicyKind {
             PolicyKind::Sieve => "sieve",
             PolicyKind::WTinyLfu => "wtinylfu",
             PolicyKind::Arc => "arc",
+            PolicyKind::S3FifoAdaptive => "s3fifo-adaptive",
         }
     }
 
@@ -113,6 +120,7 @@ impl PolicyKind {
             "sieve" => Some(PolicyKind::Sieve),
             "wtinylfu" | "tinylfu" => Some(PolicyKind::WTinyLfu),
             "arc" => Some(PolicyKind::Arc),
+            "s3fifoadaptive" => Some(PolicyKind::S3FifoAdaptive),
             _ => None,
         }
     }
@@ -239,8 +247,15 @@ pub struct S3Fifo {
     main: VecDeque<(u32, u32)>,
     n_small: usize,
     n_main: usize,
-    ghost: VecDeque<u64>,
-    ghost_set: HashMap<u64, u32>,
+    /// Evicted keys, oldest first, with the queue each left from (1 small, 2 main).
+    ghost: VecDeque<(u64, u8)>,
+    /// Key → (entries in `ghost`, the queue of the newest).
+    ghost_set: HashMap<u64, (u32, u8)>,
+    /// `Some(target)`: the adaptive variant; the small queue's target share of the blocks,
+    /// moved by ghost hits as ARC moves its T1 target.
+    adapt: Option<f64>,
+    /// Ghost entries per origin queue (index 1 small, 2 main).
+    ghost_n: [usize; 3],
 }
 
 /// The small queue's share. The paper's 10% filters one-hit blocks well (document QA) but
@@ -249,6 +264,9 @@ pub struct S3Fifo {
 /// agent and document-QA traces (bench/RESULTS.md, wave 2).
 const SMALL_PERCENT: usize = 25;
 const MAX_FREQ: u8 = 3;
+/// Bounds of the adaptive variant's small-queue share.
+const ADAPT_MIN: f64 = 0.01;
+const ADAPT_MAX: f64 = 0.9;
 
 impl S3Fifo {
     fn live(&self, (id, generation): (u32, u32), queue: u8) -> bool {
@@ -294,26 +312,69 @@ impl S3Fifo {
         }
     }
 
-    fn remember_ghost(&mut self, key_hash: u64) {
+    fn remember_ghost(&mut self, key_hash: u64, from: u8) {
         let cap = (self.n_small + self.n_main).max(16);
-        self.ghost.push_back(key_hash);
-        *self.ghost_set.entry(key_hash).or_insert(0) += 1;
+        self.ghost.push_back((key_hash, from));
+        self.ghost_n[from as usize] += 1;
+        let e = self.ghost_set.entry(key_hash).or_insert((0, from));
+        e.0 += 1;
+        e.1 = from;
         while self.ghost.len() > cap {
-            if let Some(old) = self.ghost.pop_front() {
+            if let Some((old, q)) = self.ghost.pop_front() {
+                self.ghost_n[q as usize] -= 1;
                 if let Some(c) = self.ghost_set.get_mut(&old) {
-                    *c -= 1;
-                    if *c == 0 {
+                    c.0 -= 1;
+                    if c.0 == 0 {
                         self.ghost_set.remove(&old);
                     }
                 }
             }
         }
     }
+
+    /// The adaptive S3-FIFO (`PolicyKind::S3FifoAdaptive`): starts at the fixed share and lets
+    /// ghost hits move it.
+    pub fn adaptive() -> Self {
+        Self {
+            adapt: Some(SMALL_PERCENT as f64 / 100.0),
+            ..Self::default()
+        }
+    }
+
+    /// Whether the small queue is at or above its share of `total` blocks.
+    fn small_full(&self, total: usize) -> bool {
+        match self.adapt {
+            Some(t) => self.n_small as f64 >= t * total as f64,
+            None => self.n_small * 100 >= total * SMALL_PERCENT,
+        }
+    }
+
+    /// A ghost hit on a key that left from queue `from`: the adaptive variant grows the small
+    /// queue's share when small-queue evictions come back, shrinks it when main-queue ones do,
+    /// by ARC's step (the other ghost's size over this one's, at least one block).
+    fn adapt_on_ghost_hit(&mut self, from: u8) {
+        let Some(t) = self.adapt else {
+            return;
+        };
+        let total = (self.n_small + self.n_main).max(1) as f64;
+        let (this, other) = if from == 1 {
+            (self.ghost_n[1], self.ghost_n[2])
+        } else {
+            (self.ghost_n[2], self.ghost_n[1])
+        };
+        let step = (other as f64 / this.max(1) as f64).max(1.0) / total;
+        let t = if from == 1 { t + step } else { t - step };
+        self.adapt = Some(t.clamp(ADAPT_MIN, ADAPT_MAX));
+    }
 }
 
 impl EvictionPolicy for S3Fifo {
     fn name(&self) -> &'static str {
-        "s3fifo"
+        if self.adapt.is_some() {
+            "s3fifo-adaptive"
+        } else {
+            "s3fifo"
+        }
     }
 
     fn reserve(&mut self, ids: usize) {
@@ -327,8 +388,9 @@ impl EvictionPolicy for S3Fifo {
         }
         self.forget(id);
         self.meta[i].key_hash = key_hash;
-        if self.ghost_set.contains_key(&key_hash) {
+        if let Some(&(_, from)) = self.ghost_set.get(&key_hash) {
             // Seen recently and evicted too early: straight to main.
+            self.adapt_on_ghost_hit(from);
             self.promote(id);
         } else {
             let m = &mut self.meta[i];
@@ -362,8 +424,7 @@ impl EvictionPolicy for S3Fifo {
         while budget > 0 && self.n_small + self.n_main > 0 {
             budget -= 1;
             let total = self.n_small + self.n_main;
-            if self.n_small > 0 && (self.n_small * 100 >= total * SMALL_PERCENT || self.n_main == 0)
-            {
+            if self.n_small > 0 && (self.small_full(total) || self.n_main == 0) {
                 let Some(e) = self.small.pop_front() else {
                     break;
                 };
@@ -379,7 +440,7 @@ impl EvictionPolicy for S3Fifo {
                     let m = &mut self.meta[id as usize];
                     m.generation = m.generation.wrapping_add(1);
                     let kh = m.key_hash;
-                    self.remember_ghost(kh);
+                    self.remember_ghost(kh, 1);
                     return Some(id);
                 } else {
                     self.promote(id);
@@ -400,6 +461,10 @@ impl EvictionPolicy for S3Fifo {
                     self.n_main -= 1;
                     m.queue = 0;
                     m.generation = m.generation.wrapping_add(1);
+                    if self.adapt.is_some() {
+                        let kh = m.key_hash;
+                        self.remember_ghost(kh, 2);
+                    }
                     return Some(id);
                 } else {
                     self.main.push_back(e);
@@ -416,7 +481,7 @@ impl EvictionPolicy for S3Fifo {
                 m.generation = m.generation.wrapping_add(1);
                 let kh = m.key_hash;
                 self.n_small -= 1;
-                self.remember_ghost(kh);
+                self.remember_ghost(kh, 1);
                 return Some(e.0);
             }
         }
@@ -471,6 +536,50 @@ mod tests {
         // A ghost hit re-enters the main queue.
         p.insert(5, 5);
         assert_eq!(p.meta[5].queue, 2);
+    }
+
+    #[test]
+    fn adaptive_s3fifo_moves_its_share_by_ghost_hits() {
+        let mut p = S3Fifo::adaptive();
+        for i in 0..40 {
+            p.insert(i, u64::from(i));
+        }
+        for i in 0..20 {
+            p.access(i);
+        }
+        let start = p.adapt.unwrap();
+        // Evictions from the small queue first: the unaccessed 20..30 (while small holds its
+        // share) land in the small ghost.
+        let v = p.evict(&mut |_| true).unwrap();
+        assert!((20..40).contains(&v));
+        assert_eq!(p.ghost_n[1], 1);
+        // It comes back: the share grows, the block goes to main.
+        p.insert(v, u64::from(v));
+        assert!(p.adapt.unwrap() > start);
+        assert_eq!(p.meta[v as usize].queue, 2);
+        // A main-queue eviction that comes back shrinks it again.
+        let grown = p.adapt.unwrap();
+        p.adapt = Some(ADAPT_MIN);
+        let w = loop {
+            let w = p.evict(&mut |_| true).unwrap();
+            if p.ghost_n[2] > 0 {
+                break w;
+            }
+        };
+        p.adapt = Some(grown);
+        p.insert(w, u64::from(w));
+        assert!(p.adapt.unwrap() < grown);
+        // The plain S3-FIFO keeps no main-queue ghosts and never moves.
+        let mut q = S3Fifo::default();
+        for i in 0..40 {
+            q.insert(i, u64::from(i));
+            q.access(i);
+        }
+        for _ in 0..30 {
+            q.evict(&mut |_| true).unwrap();
+        }
+        assert_eq!(q.ghost_n[2], 0);
+        assert!(q.adapt.is_none());
     }
 
     #[test]
