@@ -10,6 +10,13 @@ if ! command -v cargo >/dev/null; then
     echo "cargo not found: install the Rust toolchain (https://rustup.rs)" >&2
     exit 1
 fi
+# The suite needs room: a clean build (~2 GB), vLLM's environment (~7 GB) and the tests' disk
+# tiers. Say so up front when the disk is short (a test failing with ENOSPC is otherwise the
+# first sign).
+free_gb=$(df -Pk . | awk 'NR==2 {print int($4 / 1048576)}')
+if [ "${free_gb:-0}" -lt 12 ]; then
+    echo "warning: only ${free_gb} GiB free on $(df -P . | awk 'NR==2 {print $6}'); the suite needs about 12 GiB" >&2
+fi
 # fio, redis-server and iperf3: baselines of the disk, peers and remote benchmarks (their smoke
 # tests run here); etcd: the cluster's membership store (the etcd membership tests run it).
 need=()
