@@ -81,8 +81,11 @@ def main() -> None:
     for m in llm.get_metrics():
         if m.name == "vllm:num_preemptions":
             preemptions = int(getattr(m, "value", 0))
+    sched = llm.llm_engine.vllm_config.scheduler_config
     print("RESULT " + json.dumps({"outputs": out, "aborted": aborted,
-                                  "preemptions": preemptions}), flush=True)
+                                  "preemptions": preemptions,
+                                  "hybrid_allocator": not sched.disable_hybrid_kv_cache_manager}),
+          flush=True)
 
 
 if __name__ == "__main__":

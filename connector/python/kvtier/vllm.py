@@ -49,6 +49,11 @@ namespace fingerprint (model, KV dtype, layout, block size, TP rank), so engines
 blocks they can use. Hashes agree across processes only with a fixed PYTHONHASHSEED (use
 ``--prefix-caching-hash-algo sha256_cbor``); :func:`prompt_keys` computes them outside an engine.
 
+Hybrid models (several KV-cache groups: full attention and sliding window) keep vLLM's hybrid
+allocator (``SupportsHMA``): each group is keyed in a namespace of its own and copied through
+its own layers; a hit needs the full-attention prefix and each sliding-window group's window
+before its end; loads are asynchronous and a failed one fails its request (recomputed).
+
 Saves of newly computed full prompt blocks are queued after each step's forward pass and
 written by the transfer thread; a finished request's blocks stay allocated (``delay_free``)
 until its saves are written, and a preempted request's saves finish before its blocks can be
@@ -72,6 +77,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from . import PagedKv, engine_key, namespace_fingerprint
@@ -122,6 +128,10 @@ class _Transfer:
     req_id: str
     hashes: list[bytes]
     block_ids: list[int]
+    # Models with several KV-cache groups (hybrid allocator): each group's engine blocks, one
+    # per hash (0: vLLM's null block, a sliding-window position outside the window: skipped).
+    # Empty for one group (``block_ids`` are its blocks).
+    group_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -267,7 +277,53 @@ class _Mover:
             self._thread.join(timeout)
 
 
-class KvtierConnector(KVConnectorBase_V1):
+@dataclass
+class _Group:
+    """One KV-cache group of a hybrid model: its layers, and its sliding window in blocks
+    (``window``: blocks a hit needs right before its end; 0: full attention)."""
+    layers: list[str]
+    window: int
+    ns_enc: bytes
+    fp: bytes
+    ns: int = -1
+
+
+def _groups_of(kv_cache_config, block_size: int) -> list[tuple[list[str], int, str]]:
+    """``(layer names, window blocks, description)`` per KV-cache group, or one entry (no layer
+    names) when the engine has one group. Groups kvtier cannot key safely are refused."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) <= 1:
+        return [([], 0, "")]
+    out = []
+    for g, grp in enumerate(groups):
+        spec = grp.kv_cache_spec
+        kind = type(spec).__name__
+        if getattr(spec, "block_size", block_size) != block_size:
+            raise ValueError(
+                f"kvtier: KV-cache group {g} ({kind}) has blocks of {spec.block_size} tokens, "
+                f"the others {block_size}; kvtier keys every group by the same block hashes")
+        if kind == "FullAttentionSpec":
+            window = 0
+        elif kind == "SlidingWindowSpec":
+            # vLLM's SlidingWindowManager: a hit needs cdiv(window - 1, block) blocks before
+            # its end; the ones before are not used (null blocks).
+            window = max(1, -(-(int(spec.sliding_window) - 1) // block_size))
+        else:
+            raise ValueError(
+                f"kvtier: KV-cache group {g} is {kind}; kvtier handles full-attention and "
+                "sliding-window groups (run without the hybrid allocator: "
+                "--disable-hybrid-kv-cache-manager)")
+        layers = list(grp.layer_names)
+        tag = hashlib.blake2b(",".join(layers).encode(), digest_size=8).hexdigest()
+        out.append((layers, window, f"group{g}:{kind}:{window}:{tag}"))
+    return out
+
+
+class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
+    """See the module documentation. ``SupportsHMA``: a model with several KV-cache groups
+    (full attention and sliding window) keeps vLLM's hybrid allocator; each group's blocks are
+    keyed in a namespace of its own and copied through that group's layers only."""
+
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._block_size = vllm_config.cache_config.block_size
@@ -319,6 +375,25 @@ class KvtierConnector(KVConnectorBase_V1):
                          vllm_config.cache_config.cache_dtype, self._block_size,
                          0 if mla else tp_size, 0 if mla else tp_rank)
         self._ns_enc, self._fp = namespace(*self._ns_args)
+        # Hybrid models: one namespace per KV-cache group (the layout names the group, so a
+        # group's blocks never meet another group's, nor a run without the hybrid allocator).
+        self._groups: list[_Group] = []
+        for layers, window, desc in _groups_of(kv_cache_config, self._block_size):
+            if desc:
+                enc, fp = namespace(*self._ns_args, layout=f"{CANONICAL}|{desc}")
+                self._groups.append(_Group(layers, window, enc, fp))
+        self._hybrid = len(self._groups) > 1
+        if self._hybrid:
+            if self._layerwise:
+                log.warning("kvtier: layerwise loads are off for a model with several KV-cache "
+                            "groups (its loads are asynchronous)")
+                self._layerwise = False
+            # vLLM reports a failed load of a hybrid model only per request, for requests that
+            # wait for their loads asynchronously (failed_recving): loads are asynchronous.
+            self._async = True
+            log.info("kvtier: %d KV-cache groups (%s)", len(self._groups),
+                     ", ".join(f"{len(g.layers)} layers, window {g.window or 'full'}"
+                               for g in self._groups))
         backend = getattr(vllm_config.parallel_config, "distributed_executor_backend", None)
         if not self._sidecar and backend not in (None, "uni"):
             raise ValueError(
@@ -332,6 +407,8 @@ class KvtierConnector(KVConnectorBase_V1):
         side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         self._store = open_store(extra, "embedded", f"vllm-{side}")
         self._ns = self._store.register_namespace(self._ns_enc)
+        for grp in self._groups:
+            grp.ns = self._store.register_namespace(grp.ns_enc)
         self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
         # Scheduler side.
         self._reqs: dict[str, Any] = {}
@@ -357,11 +434,50 @@ class KvtierConnector(KVConnectorBase_V1):
         self._finishing: set[str] = set()
         self._layer_index: dict[str, int] = {}
         self._layer_loads: _LayerLoads | None = None
+        self._group_paged: list[PagedKv] = []
 
     # ---- keys ------------------------------------------------------------------------------
 
     def _keys(self, request) -> list[bytes]:
-        return [engine_key(self._fp, bytes(h)) for h in request.block_hashes]
+        """The request's keys in the primary namespace (the only one, or, for a hybrid model,
+        its first full-attention group's: the one lookups, hints and hit sources follow)."""
+        fp = self._primary().fp if self._hybrid else self._fp
+        return [engine_key(fp, bytes(h)) for h in request.block_hashes]
+
+    def _primary(self) -> _Group:
+        return next((g for g in self._groups if g.window == 0), self._groups[0])
+
+    def _hybrid_hit(self, request, n: int) -> int:
+        """Blocks of a hybrid model's hit: at most ``n`` (the primary group's present prefix)
+        and one block short of the prompt's end, cut until every group can use it: a
+        full-attention group needs every block before the end, a sliding-window group the
+        ``window`` blocks right before it (vLLM's hybrid prefix-cache rule)."""
+        bs = self._block_size
+        hashes = self._hashes(request)
+        end = min(n, (len(request.prompt_token_ids or []) - 1) // bs, len(hashes))
+        primary = self._primary()
+        changed = True
+        while changed and end > 0:
+            changed = False
+            for grp in self._groups:
+                if grp is primary:
+                    continue
+                if grp.window == 0:
+                    have = self._store.match_prefix(
+                        [engine_key(grp.fp, h) for h in hashes[:end]])
+                else:
+                    # The window before `end`; a missing block moves the end to it.
+                    have = end
+                    while have > 0:
+                        lo = max(0, have - grp.window)
+                        got = self._store.match_prefix(
+                            [engine_key(grp.fp, h) for h in hashes[lo:have]])
+                        if got == have - lo:
+                            break
+                        have = lo + got
+                if have < end:
+                    end, changed = have, True
+        return max(0, end)
 
     def _hashes(self, request) -> list[bytes]:
         return [bytes(h) for h in request.block_hashes]
@@ -410,11 +526,16 @@ class KvtierConnector(KVConnectorBase_V1):
                     return None, False
                 else:
                     n = host  # past the deadline: what has arrived; vLLM computes the rest
-        self._tiers[rid] = tiers[:n]
         prompt = len(request.prompt_token_ids or [])
-        # A hit covering the whole prompt reports one token fewer: the engine must compute the
-        # last token to get logits (it rewrites that token's KV in the loaded block).
-        hit = min(n * self._block_size, prompt - 1)
+        if self._hybrid:
+            # Whole blocks only (the engine's hybrid allocator aligns hits to blocks).
+            n = self._hybrid_hit(request, n)
+            hit = n * self._block_size
+        else:
+            # A hit covering the whole prompt reports one token fewer: the engine must compute
+            # the last token to get logits (it rewrites that token's KV in the loaded block).
+            hit = min(n * self._block_size, prompt - 1)
+        self._tiers[rid] = tiers[:n]
         ext = max(0, hit - num_computed_tokens)
         # Where the external range starts, for update_state_after_alloc (not a store change).
         self._lookup_start[request.request_id] = num_computed_tokens
@@ -453,9 +574,17 @@ class KvtierConnector(KVConnectorBase_V1):
             return
         bs = self._block_size
         first, last = start // bs, -(-(start + num_external_tokens) // bs)  # whole blocks
-        ids = list(blocks.get_block_ids()[0])
+        per_group = blocks.get_block_ids()
+        ids = list(per_group[0])
         hashes = self._hashes(request)
-        self._loads.append(_Transfer(rid, hashes[first:last], ids[first:last]))
+        if self._hybrid:
+            # Each group's blocks of the range; a sliding-window group's positions before its
+            # window are null blocks (0): nothing is loaded there.
+            groups = [list(g[first:last]) for g in per_group]
+            flat = sorted({b for g in groups for b in g if b})
+            self._loads.append(_Transfer(rid, hashes[first:last], flat, groups))
+        else:
+            self._loads.append(_Transfer(rid, hashes[first:last], ids[first:last]))
         self._loading[rid] = (first, ids[first:last])
         self._saved[rid] = max(self._saved.get(rid, 0), last)
 
@@ -466,8 +595,9 @@ class KvtierConnector(KVConnectorBase_V1):
         # A preempted request's blocks are freed now: its queued saves are flushed by the
         # workers (handle_preemptions), so it no longer needs delay_free for them.
         self._saving.difference_update(meta.preempted)
+        groups = len(self._groups) if self._hybrid else 1
         for new in scheduler_output.scheduled_new_reqs:
-            self._block_ids[new.req_id] = list(new.block_ids[0])
+            self._block_ids[new.req_id] = [list(new.block_ids[g]) for g in range(groups)]
             done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
             self._add_saves(meta, new.req_id, done)
         cached = scheduler_output.scheduled_cached_reqs
@@ -475,9 +605,11 @@ class KvtierConnector(KVConnectorBase_V1):
             new_ids = cached.new_block_ids[i]
             if new_ids is not None:
                 if req_id in getattr(cached, "resumed_req_ids", set()):
-                    self._block_ids[req_id] = list(new_ids[0])
+                    self._block_ids[req_id] = [list(new_ids[g]) for g in range(groups)]
                 else:
-                    self._block_ids.setdefault(req_id, []).extend(new_ids[0])
+                    have = self._block_ids.setdefault(req_id, [[] for _ in range(groups)])
+                    for g in range(groups):
+                        have[g].extend(new_ids[g])
             done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
             self._add_saves(meta, req_id, done)
         return meta
@@ -491,9 +623,18 @@ class KvtierConnector(KVConnectorBase_V1):
         prompt_blocks = len(req.prompt_token_ids or []) // self._block_size
         upto = min(computed_after_step // self._block_size, prompt_blocks, len(hashes))
         start = self._saved.get(req_id, 0)
-        ids = self._block_ids.get(req_id, [])
-        if upto > start and len(ids) >= upto:
-            meta.saves.append(_Transfer(req_id, hashes[start:upto], ids[start:upto]))
+        per_group = self._block_ids.get(req_id, [[]])
+        if upto > start and all(len(g) >= upto for g in per_group):
+            if self._hybrid:
+                # Blocks computed in this step are in every group's window (a sliding-window
+                # block leaves it, and is freed, at a later step: the worker writes this
+                # step's saves before it returns from the step).
+                groups = [g[start:upto] for g in per_group]
+                flat = sorted({b for g in groups for b in g if b})
+                t = _Transfer(req_id, hashes[start:upto], flat, groups)
+            else:
+                t = _Transfer(req_id, hashes[start:upto], per_group[0][start:upto])
+            meta.saves.append(t)
             self._saved[req_id] = upto
             self._saving.add(req_id)
             if self._kv_events:
@@ -526,6 +667,11 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output):
         """Blocks that failed to load are recomputed by the engine: save them again then."""
+        # A hybrid model's failed load fails its request: vLLM recomputes all of it, so all of
+        # it is saved again.
+        for rid in getattr(connector_output, "failed_recving", None) or ():
+            if rid in self._loading and rid in self._saved:
+                self._saved[rid] = min(self._saved[rid], self._loading[rid][0])
         bad = getattr(connector_output, "invalid_block_ids", None)
         if not bad:
             return
@@ -533,6 +679,11 @@ class KvtierConnector(KVConnectorBase_V1):
             failed = [i for i, b in enumerate(ids) if b in bad]
             if failed and rid in self._saved:
                 self._saved[rid] = min(self._saved[rid], first + failed[0])
+
+    def request_finished_all_groups(self, request, block_ids):
+        """The hybrid allocator's ``request_finished`` (``SupportsHMA``): the same, for every
+        group's blocks at once."""
+        return self.request_finished(request, block_ids)
 
     def request_finished(self, request, block_ids):
         rid = request.request_id
@@ -578,12 +729,50 @@ class KvtierConnector(KVConnectorBase_V1):
         self._kv_caches = kv_caches  # keep the tensors alive
         self._paged = PagedKv(layers)
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        if self._hybrid:
+            # Each group through its own layers only: the groups' tensors overlay one buffer
+            # (block b of group 0 and of group 1 are different blocks in the same memory), so
+            # a copy through another group's layers would read or overwrite the wrong block.
+            by_name = dict(zip(kv_caches, layers))
+            self._group_paged = []
+            for g, grp in enumerate(self._groups):
+                missing = [n for n in grp.layers if n not in by_name]
+                if missing:
+                    raise ValueError(f"kvtier: KV-cache group {g} names layers the engine did "
+                                     f"not register: {missing}")
+                self._group_paged.append(PagedKv([by_name[n] for n in grp.layers]))
         self._mover = _Mover(self._load, self._save)
+
+    def _load_groups(self, t: _Transfer) -> list[int]:
+        """A hybrid model's load: every group's non-null blocks, each group through its own
+        layers; any block missing fails the whole transfer (vLLM recomputes the request)."""
+        for g, grp in enumerate(self._groups):
+            pairs = [(h, b) for h, b in zip(t.hashes, t.group_ids[g]) if b]
+            if not pairs:
+                continue
+            keys = [engine_key(grp.fp, h) for h, _ in pairs]
+            ids = [[b] for _, b in pairs]
+            try:
+                if self._sidecar:
+                    n = self._store.load(self._group_paged[g], keys, ids, self._lease_ms)
+                else:
+                    n = self._store.load(self._group_paged[g], keys, ids)
+            except Exception:
+                log.exception("kvtier: load of group %d (%d blocks) for %s failed", g,
+                              len(keys), t.req_id)
+                n = 0
+            if n < len(keys):
+                log.warning("kvtier: %d of %d blocks of group %d for %s could not be loaded; "
+                            "the request is recomputed", len(keys) - n, len(keys), g, t.req_id)
+                return list(t.block_ids)
+        return []
 
     def _load(self, t: _Transfer) -> list[int]:
         """Loads one transfer; returns the engine blocks that were not loaded."""
         if not t.hashes:
             return list(t.block_ids)
+        if t.group_ids:
+            return self._load_groups(t)
         keys = [engine_key(self._fp, h) for h in t.hashes]
         ids = [[b] for b in t.block_ids]
         try:
@@ -600,6 +789,23 @@ class KvtierConnector(KVConnectorBase_V1):
         return list(t.block_ids[n:])
 
     def _save(self, t: _Transfer) -> None:
+        if t.group_ids:
+            for g, grp in enumerate(self._groups):
+                pairs = [(h, b) for h, b in zip(t.hashes, t.group_ids[g]) if b]
+                if not pairs:
+                    continue
+                keys = [engine_key(grp.fp, h) for h, _ in pairs]
+                try:
+                    # Events name full-attention blocks by vLLM's hashes (a router matches
+                    # prompts against those); a sliding-window group's copy is published
+                    # under its kvtier key.
+                    hashes = [h for h, _ in pairs] if grp.window == 0 else None
+                    self._store.save(grp.ns, self._group_paged[g], keys,
+                                     [[b] for _, b in pairs], engine_hashes=hashes)
+                except Exception:
+                    log.exception("kvtier: save of group %d (%d blocks) for %s failed", g,
+                                  len(keys), t.req_id)
+            return
         keys = [engine_key(self._fp, h) for h in t.hashes]
         try:
             # vLLM's own block hashes go along: kvtierd's KV events name the blocks by them,
@@ -688,20 +894,44 @@ class KvtierConnector(KVConnectorBase_V1):
                 self._save_reqs.add(t.req_id)
                 if self._writer:
                     self._mover.submit_save(t)
+        if self._hybrid and meta.saves and any(g.window for g in self._groups):
+            # A sliding-window block that leaves the window is freed at the next step and may
+            # be reused at once (delay_free covers only finished requests): this step's saves
+            # are written before the step ends.
+            self._mover.wait_saves({t.req_id for t in meta.saves})
 
-    def get_finished(self, finished_req_ids):
+    def _transfers_done(self, finished_req_ids) -> tuple[set[str], set[str], set[str]]:
+        """Requests whose saves are written, whose loads finished, and (hybrid models) whose
+        loads failed."""
         if self._mover is None:
-            return None, None
-        recving = set()
+            return set(), set(), set()
+        recving, failed_reqs = set(), set()
         for rid, failed in self._mover.take_loaded():
             recving.add(rid)
-            # Reported in this step's get_block_ids_with_load_errors, before the request runs.
-            self._failed.update(failed)
+            if failed and self._hybrid:
+                # vLLM takes a hybrid model's load failures only per request (failed_recving):
+                # it recomputes the whole request.
+                failed_reqs.add(rid)
+            else:
+                # Reported in this step's get_block_ids_with_load_errors, before it runs.
+                self._failed.update(failed)
         self._finishing |= set(finished_req_ids) & self._save_reqs
         sending = {r for r in self._finishing if not self._mover.saving(r)}
         self._finishing -= sending
         self._save_reqs -= sending
+        return sending, recving, failed_reqs
+
+    def get_finished(self, finished_req_ids):
+        sending, recving, _ = self._transfers_done(finished_req_ids)
         return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids):
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorTransferResults,
+        )
+        sending, recving, failed = self._transfers_done(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self):
         self._finish_layer_loads()
