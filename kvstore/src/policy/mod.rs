@@ -112,7 +112,8 @@ impl PolicyKind {
         }
     }
 
-    /// Parses `wtinylfu`, `s3fifo`, `lru`, `sieve` or `arc` (case, `-` and `_` ignored).
+    /// Parses `s3fifo`, `s3fifo-adaptive`, `wtinylfu`, `lru`, `sieve` or `arc` (case, `-` and
+    /// `_` ignored).
     pub fn parse(s: &str) -> Option<Self> {
         match s.to_ascii_lowercase().replace(['-', '_'], "").as_str() {
             "lru" => Some(PolicyKind::Lru),
@@ -499,6 +500,19 @@ mod tests {
 
     fn all() -> Vec<Box<dyn EvictionPolicy>> {
         PolicyKind::ALL.iter().map(|p| p.build()).collect()
+    }
+
+    #[test]
+    fn every_policy_parses_from_its_name() {
+        for p in PolicyKind::ALL {
+            assert_eq!(PolicyKind::parse(p.name()), Some(p));
+            assert_eq!(p.build().name(), p.name());
+        }
+        assert_eq!(
+            PolicyKind::parse("S3_FIFO-Adaptive"),
+            Some(PolicyKind::S3FifoAdaptive)
+        );
+        assert_eq!(PolicyKind::parse("clock"), None);
     }
 
     #[test]
