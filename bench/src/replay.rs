@@ -43,7 +43,8 @@ pub struct ReplayArgs {
     /// Disk capacity, same forms; "0" for no disk tier.
     #[arg(long, default_value = "20%")]
     pub disk: String,
-    /// Eviction policy: wtinylfu, s3fifo, s3fifo-adaptive, lru, sieve or arc (default: the store's default).
+    /// Eviction policy: wtinylfu, s3fifo, s3fifo-adaptive, lru, sieve or arc (default: the
+    /// store's default).
     #[arg(long)]
     pub policy: Option<String>,
     /// Disk admission: seen-twice or always.

@@ -542,7 +542,10 @@ impl Inner {
                         let mut q = self.work.q.lock();
                         if !q.stop {
                             q.push_bytes += u64::from(d.len);
-                            q.push_retry.push_back((at, tries + 1, *d));
+                            // Due order: a first retry (1 s) may come due before a later
+                            // one (16 s) queued earlier.
+                            let pos = q.push_retry.partition_point(|r| r.0 <= at);
+                            q.push_retry.insert(pos, (at, tries + 1, *d));
                             self.stats.push_retries.fetch_add(1, Relaxed);
                             continue;
                         }
