@@ -6,13 +6,12 @@ its own; a hit needs the full-attention group's whole prefix and the sliding-win
 window before the hit's end; a failed load fails the request's load and vLLM recomputes it.
 Every output is compared with an engine without a connector."""
 
-import os
 import subprocess
 import sys
 
 import pytest
 
-from test_vllm_e2e import BS, HERE, Daemon, engine, same
+from test_vllm_e2e import BS, HERE, Daemon, engine, same, scramble_data_files
 
 H1 = list(range(1, 301))                          # 300 tokens: 9 full blocks + 12
 H2 = list(range(1, 161)) + list(range(400, 540))  # its first 5 blocks are H1's
@@ -63,14 +62,7 @@ def test_a_hybrid_model_keeps_the_hybrid_allocator_and_loads_every_group(hybrid,
         # takes no block-level load failures from a hybrid model: the connector fails the
         # request's load (failed_recving) and vLLM recomputes it; never served, no crash.
         d.stop()
-        files = list(d.data_dir.glob("**/data-*.kvd"))
-        assert files
-        for f in files:  # every block's bytes; the 4 KiB file header stays valid
-            size = f.stat().st_size
-            with open(f, "r+b") as fh:
-                fh.seek(4096)
-                for off in range(4096, size, 1 << 24):
-                    fh.write(os.urandom(min(1 << 24, size - off)))
+        scramble_data_files(d.data_dir)
         d.start()
         # (Without preloads: a preload would meet the damage first and drop the blocks.)
         out = engine(hybrid, [H1], d.conn(preload=False), policy="recompute")["outputs"][0]

@@ -112,6 +112,19 @@ class Daemon:
         return {"mode": "sidecar", "socket": self.socket, **kw}
 
 
+def scramble_data_files(data_dir):
+    """Overwrites every block's bytes in kvtierd's disk tier with random ones (the 4 KiB file
+    headers stay valid, so the tier opens and its journal still lists the blocks)."""
+    files = list(Path(data_dir).glob("**/data-*.kvd"))
+    assert files
+    for f in files:
+        size = f.stat().st_size
+        with open(f, "r+b") as fh:
+            fh.seek(4096)
+            for off in range(4096, size, 1 << 24):
+                fh.write(os.urandom(min(1 << 24, size - off)))
+
+
 def same(a, b):
     assert "error" not in a, a
     assert a["tokens"] == b["tokens"]
@@ -349,14 +362,7 @@ def test_vllm_engines_share_kv_through_kvtierd(model, ref, tmp_path):
 
         # Data files corrupted on disk: the index says present, the checksum says no.
         d.stop()
-        files = list(d.data_dir.glob("**/data-*.kvd"))
-        assert files
-        for f in files:  # every block's bytes; the 4 KiB file header stays valid
-            size = f.stat().st_size
-            with open(f, "r+b") as fh:
-                fh.seek(4096)
-                for off in range(4096, size, 1 << 24):
-                    fh.write(os.urandom(min(1 << 24, size - off)))
+        scramble_data_files(d.data_dir)
         d.start()
         side = Sidecar(d.socket, "e2e-test")
         assert side.match_prefix(keys(C)) == 2 and side.match_prefix(keys(D)) == 2
