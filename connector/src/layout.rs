@@ -300,6 +300,37 @@ impl PagedKv {
         Ok(())
     }
 
+    /// Copies layer `layer` of engine blocks `ids` into its place in `dst` (their canonical
+    /// form, every layer): what a layer-by-layer save moves as soon as the layer was computed.
+    /// The other layers' bytes in `dst` are not touched.
+    pub fn gather_layer(
+        &self,
+        ids: &[usize],
+        dst: &mut [u8],
+        layer: usize,
+    ) -> Result<(), LayoutError> {
+        self.check(ids, dst.len())?;
+        let Some(p) = self.plans.get(layer) else {
+            return Err(LayoutError::Mismatch {
+                layer,
+                what: "layer index",
+            });
+        };
+        let before: usize = self.plans[..layer].iter().map(|q| q.bytes).sum();
+        for (k, &id) in ids.iter().enumerate() {
+            let mut at = k * self.block_bytes + before;
+            let base = p.ptr as isize + id as isize * p.block_stride;
+            walk(p, base, &mut |src, len| {
+                // SAFETY: as in gather: within the layer tensor, which nobody writes during
+                // the copy (PagedKv::new's contract); `dst` is a separate buffer.
+                let from = unsafe { std::slice::from_raw_parts(src as *const u8, len) };
+                kvstore::copy_nt(&mut dst[at..at + len], from);
+                at += len;
+            });
+        }
+        Ok(())
+    }
+
     /// Copies `src` (canonical form of engine blocks `ids`) into the engine's tensors.
     pub fn scatter(&self, ids: &[usize], src: &[u8]) -> Result<(), LayoutError> {
         self.scatter_with(ids, src, &mut |_| {})

@@ -33,6 +33,9 @@ pub struct SidecarStats {
 
 struct State {
     conn: Option<IpcClient>,
+    /// Which connection `conn` is (counted from 1; 0: none made yet): reservations belong to
+    /// one connection and die with it.
+    conn_id: u64,
     /// Registered through this handle; the local id is the index.
     namespaces: Vec<Namespace>,
     /// The daemon's id of each on the current connection.
@@ -55,9 +58,15 @@ pub struct Sidecar {
 pub struct NsMap<'a> {
     namespaces: &'a [Namespace],
     remote: &'a mut Vec<Option<NsId>>,
+    conn_id: u64,
 }
 
 impl NsMap<'_> {
+    /// Which connection this is (for [`Sidecar::call_on`]).
+    pub fn connection(&self) -> u64 {
+        self.conn_id
+    }
+
     /// The daemon's id of local namespace `local`, registering it on this connection first.
     pub fn get(&mut self, c: &mut IpcClient, local: NsId) -> Result<NsId, IpcError> {
         let i = local.0 as usize;
@@ -97,7 +106,11 @@ impl Sidecar {
     ) -> Result<Self, TransferError> {
         let c = IpcClient::connect_as(socket, client, tenant_secret)?;
         let s = Self::new_unconnected(socket, client, tenant_secret);
-        s.st.lock().map_err(|_| TransferError::Poisoned)?.conn = Some(c);
+        {
+            let mut st = s.st.lock().map_err(|_| TransferError::Poisoned)?;
+            st.conn = Some(c);
+            st.conn_id = 1;
+        }
         Ok(s)
     }
 
@@ -108,6 +121,7 @@ impl Sidecar {
             secret: tenant_secret.to_string(),
             st: Mutex::new(State {
                 conn: None,
+                conn_id: 0,
                 namespaces: Vec::new(),
                 remote: Vec::new(),
                 retry_at: Instant::now(),
@@ -131,6 +145,7 @@ impl Sidecar {
                     );
                 }
                 st.conn = Some(c);
+                st.conn_id += 1;
                 st.remote = vec![None; st.namespaces.len()];
                 st.backoff = BACKOFF_MIN;
             }
@@ -181,9 +196,32 @@ impl Sidecar {
         &self,
         f: impl FnOnce(&mut IpcClient, &mut NsMap<'_>) -> Result<R, IpcError>,
     ) -> Result<Option<R>, TransferError> {
+        self.call_inner(None, f)
+    }
+
+    /// [`Sidecar::call`] on connection `conn` only (see [`NsMap::connection`]), for what
+    /// continues work begun on it (reservations): `Ok(None)` if that connection is gone, even
+    /// when another one is up (its reservations went with it).
+    pub fn call_on<R>(
+        &self,
+        conn: u64,
+        f: impl FnOnce(&mut IpcClient, &mut NsMap<'_>) -> Result<R, IpcError>,
+    ) -> Result<Option<R>, TransferError> {
+        self.call_inner(Some(conn), f)
+    }
+
+    fn call_inner<R>(
+        &self,
+        only: Option<u64>,
+        f: impl FnOnce(&mut IpcClient, &mut NsMap<'_>) -> Result<R, IpcError>,
+    ) -> Result<Option<R>, TransferError> {
         let mut st = self.st.lock().map_err(|_| TransferError::Poisoned)?;
         let st = &mut *st;
-        if st.conn.is_none() && Instant::now() >= st.retry_at {
+        if only.is_some_and(|id| id != st.conn_id) {
+            st.stats.missed_calls += 1;
+            return Ok(None);
+        }
+        if st.conn.is_none() && only.is_none() && Instant::now() >= st.retry_at {
             self.connect(st);
         }
         let Some(c) = st.conn.as_mut() else {
@@ -193,6 +231,7 @@ impl Sidecar {
         let mut map = NsMap {
             namespaces: &st.namespaces,
             remote: &mut st.remote,
+            conn_id: st.conn_id,
         };
         match f(c, &mut map) {
             Ok(r) => Ok(Some(r)),

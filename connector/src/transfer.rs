@@ -19,6 +19,9 @@ use crate::sidecar::Sidecar;
 
 use crate::layout::{LayoutError, PagedKv};
 
+mod layer_save;
+pub use layer_save::LayerSave;
+
 /// Why a transfer failed (as opposed to a miss, which is a short count).
 #[derive(Debug, thiserror::Error)]
 pub enum TransferError {
@@ -830,29 +833,43 @@ fn save_chunks(
             }
             return Err(e);
         }
-        let r = if engine_hashes.is_empty() {
-            c.commit(&toks)?
-        } else {
-            let tags: Vec<Vec<u8>> = tokens
-                .iter()
-                .map(|(i, _)| engine_hashes[*i].clone())
-                .collect();
-            c.commit_tagged(&toks, &tags)?
-        };
-        for (i, t) in &tokens {
-            if r.expired.contains(t) {
-                out[*i] = Stored::NoRoom;
-            } else if r.cancelled.contains(t) {
-                out[*i] = Stored::Already;
-            }
-        }
-        if !r.expired.is_empty() {
-            tracing::warn!(
-                n = r.expired.len(),
-                "kvtier: reservations expired before their commit: those blocks are not stored"
-            );
-        }
+        commit_tokens(c, &tokens, engine_hashes, out)?;
         at = end;
+    }
+    Ok(())
+}
+
+/// Commits filled slots (`(key index, token)`), tagged with the keys' engine hashes if any;
+/// marks in `out` the ones whose reservation expired (not stored) or was cancelled by a
+/// removal (`Already`).
+fn commit_tokens(
+    c: &mut IpcClient,
+    tokens: &[(usize, u64)],
+    engine_hashes: &[Vec<u8>],
+    out: &mut [Stored],
+) -> Result<(), IpcError> {
+    let toks: Vec<u64> = tokens.iter().map(|(_, t)| *t).collect();
+    let r = if engine_hashes.is_empty() {
+        c.commit(&toks)?
+    } else {
+        let tags: Vec<Vec<u8>> = tokens
+            .iter()
+            .map(|(i, _)| engine_hashes[*i].clone())
+            .collect();
+        c.commit_tagged(&toks, &tags)?
+    };
+    for (i, t) in tokens {
+        if r.expired.contains(t) {
+            out[*i] = Stored::NoRoom;
+        } else if r.cancelled.contains(t) {
+            out[*i] = Stored::Already;
+        }
+    }
+    if !r.expired.is_empty() {
+        tracing::warn!(
+            n = r.expired.len(),
+            "kvtier: reservations expired before their commit: those blocks are not stored"
+        );
     }
     Ok(())
 }

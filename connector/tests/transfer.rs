@@ -324,3 +324,80 @@ fn layerwise_loads_copy_each_layer_before_reporting_it() {
         )
         .is_err());
 }
+
+/// Engine blocks `ids` of `p`, canonical form.
+fn canon(p: &PagedKv, ids: &[usize]) -> Vec<u8> {
+    let mut v = vec![0u8; ids.len() * p.block_bytes()];
+    p.gather(ids, &mut v).unwrap();
+    v
+}
+
+#[test]
+fn layerwise_saves_commit_whole_blocks_each_layer_as_it_was_when_saved() {
+    let b = store();
+    let id = b.register_namespace(&ns()).unwrap();
+    let layers = 3;
+    let mut src = tensors(9, layers);
+    let ps = paged(&mut src);
+    let keys: Vec<BlockKey> = (30..34).map(key).collect();
+    let ids = vec![vec![1], vec![2, 3], vec![4], vec![5]];
+    // Key 30 is there already: not reserved again, not counted.
+    assert_eq!(b.save(id, &ps, &keys[..1], &ids[..1]).unwrap(), 1);
+    let want_before = canon(&ps, &[2, 3, 4, 5]);
+    let mut s = b.begin_layer_save(id, &ps, &keys, &ids, &[]).unwrap();
+    assert_eq!(s.held(), 3);
+    b.save_layer(&mut s, &ps, 2).unwrap();
+    b.save_layer(&mut s, &ps, 0).unwrap();
+    b.save_layer(&mut s, &ps, 0).unwrap(); // again: a no-op
+    assert_eq!(s.layers_done(), 2);
+    // Not visible with a layer missing.
+    assert_eq!(b.match_prefix(&keys).unwrap(), 1);
+    // The engine writes layer 0 again after its save (it must not reach the stored block),
+    // and layer 1 before the finish gathers it (it must).
+    drop(ps);
+    for layer in &mut src[..2] {
+        layer.iter_mut().for_each(|x| *x = x.wrapping_add(1));
+    }
+    let ps = paged(&mut src);
+    let want_after = canon(&ps, &[2, 3, 4, 5]);
+    assert!(matches!(
+        b.save_layer(&mut s, &ps, layers),
+        Err(TransferError::Input(_))
+    ));
+    assert_eq!(b.finish_layer_save(s, &ps).unwrap(), 3);
+    assert_eq!(b.match_prefix(&keys).unwrap(), 4);
+    // Loaded back (checksums verified on the way): layer 0 as saved, layers 1 and 2 as at the
+    // finish.
+    let mut dst = tensors(10, layers);
+    let pd = paged(&mut dst);
+    let into = vec![vec![9], vec![10, 11], vec![12], vec![13]];
+    assert_eq!(b.load(&pd, &keys, &into, Duration::ZERO).unwrap(), 4);
+    let got = canon(&pd, &[10, 11, 12, 13]);
+    let per = ps.block_bytes() / layers;
+    for blk in 0..4 {
+        for l in 0..layers {
+            let at = blk * ps.block_bytes() + l * per;
+            let want = if l == 0 { &want_before } else { &want_after };
+            assert_eq!(
+                got[at..at + per],
+                want[at..at + per],
+                "block {blk} layer {l}"
+            );
+        }
+    }
+    // An aborted save stores nothing and frees its slots (a later save stores the keys).
+    let more: Vec<BlockKey> = (40..42).map(key).collect();
+    let mids = vec![vec![6], vec![7]];
+    let mut s = b.begin_layer_save(id, &ps, &more, &mids, &[]).unwrap();
+    b.save_layer(&mut s, &ps, 0).unwrap();
+    b.abort_layer_save(s).unwrap();
+    assert_eq!(b.match_prefix(&more).unwrap(), 0);
+    assert_eq!(b.save(id, &ps, &more, &mids).unwrap(), 2);
+    // Bad input is refused before anything is reserved.
+    assert!(b
+        .begin_layer_save(id, &ps, &more, &[vec![BLOCKS], vec![1]], &[])
+        .is_err());
+    assert!(b
+        .begin_layer_save(id, &ps, &more, &mids, &[vec![1u8; 8]])
+        .is_err());
+}

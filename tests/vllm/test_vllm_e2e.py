@@ -440,9 +440,10 @@ def test_two_nodes_share_a_prefix_over_the_remote_tier(model, ref, tmp_path):
 
 
 def test_layerwise_loads_are_awaited_layer_by_layer(model, ref, tmp_path):
-    """`layerwise` with synchronous loads: a step's loads run layer by layer on a thread while
-    the forward pass starts; each layer waits for its own KV (wait_for_layer_load) and runs only
-    after it is in. Same tokens and log-probabilities as without kvtier."""
+    """`layerwise` with synchronous loads: saves are copied layer by layer as the layers run and
+    committed after the pass; a step's loads run layer by layer on a thread while the forward
+    pass starts; each layer waits for its own KV (wait_for_layer_load) and runs only after it
+    is in. Same tokens and log-probabilities as without kvtier."""
     trace = tmp_path / "layers.jsonl"
     conn = {"mode": "embedded", "disk_dir": str(tmp_path / "store"), "host_bytes": 64 << 20,
             "disk_bytes": 256 << 20, "segment_bytes": 16 << 20, "async_load": False,
@@ -451,6 +452,18 @@ def test_layerwise_loads_are_awaited_layer_by_layer(model, ref, tmp_path):
     for out, name in zip(first, "AC"):
         assert out["num_cached_tokens"] == 0
         same(out, ref[name])
+    # The saves went layer by layer: each layer copied after it ran (queued by save_kv_layer),
+    # every layer of a step before its commit.
+    ev = sorted((json.loads(l) for l in trace.read_text().splitlines()), key=lambda e: e["t"])
+    commits = [e for e in ev if e["event"] == "committed"]
+    saved = [e for e in ev if e["event"] == "saved"]
+    assert commits and sum(e["blocks"] for e in commits) >= 4, commits  # A's 2, C's 2+
+    assert len(saved) == LAYERS * len(commits), (saved, commits)
+    for e in saved:
+        before = ev[:ev.index(e)]
+        ran = sum(x["event"] == "ran" and x["layer"] == e["layer"] for x in before)
+        done = sum(x["event"] == "saved" and x["layer"] == e["layer"] for x in before)
+        assert ran > done, ("a layer was saved before it ran", e, before)
     trace.unlink(missing_ok=True)
     again = engine(model, [A, C, B], conn, in_process=True)["outputs"]
     assert again[0]["num_cached_tokens"] >= len(A) - BS
@@ -476,3 +489,27 @@ def test_layerwise_loads_are_awaited_layer_by_layer(model, ref, tmp_path):
         # ...and the layer ran after its wait, before the next layer's.
         nxt = next(x for x in ev[i + 1:] if x["event"] == "ran")
         assert nxt["layer"] == e["layer"], (e, nxt)
+
+
+def test_layerwise_saves_through_kvtierd(model, ref, tmp_path):
+    """`layerwise` in sidecar mode (asynchronous loads): the first engine's saves reserve slots
+    in kvtierd's arena when a step starts and copy each layer as it runs; a fresh engine loads
+    those blocks and computes what it would have computed without kvtier."""
+    d = Daemon(tmp_path / "data")
+    try:
+        trace = tmp_path / "layers.jsonl"
+        conn = d.conn(layerwise=True, layer_trace=str(trace))
+        first = engine(model, [A, C], conn)["outputs"]
+        for out, name in zip(first, "AC"):
+            same(out, ref[name])
+        ev = [json.loads(l) for l in trace.read_text().splitlines()]
+        commits = [e for e in ev if e["event"] == "committed"]
+        assert sum(e["blocks"] for e in commits) >= 4, commits
+        assert sum(e["event"] == "saved" for e in ev) == LAYERS * len(commits)
+        again = engine(model, [A, C], d.conn())["outputs"]
+        assert again[0]["num_cached_tokens"] >= len(A) - BS
+        assert again[1]["num_cached_tokens"] >= 2 * BS
+        for out, name in zip(again, "AC"):
+            same(out, ref[name])
+    finally:
+        d.stop()

@@ -31,11 +31,14 @@ Extra config keys:
         computes the rest), "wait_complete" (waits until all have arrived, at most 60 s),
         "best_effort" (never waits: loads what is in host memory now)
   load_deadline_ms: see load_policy (default 2000)
-  layerwise: with ``async_load`` false, a step's loads run layer by layer on a thread of their
+  layerwise: saves and (with ``async_load`` false) loads move layer by layer (default false:
+        whole requests). Saves: the step's slots are reserved when vLLM binds its metadata
+        (before the forward pass), each layer is copied into them by the transfer thread as
+        soon as ``save_kv_layer`` reports it computed, and the blocks are committed after the
+        last one (never with a layer missing). Loads: a step's loads run on a thread of their
         own while the forward pass starts: every block is pinned and checksum-verified first,
         then each layer is copied in order and ``wait_for_layer_load`` waits only for its own
-        layer (default false: the whole load finishes in ``start_load_kv``). Saves stay whole
-        requests, after the forward pass.
+        layer. Models with several KV-cache groups move whole requests.
   prefill_tokens_per_s: the engine's prefill rate; when set, break-even admission loads a block
         from disk only if that beats recomputing it (each tier priced by its measured read
         bandwidth and latency); 0 (default) loads every hit
@@ -54,8 +57,9 @@ allocator (``SupportsHMA``): each group is keyed in a namespace of its own and c
 its own layers; a hit needs the full-attention prefix and each sliding-window group's window
 before its end; loads are asynchronous and a failed one fails its request (recomputed).
 
-Saves of newly computed full prompt blocks are queued after each step's forward pass and
-written by the transfer thread; a finished request's blocks stay allocated (``delay_free``)
+Saves of newly computed full prompt blocks are queued after each step's forward pass (with
+``layerwise``, copied layer by layer during it and committed after it) and written by the
+transfer thread; a finished request's blocks stay allocated (``delay_free``)
 until its saves are written, and a preempted request's saves finish before its blocks can be
 reused (``handle_preemptions``). A block that fails to load (missing, failed checksum, lapsed
 lease) is reported through ``get_block_ids_with_load_errors``, so vLLM's
@@ -207,6 +211,7 @@ class _Mover:
     def __init__(self, load, save):
         self._load, self._save = load, save
         self._cv = threading.Condition()
+        self._ops: deque[tuple[Any, tuple[str, ...]]] = deque()
         self._loads: deque[_Transfer] = deque()
         self._saves: deque[_Transfer] = deque()
         self._saving: dict[str, int] = {}
@@ -227,30 +232,53 @@ class _Mover:
             self._saving[t.req_id] = self._saving.get(t.req_id, 0) + 1
             self._cv.notify_all()
 
+    def submit_op(self, op, starts=(), ends=()) -> None:
+        """Runs ``op()`` on the transfer thread before any queued load or save (ops in order).
+        The requests in ``starts`` count as saving from now on until an op that ``ends`` them
+        has run (a layer-by-layer save: begun, layers, finished)."""
+        with self._cv:
+            for r in starts:
+                self._saving[r] = self._saving.get(r, 0) + 1
+            self._ops.append((op, tuple(ends)))
+            self._cv.notify_all()
+
+    def _done_saving(self, req_ids) -> None:
+        with self._cv:
+            for r in req_ids:
+                left = self._saving[r] - 1
+                if left:
+                    self._saving[r] = left
+                else:
+                    del self._saving[r]
+            self._cv.notify_all()
+
     def _run(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._loads or self._saves or self._stop)
-                if self._loads:
+                self._cv.wait_for(lambda: self._ops or self._loads or self._saves or self._stop)
+                if self._ops:
+                    job, is_load = self._ops.popleft(), None
+                elif self._loads:
                     job, is_load = self._loads.popleft(), True
                 elif self._saves:
                     job, is_load = self._saves.popleft(), False
                 else:
                     return
-            if is_load:
+            if is_load is None:
+                op, ends = job
+                try:
+                    op()
+                except Exception:  # noqa: BLE001 - an op logs its own failures; never fatal
+                    log.exception("kvtier: a transfer-thread operation failed")
+                self._done_saving(ends)
+            elif is_load:
                 failed = self._load(job)
                 with self._cv:
                     self._loaded.append((job.req_id, failed))
                     self._cv.notify_all()
             else:
                 self._save(job)
-                with self._cv:
-                    left = self._saving[job.req_id] - 1
-                    if left:
-                        self._saving[job.req_id] = left
-                    else:
-                        del self._saving[job.req_id]
-                    self._cv.notify_all()
+                self._done_saving((job.req_id,))
 
     def take_loaded(self) -> list[tuple[str, list[int]]]:
         with self._cv:
@@ -275,6 +303,57 @@ class _Mover:
             self._cv.notify_all()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+
+
+class _StepSave:
+    """One step's saves, layer by layer (``layerwise``): ``begin`` reserves every block's slot,
+    ``layer(i)`` copies layer i of every block into them, ``finish`` copies any layer left and
+    commits. All three run on the transfer thread, in order. A transfer whose begin failed is
+    saved whole at the finish; one whose layer copy or commit failed stores nothing."""
+
+    def __init__(self, conn: "KvtierConnector", transfers: list[_Transfer]):
+        self._conn = conn
+        self.transfers = transfers
+        self._sessions: list[Any] = []
+
+    def begin(self) -> None:
+        c = self._conn
+        for t in self.transfers:
+            keys = [engine_key(c._fp, h) for h in t.hashes]
+            try:
+                s = c._store.begin_layer_save(c._ns, c._paged, keys, [[b] for b in t.block_ids],
+                                              engine_hashes=[bytes(h) for h in t.hashes])
+            except Exception:  # noqa: BLE001 - saved whole at the finish instead
+                log.exception("kvtier: layer-by-layer save of %d blocks for %s could not begin",
+                              len(keys), t.req_id)
+                s = None
+            self._sessions.append(s)
+
+    def layer(self, layer: int) -> None:
+        c = self._conn
+        held = 0
+        for t, s in zip(self.transfers, self._sessions):
+            if s is None:
+                continue
+            try:
+                c._store.save_layer(s, c._paged, layer)
+                held += s.held
+            except Exception:  # noqa: BLE001 - the finish commits nothing of it
+                log.exception("kvtier: layer %d of the save for %s failed", layer, t.req_id)
+        c._trace_layer("saved", layer, blocks=held)
+
+    def finish(self) -> None:
+        c = self._conn
+        stored = 0
+        for t, s in zip(self.transfers, self._sessions):
+            if s is None:
+                c._save(t)
+                continue
+            try:
+                stored += c._store.finish_layer_save(s, c._paged)
+            except Exception:  # noqa: BLE001 - nothing half-written was committed
+                log.exception("kvtier: save of %d blocks for %s failed", len(t.hashes), t.req_id)
+        c._trace_layer("committed", -1, blocks=stored)
 
 
 @dataclass
@@ -333,8 +412,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._async = bool(extra.get("async_load", True))
         self._layerwise = bool(extra.get("layerwise", False))
         if self._layerwise and self._async:
-            log.warning("kvtier: layerwise applies to synchronous loads (async_load: false); "
-                        "asynchronous loads finish before their request runs")
+            log.info("kvtier: layerwise: saves move layer by layer; loads are asynchronous "
+                     "(they finish before their request runs)")
         # A debugging aid (and what the tests read): one JSON line per layer event.
         self._layer_trace_path = extra.get("layer_trace")
         self._lease_ms = int(extra.get("lease_ms", 30_000))
@@ -385,8 +464,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._hybrid = len(self._groups) > 1
         if self._hybrid:
             if self._layerwise:
-                log.warning("kvtier: layerwise loads are off for a model with several KV-cache "
-                            "groups (its loads are asynchronous)")
+                log.warning("kvtier: layerwise is off for a model with several KV-cache groups "
+                            "(its loads are asynchronous, its saves whole requests)")
                 self._layerwise = False
             # vLLM reports a failed load of a hybrid model only per request, for requests that
             # wait for their loads asynchronously (failed_recving): loads are asynchronous.
@@ -434,6 +513,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._finishing: set[str] = set()
         self._layer_index: dict[str, int] = {}
         self._layer_loads: _LayerLoads | None = None
+        self._step_save: _StepSave | None = None
         self._group_paged: list[PagedKv] = []
 
     # ---- keys ------------------------------------------------------------------------------
@@ -824,11 +904,12 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             self._save_reqs.difference_update(preempted)
             self._finishing.difference_update(preempted)
 
-    def _trace_layer(self, what: str, layer: int) -> None:
+    def _trace_layer(self, what: str, layer: int, **extra) -> None:
         if self._layer_trace_path:
             import json
             with open(self._layer_trace_path, "a") as f:
-                f.write(json.dumps({"event": what, "layer": layer, "t": time.monotonic()}) + "\n")
+                f.write(json.dumps({"event": what, "layer": layer, "t": time.monotonic(),
+                                    **extra}) + "\n")
 
     def _load_layerwise(self, t: _Transfer, on_layer) -> list[int]:
         """Loads one transfer layer by layer; returns the engine blocks not loaded."""
@@ -848,6 +929,27 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._layer_loads is not None:
             self._failed.update(self._layer_loads.finish())
             self._layer_loads = None
+
+    def _finish_step_save(self) -> None:
+        """Queues the commit of the step's layer-by-layer saves (whatever layers the forward
+        pass did not report are copied then: the pass is over, their KV is final)."""
+        step, self._step_save = self._step_save, None
+        if step is not None:
+            self._mover.submit_op(step.finish, ends=[t.req_id for t in step.transfers])
+
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # The step's layer-by-layer saves begin here, before the forward pass (vLLM calls
+        # start_load_kv after it when the step has no synchronous loads).
+        # A step whose forward pass never reached wait_for_save: its saves commit now.
+        self._finish_step_save()
+        if (self._layerwise and self._writer and self._mover is not None
+                and isinstance(connector_metadata, KvtierMetadata)):
+            saves = [t for t in connector_metadata.saves if t.hashes]
+            if saves:
+                self._step_save = _StepSave(self, saves)
+                self._mover.submit_op(self._step_save.begin,
+                                      starts=[t.req_id for t in saves])
 
     def start_load_kv(self, forward_context, **kwargs):
         meta = self._get_connector_metadata()
@@ -879,20 +981,29 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._trace_layer("waited", layer)
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
-        # Called after the layer's attention ran (what the layer-wise tests check against).
-        if self._layer_trace_path and layer_name in self._layer_index:
-            self._trace_layer("ran", self._layer_index[layer_name])
+        # Called after the layer's attention wrote its KV (what the layer-wise tests check
+        # against): the layer's copy into the step's reserved slots is queued now.
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        if self._layer_trace_path:
+            self._trace_layer("ran", layer)
+        step = self._step_save
+        if step is not None:
+            self._mover.submit_op(lambda: step.layer(layer))
 
     def wait_for_save(self):
         # The forward pass is over: the step's layer-wise loads are all in.
         self._finish_layer_loads()
         meta = self._get_connector_metadata()
+        layered = self._step_save is not None
+        self._finish_step_save()
         for t in meta.saves:
             # Every rank reports the save done (the scheduler waits for all of them); a rank
             # that does not write (MLA, rank > 0) has nothing to queue.
             if t.hashes:
                 self._save_reqs.add(t.req_id)
-                if self._writer:
+                if self._writer and not layered:
                     self._mover.submit_save(t)
         if self._hybrid and meta.saves and any(g.window for g in self._groups):
             # A sliding-window block that leaves the window is freed at the next step and may

@@ -221,6 +221,36 @@ impl PagedKv {
     }
 }
 
+/// A layer-by-layer save in progress (`Backend.begin_layer_save`); over once finished or
+/// aborted.
+#[pyclass(module = "kvtier._native", frozen)]
+struct LayerSave {
+    s: std::sync::Mutex<Option<kvtier_connector::LayerSave>>,
+}
+
+impl LayerSave {
+    fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, Option<kvtier_connector::LayerSave>>> {
+        self.s
+            .lock()
+            .map_err(|_| PyRuntimeError::new_err("a layer-by-layer save was poisoned by a panic"))
+    }
+}
+
+#[pymethods]
+impl LayerSave {
+    /// Blocks whose slots are held (0 once the save is over).
+    #[getter]
+    fn held(&self) -> PyResult<usize> {
+        Ok(self.lock()?.as_ref().map_or(0, |s| s.held()))
+    }
+
+    /// Layers gathered so far.
+    #[getter]
+    fn layers_done(&self) -> PyResult<usize> {
+        Ok(self.lock()?.as_ref().map_or(0, |s| s.layers_done()))
+    }
+}
+
 /// Copies of a namespace's encoding into a `Namespace`.
 fn namespace(encoded: &[u8]) -> PyResult<Namespace> {
     Namespace::decode(encoded).map_err(|e| PyValueError::new_err(e.to_string()))
@@ -399,6 +429,80 @@ impl Backend {
                 })
         })
         .map_err(transfer_err)
+    }
+
+    /// Begins a layer-by-layer save (what `save` does, in three calls): reserves a slot for
+    /// every key not present yet; `save_layer` then gathers one layer of every block into its
+    /// slot, and `finish_layer_save` gathers any layer left, commits the whole blocks (never
+    /// one with a layer missing) and returns how many were stored now.
+    #[pyo3(signature = (ns, paged, keys, block_ids, engine_hashes=None))]
+    fn begin_layer_save(
+        &self,
+        py: Python<'_>,
+        ns: u32,
+        paged: &PagedKv,
+        keys: Vec<Vec<u8>>,
+        block_ids: Vec<Vec<usize>>,
+        engine_hashes: Option<Vec<Vec<u8>>>,
+    ) -> PyResult<LayerSave> {
+        let ks = paired_keys(&keys, &block_ids)?;
+        let tags = engine_hashes.unwrap_or_default();
+        let s = py
+            .allow_threads(|| {
+                self.b
+                    .begin_layer_save(NsId(ns), &paged.inner, &ks, &block_ids, &tags)
+            })
+            .map_err(transfer_err)?;
+        Ok(LayerSave {
+            s: std::sync::Mutex::new(Some(s)),
+        })
+    }
+
+    /// Gathers layer `layer` (its index in `paged`) of every block of a layer-by-layer save
+    /// into its slot.
+    fn save_layer(
+        &self,
+        py: Python<'_>,
+        save: &LayerSave,
+        paged: &PagedKv,
+        layer: usize,
+    ) -> PyResult<()> {
+        py.allow_threads(|| {
+            let mut g = save.lock()?;
+            let s = g
+                .as_mut()
+                .ok_or_else(|| PyValueError::new_err("this layer-by-layer save is over"))?;
+            self.b
+                .save_layer(s, &paged.inner, layer)
+                .map_err(transfer_err)
+        })
+    }
+
+    /// Gathers the layers left, commits the blocks of a layer-by-layer save (and saves whole
+    /// those the begin could not reserve); returns how many were stored now.
+    fn finish_layer_save(
+        &self,
+        py: Python<'_>,
+        save: &LayerSave,
+        paged: &PagedKv,
+    ) -> PyResult<usize> {
+        py.allow_threads(|| {
+            let s = save
+                .lock()?
+                .take()
+                .ok_or_else(|| PyValueError::new_err("this layer-by-layer save is over"))?;
+            self.b
+                .finish_layer_save(s, &paged.inner)
+                .map_err(transfer_err)
+        })
+    }
+
+    /// Gives a layer-by-layer save up: nothing is committed, its slots are freed.
+    fn abort_layer_save(&self, py: Python<'_>, save: &LayerSave) -> PyResult<()> {
+        py.allow_threads(|| match save.lock()?.take() {
+            Some(s) => self.b.abort_layer_save(s).map_err(transfer_err),
+            None => Ok(()),
+        })
     }
 
     /// Copies the longest present prefix of `keys` into the caller's pages (each a list of
@@ -671,6 +775,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Backend>()?;
     m.add_class::<Store>()?;
     m.add_class::<PagedKv>()?;
+    m.add_class::<LayerSave>()?;
     m.add_class::<Sidecar>()?;
     m.add_function(wrap_pyfunction!(namespace_fingerprint, m)?)?;
     m.add_function(wrap_pyfunction!(engine_key, m)?)?;

@@ -1,0 +1,342 @@
+//! Saves written layer by layer: every block's slot is reserved when the engine's step begins,
+//! each layer is gathered into its place in every slot as soon as the engine computed it, and
+//! the blocks are committed once every layer is in, so a block is never visible with a layer
+//! missing. (On a GPU the per-layer copies are what overlaps the forward pass; on a CPU they
+//! run on a thread beside it.)
+
+use kvstore::{BlockKey, NsId, Reservation, Reserve, StoreError};
+use kvtier_ipc::SlotStatus;
+
+use super::{check_pairs, commit_tokens, Backend, Kind, Stored, TransferError};
+use crate::layout::PagedKv;
+
+/// A save in progress, layer by layer (see [`Backend::begin_layer_save`]). Dropped without
+/// [`Backend::finish_layer_save`] or [`Backend::abort_layer_save`], its embedded reservations
+/// are freed; a sidecar's are left to the daemon's `server.reservation_ttl_ms`.
+pub struct LayerSave {
+    ns: NsId,
+    keys: Vec<BlockKey>,
+    block_ids: Vec<Vec<usize>>,
+    engine_hashes: Vec<Vec<u8>>,
+    /// What became of each key reserved here (`Now`: a slot is held for it).
+    out: Vec<Stored>,
+    /// Keys from here on were not reserved (past the daemon's per-connection limit): they are
+    /// saved whole by the finish.
+    rest: usize,
+    held: Held,
+    /// Layers gathered into every held slot.
+    gathered: Vec<bool>,
+    /// A layer's gather failed: nothing is committed.
+    failed: bool,
+}
+
+enum Held {
+    /// The store's reservations, with their key index.
+    Embedded(Vec<(usize, Reservation)>),
+    /// Tokens of connection `conn`, with their key index.
+    Sidecar {
+        conn: u64,
+        tokens: Vec<(usize, u64)>,
+    },
+    /// Nothing held (the daemon was away, or its connection was lost meanwhile).
+    Nothing,
+}
+
+impl LayerSave {
+    /// Blocks whose slots are held (what the layers are gathered into).
+    pub fn held(&self) -> usize {
+        match &self.held {
+            Held::Embedded(v) => v.len(),
+            Held::Sidecar { tokens, .. } => tokens.len(),
+            Held::Nothing => 0,
+        }
+    }
+
+    /// Layers gathered so far.
+    pub fn layers_done(&self) -> usize {
+        self.gathered.iter().filter(|g| **g).count()
+    }
+}
+
+impl Backend {
+    /// Begins a layer-by-layer save of `keys[i]` as engine blocks `block_ids[i]` (engine
+    /// hashes as in [`Backend::save_tagged`]): reserves a slot for every key not present yet,
+    /// in sidecar mode up to the daemon's per-connection limit (the keys past it are saved
+    /// whole by [`Backend::finish_layer_save`]). Nothing is copied yet.
+    pub fn begin_layer_save(
+        &self,
+        ns: NsId,
+        paged: &PagedKv,
+        keys: &[BlockKey],
+        block_ids: &[Vec<usize>],
+        engine_hashes: &[Vec<u8>],
+    ) -> Result<LayerSave, TransferError> {
+        check_pairs(keys, block_ids)?;
+        if !engine_hashes.is_empty() && engine_hashes.len() != keys.len() {
+            return Err(TransferError::Input(format!(
+                "{} keys but {} engine hashes",
+                keys.len(),
+                engine_hashes.len()
+            )));
+        }
+        for ids in block_ids {
+            paged.check_ids(ids)?;
+        }
+        let bb = paged.block_bytes();
+        let lens: Vec<usize> = block_ids.iter().map(|ids| ids.len() * bb).collect();
+        let mut out = vec![Stored::NoRoom; keys.len()];
+        let mut rest = keys.len();
+        let held = match &self.kind {
+            Kind::Embedded(s) => {
+                let mut slots = Vec::new();
+                for i in 0..keys.len() {
+                    out[i] = match s.reserve(ns, keys[i], lens[i]) {
+                        Ok(Reserve::Slot(r)) => {
+                            slots.push((i, r));
+                            Stored::Now
+                        }
+                        Ok(Reserve::AlreadyPresent | Reserve::InFlight) => Stored::Already,
+                        Err(StoreError::NoSpace { .. }) => Stored::NoRoom,
+                        Err(e) => return Err(e.into()),
+                    };
+                }
+                Held::Embedded(slots)
+            }
+            Kind::Sidecar(side) => {
+                let lens32 = lens
+                    .iter()
+                    .map(|&l| {
+                        u32::try_from(l)
+                            .map_err(|_| TransferError::Input(format!("a {l}-byte block")))
+                    })
+                    .collect::<Result<Vec<u32>, _>>()?;
+                let got = side.call(|c, map| {
+                    let conn = map.connection();
+                    let dns = map.get(c, ns)?;
+                    // One reservation, within what the daemon lets a connection hold.
+                    let limit = c.max_reserve_bytes().max(1);
+                    let (mut end, mut bytes) = (0, 0u64);
+                    while end < keys.len()
+                        && end < c.max_keys()
+                        && bytes + u64::from(lens32[end]) <= limit
+                    {
+                        bytes += u64::from(lens32[end]);
+                        end += 1;
+                    }
+                    let slots = if end == 0 {
+                        Vec::new()
+                    } else {
+                        c.reserve(dns, &keys[..end], &lens32[..end])?
+                    };
+                    Ok((conn, end, slots))
+                })?;
+                match got {
+                    None => Held::Nothing,
+                    Some((conn, end, slots)) => {
+                        rest = end;
+                        let mut tokens = Vec::new();
+                        for (i, s) in slots.iter().enumerate().take(end) {
+                            out[i] = match *s {
+                                SlotStatus::Slot { token, .. } => {
+                                    tokens.push((i, token));
+                                    Stored::Now
+                                }
+                                SlotStatus::Present | SlotStatus::InFlight => Stored::Already,
+                                SlotStatus::NoSpace => Stored::NoRoom,
+                            };
+                        }
+                        Held::Sidecar { conn, tokens }
+                    }
+                }
+            }
+        };
+        Ok(LayerSave {
+            ns,
+            keys: keys.to_vec(),
+            block_ids: block_ids.to_vec(),
+            engine_hashes: engine_hashes.to_vec(),
+            out,
+            rest,
+            held,
+            gathered: vec![false; paged.layers()],
+            failed: false,
+        })
+    }
+
+    /// Gathers layer `layer` of every held block into its slot (`paged` as at the begin).
+    /// Gathering a layer again is a no-op; a failed gather makes the finish commit nothing.
+    pub fn save_layer(
+        &self,
+        s: &mut LayerSave,
+        paged: &PagedKv,
+        layer: usize,
+    ) -> Result<(), TransferError> {
+        if layer >= s.gathered.len() || paged.layers() != s.gathered.len() {
+            return Err(TransferError::Input(format!(
+                "layer {layer} of a save begun with {} layers (this layout has {})",
+                s.gathered.len(),
+                paged.layers()
+            )));
+        }
+        if s.gathered[layer] || s.failed {
+            return Ok(());
+        }
+        let ids = &s.block_ids;
+        // Ok(false): the sidecar connection (and with it the reservations) is gone.
+        let r = match &mut s.held {
+            Held::Nothing => Ok(true),
+            Held::Embedded(slots) => {
+                let sizes: Vec<usize> = slots.iter().map(|(_, r)| r.len()).collect();
+                self.copies
+                    .map_mut(slots, &sizes, |_, (i, r)| {
+                        paged.gather_layer(&ids[*i], r.as_mut_slice(), layer)
+                    })
+                    .into_iter()
+                    .collect::<Result<Vec<()>, _>>()
+                    .map(|_| true)
+                    .map_err(TransferError::from)
+            }
+            Held::Sidecar { conn, tokens } => {
+                let Kind::Sidecar(side) = &self.kind else {
+                    return Err(TransferError::Input(
+                        "a sidecar save on an embedded store".into(),
+                    ));
+                };
+                let toks: Vec<u64> = tokens.iter().map(|(_, t)| *t).collect();
+                let idx: Vec<usize> = tokens.iter().map(|(i, _)| *i).collect();
+                let copies = &self.copies;
+                let got = side.call_on(*conn, |c, _| {
+                    // No checksum yet: the slot is not whole until the last layer is in.
+                    c.fill_slots_hashed(&toks, |slots| {
+                        let sizes: Vec<usize> = slots.iter().map(|s| s.len()).collect();
+                        let r = copies
+                            .map_mut(slots, &sizes, |j, slot| {
+                                paged.gather_layer(&ids[idx[j]], slot, layer)
+                            })
+                            .into_iter()
+                            .collect::<Result<Vec<()>, _>>();
+                        (r, vec![None; toks.len()])
+                    })
+                })?;
+                match got {
+                    Some(r) => r.map(|_| true).map_err(TransferError::from),
+                    // The connection is gone and its reservations with it: a miss.
+                    None => Ok(false),
+                }
+            }
+        };
+        match r {
+            Ok(kept) => {
+                if !kept {
+                    s.held = Held::Nothing;
+                }
+                s.gathered[layer] = true;
+                Ok(())
+            }
+            Err(e) => {
+                s.failed = true;
+                Err(e)
+            }
+        }
+    }
+
+    /// Gathers the layers not gathered yet, checksums and commits every held block, and saves
+    /// the keys that were not reserved at the begin. Returns how many blocks were stored now.
+    /// If a layer's gather failed, nothing held is committed (the reservations are aborted)
+    /// and the error comes back.
+    pub fn finish_layer_save(
+        &self,
+        mut s: LayerSave,
+        paged: &PagedKv,
+    ) -> Result<usize, TransferError> {
+        for layer in 0..s.gathered.len() {
+            if !s.failed {
+                // An error here marks the save failed; it is reported below.
+                let _ = self.save_layer(&mut s, paged, layer);
+            }
+        }
+        if s.failed {
+            let err = TransferError::Input(
+                "a layer of a layer-by-layer save could not be gathered: nothing committed".into(),
+            );
+            self.abort_layer_save(s)?;
+            return Err(err);
+        }
+        let held = std::mem::replace(&mut s.held, Held::Nothing);
+        match held {
+            Held::Nothing => {
+                for o in s.out[..s.rest].iter_mut() {
+                    if *o == Stored::Now {
+                        *o = Stored::NoRoom;
+                    }
+                }
+            }
+            Held::Embedded(slots) => {
+                let mut slots = slots;
+                let sizes: Vec<usize> = slots.iter().map(|(_, r)| r.len()).collect();
+                let sums = self.copies.map_mut(&mut slots, &sizes, |_, (_, r)| {
+                    kvstore::checksum(r.as_mut_slice())
+                });
+                for ((i, r), sum) in slots.into_iter().zip(sums) {
+                    if !r.commit_with_checksum(sum)? {
+                        s.out[i] = Stored::Already;
+                    }
+                }
+            }
+            Held::Sidecar { conn, tokens } => {
+                let Kind::Sidecar(side) = &self.kind else {
+                    return Err(TransferError::Input(
+                        "a sidecar save on an embedded store".into(),
+                    ));
+                };
+                let toks: Vec<u64> = tokens.iter().map(|(_, t)| *t).collect();
+                let copies = &self.copies;
+                let hashes = &s.engine_hashes;
+                let out = &mut s.out;
+                let got = side.call_on(conn, |c, _| {
+                    c.fill_slots_hashed(&toks, |slots| {
+                        let sizes: Vec<usize> = slots.iter().map(|s| s.len()).collect();
+                        let sums =
+                            copies.map_mut(slots, &sizes, |_, slot| Some(kvstore::checksum(slot)));
+                        ((), sums)
+                    })?;
+                    commit_tokens(c, &tokens, hashes, out)
+                })?;
+                if got.is_none() {
+                    for (i, _) in &tokens {
+                        s.out[*i] = Stored::NoRoom;
+                    }
+                }
+            }
+        }
+        let mut now = s.out[..s.rest]
+            .iter()
+            .filter(|o| **o == Stored::Now)
+            .count();
+        if s.rest < s.keys.len() {
+            let tags: &[Vec<u8>] = if s.engine_hashes.is_empty() {
+                &[]
+            } else {
+                &s.engine_hashes[s.rest..]
+            };
+            now +=
+                self.save_tagged(s.ns, paged, &s.keys[s.rest..], &s.block_ids[s.rest..], tags)?;
+        }
+        Ok(now)
+    }
+
+    /// Gives a layer-by-layer save up: its reservations are freed, nothing is committed.
+    pub fn abort_layer_save(&self, mut s: LayerSave) -> Result<(), TransferError> {
+        match std::mem::replace(&mut s.held, Held::Nothing) {
+            Held::Nothing | Held::Embedded(_) => Ok(()),
+            Held::Sidecar { conn, tokens } => {
+                let Kind::Sidecar(side) = &self.kind else {
+                    return Ok(());
+                };
+                let toks: Vec<u64> = tokens.iter().map(|(_, t)| *t).collect();
+                side.call_on(conn, |c, _| c.abort(&toks))?;
+                Ok(())
+            }
+        }
+    }
+}
