@@ -4,10 +4,19 @@
 //! a dedicated stream that can be ordered after the engine's compute stream. The CUDA driver is
 //! loaded at run time: this builds and links without CUDA, and [`driver_present`] says whether
 //! one can be used (creating a context without it would panic).
+//!
+//! Ordering with the engine: a save's copy waits for an event recorded on the engine's stream
+//! right after the layer's attention was queued ([`CudaCopier::record_on`],
+//! [`CudaCopier::wait_for`]); a load records an event per layer on the copy stream
+//! ([`CudaCopier::record`]) that the engine's stream waits on before the layer runs
+//! ([`CudaCopier::make_wait`]). Host memory the copies use is registered with the driver
+//! ([`CudaCopier::register`]: page-locked, so the copies are DMA straight to and from it).
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use cudarc::driver::sys::{self, CUmemorytype, CUDA_MEMCPY2D};
+pub use cudarc::driver::CudaEvent;
 use cudarc::driver::{CudaContext, CudaStream, DriverError};
 
 use crate::layout::{LayoutError, PagedKv, Piece};
@@ -138,16 +147,27 @@ impl CudaCopier {
         ids: &[usize],
         dst: &mut [u8],
     ) -> Result<(), CudaCopyError> {
-        if dst.len() != ids.len() * paged.block_bytes() {
-            return Err(LayoutError::Size {
-                want: ids.len() * paged.block_bytes(),
-                got: dst.len(),
-            }
-            .into());
-        }
+        // SAFETY: the caller's contract; `dst` is exactly its length.
+        unsafe { self.gather_layers(paged, ids, dst.as_mut_ptr(), dst.len(), 0..paged.layers()) }
+    }
+
+    /// Queues the copy of layers `layers` of engine blocks `ids` (device) into their place in
+    /// the `len` bytes at `dst` (host, the blocks' whole canonical form).
+    ///
+    /// # Safety
+    /// As [`CudaCopier::gather`], for the `len` bytes at `dst`.
+    pub unsafe fn gather_layers(
+        &self,
+        paged: &PagedKv,
+        ids: &[usize],
+        dst: *mut u8,
+        len: usize,
+        layers: Range<usize>,
+    ) -> Result<(), CudaCopyError> {
+        check_len(paged, ids, len)?;
         self.submit(
-            &paged.pieces(ids, self.max_pitch)?,
-            Dir::DeviceToHost(dst.as_mut_ptr()),
+            &paged.pieces_of_layers(ids, layers, self.max_pitch)?,
+            Dir::DeviceToHost(dst),
         )
     }
 
@@ -161,21 +181,140 @@ impl CudaCopier {
         ids: &[usize],
         src: &[u8],
     ) -> Result<(), CudaCopyError> {
-        if src.len() != ids.len() * paged.block_bytes() {
-            return Err(LayoutError::Size {
-                want: ids.len() * paged.block_bytes(),
-                got: src.len(),
-            }
-            .into());
-        }
+        // SAFETY: the caller's contract; `src` is exactly its length.
+        unsafe { self.scatter_layers(paged, ids, src.as_ptr(), src.len(), 0..paged.layers()) }
+    }
+
+    /// Queues the copy of layers `layers` of the `len` bytes at `src` (host, the blocks' whole
+    /// canonical form) into engine blocks `ids` (device).
+    ///
+    /// # Safety
+    /// As [`CudaCopier::scatter`], for the `len` bytes at `src`.
+    pub unsafe fn scatter_layers(
+        &self,
+        paged: &PagedKv,
+        ids: &[usize],
+        src: *const u8,
+        len: usize,
+        layers: Range<usize>,
+    ) -> Result<(), CudaCopyError> {
+        check_len(paged, ids, len)?;
         self.submit(
-            &paged.pieces(ids, self.max_pitch)?,
-            Dir::HostToDevice(src.as_ptr()),
+            &paged.pieces_of_layers(ids, layers, self.max_pitch)?,
+            Dir::HostToDevice(src),
         )
+    }
+
+    /// An event completed once every copy queued so far on the copy stream is done.
+    pub fn record(&self) -> Result<CudaEvent, CudaCopyError> {
+        let ev = self.ctx.new_event(None)?;
+        ev.record(&self.stream)?;
+        Ok(ev)
+    }
+
+    /// An event completed once the work queued so far on the engine's stream is done (e.g.
+    /// right after a layer's attention was queued: the layer's KV is written when it fires).
+    ///
+    /// # Safety
+    /// `engine_stream` must be a live stream of this copier's context (0 = the legacy default).
+    pub unsafe fn record_on(&self, engine_stream: usize) -> Result<CudaEvent, CudaCopyError> {
+        self.ctx.bind_to_thread()?;
+        let ev = self.ctx.new_event(None)?;
+        // SAFETY: the event is live (owned above); the stream is the caller's (contract).
+        unsafe { sys::cuEventRecord(ev.cu_event(), engine_stream as sys::CUstream) }.result()?;
+        Ok(ev)
+    }
+
+    /// Makes copies queued from now on wait for `ev` (without blocking the host).
+    pub fn wait_for(&self, ev: &CudaEvent) -> Result<(), CudaCopyError> {
+        self.ctx.bind_to_thread()?;
+        Ok(self.stream.wait(ev)?)
+    }
+
+    /// Makes work queued on the engine's stream from now on wait for `ev` (e.g. a layer's
+    /// load), without blocking the host.
+    ///
+    /// # Safety
+    /// `engine_stream` must be a live stream of this copier's context (0 = the legacy default).
+    pub unsafe fn make_wait(
+        &self,
+        ev: &CudaEvent,
+        engine_stream: usize,
+    ) -> Result<(), CudaCopyError> {
+        self.ctx.bind_to_thread()?;
+        // SAFETY: the event is live (borrowed); the stream is the caller's (contract).
+        unsafe { sys::cuStreamWaitEvent(engine_stream as sys::CUstream, ev.cu_event(), 0) }
+            .result()?;
+        Ok(())
+    }
+
+    /// Registers `len` bytes at `ptr` with the driver (page-locked, usable from every
+    /// context): copies to and from them are DMA, with no staging copy. Unregistered when the
+    /// returned value is dropped. Memory someone registered already counts as registered (and
+    /// is left registered).
+    ///
+    /// # Safety
+    /// The memory must stay mapped until the returned value is dropped, and every copy queued
+    /// into or out of it must have completed before then.
+    pub unsafe fn register(&self, ptr: *mut u8, len: usize) -> Result<Registered, CudaCopyError> {
+        self.ctx.bind_to_thread()?;
+        // SAFETY: the caller's contract (mapped for the registration's life).
+        let r =
+            unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE) };
+        let owned = match r {
+            sys::cudaError_enum::CUDA_SUCCESS => true,
+            sys::cudaError_enum::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED => false,
+            e => return Err(DriverError(e).into()),
+        };
+        Ok(Registered {
+            ctx: self.ctx.clone(),
+            ptr: ptr as usize,
+            len,
+            owned,
+        })
     }
 
     /// Waits for every queued copy.
     pub fn synchronize(&self) -> Result<(), CudaCopyError> {
         Ok(self.stream.synchronize()?)
+    }
+}
+
+fn check_len(paged: &PagedKv, ids: &[usize], len: usize) -> Result<(), CudaCopyError> {
+    let want = ids.len() * paged.block_bytes();
+    if len != want {
+        return Err(LayoutError::Size { want, got: len }.into());
+    }
+    Ok(())
+}
+
+/// Host memory registered with the CUDA driver, unregistered when dropped.
+pub struct Registered {
+    ctx: Arc<CudaContext>,
+    ptr: usize,
+    len: usize,
+    /// Registered by us (else by someone else: left as it is).
+    owned: bool,
+}
+
+impl Registered {
+    /// Bytes registered.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing is registered (never: a registration has bytes).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        if self.owned && self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: registered by `register` and not unregistered since; the registration's
+            // contract says no copy into or out of it is still queued.
+            let _ = unsafe { sys::cuMemHostUnregister(self.ptr as *mut std::ffi::c_void) };
+        }
     }
 }

@@ -383,11 +383,32 @@ impl PagedKv {
     /// apart: in canonical order, each piece lands at `at` in the destination, right after the
     /// previous one.
     pub fn pieces(&self, ids: &[usize], max_pitch: usize) -> Result<Vec<Piece>, LayoutError> {
+        self.pieces_of_layers(ids, 0..self.plans.len(), max_pitch)
+    }
+
+    /// [`PagedKv::pieces`] of the given layers only (`at` still counts every layer: the
+    /// pieces land in their place in the whole canonical form).
+    pub fn pieces_of_layers(
+        &self,
+        ids: &[usize],
+        layers: std::ops::Range<usize>,
+        max_pitch: usize,
+    ) -> Result<Vec<Piece>, LayoutError> {
         self.check(ids, ids.len() * self.block_bytes)?;
+        if layers.end > self.plans.len() {
+            return Err(LayoutError::Mismatch {
+                layer: layers.end.saturating_sub(1),
+                what: "layer index",
+            });
+        }
         let mut out = Vec::new();
         let mut at = 0;
         for &id in ids {
-            for p in &self.plans {
+            for (l, p) in self.plans.iter().enumerate() {
+                if !layers.contains(&l) {
+                    at += p.bytes;
+                    continue;
+                }
                 let base = p.ptr as isize + id as isize * p.block_stride;
                 // The innermost outer dim becomes the rows of a 2D piece when its stride is a
                 // forward pitch at least one run wide and within the engine's limit; anything

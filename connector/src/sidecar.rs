@@ -44,6 +44,78 @@ struct State {
     backoff: Duration,
     down_since: Option<Instant>,
     stats: SidecarStats,
+    /// The GPU copier whose DMA uses each connection's arena, and that arena's registration.
+    #[cfg(feature = "cuda")]
+    pinned: Option<Pinned>,
+}
+
+impl Drop for State {
+    fn drop(&mut self) {
+        // The arena's registration goes before the arena.
+        self.drop_conn();
+    }
+}
+
+#[cfg(feature = "cuda")]
+struct Pinned {
+    copier: std::sync::Arc<crate::cuda::CudaCopier>,
+    reg: Option<crate::cuda::Registered>,
+}
+
+impl State {
+    /// Drops the connection (and unmaps its arena), after the GPU copies that may still use
+    /// the arena finished and its registration was dropped.
+    fn drop_conn(&mut self) {
+        #[cfg(feature = "cuda")]
+        if let Some(p) = &mut self.pinned {
+            if p.reg.is_some() {
+                let _ = p.copier.synchronize();
+                p.reg = None;
+            }
+        }
+        self.conn = None;
+    }
+
+    /// Forgets the pinned copier (its registration dropped after its copies finished).
+    #[cfg(feature = "cuda")]
+    fn drop_pin(&mut self) {
+        if let Some(mut p) = self.pinned.take() {
+            if p.reg.is_some() {
+                let _ = p.copier.synchronize();
+                p.reg = None;
+            }
+        }
+    }
+
+    /// Registers the live connection's arena with the pinned copier, if any and not yet;
+    /// false if that failed (copies then go through the driver's own staging: slower).
+    #[cfg(feature = "cuda")]
+    fn pin_arena(&mut self) -> bool {
+        let (Some(p), Some(c)) = (&mut self.pinned, &self.conn) else {
+            return true;
+        };
+        if p.reg.is_some() {
+            return true;
+        }
+        let (ptr, len) = c.arena();
+        // SAFETY: the arena stays mapped while `conn` lives; `drop_conn` drops the
+        // registration (after the copier's queued copies finished) before the connection.
+        match unsafe { p.copier.register(ptr, len) } {
+            Ok(r) => {
+                p.reg = Some(r);
+                true
+            }
+            Err(e) => {
+                tracing::warn!(
+                    error = %e,
+                    bytes = len,
+                    "kvtier: cannot register kvtierd's shared arena with the CUDA driver: GPU \
+                     copies go through the driver's staging buffers (slower)"
+                );
+                false
+            }
+        }
+    }
 }
 
 /// A kvtierd connection that reconnects.
@@ -128,6 +200,8 @@ impl Sidecar {
                 backoff: BACKOFF_MIN,
                 down_since: None,
                 stats: SidecarStats::default(),
+                #[cfg(feature = "cuda")]
+                pinned: None,
             }),
         }
     }
@@ -144,17 +218,20 @@ impl Sidecar {
                         "kvtier: kvtierd reachable again; namespaces registered again"
                     );
                 }
+                st.drop_conn();
                 st.conn = Some(c);
                 st.conn_id += 1;
                 st.remote = vec![None; st.namespaces.len()];
                 st.backoff = BACKOFF_MIN;
+                #[cfg(feature = "cuda")]
+                st.pin_arena();
             }
             Err(e) => self.went_down(st, &e),
         }
     }
 
     fn went_down(&self, st: &mut State, e: &IpcError) {
-        st.conn = None;
+        st.drop_conn();
         if st.down_since.is_none() {
             st.down_since = Some(Instant::now());
             st.stats.outages += 1;
@@ -242,6 +319,20 @@ impl Sidecar {
             }
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// Registers the arena of the live connection, and of every later one, with `copier`'s
+    /// driver (page-locked: its GPU copies are DMA straight to and from the arena). False if
+    /// the registration failed (logged; the copies still work, through the driver's staging).
+    #[cfg(feature = "cuda")]
+    pub fn pin_for_cuda(
+        &self,
+        copier: std::sync::Arc<crate::cuda::CudaCopier>,
+    ) -> Result<bool, TransferError> {
+        let mut st = self.st.lock().map_err(|_| TransferError::Poisoned)?;
+        st.drop_pin();
+        st.pinned = Some(Pinned { copier, reg: None });
+        Ok(st.pin_arena())
     }
 
     /// Counters.

@@ -19,6 +19,8 @@ use crate::sidecar::Sidecar;
 
 use crate::layout::{LayoutError, PagedKv};
 
+#[cfg(feature = "cuda")]
+mod cuda;
 mod layer_save;
 pub use layer_save::LayerSave;
 
@@ -43,11 +45,19 @@ pub enum TransferError {
     /// A previous call panicked while holding the sidecar connection.
     #[error("the kvtierd connection was poisoned by a panic")]
     Poisoned,
+    /// A GPU copy failed.
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Cuda(#[from] crate::cuda::CudaCopyError),
 }
 
 /// Where blocks go: one API, two modes; copies of large transfers split across a small pool of
 /// copy threads.
 pub struct Backend {
+    /// The embedded arena's registration with a GPU copier (before `kind`: dropped before the
+    /// store).
+    #[cfg(feature = "cuda")]
+    cuda_pin: std::sync::Mutex<Option<cuda::PinnedArena>>,
     kind: Kind,
     copies: Copies,
 }
@@ -86,6 +96,10 @@ type Fill<'a> = dyn Fn(usize, &mut [u8]) -> Result<u64, TransferError> + Sync + 
 /// What a parallel load does with block `i` (its bytes and commit checksum), given its own
 /// item (e.g. its destination segments): false refuses it (ends the prefix).
 type EachPar<'a, T> = dyn Fn(usize, &mut T, &[u8], u64) -> Result<bool, TransferError> + Sync + 'a;
+
+/// What a layer-by-layer load does with layer `l` of the pinned, verified prefix of blocks
+/// (each with its commit checksum).
+type EachLayer<'a> = dyn FnMut(usize, &[(&[u8], u64)]) -> Result<(), TransferError> + 'a;
 
 /// What a load does with block `i` (its bytes and commit checksum) while it is pinned: false
 /// refuses it (ends the prefix).
@@ -178,6 +192,8 @@ fn distinct(block_ids: &[Vec<usize>]) -> bool {
 impl Backend {
     fn new(kind: Kind) -> Self {
         Self {
+            #[cfg(feature = "cuda")]
+            cuda_pin: std::sync::Mutex::new(None),
             kind,
             copies: Copies::default(),
         }
@@ -615,6 +631,35 @@ impl Backend {
         ttl: Duration,
         on_layer: &mut dyn FnMut(usize, usize),
     ) -> Result<usize, TransferError> {
+        self.load_layers_with(
+            paged,
+            keys,
+            block_ids,
+            ttl,
+            &mut |layer, blocks| {
+                for (i, (b, _)) in blocks.iter().enumerate() {
+                    paged.scatter_layer(&block_ids[i], b, layer)?;
+                }
+                on_layer(layer, blocks.len());
+                Ok(())
+            },
+            &mut || Ok(()),
+        )
+    }
+
+    /// The frame of a layer-by-layer load: pins the blocks, keeps the valid prefix (right
+    /// size, checksum verified), calls `layer(l, prefix)` for every layer in order, then
+    /// `done()` while the blocks are still pinned (e.g. to wait for queued copies), and
+    /// releases them. A daemon that is away: `layer(l, [])` for every layer, 0 loaded.
+    fn load_layers_with(
+        &self,
+        paged: &PagedKv,
+        keys: &[BlockKey],
+        block_ids: &[Vec<usize>],
+        ttl: Duration,
+        layer: &mut EachLayer<'_>,
+        done: &mut dyn FnMut() -> Result<(), TransferError>,
+    ) -> Result<usize, TransferError> {
         check_pairs(keys, block_ids)?;
         for ids in block_ids {
             paged.check_ids(ids)?;
@@ -630,12 +675,11 @@ impl Backend {
                 }
                 n += 1;
             }
-            for layer in 0..paged.layers() {
-                for i in 0..n {
-                    paged.scatter_layer(&block_ids[i], blocks[i].0, layer)?;
-                }
-                on_layer(layer, n);
-            }
+            let r = (0..paged.layers()).try_for_each(|l| layer(l, &blocks[..n]));
+            // Whatever happened, what was queued finishes before the blocks are released.
+            let d = done();
+            r?;
+            d?;
             Ok(n)
         };
         match &self.kind {
@@ -666,8 +710,8 @@ impl Backend {
                 match got {
                     // The daemon is unreachable: nothing loaded; the engine computes.
                     None => {
-                        for layer in 0..paged.layers() {
-                            on_layer(layer, 0);
+                        for l in 0..paged.layers() {
+                            layer(l, &[])?;
                         }
                         Ok(0)
                     }

@@ -125,6 +125,16 @@ fn check(name: &str, mut layers: Vec<Tensor>, rng: &mut impl Rng) {
         }
         assert_eq!(next, got.len(), "{name}: pieces do not cover the blocks");
         assert!(emulated == got, "{name}: pieces differ from gather");
+        // Layer by layer (what a layer-wise GPU copy moves): the same pieces, each layer's in
+        // its place.
+        let mut by_layer: Vec<_> = (0..kv.layers())
+            .flat_map(|l| kv.pieces_of_layers(&ids, l..l + 1, max_pitch).unwrap())
+            .collect();
+        by_layer.sort_by_key(|p| p.at);
+        assert_eq!(by_layer, pieces, "{name}: per-layer pieces differ");
+        assert!(kv
+            .pieces_of_layers(&ids, 0..kv.layers() + 1, max_pitch)
+            .is_err());
     }
     // Scatter into other blocks of the same tensors, then gather those back.
     let targets: Vec<usize> = ids.iter().map(|&i| (i + 1) % nb).collect();

@@ -10,27 +10,31 @@ use kvtier_ipc::SlotStatus;
 use super::{check_pairs, commit_tokens, Backend, Kind, Stored, TransferError};
 use crate::layout::PagedKv;
 
+/// How a layer of one block gets into its slot: `copy(engine block ids, slot)`.
+pub(super) type LayerCopy<'a> =
+    dyn Fn(&[usize], &mut [u8]) -> Result<(), TransferError> + Sync + 'a;
+
 /// A save in progress, layer by layer (see [`Backend::begin_layer_save`]). Dropped without
 /// [`Backend::finish_layer_save`] or [`Backend::abort_layer_save`], its embedded reservations
 /// are freed; a sidecar's are left to the daemon's `server.reservation_ttl_ms`.
 pub struct LayerSave {
-    ns: NsId,
-    keys: Vec<BlockKey>,
-    block_ids: Vec<Vec<usize>>,
-    engine_hashes: Vec<Vec<u8>>,
+    pub(super) ns: NsId,
+    pub(super) keys: Vec<BlockKey>,
+    pub(super) block_ids: Vec<Vec<usize>>,
+    pub(super) engine_hashes: Vec<Vec<u8>>,
     /// What became of each key reserved here (`Now`: a slot is held for it).
-    out: Vec<Stored>,
+    pub(super) out: Vec<Stored>,
     /// Keys from here on were not reserved (past the daemon's per-connection limit): they are
     /// saved whole by the finish.
-    rest: usize,
-    held: Held,
+    pub(super) rest: usize,
+    pub(super) held: Held,
     /// Layers gathered into every held slot.
-    gathered: Vec<bool>,
+    pub(super) gathered: Vec<bool>,
     /// A layer's gather failed: nothing is committed.
-    failed: bool,
+    pub(super) failed: bool,
 }
 
-enum Held {
+pub(super) enum Held {
     /// The store's reservations, with their key index.
     Embedded(Vec<(usize, Reservation)>),
     /// Tokens of connection `conn`, with their key index.
@@ -171,30 +175,43 @@ impl Backend {
         paged: &PagedKv,
         layer: usize,
     ) -> Result<(), TransferError> {
-        if layer >= s.gathered.len() || paged.layers() != s.gathered.len() {
+        self.save_layer_with(s, paged.layers(), layer, true, &|ids, slot| {
+            Ok(paged.gather_layer(ids, slot, layer)?)
+        })
+    }
+
+    /// Copies layer `layer` of every held block with `copy(engine block ids, slot)` (on the
+    /// copy threads when `parallel`), for a layout of `layers` layers.
+    pub(super) fn save_layer_with(
+        &self,
+        s: &mut LayerSave,
+        layers: usize,
+        layer: usize,
+        parallel: bool,
+        copy: &LayerCopy<'_>,
+    ) -> Result<(), TransferError> {
+        if layer >= s.gathered.len() || layers != s.gathered.len() {
             return Err(TransferError::Input(format!(
-                "layer {layer} of a save begun with {} layers (this layout has {})",
+                "layer {layer} of a save begun with {} layers (this layout has {layers})",
                 s.gathered.len(),
-                paged.layers()
             )));
         }
         if s.gathered[layer] || s.failed {
             return Ok(());
         }
+        let one = crate::copies::Copies::new(1);
+        let copies = if parallel { &self.copies } else { &one };
         let ids = &s.block_ids;
         // Ok(false): the sidecar connection (and with it the reservations) is gone.
         let r = match &mut s.held {
             Held::Nothing => Ok(true),
             Held::Embedded(slots) => {
                 let sizes: Vec<usize> = slots.iter().map(|(_, r)| r.len()).collect();
-                self.copies
-                    .map_mut(slots, &sizes, |_, (i, r)| {
-                        paged.gather_layer(&ids[*i], r.as_mut_slice(), layer)
-                    })
+                copies
+                    .map_mut(slots, &sizes, |_, (i, r)| copy(&ids[*i], r.as_mut_slice()))
                     .into_iter()
                     .collect::<Result<Vec<()>, _>>()
                     .map(|_| true)
-                    .map_err(TransferError::from)
             }
             Held::Sidecar { conn, tokens } => {
                 let Kind::Sidecar(side) = &self.kind else {
@@ -204,22 +221,19 @@ impl Backend {
                 };
                 let toks: Vec<u64> = tokens.iter().map(|(_, t)| *t).collect();
                 let idx: Vec<usize> = tokens.iter().map(|(i, _)| *i).collect();
-                let copies = &self.copies;
                 let got = side.call_on(*conn, |c, _| {
                     // No checksum yet: the slot is not whole until the last layer is in.
                     c.fill_slots_hashed(&toks, |slots| {
                         let sizes: Vec<usize> = slots.iter().map(|s| s.len()).collect();
                         let r = copies
-                            .map_mut(slots, &sizes, |j, slot| {
-                                paged.gather_layer(&ids[idx[j]], slot, layer)
-                            })
+                            .map_mut(slots, &sizes, |j, slot| copy(&ids[idx[j]], slot))
                             .into_iter()
                             .collect::<Result<Vec<()>, _>>();
                         (r, vec![None; toks.len()])
                     })
                 })?;
                 match got {
-                    Some(r) => r.map(|_| true).map_err(TransferError::from),
+                    Some(r) => r.map(|_| true),
                     // The connection is gone and its reservations with it: a miss.
                     None => Ok(false),
                 }
@@ -251,17 +265,35 @@ impl Backend {
     ) -> Result<usize, TransferError> {
         for layer in 0..s.gathered.len() {
             if !s.failed {
-                // An error here marks the save failed; it is reported below.
+                // An error here marks the save failed; it is reported by commit_held.
                 let _ = self.save_layer(&mut s, paged, layer);
             }
         }
-        if s.failed {
-            let err = TransferError::Input(
-                "a layer of a layer-by-layer save could not be gathered: nothing committed".into(),
-            );
-            self.abort_layer_save(s)?;
-            return Err(err);
+        let mut now = self.commit_held(&mut s)?;
+        if s.rest < s.keys.len() {
+            let tags: &[Vec<u8>] = if s.engine_hashes.is_empty() {
+                &[]
+            } else {
+                &s.engine_hashes[s.rest..]
+            };
+            now +=
+                self.save_tagged(s.ns, paged, &s.keys[s.rest..], &s.block_ids[s.rest..], tags)?;
         }
+        Ok(now)
+    }
+
+    /// Checksums and commits every held block (every layer must be in); returns how many of
+    /// the reserved keys were stored now. A save whose gather failed is aborted instead: an
+    /// error, nothing committed.
+    pub(super) fn commit_held(&self, s: &mut LayerSave) -> Result<usize, TransferError> {
+        if s.failed {
+            let held = std::mem::replace(&mut s.held, Held::Nothing);
+            self.abort_held(held)?;
+            return Err(TransferError::Input(
+                "a layer of a layer-by-layer save could not be copied: nothing committed".into(),
+            ));
+        }
+        debug_assert!(s.gathered.iter().all(|g| *g), "a layer is missing");
         let held = std::mem::replace(&mut s.held, Held::Nothing);
         match held {
             Held::Nothing => {
@@ -309,25 +341,14 @@ impl Backend {
                 }
             }
         }
-        let mut now = s.out[..s.rest]
+        Ok(s.out[..s.rest]
             .iter()
             .filter(|o| **o == Stored::Now)
-            .count();
-        if s.rest < s.keys.len() {
-            let tags: &[Vec<u8>] = if s.engine_hashes.is_empty() {
-                &[]
-            } else {
-                &s.engine_hashes[s.rest..]
-            };
-            now +=
-                self.save_tagged(s.ns, paged, &s.keys[s.rest..], &s.block_ids[s.rest..], tags)?;
-        }
-        Ok(now)
+            .count())
     }
 
-    /// Gives a layer-by-layer save up: its reservations are freed, nothing is committed.
-    pub fn abort_layer_save(&self, mut s: LayerSave) -> Result<(), TransferError> {
-        match std::mem::replace(&mut s.held, Held::Nothing) {
+    fn abort_held(&self, held: Held) -> Result<(), TransferError> {
+        match held {
             Held::Nothing | Held::Embedded(_) => Ok(()),
             Held::Sidecar { conn, tokens } => {
                 let Kind::Sidecar(side) = &self.kind else {
@@ -338,5 +359,11 @@ impl Backend {
                 Ok(())
             }
         }
+    }
+
+    /// Gives a layer-by-layer save up: its reservations are freed, nothing is committed.
+    pub fn abort_layer_save(&self, mut s: LayerSave) -> Result<(), TransferError> {
+        let held = std::mem::replace(&mut s.held, Held::Nothing);
+        self.abort_held(held)
     }
 }

@@ -1,0 +1,196 @@
+//! The GPU side of the one transfer API (feature `cuda`): the same saves and loads, with the
+//! engine's paged KV in device memory and the copies queued on a [`CudaCopier`]'s stream, DMA
+//! straight to and from the store's (or kvtierd's shared) arena once it is registered
+//! ([`Backend::pin_for_cuda`]). Saves go through the layer-by-layer save (a whole-request save
+//! is every layer at once); a block is committed only after its copies completed. Loads pin
+//! and verify every block on the host first, queue each layer's copies and record an event per
+//! layer, and release the blocks only after every copy completed.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvstore::BlockKey;
+
+use super::layer_save::LayerSave;
+use super::{Backend, Kind, TransferError};
+use crate::cuda::{CudaCopier, CudaEvent, Registered};
+use crate::layout::PagedKv;
+
+/// The embedded arena's registration, dropped (after the copier's queued copies finished)
+/// before the store.
+pub(super) struct PinnedArena {
+    copier: Arc<CudaCopier>,
+    reg: Option<Registered>,
+}
+
+impl Drop for PinnedArena {
+    fn drop(&mut self) {
+        if self.reg.is_some() {
+            let _ = self.copier.synchronize();
+            self.reg = None;
+        }
+    }
+}
+
+impl Backend {
+    /// Registers the host memory GPU copies use with `copier`'s driver (page-locked: DMA
+    /// with no staging copy): the embedded store's arena, or kvtierd's shared arena (of this
+    /// connection and every later one). False if the registration failed (logged: the copies
+    /// still work, through the driver's own staging buffers, slower).
+    pub fn pin_for_cuda(&self, copier: &Arc<CudaCopier>) -> Result<bool, TransferError> {
+        match &self.kind {
+            Kind::Sidecar(side) => side.pin_for_cuda(copier.clone()),
+            Kind::Embedded(store) => {
+                let mut pin = self.cuda_pin.lock().map_err(|_| TransferError::Poisoned)?;
+                *pin = None;
+                let a = store.arena();
+                // SAFETY: the arena is mapped for the store's life; the registration is kept
+                // in `cuda_pin`, which is dropped before the store (field order) and waits for
+                // the copier's queued copies first.
+                let r = unsafe { copier.register(a.base(), a.len()) };
+                let ok = r.is_ok();
+                if let Err(e) = &r {
+                    tracing::warn!(
+                        error = %e,
+                        bytes = a.len(),
+                        "kvtier: cannot register the store's arena with the CUDA driver: GPU \
+                         copies go through the driver's staging buffers (slower)"
+                    );
+                }
+                *pin = Some(PinnedArena {
+                    copier: copier.clone(),
+                    reg: r.ok(),
+                });
+                Ok(ok)
+            }
+        }
+    }
+
+    /// [`Backend::save_layer`] from GPU memory: queues the copies of layer `layer` of every
+    /// held block into its slot on `copier`'s stream, after `after` (an event recorded on the
+    /// engine's stream once the layer's attention was queued). The finish waits for them.
+    ///
+    /// # Safety
+    /// `paged` must describe device memory of `copier`'s GPU that stays valid, and whose
+    /// blocks being saved are not written, until [`Backend::finish_layer_save_cuda`] returns.
+    pub unsafe fn save_layer_cuda(
+        &self,
+        s: &mut LayerSave,
+        copier: &CudaCopier,
+        paged: &PagedKv,
+        layer: usize,
+        after: Option<&CudaEvent>,
+    ) -> Result<(), TransferError> {
+        if let Some(ev) = after {
+            copier.wait_for(ev)?;
+        }
+        // Queued on one thread, in order (queueing is cheap; the copy engine does the work).
+        self.save_layer_with(s, paged.layers(), layer, false, &|ids, slot| {
+            // SAFETY: the slot is reserved to this save until its commit or abort, both after
+            // the copier's synchronize (finish) or never (a slot dropped uncommitted is
+            // aborted only after the same synchronize); `paged` per this function's contract.
+            unsafe {
+                copier.gather_layers(paged, ids, slot.as_mut_ptr(), slot.len(), layer..layer + 1)
+            }?;
+            Ok(())
+        })
+    }
+
+    /// [`Backend::finish_layer_save`] from GPU memory: queues the layers not queued yet, waits
+    /// for every copy, then checksums and commits; the keys the begin could not reserve are
+    /// saved in further rounds the same way. Returns how many blocks were stored now.
+    ///
+    /// # Safety
+    /// As [`Backend::save_layer_cuda`].
+    pub unsafe fn finish_layer_save_cuda(
+        &self,
+        mut s: LayerSave,
+        copier: &CudaCopier,
+        paged: &PagedKv,
+    ) -> Result<usize, TransferError> {
+        let mut now = 0;
+        loop {
+            for layer in 0..s.gathered.len() {
+                if !s.failed {
+                    // SAFETY: the caller's contract. An error marks the save failed.
+                    let _ = unsafe { self.save_layer_cuda(&mut s, copier, paged, layer, None) };
+                }
+            }
+            // Every copy into the slots done before anything reads or commits them.
+            let synced = copier.synchronize();
+            if synced.is_err() {
+                s.failed = true;
+            }
+            now += self.commit_held(&mut s)?;
+            synced?;
+            if s.rest >= s.keys.len() {
+                return Ok(now);
+            }
+            // The keys past the daemon's per-connection reservation limit: another round.
+            let tags: Vec<Vec<u8>> = if s.engine_hashes.is_empty() {
+                Vec::new()
+            } else {
+                s.engine_hashes[s.rest..].to_vec()
+            };
+            let next = self.begin_layer_save(
+                s.ns,
+                paged,
+                &s.keys[s.rest..],
+                &s.block_ids[s.rest..],
+                &tags,
+            )?;
+            if next.rest == 0 {
+                // Not even one block fits (or the daemon is away): the rest are not stored.
+                return Ok(now);
+            }
+            s = next;
+        }
+    }
+
+    /// [`Backend::load_layerwise`] into GPU memory: every block is pinned and its checksum
+    /// verified on the host first; then each layer's copies are queued on `copier`'s stream
+    /// and `on_layer(layer, n, event)` called with an event that completes once they are done
+    /// (the engine's stream waits on it before the layer runs: [`CudaCopier::make_wait`]).
+    /// Returns after every copy completed (the blocks are released only then); 0 loaded if a
+    /// sidecar lease lapsed meanwhile (the engine must treat the blocks as failed).
+    ///
+    /// # Safety
+    /// `paged` must describe device memory of `copier`'s GPU that stays valid, and whose
+    /// target blocks nobody else reads or writes, until this returns (and, for the engine's
+    /// reads, until the events fired).
+    pub unsafe fn load_layerwise_cuda(
+        &self,
+        copier: &CudaCopier,
+        paged: &PagedKv,
+        keys: &[BlockKey],
+        block_ids: &[Vec<usize>],
+        ttl: Duration,
+        on_layer: &mut dyn FnMut(usize, usize, &CudaEvent),
+    ) -> Result<usize, TransferError> {
+        self.load_layers_with(
+            paged,
+            keys,
+            block_ids,
+            ttl,
+            &mut |layer, blocks| {
+                for (i, (b, _)) in blocks.iter().enumerate() {
+                    // SAFETY: the block stays pinned until `done` (below) waited for this copy;
+                    // `paged` per this function's contract.
+                    unsafe {
+                        copier.scatter_layers(
+                            paged,
+                            &block_ids[i],
+                            b.as_ptr(),
+                            b.len(),
+                            layer..layer + 1,
+                        )
+                    }?;
+                }
+                let ev = copier.record()?;
+                on_layer(layer, blocks.len(), &ev);
+                Ok(())
+            },
+            &mut || Ok(copier.synchronize()?),
+        )
+    }
+}
