@@ -256,7 +256,7 @@ fn gpu_layerwise_save_and_load_through_the_store_are_byte_exact() {
     // default stream waited for every layer's event.
     let loaded = unsafe {
         store.load_layerwise_cuda(&c, &gdst, &keys, &into, Duration::ZERO, &mut |l, n, ev| {
-            c.make_wait(ev, 0).unwrap();
+            c.make_wait(&ev, 0).unwrap();
             seen.push((l, n));
         })
     }

@@ -329,3 +329,36 @@ def test_preload_hints_move_disk_blocks_into_host_memory(tmp_path, mode):
         if stop is not None:
             stop.terminate()
             stop.wait(timeout=60)
+
+
+def test_gpu_layouts_never_reach_a_cpu_copy_and_no_driver_is_a_clear_error():
+    """A PagedKv of GPU memory (device="cuda") is refused by every CPU transfer (the CPU
+    would read device addresses), and a CPU one by the GPU transfers; without a CUDA driver
+    the copier says so (the GPU checks run in scripts/gpu-check.sh)."""
+    t = np.zeros((4, 2, 32, 64), dtype=np.float32)
+    spec = layer_spec(t, ["blocks", "kv", "tokens", "inner"])
+    gpu = kvtier.PagedKv([spec], device="cuda")
+    cpu = kvtier.PagedKv([spec])
+    with pytest.raises(ValueError, match="device"):
+        kvtier.PagedKv([spec], device="tpu")
+    s = kvtier.Store(64 << 20, segment_bytes=4 << 20)
+    enc, fp = ns()
+    n = s.register_namespace(enc)
+    key = [kvtier.engine_key(fp, bytes([7]) * 32)]
+    for call in (lambda: gpu.gather([0]), lambda: gpu.scatter([0], bytes(gpu.block_bytes)),
+                 lambda: s.save(n, gpu, key, [[0]]), lambda: s.load(gpu, key, [[0]]),
+                 lambda: s.load_layerwise(gpu, key, [[0]], lambda *a: None)):
+        with pytest.raises(ValueError, match="GPU memory"):
+            call()
+    assert s.match_prefix(key) == 0
+    from kvtier._native import Cuda
+    if Cuda.driver_present():
+        pytest.skip("a CUDA driver is here: scripts/gpu-check.sh covers the GPU path")
+    with pytest.raises(RuntimeError, match="no CUDA driver"):
+        Cuda(0)
+    # A layer-by-layer save of host memory works without any GPU.
+    save = s.begin_layer_save(n, cpu, key, [[1]])
+    assert save.held == 1
+    s.save_layer(save, cpu, 0)
+    assert s.finish_layer_save(save, cpu) == 1
+    assert s.match_prefix(key) == 1

@@ -62,6 +62,7 @@ class _FakeConnector:
         self._ns_enc, self._fp = namespace("test/layer-saves", None, "auto", bs, 1, 0)
         self._ns = self._store.register_namespace(self._ns_enc)
         self.whole, self.trace = [], []
+        self._cuda = None  # the CPU path
 
     @staticmethod
     def _spec(t):

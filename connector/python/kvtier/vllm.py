@@ -85,6 +85,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from . import PagedKv, engine_key, namespace_fingerprint
+from ._native import Cuda
 from ._open import open_store
 from .layouts import CANONICAL, describe, kv_view
 
@@ -136,6 +137,9 @@ class _Transfer:
     # per hash (0: vLLM's null block, a sliding-window position outside the window: skipped).
     # Empty for one group (``block_ids`` are its blocks).
     group_ids: list[list[int]] = field(default_factory=list)
+    # GPU: a CUDA event on the engine's stream that the copies wait for (the forward pass's
+    # KV writes for a save; what the stream ran before the step for a load). Worker-side only.
+    after: Any = None
 
 
 @dataclass
@@ -160,6 +164,9 @@ class _LayerLoads:
         self._blocks = [b for t in transfers for b in t.block_ids]
         # Layers the forward pass waited for (wait_for_layer_load).
         self.awaited: set[int] = set()
+        # GPU loads: per layer, the CUDA events of its queued copies (the engine's stream
+        # waits on them before the layer runs).
+        self.events: list[list[Any]] = [[] for _ in range(layers)]
         self._trace = trace
         self._thread = threading.Thread(target=self._run, args=(load_one, transfers),
                                         name="kvtier-layer-loads", daemon=True)
@@ -167,10 +174,12 @@ class _LayerLoads:
 
     def _run(self, load_one, transfers) -> None:
         for i, t in enumerate(transfers):
-            def on_layer(layer, n, i=i):
+            def on_layer(layer, n, event=None, i=i):
                 if self._trace:
                     self._trace("loaded", layer)
                 with self._cv:
+                    if event is not None:
+                        self.events[layer].append(event)
                     self._reached[i] = max(self._reached[i], layer)
                     self._cv.notify_all()
             try:
@@ -183,12 +192,15 @@ class _LayerLoads:
                     self._reached[i] = self._layers - 1
                     self._cv.notify_all()
 
-    def wait(self, layer: int) -> None:
+    def wait(self, layer: int) -> list[Any]:
+        """Returns once layer ``layer`` of every block is in (CPU) or its copies are queued
+        (GPU: the events to make the engine's stream wait on come back)."""
         with self._cv:
             while not all(r >= layer for r in self._reached):
                 if not self._thread.is_alive():
                     break
                 self._cv.wait(timeout=1.0)
+            return list(self.events[layer])
 
     def finish(self) -> set[int]:
         self._thread.join()
@@ -329,14 +341,17 @@ class _StepSave:
                 s = None
             self._sessions.append(s)
 
-    def layer(self, layer: int) -> None:
+    def layer(self, layer: int, after=None) -> None:
         c = self._conn
         held = 0
         for t, s in zip(self.transfers, self._sessions):
             if s is None:
                 continue
             try:
-                c._store.save_layer(s, c._paged, layer)
+                if c._cuda is not None:
+                    c._store.save_layer_cuda(s, c._cuda, c._paged, layer, after)
+                else:
+                    c._store.save_layer(s, c._paged, layer)
                 held += s.held
             except Exception:  # noqa: BLE001 - the finish commits nothing of it
                 log.exception("kvtier: layer %d of the save for %s failed", layer, t.req_id)
@@ -350,7 +365,10 @@ class _StepSave:
                 c._save(t)
                 continue
             try:
-                stored += c._store.finish_layer_save(s, c._paged)
+                if c._cuda is not None:
+                    stored += c._store.finish_layer_save_cuda(s, c._cuda, c._paged)
+                else:
+                    stored += c._store.finish_layer_save(s, c._paged)
             except Exception:  # noqa: BLE001 - nothing half-written was committed
                 log.exception("kvtier: save of %d blocks for %s failed", len(t.hashes), t.req_id)
         c._trace_layer("committed", -1, blocks=stored)
@@ -514,6 +532,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._layer_index: dict[str, int] = {}
         self._layer_loads: _LayerLoads | None = None
         self._step_save: _StepSave | None = None
+        # GPU KV caches: kvtier's copier (its own stream in the device's primary context).
+        self._cuda: Cuda | None = None
+        self._device = None
         self._group_paged: list[PagedKv] = []
 
     # ---- keys ------------------------------------------------------------------------------
@@ -789,11 +810,13 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches):
         layers = []
+        devices = {t.device for t in kv_caches.values()}
+        if len(devices) != 1:
+            raise ValueError(f"kvtier: the KV caches are on several devices: {devices}")
+        device = next(iter(devices))
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"kvtier: KV caches on {device} (kvtier copies from CPU or CUDA)")
         for name, t in kv_caches.items():
-            if t.device.type != "cpu":
-                raise ValueError(
-                    f"kvtier: KV cache {name} is on {t.device}; the Python connector copies "
-                    "with the CPU path only (GPU copies: kvtier-connector's cuda feature)")
             shape, strides, dims, kind = kv_view(list(t.shape), list(t.stride()),
                                                  self._num_blocks, self._block_size)
             if kind != "canonical":
@@ -807,7 +830,17 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                     "vLLM CPU, MLA (see kvtier/layouts.py)")
             layers.append((t.data_ptr(), shape, strides, dims, t.element_size()))
         self._kv_caches = kv_caches  # keep the tensors alive
-        self._paged = PagedKv(layers)
+        kind = device.type
+        if kind == "cuda":
+            # kvtier's own stream in the device's primary context (torch's), and the host
+            # memory its copies use registered with the driver: DMA straight between HBM and
+            # the store's (or kvtierd's shared) arena.
+            self._device = device
+            self._cuda = Cuda(device.index if device.index is not None else 0)
+            if self._store.pin_for_cuda(self._cuda):
+                log.info("kvtier: GPU copies on %s go straight to and from the pinned arena",
+                         device)
+        self._paged = PagedKv(layers, device=kind)
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         if self._hybrid:
             # Each group through its own layers only: the groups' tensors overlay one buffer
@@ -820,7 +853,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                 if missing:
                     raise ValueError(f"kvtier: KV-cache group {g} names layers the engine did "
                                      f"not register: {missing}")
-                self._group_paged.append(PagedKv([by_name[n] for n in grp.layers]))
+                self._group_paged.append(PagedKv([by_name[n] for n in grp.layers],
+                                                 device=kind))
         self._mover = _Mover(self._load, self._save)
 
     def _load_groups(self, t: _Transfer) -> list[int]:
@@ -833,10 +867,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             keys = [engine_key(grp.fp, h) for h, _ in pairs]
             ids = [[b] for _, b in pairs]
             try:
-                if self._sidecar:
-                    n = self._store.load(self._group_paged[g], keys, ids, self._lease_ms)
-                else:
-                    n = self._store.load(self._group_paged[g], keys, ids)
+                n = self._load_blocks(self._group_paged[g], keys, ids, t.after)
             except Exception:
                 log.exception("kvtier: load of group %d (%d blocks) for %s failed", g,
                               len(keys), t.req_id)
@@ -856,10 +887,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         keys = [engine_key(self._fp, h) for h in t.hashes]
         ids = [[b] for b in t.block_ids]
         try:
-            if self._sidecar:
-                n = self._store.load(self._paged, keys, ids, self._lease_ms)
-            else:
-                n = self._store.load(self._paged, keys, ids)
+            n = self._load_blocks(self._paged, keys, ids, t.after)
         except Exception:
             log.exception("kvtier: load of %d blocks for %s failed", len(keys), t.req_id)
             n = 0
@@ -867,6 +895,35 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             log.warning("kvtier: %d of %d blocks for %s could not be loaded",
                         len(keys) - n, len(keys), t.req_id)
         return list(t.block_ids[n:])
+
+    def _stream(self) -> int:
+        """The engine's current CUDA stream (the raw handle)."""
+        import torch
+        return torch.cuda.current_stream(self._device).cuda_stream
+
+    def _load_blocks(self, paged, keys, ids, after=None) -> int:
+        """Loads whole blocks (CPU or GPU); returns how many leading keys were loaded."""
+        if self._cuda is None:
+            return self._store.load(paged, keys, ids, self._lease_ms)
+        if after is not None:
+            self._cuda.wait_for(after)
+        # Returns once every copy completed: the blocks are in HBM.
+        return self._store.load_layerwise_cuda(self._cuda, paged, keys, ids,
+                                               lambda *_: None, self._lease_ms)
+
+    def _save_blocks(self, ns, paged, keys, ids, hashes, after=None) -> int:
+        """Saves whole blocks (CPU or GPU); returns how many were stored now."""
+        if self._cuda is None:
+            return self._store.save(ns, paged, keys, ids, engine_hashes=hashes)
+        s = self._store.begin_layer_save(ns, paged, keys, ids, engine_hashes=hashes)
+        try:
+            if after is not None:
+                # The copies wait for the forward pass that wrote the blocks' KV.
+                self._store.save_layer_cuda(s, self._cuda, paged, 0, after)
+            return self._store.finish_layer_save_cuda(s, self._cuda, paged)
+        except Exception:
+            self._store.abort_layer_save(s)
+            raise
 
     def _save(self, t: _Transfer) -> None:
         if t.group_ids:
@@ -880,8 +937,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                     # prompts against those); a sliding-window group's copy is published
                     # under its kvtier key.
                     hashes = [h for h, _ in pairs] if grp.window == 0 else None
-                    self._store.save(grp.ns, self._group_paged[g], keys,
-                                     [[b] for _, b in pairs], engine_hashes=hashes)
+                    self._save_blocks(grp.ns, self._group_paged[g], keys,
+                                      [[b] for _, b in pairs], hashes, t.after)
                 except Exception:
                     log.exception("kvtier: save of group %d (%d blocks) for %s failed", g,
                                   len(keys), t.req_id)
@@ -890,8 +947,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             # vLLM's own block hashes go along: kvtierd's KV events name the blocks by them,
             # as vLLM's publisher does.
-            self._store.save(self._ns, self._paged, keys, [[b] for b in t.block_ids],
-                             engine_hashes=[bytes(h) for h in t.hashes])
+            self._save_blocks(self._ns, self._paged, keys, [[b] for b in t.block_ids],
+                              [bytes(h) for h in t.hashes], t.after)
         except Exception:
             log.exception("kvtier: save of %d blocks for %s failed", len(keys), t.req_id)
 
@@ -919,7 +976,13 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             return list(t.block_ids)
         keys = [engine_key(self._fp, h) for h in t.hashes]
         ids = [[b] for b in t.block_ids]
-        n = self._store.load_layerwise(self._paged, keys, ids, on_layer, self._lease_ms)
+        if self._cuda is not None:
+            if t.after is not None:
+                self._cuda.wait_for(t.after)
+            n = self._store.load_layerwise_cuda(self._cuda, self._paged, keys, ids, on_layer,
+                                                self._lease_ms)
+        else:
+            n = self._store.load_layerwise(self._paged, keys, ids, on_layer, self._lease_ms)
         if n < len(keys):
             log.warning("kvtier: %d of %d blocks for %s could not be loaded",
                         len(keys) - n, len(keys), t.req_id)
@@ -953,6 +1016,11 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def start_load_kv(self, forward_context, **kwargs):
         meta = self._get_connector_metadata()
+        if self._cuda is not None and meta.loads:
+            # Loads write blocks only after what the engine's stream queued before them.
+            after = self._cuda.record_on(self._stream())
+            for t in meta.loads:
+                t.after = after
         sync = []
         for t in meta.loads:
             if meta.async_load:
@@ -976,7 +1044,13 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             self._layer_loads.awaited.update(range(len(self._layer_index)))
             self._finish_layer_loads()
             return
-        self._layer_loads.wait(layer)
+        events = self._layer_loads.wait(layer)
+        if events:
+            # GPU: the layer's copies are queued; the engine's stream waits for them (the
+            # host does not).
+            stream = self._stream()
+            for ev in events:
+                ev.wait_on(stream)
         self._layer_loads.awaited.add(layer)
         self._trace_layer("waited", layer)
 
@@ -990,7 +1064,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             self._trace_layer("ran", layer)
         step = self._step_save
         if step is not None:
-            self._mover.submit_op(lambda: step.layer(layer))
+            # GPU: the layer's copies wait for what the stream queued up to now (its attention).
+            after = self._cuda.record_on(self._stream()) if self._cuda is not None else None
+            self._mover.submit_op(lambda: step.layer(layer, after))
 
     def wait_for_save(self):
         # The forward pass is over: the step's layer-wise loads are all in.
@@ -998,7 +1074,12 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         layered = self._step_save is not None
         self._finish_step_save()
+        after = None
+        if self._cuda is not None and meta.saves and not layered:
+            # The copies wait for the forward pass that wrote the blocks' KV.
+            after = self._cuda.record_on(self._stream())
         for t in meta.saves:
+            t.after = after
             # Every rank reports the save done (the scheduler waits for all of them); a rank
             # that does not write (MLA, rank > 0) has nothing to queue.
             if t.hashes:

@@ -145,10 +145,36 @@ unsafe fn raw_pages<'a>(
 
 /// An engine's paged KV cache, described layer by layer: `(data_ptr, shape, strides, dims,
 /// element_size)` with dims among "blocks", "kv", "tokens", "inner". The tensors must stay
-/// allocated, and not be resized, for the life of this object.
+/// allocated, and not be resized, for the life of this object. `device="cuda"`: the tensors
+/// are in GPU memory (only the `*_cuda` transfers take them; the CPU ones refuse them).
 #[pyclass(module = "kvtier._native", frozen)]
 struct PagedKv {
     inner: kvtier_connector::PagedKv,
+    on_gpu: bool,
+}
+
+impl PagedKv {
+    /// The layout, for a CPU copy (refused for GPU memory: the CPU would read device
+    /// addresses).
+    fn host(&self) -> PyResult<&kvtier_connector::PagedKv> {
+        if self.on_gpu {
+            return Err(PyValueError::new_err(
+                "this PagedKv describes GPU memory: use the *_cuda transfers",
+            ));
+        }
+        Ok(&self.inner)
+    }
+
+    /// The layout, for a GPU copy.
+    fn device(&self) -> PyResult<&kvtier_connector::PagedKv> {
+        if !self.on_gpu {
+            return Err(PyValueError::new_err(
+                "this PagedKv describes host memory (device=\"cpu\"): the *_cuda transfers \
+                 take GPU tensors",
+            ));
+        }
+        Ok(&self.inner)
+    }
 }
 
 type LayerSpec = (usize, Vec<usize>, Vec<isize>, Vec<String>, usize);
@@ -156,7 +182,17 @@ type LayerSpec = (usize, Vec<usize>, Vec<isize>, Vec<String>, usize);
 #[pymethods]
 impl PagedKv {
     #[new]
-    fn new(layers: Vec<LayerSpec>) -> PyResult<Self> {
+    #[pyo3(signature = (layers, device="cpu"))]
+    fn new(layers: Vec<LayerSpec>, device: &str) -> PyResult<Self> {
+        let on_gpu = match device {
+            "cpu" => false,
+            "cuda" => true,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "device must be \"cpu\" or \"cuda\", not {other:?}"
+                )))
+            }
+        };
         let mut views = Vec::with_capacity(layers.len());
         for (i, (ptr, shape, strides, dims, elem)) in layers.into_iter().enumerate() {
             let dims = dims
@@ -189,7 +225,7 @@ impl PagedKv {
         // class docstring, as for any API taking `tensor.data_ptr()`).
         let inner = unsafe { kvtier_connector::PagedKv::new(views) }
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        Ok(Self { inner })
+        Ok(Self { inner, on_gpu })
     }
 
     /// Canonical bytes of one engine block (all layers, K and V).
@@ -207,7 +243,7 @@ impl PagedKv {
     /// Copies engine blocks out (canonical form), e.g. for tests.
     fn gather<'py>(&self, py: Python<'py>, ids: Vec<usize>) -> PyResult<Bound<'py, PyBytes>> {
         let mut out = vec![0u8; ids.len() * self.inner.block_bytes()];
-        self.inner
+        self.host()?
             .gather(&ids, &mut out)
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
         Ok(PyBytes::new(py, &out))
@@ -215,7 +251,7 @@ impl PagedKv {
 
     /// Copies canonical bytes into engine blocks.
     fn scatter(&self, ids: Vec<usize>, data: &[u8]) -> PyResult<()> {
-        self.inner
+        self.host()?
             .scatter(&ids, data)
             .map_err(|e| PyValueError::new_err(e.to_string()))
     }
@@ -248,6 +284,75 @@ impl LayerSave {
     #[getter]
     fn layers_done(&self) -> PyResult<usize> {
         Ok(self.lock()?.as_ref().map_or(0, |s| s.layers_done()))
+    }
+}
+
+/// kvtier's GPU copier on device `device`: its own CUDA stream in the device's primary context
+/// (the one torch uses). Raises if there is no CUDA driver or device.
+#[pyclass(module = "kvtier._native", frozen)]
+struct Cuda {
+    c: std::sync::Arc<kvtier_connector::cuda::CudaCopier>,
+}
+
+#[pymethods]
+impl Cuda {
+    #[new]
+    fn new(device: usize) -> PyResult<Self> {
+        let c = kvtier_connector::cuda::CudaCopier::new(device)
+            .map_err(|e| PyRuntimeError::new_err(format!("kvtier: GPU {device}: {e}")))?;
+        Ok(Self {
+            c: std::sync::Arc::new(c),
+        })
+    }
+
+    /// Whether the CUDA driver library can be loaded here.
+    #[staticmethod]
+    fn driver_present() -> bool {
+        kvtier_connector::cuda::driver_present()
+    }
+
+    /// An event that fires once the work queued so far on `stream` (a raw `CUstream`, e.g.
+    /// `torch.cuda.current_stream().cuda_stream`; 0: the legacy default stream) is done.
+    fn record_on(&self, stream: usize) -> PyResult<CudaEvent> {
+        // SAFETY: the caller hands over a live stream of this device (torch's current one).
+        let ev = unsafe { self.c.record_on(stream) }
+            .map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+        Ok(CudaEvent {
+            ev,
+            c: self.c.clone(),
+        })
+    }
+
+    /// Makes copies queued on kvtier's stream from now on wait for `event` (e.g. one recorded
+    /// on the engine's stream: what it queued before writes the blocks about to be copied).
+    fn wait_for(&self, event: &CudaEvent) -> PyResult<()> {
+        self.c
+            .wait_for(&event.ev)
+            .map_err(|e| PyRuntimeError::new_err(e.to_string()))
+    }
+
+    /// Waits for every copy queued on kvtier's stream.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        py.allow_threads(|| self.c.synchronize())
+            .map_err(|e| PyRuntimeError::new_err(e.to_string()))
+    }
+}
+
+/// A CUDA event (a point in a stream's work).
+#[pyclass(module = "kvtier._native", frozen)]
+struct CudaEvent {
+    ev: kvtier_connector::cuda::CudaEvent,
+    c: std::sync::Arc<kvtier_connector::cuda::CudaCopier>,
+}
+
+#[pymethods]
+impl CudaEvent {
+    /// Makes work queued on `stream` from now on wait for this event, without blocking the
+    /// host (e.g. a layer's attention after its load).
+    fn wait_on(&self, stream: usize) -> PyResult<()> {
+        // SAFETY: the caller hands over a live stream of this device (torch's current one).
+        unsafe { self.c.make_wait(&self.ev, stream) }
+            .map_err(|e| PyRuntimeError::new_err(e.to_string()))
     }
 }
 
@@ -376,11 +481,9 @@ impl Backend {
     ) -> PyResult<usize> {
         let ks = paired_keys(&keys, &block_ids)?;
         let tags = engine_hashes.unwrap_or_default();
-        py.allow_threads(|| {
-            self.b
-                .save_tagged(NsId(ns), &paged.inner, &ks, &block_ids, &tags)
-        })
-        .map_err(transfer_err)
+        let paged = paged.host()?;
+        py.allow_threads(|| self.b.save_tagged(NsId(ns), paged, &ks, &block_ids, &tags))
+            .map_err(transfer_err)
     }
 
     /// Loads the longest present prefix of `keys` into engine blocks `block_ids[i]` (scattered
@@ -398,7 +501,8 @@ impl Backend {
     ) -> PyResult<usize> {
         let ks = paired_keys(&keys, &block_ids)?;
         let ttl = Duration::from_millis(ttl_ms);
-        py.allow_threads(|| self.b.load(&paged.inner, &ks, &block_ids, ttl))
+        let paged = paged.host()?;
+        py.allow_threads(|| self.b.load(paged, &ks, &block_ids, ttl))
             .map_err(transfer_err)
     }
 
@@ -418,9 +522,10 @@ impl Backend {
     ) -> PyResult<usize> {
         let ks = paired_keys(&keys, &block_ids)?;
         let ttl = Duration::from_millis(ttl_ms);
+        let paged = paged.host()?;
         py.allow_threads(|| {
             self.b
-                .load_layerwise(&paged.inner, &ks, &block_ids, ttl, &mut |layer, n| {
+                .load_layerwise(paged, &ks, &block_ids, ttl, &mut |layer, n| {
                     Python::with_gil(|py| {
                         if let Err(e) = on_layer.call1(py, (layer, n)) {
                             e.print(py);
@@ -467,14 +572,13 @@ impl Backend {
         paged: &PagedKv,
         layer: usize,
     ) -> PyResult<()> {
+        let paged = paged.host()?;
         py.allow_threads(|| {
             let mut g = save.lock()?;
             let s = g
                 .as_mut()
                 .ok_or_else(|| PyValueError::new_err("this layer-by-layer save is over"))?;
-            self.b
-                .save_layer(s, &paged.inner, layer)
-                .map_err(transfer_err)
+            self.b.save_layer(s, paged, layer).map_err(transfer_err)
         })
     }
 
@@ -486,14 +590,13 @@ impl Backend {
         save: &LayerSave,
         paged: &PagedKv,
     ) -> PyResult<usize> {
+        let paged = paged.host()?;
         py.allow_threads(|| {
             let s = save
                 .lock()?
                 .take()
                 .ok_or_else(|| PyValueError::new_err("this layer-by-layer save is over"))?;
-            self.b
-                .finish_layer_save(s, &paged.inner)
-                .map_err(transfer_err)
+            self.b.finish_layer_save(s, paged).map_err(transfer_err)
         })
     }
 
@@ -503,6 +606,102 @@ impl Backend {
             Some(s) => self.b.abort_layer_save(s).map_err(transfer_err),
             None => Ok(()),
         })
+    }
+
+    /// Registers the host memory GPU copies use with the CUDA driver (page-locked: DMA with no
+    /// staging copy): the embedded store's arena, or kvtierd's shared arena (now and after
+    /// every reconnection). False if registration failed (logged; copies still work, slower).
+    fn pin_for_cuda(&self, py: Python<'_>, cuda: &Cuda) -> PyResult<bool> {
+        py.allow_threads(|| self.b.pin_for_cuda(&cuda.c))
+            .map_err(transfer_err)
+    }
+
+    /// `save_layer` from GPU tensors (`paged` built with device="cuda"): queues the copies of
+    /// layer `layer` into the save's slots on kvtier's stream, after `after` (an event recorded
+    /// on the engine's stream once the layer's attention was queued: `Cuda.record_on`).
+    #[pyo3(signature = (save, cuda, paged, layer, after=None))]
+    fn save_layer_cuda(
+        &self,
+        py: Python<'_>,
+        save: &LayerSave,
+        cuda: &Cuda,
+        paged: &PagedKv,
+        layer: usize,
+        after: Option<&CudaEvent>,
+    ) -> PyResult<()> {
+        let paged = paged.device()?;
+        py.allow_threads(|| {
+            let mut g = save.lock()?;
+            let s = g
+                .as_mut()
+                .ok_or_else(|| PyValueError::new_err("this layer-by-layer save is over"))?;
+            // SAFETY: PagedKv's contract (live GPU tensors of this device for its life); vLLM
+            // keeps a request's blocks allocated until its save reported done (delay_free).
+            unsafe {
+                self.b
+                    .save_layer_cuda(s, &cuda.c, paged, layer, after.map(|e| &e.ev))
+            }
+            .map_err(transfer_err)
+        })
+    }
+
+    /// `finish_layer_save` from GPU tensors: queues the layers left, waits for every copy,
+    /// commits; returns how many blocks were stored now.
+    fn finish_layer_save_cuda(
+        &self,
+        py: Python<'_>,
+        save: &LayerSave,
+        cuda: &Cuda,
+        paged: &PagedKv,
+    ) -> PyResult<usize> {
+        let paged = paged.device()?;
+        py.allow_threads(|| {
+            let s = save
+                .lock()?
+                .take()
+                .ok_or_else(|| PyValueError::new_err("this layer-by-layer save is over"))?;
+            // SAFETY: as in save_layer_cuda.
+            unsafe { self.b.finish_layer_save_cuda(s, &cuda.c, paged) }.map_err(transfer_err)
+        })
+    }
+
+    /// `load_layerwise` into GPU tensors: blocks pinned and verified on the host first, each
+    /// layer's copies queued on kvtier's stream, `on_layer(layer, loaded, event)` called (with
+    /// the GIL) once they are queued — `event.wait_on(stream)` makes the engine's stream wait
+    /// for them. Returns after every copy completed: how many leading keys were loaded (0 if
+    /// a lease lapsed: treat them all as failed).
+    #[pyo3(signature = (cuda, paged, keys, block_ids, on_layer, ttl_ms=30_000))]
+    #[allow(clippy::too_many_arguments)] // the Python signature
+    fn load_layerwise_cuda(
+        &self,
+        py: Python<'_>,
+        cuda: &Cuda,
+        paged: &PagedKv,
+        keys: Vec<Vec<u8>>,
+        block_ids: Vec<Vec<usize>>,
+        on_layer: PyObject,
+        ttl_ms: u64,
+    ) -> PyResult<usize> {
+        let ks = paired_keys(&keys, &block_ids)?;
+        let ttl = Duration::from_millis(ttl_ms);
+        let paged = paged.device()?;
+        let c = cuda.c.clone();
+        py.allow_threads(|| {
+            // SAFETY: as in save_layer_cuda; the engine runs nothing on the target blocks
+            // until their layer's event fired (it waits on it) or the load returned.
+            unsafe {
+                self.b
+                    .load_layerwise_cuda(&c, paged, &ks, &block_ids, ttl, &mut |layer, n, ev| {
+                        Python::with_gil(|py| {
+                            let event = CudaEvent { ev, c: c.clone() };
+                            if let Err(e) = on_layer.call1(py, (layer, n, event)) {
+                                e.print(py);
+                            }
+                        })
+                    })
+            }
+        })
+        .map_err(transfer_err)
     }
 
     /// Copies the longest present prefix of `keys` into the caller's pages (each a list of
@@ -776,6 +975,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Store>()?;
     m.add_class::<PagedKv>()?;
     m.add_class::<LayerSave>()?;
+    m.add_class::<Cuda>()?;
+    m.add_class::<CudaEvent>()?;
     m.add_class::<Sidecar>()?;
     m.add_function(wrap_pyfunction!(namespace_fingerprint, m)?)?;
     m.add_function(wrap_pyfunction!(engine_key, m)?)?;

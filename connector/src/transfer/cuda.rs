@@ -165,7 +165,7 @@ impl Backend {
         keys: &[BlockKey],
         block_ids: &[Vec<usize>],
         ttl: Duration,
-        on_layer: &mut dyn FnMut(usize, usize, &CudaEvent),
+        on_layer: &mut dyn FnMut(usize, usize, CudaEvent),
     ) -> Result<usize, TransferError> {
         self.load_layers_with(
             paged,
@@ -187,7 +187,7 @@ impl Backend {
                     }?;
                 }
                 let ev = copier.record()?;
-                on_layer(layer, blocks.len(), &ev);
+                on_layer(layer, blocks.len(), ev);
                 Ok(())
             },
             &mut || Ok(copier.synchronize()?),
