@@ -188,8 +188,9 @@ pub fn run(args: ConnectorArgs) -> Result<()> {
     let mut _daemon = None;
     if !args.embedded_only {
         let bin = sidecar::binary(args.kvtierd.as_deref())?;
-        // Fresh keys every round (no remove over the engine socket): room for all of them.
-        let cap = (total as u64 * (args.rounds as u64 + 2)).div_ceil(seg) * seg + seg;
+        // Fresh keys every round, twice (whole and layer-by-layer saves; no remove over the
+        // engine socket): room for all of them.
+        let cap = (total as u64 * 2 * (args.rounds as u64 + 2)).div_ceil(seg) * seg + seg;
         let d = Sidecar::start(
             &bin,
             std::env::temp_dir().join(format!("kvtier-bench-conn-{}", std::process::id())),
@@ -214,6 +215,7 @@ pub fn run(args: ConnectorArgs) -> Result<()> {
             let nsid: NsId = backend.register_namespace(&ns(&args))?;
             let mut save = Vec::new();
             let mut load = Vec::new();
+            let mut layered = Vec::new();
             for round in 0..=args.rounds {
                 generation += 1;
                 let keys: Vec<BlockKey> = (0..blocks).map(|i| key(generation, i)).collect();
@@ -226,23 +228,48 @@ pub fn run(args: ConnectorArgs) -> Result<()> {
                 let n = backend.load(&dst.paged, &keys, &ids, ttl)?;
                 let l_bw = total as f64 / t.elapsed().as_secs_f64() / 1e9;
                 ensure!(n == blocks, "{mode}: loaded {n} of {blocks} blocks");
-                // The next round's keys are fresh: room for them (the embedded store can remove).
-                if let Some(s) = backend.store() {
-                    for k in &keys {
-                        s.remove(k);
-                    }
+                // The same blocks saved layer by layer (as vLLM's `layerwise` does: slots
+                // reserved, a layer at a time, then the checksums and the commit).
+                generation += 1;
+                let lkeys: Vec<BlockKey> = (0..blocks).map(|i| key(generation, i)).collect();
+                let t = Instant::now();
+                let mut ls = backend.begin_layer_save(nsid, &src.paged, &lkeys, &ids, &[])?;
+                for layer in 0..src.paged.layers() {
+                    backend.save_layer(&mut ls, &src.paged, layer)?;
                 }
+                let n = backend.finish_layer_save(ls, &src.paged)?;
+                let lw_bw = total as f64 / t.elapsed().as_secs_f64() / 1e9;
+                ensure!(n == blocks, "{mode}: saved {n} of {blocks} blocks layer by layer");
                 if round == 0 {
-                    // Byte-exact: the engine tensors round-tripped through the store.
+                    // Byte-exact: the engine tensors round-tripped through the store (whole
+                    // saves, and layer-by-layer ones).
                     for (l, (a, b)) in src.layers.iter().zip(&dst.layers).enumerate() {
                         ensure!(a[..] == b[..], "{mode}: layer {l} differs after save+load");
                     }
                     for (l, buf) in dst.layers.iter_mut().enumerate() {
                         buf.fill_pattern(1000 + l as u64);
                     }
+                    let n = backend.load(&dst.paged, &lkeys, &ids, ttl)?;
+                    ensure!(n == blocks, "{mode}: loaded {n} of {blocks} blocks");
+                    for (l, (a, b)) in src.layers.iter().zip(&dst.layers).enumerate() {
+                        ensure!(
+                            a[..] == b[..],
+                            "{mode}: layer {l} differs after a layer-by-layer save"
+                        );
+                    }
+                    for (l, buf) in dst.layers.iter_mut().enumerate() {
+                        buf.fill_pattern(2000 + l as u64);
+                    }
                 } else {
                     save.push((s_bw, base));
                     load.push((l_bw, base));
+                    layered.push((lw_bw, base));
+                }
+                // The next round's keys are fresh: room for them (the embedded store can remove).
+                if let Some(s) = backend.store() {
+                    for k in keys.iter().chain(&lkeys) {
+                        s.remove(k);
+                    }
                 }
             }
             let t = args.tokens;
@@ -262,6 +289,12 @@ pub fn run(args: ConnectorArgs) -> Result<()> {
                 "GB/s",
                 baseline,
                 &load,
+            ));
+            rows.push(row(
+                format!("save {t} tokens layer by layer, {mode}{suffix}"),
+                "GB/s",
+                baseline,
+                &layered,
             ));
         }
     }

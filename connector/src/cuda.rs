@@ -19,7 +19,7 @@ use cudarc::driver::sys::{self, CUmemorytype, CUDA_MEMCPY2D};
 pub use cudarc::driver::CudaEvent;
 use cudarc::driver::{CudaContext, CudaStream, DriverError};
 
-use crate::layout::{LayoutError, PagedKv, Piece};
+use crate::layout::{Copy2D, LayoutError, PagedKv, Piece};
 
 /// Why a GPU copy failed.
 #[derive(Debug, thiserror::Error)]
@@ -203,6 +203,61 @@ impl CudaCopier {
             &paged.pieces_of_layers(ids, layers, self.max_pitch)?,
             Dir::HostToDevice(src),
         )
+    }
+
+    /// Queues the copies of layers `layers` of several transfers at once, each `(engine block
+    /// ids (device), host address of their canonical form)`: device to host (`to_host`) or
+    /// back. Runs are coalesced across transfers ([`PagedKv::copies_2d`]): a layer of many
+    /// consecutive blocks into evenly laid out slots is a few 2D copies, not one per block.
+    ///
+    /// # Safety
+    /// As [`CudaCopier::gather`], for every transfer's canonical form in host memory (each
+    /// `ids.len() * block_bytes` bytes at its address).
+    pub unsafe fn copy_many(
+        &self,
+        paged: &PagedKv,
+        transfers: &[(&[usize], usize)],
+        layers: Range<usize>,
+        to_host: bool,
+    ) -> Result<usize, CudaCopyError> {
+        let copies = paged.copies_2d(transfers, layers, self.max_pitch)?;
+        self.ctx.bind_to_thread()?;
+        let r = self.submit_2d(&copies, to_host);
+        if r.is_err() {
+            // Copies already queued still target the caller's buffers.
+            let _ = self.stream.synchronize();
+        }
+        r.map(|()| copies.len())
+    }
+
+    fn submit_2d(&self, copies: &[Copy2D], to_host: bool) -> Result<(), CudaCopyError> {
+        for p in copies {
+            // SAFETY: an all-zero CUDA_MEMCPY2D is a valid (empty) descriptor: plain integers
+            // and null pointers; every field used is set below.
+            let mut c: CUDA_MEMCPY2D = unsafe { std::mem::zeroed() };
+            c.WidthInBytes = p.width;
+            c.Height = p.height;
+            if to_host {
+                c.srcMemoryType = CUmemorytype::CU_MEMORYTYPE_DEVICE;
+                c.srcDevice = p.dev as sys::CUdeviceptr;
+                c.srcPitch = p.dev_pitch;
+                c.dstMemoryType = CUmemorytype::CU_MEMORYTYPE_HOST;
+                c.dstHost = p.host as *mut std::ffi::c_void;
+                c.dstPitch = p.host_pitch;
+            } else {
+                c.srcMemoryType = CUmemorytype::CU_MEMORYTYPE_HOST;
+                c.srcHost = p.host as *const std::ffi::c_void;
+                c.srcPitch = p.host_pitch;
+                c.dstMemoryType = CUmemorytype::CU_MEMORYTYPE_DEVICE;
+                c.dstDevice = p.dev as sys::CUdeviceptr;
+                c.dstPitch = p.dev_pitch;
+            }
+            // SAFETY: device memory inside the registered tensors and host memory inside the
+            // callers' buffers (both per `copy_many`'s contract); the stream belongs to the
+            // bound context.
+            unsafe { sys::cuMemcpy2DAsync_v2(&c, self.stream.cu_stream()) }.result()?;
+        }
+        Ok(())
     }
 
     /// An event completed once every copy queued so far on the copy stream is done.

@@ -442,6 +442,120 @@ impl PagedKv {
     }
 }
 
+/// One 2D copy between an engine tensor and host memory: `height` runs of `width` bytes, the
+/// i-th at `dev + i * dev_pitch` in the engine tensor and at `host + i * host_pitch` in host
+/// memory (pitches ≥ `width` when `height` > 1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Copy2D {
+    /// Address of the first run in the engine tensor.
+    pub dev: usize,
+    /// Bytes between consecutive runs in the engine tensor.
+    pub dev_pitch: usize,
+    /// Address of the first run in host memory.
+    pub host: usize,
+    /// Bytes between consecutive runs in host memory.
+    pub host_pitch: usize,
+    /// Bytes per run.
+    pub width: usize,
+    /// Runs.
+    pub height: usize,
+}
+
+impl PagedKv {
+    /// The 2D copies that move layers `layers` of several transfers at once, each given as
+    /// `(engine block ids, host address of their canonical form)`, with pitches at most
+    /// `max_pitch`. Runs are coalesced across transfers: the same run of successive transfers
+    /// whose engine and host addresses both advance by one step (consecutive engine blocks
+    /// into slots laid out evenly, as a fresh prompt's usually are) becomes one copy, so a
+    /// layer of many blocks is a handful of copies rather than one per block; where that does
+    /// not make fewer copies than [`PagedKv::pieces_of_layers`] per transfer, those are used.
+    pub fn copies_2d(
+        &self,
+        transfers: &[(&[usize], usize)],
+        layers: std::ops::Range<usize>,
+        max_pitch: usize,
+    ) -> Result<Vec<Copy2D>, LayoutError> {
+        // Per transfer, its pieces (2D within a block) and its runs (rows spelled out).
+        let mut per: Vec<Vec<Copy2D>> = Vec::with_capacity(transfers.len());
+        for &(ids, host) in transfers {
+            per.push(
+                self.pieces_of_layers(ids, layers.clone(), max_pitch)?
+                    .into_iter()
+                    .map(|p| Copy2D {
+                        dev: p.src,
+                        dev_pitch: p.pitch,
+                        host: host + p.at,
+                        host_pitch: p.width,
+                        width: p.width,
+                        height: p.rows,
+                    })
+                    .collect(),
+            );
+        }
+        let plain: usize = per.iter().map(Vec::len).sum();
+        let runs: Vec<Vec<(usize, usize, usize)>> = per
+            .iter()
+            .map(|ps| {
+                ps.iter()
+                    .flat_map(|c| {
+                        (0..c.height).map(move |r| (c.dev + r * c.dev_pitch, c.host + r * c.width, c.width))
+                    })
+                    .collect()
+            })
+            .collect();
+        let same_shape = runs.windows(2).all(|w| {
+            w[0].len() == w[1].len() && w[0].iter().zip(&w[1]).all(|(a, b)| a.2 == b.2)
+        });
+        if !same_shape || runs.len() < 2 {
+            return Ok(per.into_iter().flatten().collect());
+        }
+        // Run j of every transfer, in transfer order, cut where the steps change.
+        let mut merged = Vec::new();
+        for j in 0..runs[0].len() {
+            let width = runs[0][j].2;
+            let mut k = 0;
+            while k < runs.len() {
+                let (dev, host, _) = runs[k][j];
+                let mut c = Copy2D {
+                    dev,
+                    dev_pitch: width,
+                    host,
+                    host_pitch: width,
+                    width,
+                    height: 1,
+                };
+                if k + 1 < runs.len() {
+                    // Forward steps only (a 2D copy's pitches are positive), within the limit.
+                    let (d1, h1, _) = runs[k + 1][j];
+                    let step = |a: usize, b: usize| {
+                        b.checked_sub(a).filter(|p| (width..=max_pitch).contains(p))
+                    };
+                    if let (Some(dp), Some(hp)) = (step(dev, d1), step(host, h1)) {
+                        c.dev_pitch = dp;
+                        c.host_pitch = hp;
+                        while k + c.height < runs.len() {
+                            let (dn, hn, _) = runs[k + c.height][j];
+                            let next = |a: usize, p: usize| {
+                                c.height.checked_mul(p).and_then(|o| a.checked_add(o))
+                            };
+                            if Some(dn) != next(dev, dp) || Some(hn) != next(host, hp) {
+                                break;
+                            }
+                            c.height += 1;
+                        }
+                    }
+                }
+                k += c.height;
+                merged.push(c);
+                if merged.len() >= plain {
+                    return Ok(per.into_iter().flatten().collect());
+                }
+            }
+        }
+        Ok(merged)
+    }
+}
+
 /// A strided piece of a block in an engine tensor: `rows` runs of `width` bytes starting at
 /// address `src`, `pitch` bytes apart; back to back at offset `at` of the canonical bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -10,6 +10,6 @@ mod sidecar;
 mod transfer;
 
 pub use copies::Copies;
-pub use layout::{Dim, LayerView, LayoutError, PagedKv, Piece};
+pub use layout::{Copy2D, Dim, LayerView, LayoutError, PagedKv, Piece};
 pub use sidecar::{Sidecar, SidecarStats};
 pub use transfer::{checksum, Backend, LayerSave, Stored, TransferError};

@@ -136,6 +136,71 @@ fn check(name: &str, mut layers: Vec<Tensor>, rng: &mut impl Rng) {
             .pieces_of_layers(&ids, 0..kv.layers() + 1, max_pitch)
             .is_err());
     }
+    // Several one-block transfers at once, as 2D copies coalesced across blocks: into one
+    // contiguous buffer (blocks back to back), and into slots spaced unevenly. Replayed on the
+    // CPU, they give what gather gives.
+    let bb = kv.block_bytes();
+    let consecutive: Vec<usize> = (0..nb.min(6)).collect();
+    for (ids, spacing) in [
+        (&consecutive, None),
+        (&ids, None),
+        (&consecutive, Some(vec![0usize, 1, 3, 4, 6, 7])),
+    ] {
+        let at: Vec<usize> = match &spacing {
+            None => (0..ids.len()).map(|t| t * bb).collect(),
+            Some(s) => s.iter().take(ids.len()).map(|k| k * (bb + 64)).collect(),
+        };
+        let mut host = vec![0u8; at.last().unwrap() + bb];
+        let base = host.as_mut_ptr() as usize;
+        let one: Vec<[usize; 1]> = ids.iter().map(|&i| [i]).collect();
+        let transfers: Vec<(&[usize], usize)> =
+            one.iter().zip(&at).map(|(i, a)| (&i[..], base + a)).collect();
+        for max_pitch in [usize::MAX, 0] {
+            let copies = kv.copies_2d(&transfers, 0..kv.layers(), max_pitch).unwrap();
+            host.iter_mut().for_each(|b| *b = 0);
+            for c in &copies {
+                assert!(c.height == 1 || (c.dev_pitch >= c.width && c.host_pitch >= c.width));
+                assert!(c.height == 1 || (c.dev_pitch <= max_pitch && c.host_pitch <= max_pitch));
+                for r in 0..c.height {
+                    // SAFETY: the run lies in a live tensor (the gather above read it) and in
+                    // `host` (the copies address only the transfers' canonical forms).
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            (c.dev + r * c.dev_pitch) as *const u8,
+                            (c.host + r * c.host_pitch) as *mut u8,
+                            c.width,
+                        )
+                    };
+                }
+            }
+            for (t, &id) in ids.iter().enumerate() {
+                let mut want = vec![0u8; bb];
+                kv.gather(&[id], &mut want).unwrap();
+                assert!(
+                    host[at[t]..at[t] + bb] == want[..],
+                    "{name}: 2D copies differ from gather (block {id}, max pitch {max_pitch})"
+                );
+            }
+            let pieces: usize = transfers
+                .iter()
+                .map(|(i, _)| kv.pieces(i, max_pitch).unwrap().len())
+                .sum();
+            assert!(copies.len() <= pieces, "{name}: coalescing made more copies");
+            // vLLM's GPU layouts (a layer's K and V of a block are one run each): a layer of
+            // consecutive blocks into a contiguous buffer is a copy per run, not per block.
+            let gpu_layout = ["kv-first nhd", "blocks-first", "mla"].contains(&name);
+            if gpu_layout
+                && spacing.is_none()
+                && std::ptr::eq(ids, &consecutive)
+                && max_pitch == usize::MAX
+            {
+                assert!(
+                    copies.len() < pieces,
+                    "{name}: consecutive blocks into a contiguous buffer were not coalesced"
+                );
+            }
+        }
+    }
     // Scatter into other blocks of the same tensors, then gather those back.
     let targets: Vec<usize> = ids.iter().map(|&i| (i + 1) % nb).collect();
     let mut dedup = targets.clone();

@@ -84,14 +84,25 @@ impl Backend {
         if let Some(ev) = after {
             copier.wait_for(ev)?;
         }
-        // Queued on one thread, in order (queueing is cheap; the copy engine does the work).
-        self.save_layer_with(s, paged.layers(), layer, false, &|ids, slot| {
-            // SAFETY: the slot is reserved to this save until its commit or abort, both after
-            // the copier's synchronize (finish) or never (a slot dropped uncommitted is
-            // aborted only after the same synchronize); `paged` per this function's contract.
-            unsafe {
-                copier.gather_layers(paged, ids, slot.as_mut_ptr(), slot.len(), layer..layer + 1)
-            }?;
+        // Every held slot's layer at once: coalesced 2D copies, queued on one thread.
+        self.save_layer_with(s, paged.layers(), layer, &|slots| {
+            for (ids, slot) in slots.iter() {
+                if slot.len() != ids.len() * paged.block_bytes() {
+                    return Err(crate::layout::LayoutError::Size {
+                        want: ids.len() * paged.block_bytes(),
+                        got: slot.len(),
+                    }
+                    .into());
+                }
+            }
+            let transfers: Vec<(&[usize], usize)> = slots
+                .iter_mut()
+                .map(|(ids, slot)| (*ids, slot.as_mut_ptr() as usize))
+                .collect();
+            // SAFETY: each slot is reserved to this save (its length checked above) until
+            // its commit or abort, both after the copier's synchronize (finish); `paged` per
+            // this function's contract.
+            unsafe { copier.copy_many(paged, &transfers, layer..layer + 1, true) }?;
             Ok(())
         })
     }
@@ -173,19 +184,16 @@ impl Backend {
             block_ids,
             ttl,
             &mut |layer, blocks| {
-                for (i, (b, _)) in blocks.iter().enumerate() {
-                    // SAFETY: the block stays pinned until `done` (below) waited for this copy;
-                    // `paged` per this function's contract.
-                    unsafe {
-                        copier.scatter_layers(
-                            paged,
-                            &block_ids[i],
-                            b.as_ptr(),
-                            b.len(),
-                            layer..layer + 1,
-                        )
-                    }?;
-                }
+                // Every block's layer at once: coalesced 2D copies (the blocks' sizes were
+                // checked against their engine block ids).
+                let transfers: Vec<(&[usize], usize)> = blocks
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (b, _))| (&block_ids[i][..], b.as_ptr() as usize))
+                    .collect();
+                // SAFETY: the blocks stay pinned until `done` (below) waited for these copies;
+                // `paged` per this function's contract.
+                unsafe { copier.copy_many(paged, &transfers, layer..layer + 1, false) }?;
                 let ev = copier.record()?;
                 on_layer(layer, blocks.len(), ev);
                 Ok(())

@@ -10,9 +10,9 @@ use kvtier_ipc::SlotStatus;
 use super::{check_pairs, commit_tokens, Backend, Kind, Stored, TransferError};
 use crate::layout::PagedKv;
 
-/// How a layer of one block gets into its slot: `copy(engine block ids, slot)`.
+/// How a layer of every held block gets into its slot: `copy([(engine block ids, slot)])`.
 pub(super) type LayerCopy<'a> =
-    dyn Fn(&[usize], &mut [u8]) -> Result<(), TransferError> + Sync + 'a;
+    dyn Fn(&mut [(&[usize], &mut [u8])]) -> Result<(), TransferError> + Sync + 'a;
 
 /// A save in progress, layer by layer (see [`Backend::begin_layer_save`]). Dropped without
 /// [`Backend::finish_layer_save`] or [`Backend::abort_layer_save`], its embedded reservations
@@ -175,19 +175,26 @@ impl Backend {
         paged: &PagedKv,
         layer: usize,
     ) -> Result<(), TransferError> {
-        self.save_layer_with(s, paged.layers(), layer, true, &|ids, slot| {
-            Ok(paged.gather_layer(ids, slot, layer)?)
+        let copies = &self.copies;
+        self.save_layer_with(s, paged.layers(), layer, &|slots| {
+            let sizes: Vec<usize> = slots.iter().map(|(_, s)| s.len()).collect();
+            copies
+                .map_mut(slots, &sizes, |_, (ids, slot)| {
+                    paged.gather_layer(ids, slot, layer)
+                })
+                .into_iter()
+                .collect::<Result<Vec<()>, _>>()?;
+            Ok(())
         })
     }
 
-    /// Copies layer `layer` of every held block with `copy(engine block ids, slot)` (on the
-    /// copy threads when `parallel`), for a layout of `layers` layers.
+    /// Copies layer `layer` of every held block with `copy`, for a layout of `layers`
+    /// layers.
     pub(super) fn save_layer_with(
         &self,
         s: &mut LayerSave,
         layers: usize,
         layer: usize,
-        parallel: bool,
         copy: &LayerCopy<'_>,
     ) -> Result<(), TransferError> {
         if layer >= s.gathered.len() || layers != s.gathered.len() {
@@ -199,19 +206,16 @@ impl Backend {
         if s.gathered[layer] || s.failed {
             return Ok(());
         }
-        let one = crate::copies::Copies::new(1);
-        let copies = if parallel { &self.copies } else { &one };
         let ids = &s.block_ids;
         // Ok(false): the sidecar connection (and with it the reservations) is gone.
         let r = match &mut s.held {
             Held::Nothing => Ok(true),
             Held::Embedded(slots) => {
-                let sizes: Vec<usize> = slots.iter().map(|(_, r)| r.len()).collect();
-                copies
-                    .map_mut(slots, &sizes, |_, (i, r)| copy(&ids[*i], r.as_mut_slice()))
-                    .into_iter()
-                    .collect::<Result<Vec<()>, _>>()
-                    .map(|_| true)
+                let mut v: Vec<(&[usize], &mut [u8])> = slots
+                    .iter_mut()
+                    .map(|(i, r)| (&ids[*i][..], r.as_mut_slice()))
+                    .collect();
+                copy(&mut v).map(|()| true)
             }
             Held::Sidecar { conn, tokens } => {
                 let Kind::Sidecar(side) = &self.kind else {
@@ -224,12 +228,12 @@ impl Backend {
                 let got = side.call_on(*conn, |c, _| {
                     // No checksum yet: the slot is not whole until the last layer is in.
                     c.fill_slots_hashed(&toks, |slots| {
-                        let sizes: Vec<usize> = slots.iter().map(|s| s.len()).collect();
-                        let r = copies
-                            .map_mut(slots, &sizes, |j, slot| copy(&ids[idx[j]], slot))
-                            .into_iter()
-                            .collect::<Result<Vec<()>, _>>();
-                        (r, vec![None; toks.len()])
+                        let mut v: Vec<(&[usize], &mut [u8])> = slots
+                            .iter_mut()
+                            .enumerate()
+                            .map(|(j, slot)| (&ids[idx[j]][..], &mut **slot))
+                            .collect();
+                        (copy(&mut v), vec![None; toks.len()])
                     })
                 })?;
                 match got {
