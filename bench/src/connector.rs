@@ -239,7 +239,10 @@ pub fn run(args: ConnectorArgs) -> Result<()> {
                 }
                 let n = backend.finish_layer_save(ls, &src.paged)?;
                 let lw_bw = total as f64 / t.elapsed().as_secs_f64() / 1e9;
-                ensure!(n == blocks, "{mode}: saved {n} of {blocks} blocks layer by layer");
+                ensure!(
+                    n == blocks,
+                    "{mode}: saved {n} of {blocks} blocks layer by layer"
+                );
                 if round == 0 {
                     // Byte-exact: the engine tensors round-tripped through the store (whole
                     // saves, and layer-by-layer ones).

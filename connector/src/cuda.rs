@@ -41,10 +41,13 @@ pub fn driver_present() -> bool {
     unsafe { sys::is_culib_present() }
 }
 
-/// Copies between device KV tensors and host blocks on its own stream.
+/// Copies between device KV tensors and host blocks on streams of its own: one for saves
+/// (device to host), one for loads (host to device), so a load never queues behind a save
+/// waiting for a layer's attention.
 pub struct CudaCopier {
     ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
+    saves: Arc<CudaStream>,
+    loads: Arc<CudaStream>,
     /// The device's largest 2D-copy pitch: pieces never have rows farther apart.
     max_pitch: usize,
 }
@@ -61,19 +64,47 @@ impl CudaCopier {
             return Err(CudaCopyError::NoDriver);
         }
         let ctx = CudaContext::new(ordinal)?;
-        let stream = ctx.new_stream()?;
+        let saves = ctx.new_stream()?;
+        let loads = ctx.new_stream()?;
         let max_pitch =
             ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_PITCH)? as usize;
         Ok(Self {
             ctx,
-            stream,
+            saves,
+            loads,
             max_pitch,
         })
     }
 
-    /// The copy stream (e.g. for tests that allocate on it).
+    /// The saves' stream (e.g. for tests that allocate on it).
     pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
+        &self.saves
+    }
+
+    fn stream_for(&self, to_host: bool) -> &Arc<CudaStream> {
+        if to_host {
+            &self.saves
+        } else {
+            &self.loads
+        }
+    }
+
+    /// Waits for a stream's copies with raw driver calls (cudarc's own `synchronize` first
+    /// reports, and clears, an error an earlier drop recorded, without waiting), once more
+    /// if the first attempt fails. An error means the copies may still be running: the caller
+    /// must then not free, unmap or unregister the memory they use.
+    fn sync(&self, s: &CudaStream) -> Result<(), CudaCopyError> {
+        let mut last = Ok(());
+        for _ in 0..2 {
+            // SAFETY: the context and the stream are live (held by `self`).
+            last = unsafe { sys::cuCtxSetCurrent(self.ctx.cu_ctx()) }
+                .result()
+                .and_then(|()| unsafe { sys::cuStreamSynchronize(s.cu_stream()) }.result());
+            if last.is_ok() {
+                break;
+            }
+        }
+        Ok(last?)
     }
 
     /// Makes later copies wait for the work queued so far on the engine's stream (a raw
@@ -86,22 +117,29 @@ impl CudaCopier {
         let ev = self.ctx.new_event(None)?;
         // SAFETY: the event is live (owned above); the stream is the caller's (contract).
         unsafe { sys::cuEventRecord(ev.cu_event(), engine_stream as sys::CUstream) }.result()?;
-        self.stream.wait(&ev)?;
+        self.saves.wait(&ev)?;
+        self.loads.wait(&ev)?;
         Ok(())
     }
 
     fn submit(&self, pieces: &[Piece], dir: Dir) -> Result<(), CudaCopyError> {
         self.ctx.bind_to_thread()?;
-        let r = self.submit_all(pieces, dir);
+        let stream = self.stream_for(matches!(dir, Dir::DeviceToHost(_)));
+        let r = self.submit_all(pieces, dir, stream);
         if r.is_err() {
             // Copies already queued still target the caller's buffers: let them finish before
             // the caller reuses or frees them.
-            let _ = self.stream.synchronize();
+            self.sync(stream)?;
         }
         r
     }
 
-    fn submit_all(&self, pieces: &[Piece], dir: Dir) -> Result<(), CudaCopyError> {
+    fn submit_all(
+        &self,
+        pieces: &[Piece],
+        dir: Dir,
+        stream: &CudaStream,
+    ) -> Result<(), CudaCopyError> {
         for p in pieces {
             // SAFETY: an all-zero CUDA_MEMCPY2D is a valid (empty) descriptor: plain integers
             // and null pointers; every field used is set below.
@@ -129,7 +167,7 @@ impl CudaCopier {
             // SAFETY: the descriptor names device memory inside the registered tensors and host
             // memory inside the caller's buffer (both per the callers' contracts), and the
             // stream belongs to the bound context.
-            unsafe { sys::cuMemcpy2DAsync_v2(&c, self.stream.cu_stream()) }.result()?;
+            unsafe { sys::cuMemcpy2DAsync_v2(&c, stream.cu_stream()) }.result()?;
         }
         Ok(())
     }
@@ -222,15 +260,21 @@ impl CudaCopier {
     ) -> Result<usize, CudaCopyError> {
         let copies = paged.copies_2d(transfers, layers, self.max_pitch)?;
         self.ctx.bind_to_thread()?;
-        let r = self.submit_2d(&copies, to_host);
+        let stream = self.stream_for(to_host);
+        let r = self.submit_2d(&copies, to_host, stream);
         if r.is_err() {
             // Copies already queued still target the caller's buffers.
-            let _ = self.stream.synchronize();
+            self.sync(stream)?;
         }
         r.map(|()| copies.len())
     }
 
-    fn submit_2d(&self, copies: &[Copy2D], to_host: bool) -> Result<(), CudaCopyError> {
+    fn submit_2d(
+        &self,
+        copies: &[Copy2D],
+        to_host: bool,
+        stream: &CudaStream,
+    ) -> Result<(), CudaCopyError> {
         for p in copies {
             // SAFETY: an all-zero CUDA_MEMCPY2D is a valid (empty) descriptor: plain integers
             // and null pointers; every field used is set below.
@@ -255,15 +299,15 @@ impl CudaCopier {
             // SAFETY: device memory inside the registered tensors and host memory inside the
             // callers' buffers (both per `copy_many`'s contract); the stream belongs to the
             // bound context.
-            unsafe { sys::cuMemcpy2DAsync_v2(&c, self.stream.cu_stream()) }.result()?;
+            unsafe { sys::cuMemcpy2DAsync_v2(&c, stream.cu_stream()) }.result()?;
         }
         Ok(())
     }
 
-    /// An event completed once every copy queued so far on the copy stream is done.
+    /// An event completed once every load (host to device) queued so far is done.
     pub fn record(&self) -> Result<CudaEvent, CudaCopyError> {
         let ev = self.ctx.new_event(None)?;
-        ev.record(&self.stream)?;
+        ev.record(&self.loads)?;
         Ok(ev)
     }
 
@@ -280,10 +324,11 @@ impl CudaCopier {
         Ok(ev)
     }
 
-    /// Makes copies queued from now on wait for `ev` (without blocking the host).
-    pub fn wait_for(&self, ev: &CudaEvent) -> Result<(), CudaCopyError> {
+    /// Makes saves (`to_host`) or loads queued from now on wait for `ev` (without blocking the
+    /// host).
+    pub fn wait_for(&self, ev: &CudaEvent, to_host: bool) -> Result<(), CudaCopyError> {
         self.ctx.bind_to_thread()?;
-        Ok(self.stream.wait(ev)?)
+        Ok(self.stream_for(to_host).wait(ev)?)
     }
 
     /// Makes work queued on the engine's stream from now on wait for `ev` (e.g. a layer's
@@ -305,8 +350,8 @@ impl CudaCopier {
 
     /// Registers `len` bytes at `ptr` with the driver (page-locked, usable from every
     /// context): copies to and from them are DMA, with no staging copy. Unregistered when the
-    /// returned value is dropped. Memory someone registered already counts as registered (and
-    /// is left registered).
+    /// returned value is dropped. Memory registered already is an error (a registration that
+    /// outlived its mapping would send DMA to other pages).
     ///
     /// # Safety
     /// The memory must stay mapped until the returned value is dropped, and every copy queued
@@ -316,22 +361,29 @@ impl CudaCopier {
         // SAFETY: the caller's contract (mapped for the registration's life).
         let r =
             unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE) };
-        let owned = match r {
-            sys::cudaError_enum::CUDA_SUCCESS => true,
-            sys::cudaError_enum::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED => false,
-            e => return Err(DriverError(e).into()),
-        };
+        r.result()?;
         Ok(Registered {
             ctx: self.ctx.clone(),
             ptr: ptr as usize,
             len,
-            owned,
         })
     }
 
-    /// Waits for every queued copy.
+    /// Waits for every queued copy, saves and loads (see [`CudaCopier::sync`]: an error means
+    /// copies may still be running).
     pub fn synchronize(&self) -> Result<(), CudaCopyError> {
-        Ok(self.stream.synchronize()?)
+        self.sync(&self.saves)?;
+        self.sync(&self.loads)
+    }
+
+    /// Waits for the queued saves (device to host).
+    pub fn synchronize_saves(&self) -> Result<(), CudaCopyError> {
+        self.sync(&self.saves)
+    }
+
+    /// Waits for the queued loads (host to device).
+    pub fn synchronize_loads(&self) -> Result<(), CudaCopyError> {
+        self.sync(&self.loads)
     }
 }
 
@@ -343,13 +395,12 @@ fn check_len(paged: &PagedKv, ids: &[usize], len: usize) -> Result<(), CudaCopyE
     Ok(())
 }
 
-/// Host memory registered with the CUDA driver, unregistered when dropped.
+/// Host memory registered with the CUDA driver, unregistered when dropped. (Whoever drops it
+/// first waits for the copies that use the memory; if that wait failed, it leaks it instead.)
 pub struct Registered {
     ctx: Arc<CudaContext>,
     ptr: usize,
     len: usize,
-    /// Registered by us (else by someone else: left as it is).
-    owned: bool,
 }
 
 impl Registered {
@@ -366,10 +417,14 @@ impl Registered {
 
 impl Drop for Registered {
     fn drop(&mut self) {
-        if self.owned && self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: registered by `register` and not unregistered since; the registration's
-            // contract says no copy into or out of it is still queued.
-            let _ = unsafe { sys::cuMemHostUnregister(self.ptr as *mut std::ffi::c_void) };
+        // Raw calls: cudarc's bind first reports an error an earlier drop recorded, and the
+        // registration must go before its memory is unmapped whatever that was.
+        // SAFETY: the context is live (held); the memory was registered by `register` and not
+        // unregistered since; the registration's contract says no copy into or out of it is
+        // still queued.
+        unsafe {
+            let _ = sys::cuCtxSetCurrent(self.ctx.cu_ctx());
+            let _ = sys::cuMemHostUnregister(self.ptr as *mut std::ffi::c_void);
         }
     }
 }

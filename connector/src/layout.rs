@@ -498,14 +498,15 @@ impl PagedKv {
             .map(|ps| {
                 ps.iter()
                     .flat_map(|c| {
-                        (0..c.height).map(move |r| (c.dev + r * c.dev_pitch, c.host + r * c.width, c.width))
+                        (0..c.height)
+                            .map(move |r| (c.dev + r * c.dev_pitch, c.host + r * c.width, c.width))
                     })
                     .collect()
             })
             .collect();
-        let same_shape = runs.windows(2).all(|w| {
-            w[0].len() == w[1].len() && w[0].iter().zip(&w[1]).all(|(a, b)| a.2 == b.2)
-        });
+        let same_shape = runs
+            .windows(2)
+            .all(|w| w[0].len() == w[1].len() && w[0].iter().zip(&w[1]).all(|(a, b)| a.2 == b.2));
         if !same_shape || runs.len() < 2 {
             return Ok(per.into_iter().flatten().collect());
         }

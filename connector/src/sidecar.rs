@@ -68,10 +68,17 @@ impl State {
     fn drop_conn(&mut self) {
         #[cfg(feature = "cuda")]
         if let Some(p) = &mut self.pinned {
-            if p.reg.is_some() {
-                let _ = p.copier.synchronize();
-                p.reg = None;
+            if p.reg.is_some() && p.copier.synchronize().is_err() {
+                // Copies may still be using the arena: leak its registration and its mapping
+                // rather than let DMA reach memory handed to someone else.
+                tracing::error!(
+                    "kvtier: GPU copies could not be waited for: kvtierd's arena mapping is \
+                     leaked"
+                );
+                std::mem::forget(p.reg.take());
+                std::mem::forget(self.conn.take());
             }
+            p.reg = None;
         }
         self.conn = None;
     }
@@ -80,9 +87,9 @@ impl State {
     #[cfg(feature = "cuda")]
     fn drop_pin(&mut self) {
         if let Some(mut p) = self.pinned.take() {
-            if p.reg.is_some() {
-                let _ = p.copier.synchronize();
-                p.reg = None;
+            if p.reg.is_some() && p.copier.synchronize().is_err() {
+                // As in drop_conn: never unregister under running copies.
+                std::mem::forget(p.reg.take());
             }
         }
     }

@@ -665,16 +665,17 @@ impl Backend {
             paged.check_ids(ids)?;
         }
         let bb = paged.block_bytes();
+        let copies = &self.copies;
         let mut layers = |blocks: &[(&[u8], u64)]| -> Result<usize, TransferError> {
-            // The valid prefix, every block checked before anything is copied.
-            let mut n = 0;
-            while n < blocks.len().min(keys.len()) {
-                let (b, sum) = blocks[n];
-                if b.len() != block_ids[n].len() * bb || !verified(kvstore::checksum(b), sum) {
-                    break;
-                }
-                n += 1;
-            }
+            // The valid prefix, every block checked before anything is copied (on the copy
+            // threads: hashing a large prefix on one core would dwarf the copies).
+            let m = blocks.len().min(keys.len());
+            let sizes: Vec<usize> = blocks[..m].iter().map(|(b, _)| b.len()).collect();
+            let ok = copies.map(&sizes, |i| {
+                let (b, sum) = blocks[i];
+                b.len() == block_ids[i].len() * bb && verified(kvstore::checksum(b), sum)
+            });
+            let n = ok.iter().take_while(|o| **o).count();
             let r = (0..paged.layers()).try_for_each(|l| layer(l, &blocks[..n]));
             // Whatever happened, what was queued finishes before the blocks are released.
             let d = done();

@@ -153,8 +153,11 @@ fn check(name: &str, mut layers: Vec<Tensor>, rng: &mut impl Rng) {
         let mut host = vec![0u8; at.last().unwrap() + bb];
         let base = host.as_mut_ptr() as usize;
         let one: Vec<[usize; 1]> = ids.iter().map(|&i| [i]).collect();
-        let transfers: Vec<(&[usize], usize)> =
-            one.iter().zip(&at).map(|(i, a)| (&i[..], base + a)).collect();
+        let transfers: Vec<(&[usize], usize)> = one
+            .iter()
+            .zip(&at)
+            .map(|(i, a)| (&i[..], base + a))
+            .collect();
         for max_pitch in [usize::MAX, 0] {
             let copies = kv.copies_2d(&transfers, 0..kv.layers(), max_pitch).unwrap();
             host.iter_mut().for_each(|b| *b = 0);
@@ -185,7 +188,10 @@ fn check(name: &str, mut layers: Vec<Tensor>, rng: &mut impl Rng) {
                 .iter()
                 .map(|(i, _)| kv.pieces(i, max_pitch).unwrap().len())
                 .sum();
-            assert!(copies.len() <= pieces, "{name}: coalescing made more copies");
+            assert!(
+                copies.len() <= pieces,
+                "{name}: coalescing made more copies"
+            );
             // vLLM's GPU layouts (a layer's K and V of a block are one run each): a layer of
             // consecutive blocks into a contiguous buffer is a copy per run, not per block.
             let gpu_layout = ["kv-first nhd", "blocks-first", "mla"].contains(&name);

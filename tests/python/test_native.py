@@ -362,3 +362,24 @@ def test_gpu_layouts_never_reach_a_cpu_copy_and_no_driver_is_a_clear_error():
     s.save_layer(save, cpu, 0)
     assert s.finish_layer_save(save, cpu) == 1
     assert s.match_prefix(key) == 1
+
+
+def test_a_layer_callback_that_raises_fails_the_whole_layerwise_load():
+    """The engine may not have learnt that a layer is in (on a GPU: it would not wait for the
+    layer's copies): nothing of the load counts, so every block is recomputed."""
+    t = np.random.default_rng(3).standard_normal((4, 2, 32, 64)).astype(np.float32)
+    d = np.zeros_like(t)
+    dims = ["blocks", "kv", "tokens", "inner"]
+    src, dst = kvtier.PagedKv([layer_spec(t, dims)]), kvtier.PagedKv([layer_spec(d, dims)])
+    s = kvtier.Store(64 << 20, segment_bytes=4 << 20)
+    enc, fp = ns()
+    n = s.register_namespace(enc)
+    keys = [kvtier.engine_key(fp, bytes([9, i]) * 16) for i in range(2)]
+    assert s.save(n, src, keys, [[0], [1]]) == 2
+    seen = []
+    assert s.load_layerwise(dst, keys, [[2], [3]], lambda l, k: seen.append((l, k))) == 2
+    assert seen == [(0, 2)]
+
+    def boom(layer, k):
+        raise RuntimeError("engine hook failed")
+    assert s.load_layerwise(dst, keys, [[2], [3]], boom) == 0

@@ -43,8 +43,11 @@ class FakeCuda:
         self.log.append(("record_on", ev.what, stream))
         return ev
 
-    def wait_for(self, ev):
+    def wait_for(self, ev, saves=False):
         self.log.append(("copies_wait", ev.what))
+
+    def synchronize(self):
+        self.log.append(("synchronize",))
 
 
 class GpuStandIn:
@@ -129,12 +132,13 @@ def test_layerwise_saves_copy_each_layer_after_its_attention_and_commit_after_th
     finally:
         c._mover.close()
     recorded = [e for e in log if e[0] == "record_on"]
-    assert [e[2] for e in recorded] == [STREAM] * LAYERS
+    # One per layer (save_kv_layer), one at wait_for_save (what no layer reported waits on).
+    assert [e[2] for e in recorded] == [STREAM] * (LAYERS + 1)
     copies = [e for e in log if e[0] in ("copies_wait", "save_layer", "commit")]
     want = []
-    for layer, ev in enumerate(recorded):
+    for layer, ev in enumerate(recorded[:LAYERS]):
         want += [("copies_wait", ev[1]), ("save_layer", layer)]
-    assert copies == want + [("commit",)], copies
+    assert copies == want + [("copies_wait", recorded[-1][1]), ("commit",)], copies
     keys = [kvtier.engine_key(c._fp, h) for h in t.hashes]
     assert store.match_prefix(keys) == 2
     assert store.get(keys[1]) == c._paged.gather([5])
@@ -156,6 +160,31 @@ def test_whole_saves_wait_for_the_forward_pass():
     assert log[-1] == ("commit",)
     key = kvtier.engine_key(c._fp, t.hashes[0])
     assert store.get(key) == c._paged.gather([2])
+
+
+def test_a_layer_reported_twice_turns_the_step_into_whole_saves():
+    """Micro-batches (two save_kv_layer calls per layer): the second batch's KV is written
+    after the first copy was queued, so the step is saved whole after the pass's event."""
+    store = kvtier.Store(64 << 20, segment_bytes=4 << 20)
+    c, log = worker(store)
+    try:
+        t = _Transfer("r", hashes(2, salt=3), [0, 6])
+        c.bind_connector_metadata(KvtierMetadata(saves=[t], async_load=False))
+        c.start_load_kv(None)
+        for _ in range(2):
+            for name in c._layer_index:
+                c.save_kv_layer(name, None, None)
+        c.wait_for_save()
+        c._mover.wait_saves(["r"])
+    finally:
+        c._mover.close()
+    final = [e for e in log if e[0] == "record_on"][-1][1]
+    # The whole save's copies wait for the pass; the blocks hold every layer as at the end.
+    i = log.index(("copies_wait", final))
+    assert [e for e in log[i:] if e[0] in ("save_layer", "commit")][-1] == ("commit",)
+    keys = [kvtier.engine_key(c._fp, h) for h in t.hashes]
+    assert store.get(keys[0]) == c._paged.gather([0])
+    assert store.get(keys[1]) == c._paged.gather([6])
 
 
 def test_layerwise_loads_make_the_stream_wait_per_layer():

@@ -129,8 +129,10 @@ def test_requests_count_as_saving_from_a_step_begin_to_its_finish():
     ran = []
     m = _Mover(lambda t: ran.append(("load", t.req_id)) or [], lambda t: None)
     try:
-        m.submit_op(lambda: (gate.wait(10), ran.append("begin")), starts=["r"])
+        started = threading.Event()
+        m.submit_op(lambda: (started.set(), gate.wait(10), ran.append("begin")), starts=["r"])
         assert m.saving("r")
+        assert started.wait(10)  # the thread is busy with the begin
         m.submit_load(_Transfer("x", [], []))
         m.submit_op(lambda: ran.append("layer"))
         gate.set()
@@ -139,6 +141,7 @@ def test_requests_count_as_saving_from_a_step_begin_to_its_finish():
         assert not m.saving("r")
     finally:
         m.close()
-    # Ops go before loads queued while the thread was busy.
-    assert ran[:2] == ["begin", "layer"] and ("load", "x") in ran, ran
+    # Loads queued while the thread was busy go first (a request waits for them), then the
+    # step's ops, in order.
+    assert ran[:3] == ["begin", ("load", "x"), "layer"], ran
     assert ran.count("finish") == 1

@@ -175,13 +175,13 @@ class _LayerLoads:
     def _run(self, load_one, transfers) -> None:
         for i, t in enumerate(transfers):
             def on_layer(layer, n, event=None, i=i):
-                if self._trace:
-                    self._trace("loaded", layer)
                 with self._cv:
                     if event is not None:
                         self.events[layer].append(event)
                     self._reached[i] = max(self._reached[i], layer)
                     self._cv.notify_all()
+                if self._trace:
+                    self._trace("loaded", layer)
             try:
                 self._failed.update(load_one(t, on_layer))
             except Exception:  # noqa: BLE001 - the blocks are reported failed, never used
@@ -217,8 +217,10 @@ class _LayerLoads:
 
 
 class _Mover:
-    """The worker's transfer thread. Loads go before saves; each kind in order. Tracks which
-    async loads finished (with their failed blocks) and which requests still have saves queued."""
+    """The worker's transfer thread. Loads (requests waiting for their KV) go first, then ops
+    (a step's layer-by-layer save: begin, layers, commit), then whole saves; each kind in order.
+    Tracks which async loads finished (with their failed blocks) and which requests still have
+    saves queued."""
 
     def __init__(self, load, save):
         self._load, self._save = load, save
@@ -245,7 +247,8 @@ class _Mover:
             self._cv.notify_all()
 
     def submit_op(self, op, starts=(), ends=()) -> None:
-        """Runs ``op()`` on the transfer thread before any queued load or save (ops in order).
+        """Runs ``op()`` on the transfer thread after the queued loads, before any queued whole
+        save (ops in order).
         The requests in ``starts`` count as saving from now on until an op that ``ends`` them
         has run (a layer-by-layer save: begun, layers, finished)."""
         with self._cv:
@@ -268,10 +271,10 @@ class _Mover:
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._ops or self._loads or self._saves or self._stop)
-                if self._ops:
-                    job, is_load = self._ops.popleft(), None
-                elif self._loads:
+                if self._loads:
                     job, is_load = self._loads.popleft(), True
+                elif self._ops:
+                    job, is_load = self._ops.popleft(), None
                 elif self._saves:
                     job, is_load = self._saves.popleft(), False
                 else:
@@ -327,6 +330,10 @@ class _StepSave:
         self._conn = conn
         self.transfers = transfers
         self._sessions: list[Any] = []
+        # Layers save_kv_layer reported; one reported twice (micro-batches: the second batch
+        # writes its KV after the first copy was queued) turns the step into whole saves.
+        self.reported: set[int] = set()
+        self.whole = False
 
     def begin(self) -> None:
         c = self._conn
@@ -357,11 +364,19 @@ class _StepSave:
                 log.exception("kvtier: layer %d of the save for %s failed", layer, t.req_id)
         c._trace_layer("saved", layer, blocks=held)
 
-    def finish(self) -> None:
+    def finish(self, after=None) -> None:
+        """``after``: GPU, an event on the engine's stream once the forward pass was queued
+        (the layers save_kv_layer never reported are copied after it)."""
         c = self._conn
+        if c._cuda is not None and after is not None:
+            c._cuda.wait_for(after, saves=True)
         stored = 0
         for t, s in zip(self.transfers, self._sessions):
+            if s is not None and self.whole:
+                c._store.abort_layer_save(s)
+                s = None
             if s is None:
+                t.after = after
                 c._save(t)
                 continue
             try:
@@ -993,12 +1008,31 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             self._failed.update(self._layer_loads.finish())
             self._layer_loads = None
 
-    def _finish_step_save(self) -> None:
+    def _finish_step_save(self, after=None) -> None:
         """Queues the commit of the step's layer-by-layer saves (whatever layers the forward
-        pass did not report are copied then: the pass is over, their KV is final)."""
+        pass did not report are copied then: the pass is over, their KV is final; on a GPU,
+        after ``after``, an event recorded once the pass was queued)."""
         step, self._step_save = self._step_save, None
         if step is not None:
-            self._mover.submit_op(step.finish, ends=[t.req_id for t in step.transfers])
+            self._mover.submit_op(lambda: step.finish(after),
+                                  ends=[t.req_id for t in step.transfers])
+
+    def _record(self):
+        """An event on the engine's current CUDA stream now; if recording fails, the host
+        waits for the stream instead (what was queued is then done) and None comes back."""
+        try:
+            return self._cuda.record_on(self._stream())
+        except Exception:  # noqa: BLE001 - ordering falls back to a host wait
+            log.exception("kvtier: cannot record a CUDA event; waiting for the stream instead")
+            import torch
+            torch.cuda.current_stream(self._device).synchronize()
+            return None
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config) -> bool:
+        # Layer by layer, save_kv_layer and wait_for_layer_load must run around every layer's
+        # attention: a full CUDA graph replays the pass without them (LMCache does the same).
+        return bool((extra_config or {}).get("layerwise", False))
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -1018,7 +1052,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         if self._cuda is not None and meta.loads:
             # Loads write blocks only after what the engine's stream queued before them.
-            after = self._cuda.record_on(self._stream())
+            after = self._record()
             for t in meta.loads:
                 t.after = after
         sync = []
@@ -1048,9 +1082,14 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if events:
             # GPU: the layer's copies are queued; the engine's stream waits for them (the
             # host does not).
-            stream = self._stream()
-            for ev in events:
-                ev.wait_on(stream)
+            try:
+                stream = self._stream()
+                for ev in events:
+                    ev.wait_on(stream)
+            except Exception:  # noqa: BLE001 - the host waits for the copies instead
+                log.exception("kvtier: cannot make the stream wait for a layer's load; "
+                              "waiting for the copies instead")
+                self._cuda.synchronize()
         self._layer_loads.awaited.add(layer)
         self._trace_layer("waited", layer)
 
@@ -1064,8 +1103,12 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             self._trace_layer("ran", layer)
         step = self._step_save
         if step is not None:
+            if layer in step.reported:
+                step.whole = True  # micro-batches: see _StepSave
+                return
+            step.reported.add(layer)
             # GPU: the layer's copies wait for what the stream queued up to now (its attention).
-            after = self._cuda.record_on(self._stream()) if self._cuda is not None else None
+            after = self._record() if self._cuda is not None else None
             self._mover.submit_op(lambda: step.layer(layer, after))
 
     def wait_for_save(self):
@@ -1073,11 +1116,12 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._finish_layer_loads()
         meta = self._get_connector_metadata()
         layered = self._step_save is not None
-        self._finish_step_save()
         after = None
-        if self._cuda is not None and meta.saves and not layered:
-            # The copies wait for the forward pass that wrote the blocks' KV.
-            after = self._cuda.record_on(self._stream())
+        if self._cuda is not None and meta.saves:
+            # The copies wait for the forward pass that wrote the blocks' KV (a layer-by-layer
+            # save's unreported layers too).
+            after = self._record()
+        self._finish_step_save(after)
         for t in meta.saves:
             t.after = after
             # Every rank reports the save done (the scheduler waits for all of them); a rank
@@ -1132,4 +1176,5 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def shutdown(self):
         if self._mover is not None:
+            self._finish_step_save()
             self._mover.close()

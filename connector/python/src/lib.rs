@@ -323,11 +323,13 @@ impl Cuda {
         })
     }
 
-    /// Makes copies queued on kvtier's stream from now on wait for `event` (e.g. one recorded
-    /// on the engine's stream: what it queued before writes the blocks about to be copied).
-    fn wait_for(&self, event: &CudaEvent) -> PyResult<()> {
+    /// Makes loads (or, with `saves=True`, saves) queued on kvtier's streams from now on wait
+    /// for `event` (e.g. one recorded on the engine's stream: what it queued before still
+    /// uses the blocks a load overwrites, or writes the KV a save reads).
+    #[pyo3(signature = (event, saves=false))]
+    fn wait_for(&self, event: &CudaEvent, saves: bool) -> PyResult<()> {
         self.c
-            .wait_for(&event.ev)
+            .wait_for(&event.ev, saves)
             .map_err(|e| PyRuntimeError::new_err(e.to_string()))
     }
 
@@ -523,17 +525,23 @@ impl Backend {
         let ks = paired_keys(&keys, &block_ids)?;
         let ttl = Duration::from_millis(ttl_ms);
         let paged = paged.host()?;
-        py.allow_threads(|| {
-            self.b
-                .load_layerwise(paged, &ks, &block_ids, ttl, &mut |layer, n| {
-                    Python::with_gil(|py| {
-                        if let Err(e) = on_layer.call1(py, (layer, n)) {
-                            e.print(py);
-                        }
+        // A callback that raised may not have let the engine know about a layer: nothing of
+        // the load counts (the engine recomputes it).
+        let mut raised = false;
+        let n = py
+            .allow_threads(|| {
+                self.b
+                    .load_layerwise(paged, &ks, &block_ids, ttl, &mut |layer, n| {
+                        Python::with_gil(|py| {
+                            if let Err(e) = on_layer.call1(py, (layer, n)) {
+                                e.print(py);
+                                raised = true;
+                            }
+                        })
                     })
-                })
-        })
-        .map_err(transfer_err)
+            })
+            .map_err(transfer_err)?;
+        Ok(if raised { 0 } else { n })
     }
 
     /// Begins a layer-by-layer save (what `save` does, in three calls): reserves a slot for
@@ -686,22 +694,34 @@ impl Backend {
         let ttl = Duration::from_millis(ttl_ms);
         let paged = paged.device()?;
         let c = cuda.c.clone();
-        py.allow_threads(|| {
-            // SAFETY: as in save_layer_cuda; the engine runs nothing on the target blocks
-            // until their layer's event fired (it waits on it) or the load returned.
-            unsafe {
-                self.b
-                    .load_layerwise_cuda(&c, paged, &ks, &block_ids, ttl, &mut |layer, n, ev| {
-                        Python::with_gil(|py| {
-                            let event = CudaEvent { ev, c: c.clone() };
-                            if let Err(e) = on_layer.call1(py, (layer, n, event)) {
-                                e.print(py);
-                            }
-                        })
-                    })
-            }
-        })
-        .map_err(transfer_err)
+        // A callback that raised may have lost a layer's event (the engine would not wait for
+        // it): nothing of the load counts (the engine recomputes it).
+        let mut raised = false;
+        let n = py
+            .allow_threads(|| {
+                // SAFETY: as in save_layer_cuda; the engine runs nothing on the target blocks
+                // until their layer's event fired (it waits on it) or the load returned.
+                unsafe {
+                    self.b.load_layerwise_cuda(
+                        &c,
+                        paged,
+                        &ks,
+                        &block_ids,
+                        ttl,
+                        &mut |layer, n, ev| {
+                            Python::with_gil(|py| {
+                                let event = CudaEvent { ev, c: c.clone() };
+                                if let Err(e) = on_layer.call1(py, (layer, n, event)) {
+                                    e.print(py);
+                                    raised = true;
+                                }
+                            })
+                        },
+                    )
+                }
+            })
+            .map_err(transfer_err)?;
+        Ok(if raised { 0 } else { n })
     }
 
     /// Copies the longest present prefix of `keys` into the caller's pages (each a list of

@@ -25,9 +25,10 @@ pub(super) struct PinnedArena {
 
 impl Drop for PinnedArena {
     fn drop(&mut self) {
-        if self.reg.is_some() {
-            let _ = self.copier.synchronize();
-            self.reg = None;
+        if self.reg.is_some() && self.copier.synchronize().is_err() {
+            // Copies may still be using the arena: never unregister under them (the store's
+            // arena outlives nothing after this anyway).
+            std::mem::forget(self.reg.take());
         }
     }
 }
@@ -82,7 +83,7 @@ impl Backend {
         after: Option<&CudaEvent>,
     ) -> Result<(), TransferError> {
         if let Some(ev) = after {
-            copier.wait_for(ev)?;
+            copier.wait_for(ev, true)?;
         }
         // Every held slot's layer at once: coalesced 2D copies, queued on one thread.
         self.save_layer_with(s, paged.layers(), layer, &|slots| {
@@ -128,12 +129,13 @@ impl Backend {
                 }
             }
             // Every copy into the slots done before anything reads or commits them.
-            let synced = copier.synchronize();
-            if synced.is_err() {
-                s.failed = true;
+            if let Err(e) = copier.synchronize_saves() {
+                // Copies may still be writing the slots: leak them (never freed for another
+                // block while DMA may reach them); nothing is committed.
+                std::mem::forget(s.take_held());
+                return Err(e.into());
             }
             now += self.commit_held(&mut s)?;
-            synced?;
             if s.rest >= s.keys.len() {
                 return Ok(now);
             }
@@ -198,7 +200,7 @@ impl Backend {
                 on_layer(layer, blocks.len(), ev);
                 Ok(())
             },
-            &mut || Ok(copier.synchronize()?),
+            &mut || Ok(copier.synchronize_loads()?),
         )
     }
 }

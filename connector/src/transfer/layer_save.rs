@@ -47,6 +47,11 @@ pub(super) enum Held {
 }
 
 impl LayerSave {
+    /// Takes the held slots out (the save then holds nothing).
+    pub(super) fn take_held(&mut self) -> Held {
+        std::mem::replace(&mut self.held, Held::Nothing)
+    }
+
     /// Blocks whose slots are held (what the layers are gathered into).
     pub fn held(&self) -> usize {
         match &self.held {
