@@ -175,13 +175,15 @@ class _LayerLoads:
     def _run(self, load_one, transfers) -> None:
         for i, t in enumerate(transfers):
             def on_layer(layer, n, event=None, i=i):
-                with self._cv:
-                    if event is not None:
+                if event is not None:
+                    # Kept first: whatever happens next, the wait finds the layer's event.
+                    with self._cv:
                         self.events[layer].append(event)
-                    self._reached[i] = max(self._reached[i], layer)
-                    self._cv.notify_all()
                 if self._trace:
                     self._trace("loaded", layer)
+                with self._cv:
+                    self._reached[i] = max(self._reached[i], layer)
+                    self._cv.notify_all()
             try:
                 self._failed.update(load_one(t, on_layer))
             except Exception:  # noqa: BLE001 - the blocks are reported failed, never used
@@ -1038,8 +1040,10 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_connector_metadata(connector_metadata)
         # The step's layer-by-layer saves begin here, before the forward pass (vLLM calls
         # start_load_kv after it when the step has no synchronous loads).
-        # A step whose forward pass never reached wait_for_save: its saves commit now.
-        self._finish_step_save()
+        # A step whose forward pass never reached wait_for_save: its saves commit now (on a
+        # GPU, after what its stream queued).
+        if self._step_save is not None:
+            self._finish_step_save(self._record() if self._cuda is not None else None)
         if (self._layerwise and self._writer and self._mover is not None
                 and isinstance(connector_metadata, KvtierMetadata)):
             saves = [t for t in connector_metadata.saves if t.hashes]
