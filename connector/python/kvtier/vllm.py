@@ -372,6 +372,9 @@ class _StepSave:
         c = self._conn
         if c._cuda is not None and after is not None:
             c._cuda.wait_for(after, saves=True)
+        if self.whole and c._cuda is not None:
+            # The layers already queued land before their slots are given back.
+            c._cuda.synchronize()
         stored = 0
         for t, s in zip(self.transfers, self._sessions):
             if s is not None and self.whole:
@@ -939,6 +942,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                 self._store.save_layer_cuda(s, self._cuda, paged, 0, after)
             return self._store.finish_layer_save_cuda(s, self._cuda, paged)
         except Exception:
+            self._cuda.synchronize()  # what was queued lands before the slots go back
             self._store.abort_layer_save(s)
             raise
 

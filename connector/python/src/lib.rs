@@ -608,7 +608,8 @@ impl Backend {
         })
     }
 
-    /// Gives a layer-by-layer save up: nothing is committed, its slots are freed.
+    /// Gives a layer-by-layer save up: nothing is committed, its slots are freed (after a GPU
+    /// save, call `Cuda.synchronize()` first: queued copies must land before the slots go).
     fn abort_layer_save(&self, py: Python<'_>, save: &LayerSave) -> PyResult<()> {
         py.allow_threads(|| match save.lock()?.take() {
             Some(s) => self.b.abort_layer_save(s).map_err(transfer_err),

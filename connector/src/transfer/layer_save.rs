@@ -370,7 +370,8 @@ impl Backend {
         }
     }
 
-    /// Gives a layer-by-layer save up: its reservations are freed, nothing is committed.
+    /// Gives a layer-by-layer save up: its reservations are freed, nothing is committed. (GPU
+    /// copies queued into its slots must have completed first: synchronize the copier.)
     pub fn abort_layer_save(&self, mut s: LayerSave) -> Result<(), TransferError> {
         let held = std::mem::replace(&mut s.held, Held::Nothing);
         self.abort_held(held)
