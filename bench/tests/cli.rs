@@ -417,8 +417,10 @@ fn connector_bench_both_modes() {
         [
             "save 256 tokens, embedded",
             "load 256 tokens, embedded",
+            "save 256 tokens layer by layer, embedded",
             "save 256 tokens, kvtierd",
-            "load 256 tokens, kvtierd"
+            "load 256 tokens, kvtierd",
+            "save 256 tokens layer by layer, kvtierd",
         ]
     );
     for r in rows {
