@@ -261,6 +261,7 @@ pub struct IpcClient {
     pending: std::collections::HashMap<u64, Pending>,
     max_reserve_bytes: u64,
     max_keys: usize,
+    reservation_ttl: std::time::Duration,
     /// Set when the stream lost sync (timeout, I/O error, mismatched reply): every later call
     /// fails instead of reading someone else's reply.
     broken: Option<String>,
@@ -366,6 +367,11 @@ impl IpcClient {
             } else {
                 h.max_keys as usize
             },
+            reservation_ttl: std::time::Duration::from_millis(if h.reservation_ttl_ms == 0 {
+                60_000
+            } else {
+                h.reservation_ttl_ms
+            }),
             broken: None,
         })
     }
@@ -379,6 +385,12 @@ impl IpcClient {
     /// Most keys one request may carry.
     pub fn max_keys(&self) -> usize {
         self.max_keys
+    }
+
+    /// How long the daemon keeps an uncommitted reservation (after that its slot may be given
+    /// to another client: never write into it then).
+    pub fn reservation_ttl(&self) -> std::time::Duration {
+        self.reservation_ttl
     }
 
     /// The tenant the daemon placed this connection in ("" in shared isolation).

@@ -117,7 +117,7 @@ fn demote_and_promote_roundtrip() {
         assert!(st.demotions >= 200 - 64, "{st:?}");
         let keys: Vec<BlockKey> = (0..200).map(key).collect();
         let m = store.match_prefix(&keys);
-        assert_eq!(m.n, 200);
+        assert_eq!(m.n, 200, "{engine:?}: {:?}", store.stats());
         assert!(m.tiers.contains(&Tier::Disk) && m.tiers.contains(&Tier::Host));
         assert_eq!(check_all(&store, 200), 200);
         let st = store.stats();

@@ -387,6 +387,7 @@ impl<'d> Conn<'d> {
                         max_reserve_bytes: self.reserve_quota(),
                         max_keys: self.d.cfg.server.max_keys,
                         tenant: tenant.clone(),
+                        reservation_ttl_ms: self.d.cfg.server.reservation_ttl_ms,
                     })),
                 };
                 let mut frame = Vec::new();

@@ -576,3 +576,44 @@ fn a_layerwise_save_through_the_sidecar_commits_whole_blocks() {
     assert_eq!(b.save(ns, &ps, &more, &mids).unwrap(), 2);
     drop(d);
 }
+
+/// A layer-by-layer save that outlives half the daemon's reservation TTL gives its slots up
+/// (after the TTL the daemon hands them to others) and saves its blocks whole at the finish:
+/// all stored, byte-exact.
+#[test]
+fn a_layerwise_save_past_half_the_reservation_ttl_is_redone_whole() {
+    use kvtier_connector::Backend;
+    let d = Kvtierd::start(
+        "layer-save-ttl",
+        &["--set", "server.reservation_ttl_ms=400"],
+        true,
+    );
+    let b = Backend::sidecar_as(&d.socket, "layer-save-ttl", "");
+    let ns = b.register_namespace(&namespace()).unwrap();
+    let (layers, blocks, inner) = (2, 8, 1024);
+    let mut src = kv_tensors(3, layers, blocks, inner);
+    let ps = kv_paged(&mut src, blocks, inner);
+    let keys: Vec<BlockKey> = (200..204).map(key).collect();
+    let ids: Vec<Vec<usize>> = (0..4).map(|i| vec![i]).collect();
+    let mut s = b.begin_layer_save(ns, &ps, &keys, &ids, &[]).unwrap();
+    assert_eq!(s.held(), 4);
+    b.save_layer(&mut s, &ps, 0).unwrap();
+    std::thread::sleep(Duration::from_millis(250));
+    b.save_layer(&mut s, &ps, 1).unwrap();
+    assert_eq!(s.held(), 0, "the late save kept its slots");
+    assert_eq!(b.finish_layer_save(s, &ps).unwrap(), 4);
+    let mut dst = kv_tensors(4, layers, blocks, inner);
+    let pd = kv_paged(&mut dst, blocks, inner);
+    let into: Vec<Vec<usize>> = (0..4).map(|i| vec![7 - i]).collect();
+    assert_eq!(
+        b.load(&pd, &keys, &into, Duration::from_secs(10)).unwrap(),
+        4
+    );
+    for i in 0..4 {
+        let mut a = vec![0u8; ps.block_bytes()];
+        let mut c = vec![0u8; pd.block_bytes()];
+        ps.gather(&ids[i], &mut a).unwrap();
+        pd.gather(&into[i], &mut c).unwrap();
+        assert!(a == c, "block {i} differs");
+    }
+}

@@ -83,24 +83,25 @@ def spec(t):
             t.itemsize)
 
 
-def worker(store, layerwise=True, seed=0):
-    """A worker-side connector as register_kv_caches leaves it, with the stand-ins."""
+def worker(store, layerwise=True, seed=0, gpu=True):
+    """A worker-side connector as register_kv_caches leaves it, with the stand-ins (``gpu``
+    false: the CPU path, the real store's transfers only)."""
     c = object.__new__(KvtierConnector)
     cuda = FakeCuda()
     rng = np.random.default_rng(seed)
     c._caches = [rng.standard_normal((NB, 2, BS, 64)).astype(np.float32) for _ in range(LAYERS)]
     c._paged = kvtier.PagedKv([spec(t) for t in c._caches])
-    c._store = GpuStandIn(store, cuda.log)
+    c._store = GpuStandIn(store, cuda.log) if gpu else store
     c._ns_enc, c._fp = namespace("test/gpu-order", None, "auto", BS)
     c._ns = store.register_namespace(c._ns_enc)
-    c._cuda, c._device = cuda, None
+    c._cuda, c._device = (cuda if gpu else None), None
     c._stream = lambda: STREAM
     c._layerwise, c._writer, c._hybrid, c._groups = layerwise, True, False, []
     c._layer_index = {f"layer{i}": i for i in range(LAYERS)}
     c._layer_trace_path = None
     c._lease_ms = 30_000
     c._failed, c._save_reqs, c._finishing = set(), set(), set()
-    c._layer_loads, c._step_save = None, None
+    c._layer_loads, c._step_save, c._tainted = None, None, set()
     c._connector_metadata = None
     c._mover = _Mover(c._load, c._save)
     return c, cuda.log
@@ -209,3 +210,36 @@ def test_layerwise_loads_make_the_stream_wait_per_layer():
     assert waits == [("stream_waits", f"load-layer{layer}", STREAM) for layer in range(LAYERS)]
     for layer in range(LAYERS):
         assert log.index(("load_layer", layer)) < log.index(waits[layer])
+
+
+def test_saves_computed_over_a_failed_synchronous_load_are_never_committed():
+    """A synchronous load that fails (here: the block is not in the store) leaves stale KV in
+    the engine block; the pass computes the request's next blocks over it. vLLM recomputes
+    them, but kvtier must not store them under their keys: the request's saves are dropped
+    until it finishes; it is still reported finished_sending (vLLM delays its free)."""
+    for layerwise in (False, True):
+        store = kvtier.Store(64 << 20, segment_bytes=4 << 20)
+        c, _ = worker(store, layerwise=layerwise, gpu=False)
+        try:
+            bad = _Transfer("bad", hashes(1, salt=5), [1])  # never stored: the load fails
+            good_load = _Transfer("good", [], [])
+            saves = [_Transfer("bad", hashes(2, salt=6), [2, 3]),
+                     _Transfer("good", hashes(1, salt=7), [4])]
+            forward(c, KvtierMetadata(loads=[bad, good_load], saves=saves, async_load=False))
+            assert c.get_block_ids_with_load_errors() == {1}
+            c._mover.wait_saves(["bad", "good"])
+            bad_keys = [kvtier.engine_key(c._fp, h) for h in saves[0].hashes]
+            good_key = kvtier.engine_key(c._fp, saves[1].hashes[0])
+            assert store.match_prefix(bad_keys) == 0, layerwise
+            assert store.get(good_key) == c._paged.gather([4])
+            # A later step's save for the tainted request is dropped too.
+            more = _Transfer("bad", hashes(1, salt=8), [5])
+            forward(c, KvtierMetadata(saves=[more], async_load=False))
+            c._mover.wait_saves(["bad"])
+            assert store.match_prefix([kvtier.engine_key(c._fp, more.hashes[0])]) == 0
+            # Both finish: both reported finished_sending, the taint forgotten.
+            sending, _, _ = c._transfers_done({"bad", "good"})
+            assert sending == {"bad", "good"}
+            assert not c._tainted
+        finally:
+            c._mover.close()

@@ -91,6 +91,10 @@ from .layouts import CANONICAL, describe, kv_view
 
 log = logging.getLogger("kvtier.vllm")
 
+# Layer-by-layer saves whose GPU copies could not be waited for: kept referenced (their slots
+# never given back while DMA may still write them).
+_LEAKED: list[Any] = []
+
 def namespace(model: str, revision: str | None, cache_dtype: str, block_size: int,
               tp_size: int = 1, tp_rank: int = 0,
               layout: str = CANONICAL) -> tuple[bytes, bytes]:
@@ -336,6 +340,9 @@ class _StepSave:
         # writes its KV after the first copy was queued) turns the step into whole saves.
         self.reported: set[int] = set()
         self.whole = False
+        # Requests whose KV this step was computed over a failed load: nothing of theirs is
+        # committed (set at wait_for_save).
+        self.skip: set[str] = set()
 
     def begin(self) -> None:
         c = self._conn
@@ -372,11 +379,19 @@ class _StepSave:
         c = self._conn
         if c._cuda is not None and after is not None:
             c._cuda.wait_for(after, saves=True)
-        if self.whole and c._cuda is not None:
+        if (self.whole or self.skip) and c._cuda is not None:
             # The layers already queued land before their slots are given back.
-            c._cuda.synchronize()
+            try:
+                c._cuda.synchronize()
+            except Exception:
+                _LEAKED.extend(s for s in self._sessions if s is not None)
+                raise
         stored = 0
         for t, s in zip(self.transfers, self._sessions):
+            if t.req_id in self.skip:
+                if s is not None:
+                    c._store.abort_layer_save(s)
+                continue
             if s is not None and self.whole:
                 c._store.abort_layer_save(s)
                 s = None
@@ -552,6 +567,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._layer_index: dict[str, int] = {}
         self._layer_loads: _LayerLoads | None = None
         self._step_save: _StepSave | None = None
+        # Requests whose synchronous load failed: the pass computed their KV over blocks that
+        # were not loaded, so none of their saves is committed until they finish.
+        self._tainted: set[str] = set()
         # GPU KV caches: kvtier's copier (its own stream in the device's primary context).
         self._cuda: Cuda | None = None
         self._device = None
@@ -942,7 +960,11 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                 self._store.save_layer_cuda(s, self._cuda, paged, 0, after)
             return self._store.finish_layer_save_cuda(s, self._cuda, paged)
         except Exception:
-            self._cuda.synchronize()  # what was queued lands before the slots go back
+            try:
+                self._cuda.synchronize()  # what was queued lands before the slots go back
+            except Exception:
+                _LEAKED.append(s)
+                raise
             self._store.abort_layer_save(s)
             raise
 
@@ -1123,6 +1145,19 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         # The forward pass is over: the step's layer-wise loads are all in.
         self._finish_layer_loads()
         meta = self._get_connector_metadata()
+        # A synchronous load that failed: vLLM recomputes from the failed block, but this
+        # pass already computed (and would save) the blocks after it over stale KV.
+        failed = self._failed
+        for t in meta.loads:
+            if not meta.async_load and failed.intersection(t.block_ids):
+                if t.req_id not in self._tainted:
+                    log.warning("kvtier: a load for %s failed: its saves are dropped until it "
+                                "finishes (computed over blocks that were not loaded)",
+                                t.req_id)
+                self._tainted.add(t.req_id)
+        if self._step_save is not None:
+            self._step_save.skip = {t.req_id for t in self._step_save.transfers
+                                    if t.req_id in self._tainted}
         layered = self._step_save is not None
         after = None
         if self._cuda is not None and meta.saves:
@@ -1136,7 +1171,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             # that does not write (MLA, rank > 0) has nothing to queue.
             if t.hashes:
                 self._save_reqs.add(t.req_id)
-                if self._writer and not layered:
+                if self._writer and not layered and t.req_id not in self._tainted:
                     self._mover.submit_save(t)
         if self._hybrid and meta.saves and any(g.window for g in self._groups):
             # A sliding-window block that leaves the window is freed at the next step and may
@@ -1159,6 +1194,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             else:
                 # Reported in this step's get_block_ids_with_load_errors, before it runs.
                 self._failed.update(failed)
+        self._tainted -= set(finished_req_ids)
         self._finishing |= set(finished_req_ids) & self._save_reqs
         sending = {r for r in self._finishing if not self._mover.saving(r)}
         self._finishing -= sending

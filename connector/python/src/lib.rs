@@ -928,7 +928,10 @@ impl Sidecar {
         slf: PyRef<'_, Self>,
         py: Python<'py>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let s = slf.as_super().b.sidecar_stats().unwrap_or_default();
+        // Without the GIL: a layer-by-layer load holds the connection while it calls back into
+        // Python for each layer.
+        let b = &slf.as_super().b;
+        let s = py.allow_threads(|| b.sidecar_stats().unwrap_or_default());
         let d = PyDict::new(py);
         d.set_item("outages", s.outages)?;
         d.set_item("missed_calls", s.missed_calls)?;

@@ -82,6 +82,10 @@ impl Backend {
         layer: usize,
         after: Option<&CudaEvent>,
     ) -> Result<(), TransferError> {
+        if s.is_late() {
+            // Its slots are about to be given up: the copies queued into them land first.
+            copier.synchronize_saves()?;
+        }
         if let Some(ev) = after {
             copier.wait_for(ev, true)?;
         }

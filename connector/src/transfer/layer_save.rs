@@ -4,6 +4,8 @@
 //! missing. (On a GPU the per-layer copies are what overlaps the forward pass; on a CPU they
 //! run on a thread beside it.)
 
+use std::time::Instant;
+
 use kvstore::{BlockKey, NsId, Reservation, Reserve, StoreError};
 use kvtier_ipc::SlotStatus;
 
@@ -34,13 +36,20 @@ pub struct LayerSave {
     pub(super) failed: bool,
 }
 
+/// Sidecar slots are written only until half the daemon's reservation TTL has passed (after
+/// the TTL the daemon gives them to others); a save still open then is redone whole.
+fn write_deadline(ttl: std::time::Duration) -> Instant {
+    Instant::now() + ttl / 2
+}
+
 pub(super) enum Held {
     /// The store's reservations, with their key index.
     Embedded(Vec<(usize, Reservation)>),
-    /// Tokens of connection `conn`, with their key index.
+    /// Tokens of connection `conn`, with their key index, writable until `until`.
     Sidecar {
         conn: u64,
         tokens: Vec<(usize, u64)>,
+        until: Instant,
     },
     /// Nothing held (the daemon was away, or its connection was lost meanwhile).
     Nothing,
@@ -59,6 +68,11 @@ impl LayerSave {
             Held::Sidecar { tokens, .. } => tokens.len(),
             Held::Nothing => 0,
         }
+    }
+
+    /// Whether its sidecar slots are past their write deadline (the next call gives them up).
+    pub(super) fn is_late(&self) -> bool {
+        matches!(&self.held, Held::Sidecar { until, .. } if Instant::now() >= *until)
     }
 
     /// Layers gathered so far.
@@ -121,6 +135,7 @@ impl Backend {
                     .collect::<Result<Vec<u32>, _>>()?;
                 let got = side.call(|c, map| {
                     let conn = map.connection();
+                    let until = write_deadline(c.reservation_ttl());
                     let dns = map.get(c, ns)?;
                     // One reservation, within what the daemon lets a connection hold.
                     let limit = c.max_reserve_bytes().max(1);
@@ -137,11 +152,11 @@ impl Backend {
                     } else {
                         c.reserve(dns, &keys[..end], &lens32[..end])?
                     };
-                    Ok((conn, end, slots))
+                    Ok((conn, until, end, slots))
                 })?;
                 match got {
                     None => Held::Nothing,
-                    Some((conn, end, slots)) => {
+                    Some((conn, until, end, slots)) => {
                         rest = end;
                         let mut tokens = Vec::new();
                         for (i, s) in slots.iter().enumerate().take(end) {
@@ -154,7 +169,11 @@ impl Backend {
                                 SlotStatus::NoSpace => Stored::NoRoom,
                             };
                         }
-                        Held::Sidecar { conn, tokens }
+                        Held::Sidecar {
+                            conn,
+                            tokens,
+                            until,
+                        }
                     }
                 }
             }
@@ -211,6 +230,7 @@ impl Backend {
         if s.gathered[layer] || s.failed {
             return Ok(());
         }
+        self.redo_if_late(s)?;
         let ids = &s.block_ids;
         // Ok(false): the sidecar connection (and with it the reservations) is gone.
         let r = match &mut s.held {
@@ -222,7 +242,7 @@ impl Backend {
                     .collect();
                 copy(&mut v).map(|()| true)
             }
-            Held::Sidecar { conn, tokens } => {
+            Held::Sidecar { conn, tokens, .. } => {
                 let Kind::Sidecar(side) = &self.kind else {
                     return Err(TransferError::Input(
                         "a sidecar save on an embedded store".into(),
@@ -303,6 +323,7 @@ impl Backend {
             ));
         }
         debug_assert!(s.gathered.iter().all(|g| *g), "a layer is missing");
+        self.redo_if_late(s)?;
         let held = std::mem::replace(&mut s.held, Held::Nothing);
         match held {
             Held::Nothing => {
@@ -324,7 +345,7 @@ impl Backend {
                     }
                 }
             }
-            Held::Sidecar { conn, tokens } => {
+            Held::Sidecar { conn, tokens, .. } => {
                 let Kind::Sidecar(side) = &self.kind else {
                     return Err(TransferError::Input(
                         "a sidecar save on an embedded store".into(),
@@ -356,10 +377,31 @@ impl Backend {
             .count())
     }
 
+    /// A sidecar save whose slots are past their write deadline gives them up (they may soon
+    /// be another client's) and is redone whole by the finish: every key from the first.
+    fn redo_if_late(&self, s: &mut LayerSave) -> Result<(), TransferError> {
+        if s.is_late() {
+            tracing::warn!(
+                blocks = s.held(),
+                "kvtier: a layer-by-layer save outlived half the daemon's reservation TTL: its \
+                 slots are given up and the blocks saved whole at the finish"
+            );
+            let held = std::mem::replace(&mut s.held, Held::Nothing);
+            for o in s.out[..s.rest].iter_mut() {
+                if *o == Stored::Now {
+                    *o = Stored::NoRoom;
+                }
+            }
+            s.rest = 0;
+            self.abort_held(held)?;
+        }
+        Ok(())
+    }
+
     fn abort_held(&self, held: Held) -> Result<(), TransferError> {
         match held {
             Held::Nothing | Held::Embedded(_) => Ok(()),
-            Held::Sidecar { conn, tokens } => {
+            Held::Sidecar { conn, tokens, .. } => {
                 let Kind::Sidecar(side) = &self.kind else {
                     return Ok(());
                 };
