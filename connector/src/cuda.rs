@@ -107,21 +107,6 @@ impl CudaCopier {
         Ok(last?)
     }
 
-    /// Makes later copies wait for the work queued so far on the engine's stream (a raw
-    /// `CUstream`, e.g. `torch.cuda.current_stream().cuda_stream`), without blocking the host.
-    ///
-    /// # Safety
-    /// `engine_stream` must be a live stream of this copier's context (0 = the legacy default).
-    pub unsafe fn order_after(&self, engine_stream: usize) -> Result<(), CudaCopyError> {
-        self.ctx.bind_to_thread()?;
-        let ev = self.ctx.new_event(None)?;
-        // SAFETY: the event is live (owned above); the stream is the caller's (contract).
-        unsafe { sys::cuEventRecord(ev.cu_event(), engine_stream as sys::CUstream) }.result()?;
-        self.saves.wait(&ev)?;
-        self.loads.wait(&ev)?;
-        Ok(())
-    }
-
     fn submit(&self, pieces: &[Piece], dir: Dir) -> Result<(), CudaCopyError> {
         self.ctx.bind_to_thread()?;
         let stream = self.stream_for(matches!(dir, Dir::DeviceToHost(_)));
@@ -185,27 +170,10 @@ impl CudaCopier {
         ids: &[usize],
         dst: &mut [u8],
     ) -> Result<(), CudaCopyError> {
-        // SAFETY: the caller's contract; `dst` is exactly its length.
-        unsafe { self.gather_layers(paged, ids, dst.as_mut_ptr(), dst.len(), 0..paged.layers()) }
-    }
-
-    /// Queues the copy of layers `layers` of engine blocks `ids` (device) into their place in
-    /// the `len` bytes at `dst` (host, the blocks' whole canonical form).
-    ///
-    /// # Safety
-    /// As [`CudaCopier::gather`], for the `len` bytes at `dst`.
-    pub unsafe fn gather_layers(
-        &self,
-        paged: &PagedKv,
-        ids: &[usize],
-        dst: *mut u8,
-        len: usize,
-        layers: Range<usize>,
-    ) -> Result<(), CudaCopyError> {
-        check_len(paged, ids, len)?;
+        check_len(paged, ids, dst.len())?;
         self.submit(
-            &paged.pieces_of_layers(ids, layers, self.max_pitch)?,
-            Dir::DeviceToHost(dst),
+            &paged.pieces(ids, self.max_pitch)?,
+            Dir::DeviceToHost(dst.as_mut_ptr()),
         )
     }
 
@@ -219,27 +187,10 @@ impl CudaCopier {
         ids: &[usize],
         src: &[u8],
     ) -> Result<(), CudaCopyError> {
-        // SAFETY: the caller's contract; `src` is exactly its length.
-        unsafe { self.scatter_layers(paged, ids, src.as_ptr(), src.len(), 0..paged.layers()) }
-    }
-
-    /// Queues the copy of layers `layers` of the `len` bytes at `src` (host, the blocks' whole
-    /// canonical form) into engine blocks `ids` (device).
-    ///
-    /// # Safety
-    /// As [`CudaCopier::scatter`], for the `len` bytes at `src`.
-    pub unsafe fn scatter_layers(
-        &self,
-        paged: &PagedKv,
-        ids: &[usize],
-        src: *const u8,
-        len: usize,
-        layers: Range<usize>,
-    ) -> Result<(), CudaCopyError> {
-        check_len(paged, ids, len)?;
+        check_len(paged, ids, src.len())?;
         self.submit(
-            &paged.pieces_of_layers(ids, layers, self.max_pitch)?,
-            Dir::HostToDevice(src),
+            &paged.pieces(ids, self.max_pitch)?,
+            Dir::HostToDevice(src.as_ptr()),
         )
     }
 
@@ -365,7 +316,6 @@ impl CudaCopier {
         Ok(Registered {
             ctx: self.ctx.clone(),
             ptr: ptr as usize,
-            len,
         })
     }
 
@@ -400,19 +350,6 @@ fn check_len(paged: &PagedKv, ids: &[usize], len: usize) -> Result<(), CudaCopyE
 pub struct Registered {
     ctx: Arc<CudaContext>,
     ptr: usize,
-    len: usize,
-}
-
-impl Registered {
-    /// Bytes registered.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether nothing is registered (never: a registration has bytes).
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
 }
 
 impl Drop for Registered {

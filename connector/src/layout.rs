@@ -270,15 +270,16 @@ impl PagedKv {
         self.plans.len()
     }
 
-    /// Copies layer `layer` of `src` (canonical form of engine blocks `ids`, every layer) into
-    /// that layer's tensor only: what a layer-by-layer load moves before the layer runs.
-    pub fn scatter_layer(
+    /// Calls `f(engine address, offset in the canonical form, bytes)` for every contiguous run
+    /// of layer `layer` of engine blocks `ids`, whose canonical form is `len` bytes.
+    fn layer_runs(
         &self,
         ids: &[usize],
-        src: &[u8],
+        len: usize,
         layer: usize,
+        f: &mut dyn FnMut(usize, usize, usize),
     ) -> Result<(), LayoutError> {
-        self.check(ids, src.len())?;
+        self.check(ids, len)?;
         let Some(p) = self.plans.get(layer) else {
             return Err(LayoutError::Mismatch {
                 layer,
@@ -289,15 +290,28 @@ impl PagedKv {
         for (k, &id) in ids.iter().enumerate() {
             let mut at = k * self.block_bytes + before;
             let base = p.ptr as isize + id as isize * p.block_stride;
-            walk(p, base, &mut |dst, len| {
-                // SAFETY: as in scatter: within the layer tensor, which nobody else reads or
-                // writes during the copy (PagedKv::new's contract).
-                let to = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len) };
-                to.copy_from_slice(&src[at..at + len]);
-                at += len;
+            walk(p, base, &mut |addr, run| {
+                f(addr, at, run);
+                at += run;
             });
         }
         Ok(())
+    }
+
+    /// Copies layer `layer` of `src` (canonical form of engine blocks `ids`, every layer) into
+    /// that layer's tensor only: what a layer-by-layer load moves before the layer runs.
+    pub fn scatter_layer(
+        &self,
+        ids: &[usize],
+        src: &[u8],
+        layer: usize,
+    ) -> Result<(), LayoutError> {
+        self.layer_runs(ids, src.len(), layer, &mut |dst, at, len| {
+            // SAFETY: as in scatter: within the layer tensor, which nobody else reads or writes
+            // during the copy (PagedKv::new's contract).
+            let to = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len) };
+            to.copy_from_slice(&src[at..at + len]);
+        })
     }
 
     /// Copies layer `layer` of engine blocks `ids` into its place in `dst` (their canonical
@@ -309,26 +323,13 @@ impl PagedKv {
         dst: &mut [u8],
         layer: usize,
     ) -> Result<(), LayoutError> {
-        self.check(ids, dst.len())?;
-        let Some(p) = self.plans.get(layer) else {
-            return Err(LayoutError::Mismatch {
-                layer,
-                what: "layer index",
-            });
-        };
-        let before: usize = self.plans[..layer].iter().map(|q| q.bytes).sum();
-        for (k, &id) in ids.iter().enumerate() {
-            let mut at = k * self.block_bytes + before;
-            let base = p.ptr as isize + id as isize * p.block_stride;
-            walk(p, base, &mut |src, len| {
-                // SAFETY: as in gather: within the layer tensor, which nobody writes during
-                // the copy (PagedKv::new's contract); `dst` is a separate buffer.
-                let from = unsafe { std::slice::from_raw_parts(src as *const u8, len) };
-                kvstore::copy_nt(&mut dst[at..at + len], from);
-                at += len;
-            });
-        }
-        Ok(())
+        let len = dst.len();
+        self.layer_runs(ids, len, layer, &mut |src, at, run| {
+            // SAFETY: as in gather: within the layer tensor, which nobody writes during the
+            // copy (PagedKv::new's contract); `dst` is a separate buffer.
+            let from = unsafe { std::slice::from_raw_parts(src as *const u8, run) };
+            kvstore::copy_nt(&mut dst[at..at + run], from);
+        })
     }
 
     /// Copies `src` (canonical form of engine blocks `ids`) into the engine's tensors.

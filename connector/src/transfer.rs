@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use kvstore::{BlockKey, LeaseId, Namespace, NsId, Reserve, Store, StoreError};
+use kvstore::{BlockKey, LeaseId, Namespace, NsId, Reservation, Reserve, Store, StoreError};
 use kvtier_ipc::{IpcClient, IpcError, SlotStatus};
 
 use crate::copies::Copies;
@@ -87,6 +87,93 @@ fn check_pairs(keys: &[BlockKey], block_ids: &[Vec<usize>]) -> Result<(), Transf
         ));
     }
     Ok(())
+}
+
+/// Checks a save's arguments (every engine block id before anything is reserved); returns
+/// each key's block length.
+fn save_lens(
+    paged: &PagedKv,
+    keys: &[BlockKey],
+    block_ids: &[Vec<usize>],
+    engine_hashes: &[Vec<u8>],
+) -> Result<Vec<usize>, TransferError> {
+    check_pairs(keys, block_ids)?;
+    if !engine_hashes.is_empty() && engine_hashes.len() != keys.len() {
+        return Err(TransferError::Input(format!(
+            "{} keys but {} engine hashes",
+            keys.len(),
+            engine_hashes.len()
+        )));
+    }
+    for ids in block_ids {
+        paged.check_ids(ids)?;
+    }
+    let bb = paged.block_bytes();
+    Ok(block_ids.iter().map(|ids| ids.len() * bb).collect())
+}
+
+/// Block lengths as the engine protocol carries them.
+fn lens_u32(lens: &[usize]) -> Result<Vec<u32>, TransferError> {
+    lens.iter()
+        .map(|&l| u32::try_from(l).map_err(|_| TransferError::Input(format!("a {l}-byte block"))))
+        .collect()
+}
+
+/// Reserves the embedded store's slots for keys `range`: each key's outcome into `out`; the
+/// slots taken, with their key index.
+fn reserve_embedded(
+    s: &Store,
+    ns: NsId,
+    keys: &[BlockKey],
+    lens: &[usize],
+    range: std::ops::Range<usize>,
+    out: &mut [Stored],
+) -> Result<Vec<(usize, Reservation)>, TransferError> {
+    let mut slots = Vec::new();
+    for i in range {
+        out[i] = match s.reserve(ns, keys[i], lens[i]) {
+            Ok(Reserve::Slot(r)) => {
+                slots.push((i, r));
+                Stored::Now
+            }
+            Ok(Reserve::AlreadyPresent | Reserve::InFlight) => Stored::Already,
+            Err(StoreError::NoSpace { .. }) => Stored::NoRoom,
+            Err(e) => return Err(e.into()),
+        };
+    }
+    Ok(slots)
+}
+
+/// The end of the sidecar reservation round that starts at key `at`: as many keys as one
+/// request carries and the connection may hold reserved (at least one: a block larger than
+/// the limit goes alone, and is refused by the daemon as a clear error).
+fn round_end(c: &IpcClient, at: usize, lens32: &[u32]) -> usize {
+    let limit = c.max_reserve_bytes().max(1);
+    let mut end = at + 1;
+    let mut bytes = u64::from(lens32[at]);
+    while end < lens32.len() && end - at < c.max_keys() && bytes + u64::from(lens32[end]) <= limit {
+        bytes += u64::from(lens32[end]);
+        end += 1;
+    }
+    end
+}
+
+/// Records the daemon's answer to a reservation of keys `at..`: each key's outcome into `out`;
+/// the slots granted, as `(key index, token)`.
+fn granted(slots: &[SlotStatus], at: usize, out: &mut [Stored]) -> Vec<(usize, u64)> {
+    let mut tokens = Vec::with_capacity(slots.len());
+    for (j, s) in slots.iter().enumerate() {
+        let i = at + j;
+        out[i] = match *s {
+            SlotStatus::Slot { token, .. } => {
+                tokens.push((i, token));
+                Stored::Now
+            }
+            SlotStatus::Present | SlotStatus::InFlight => Stored::Already,
+            SlotStatus::NoSpace => Stored::NoRoom,
+        };
+    }
+    tokens
 }
 
 /// How one block gets its bytes into a slot: returns the xxh3-64 of what it wrote. Called for
@@ -361,20 +448,7 @@ impl Backend {
         block_ids: &[Vec<usize>],
         engine_hashes: &[Vec<u8>],
     ) -> Result<usize, TransferError> {
-        check_pairs(keys, block_ids)?;
-        if !engine_hashes.is_empty() && engine_hashes.len() != keys.len() {
-            return Err(TransferError::Input(format!(
-                "{} keys but {} engine hashes",
-                keys.len(),
-                engine_hashes.len()
-            )));
-        }
-        // Every id checked before anything is reserved.
-        for ids in block_ids {
-            paged.check_ids(ids)?;
-        }
-        let bb = paged.block_bytes();
-        let lens: Vec<usize> = block_ids.iter().map(|ids| ids.len() * bb).collect();
+        let lens = save_lens(paged, keys, block_ids, engine_hashes)?;
         let fill = |i: usize, slot: &mut [u8]| -> Result<u64, TransferError> {
             Ok(paged.gather_hashed(&block_ids[i], slot)?)
         };
@@ -499,18 +573,7 @@ impl Backend {
                 while at < keys.len() {
                     let end = (at + EMBEDDED_CHUNK).min(keys.len());
                     // Reserve a round of slots, fill them in parallel, commit them.
-                    let mut slots = Vec::new();
-                    for i in at..end {
-                        out[i] = match s.reserve(ns, keys[i], lens[i]) {
-                            Ok(Reserve::Slot(r)) => {
-                                slots.push((i, r));
-                                Stored::Now
-                            }
-                            Ok(Reserve::AlreadyPresent | Reserve::InFlight) => Stored::Already,
-                            Err(StoreError::NoSpace { .. }) => Stored::NoRoom,
-                            Err(e) => return Err(e.into()),
-                        };
-                    }
+                    let mut slots = reserve_embedded(s, ns, keys, lens, at..end, &mut out)?;
                     let sizes: Vec<usize> = slots.iter().map(|(i, _)| lens[*i]).collect();
                     let sums = self
                         .copies
@@ -526,13 +589,7 @@ impl Backend {
                 }
             }
             Kind::Sidecar(side) => {
-                let lens32 = lens
-                    .iter()
-                    .map(|&l| {
-                        u32::try_from(l)
-                            .map_err(|_| TransferError::Input(format!("a {l}-byte block")))
-                    })
-                    .collect::<Result<Vec<u32>, _>>()?;
+                let lens32 = lens_u32(lens)?;
                 // None: the daemon is unreachable; nothing was stored (a miss, not an error).
                 let saved = side.call(|c, map| {
                     let ns = map.get(c, ns)?;
@@ -827,31 +884,12 @@ fn save_chunks(
     copies: &Copies,
     out: &mut [Stored],
 ) -> Result<(), TransferError> {
-    let limit = c.max_reserve_bytes().max(1);
-    let max_keys = c.max_keys();
     let mut at = 0;
     while at < keys.len() {
-        // Reserve in chunks: the daemon bounds what one connection holds uncommitted (a block
-        // larger than the limit goes alone, and is refused by the daemon as a clear error).
-        let mut end = at + 1;
-        let mut bytes = u64::from(lens32[at]);
-        while end < keys.len() && end - at < max_keys && bytes + u64::from(lens32[end]) <= limit {
-            bytes += u64::from(lens32[end]);
-            end += 1;
-        }
+        // Reserve in rounds: the daemon bounds what one connection holds uncommitted.
+        let end = round_end(c, at, lens32);
         let slots = c.reserve(ns, &keys[at..end], &lens32[at..end])?;
-        let mut tokens = Vec::with_capacity(slots.len());
-        for (j, s) in slots.iter().enumerate() {
-            let i = at + j;
-            out[i] = match *s {
-                SlotStatus::Slot { token, .. } => {
-                    tokens.push((i, token));
-                    Stored::Now
-                }
-                SlotStatus::Present | SlotStatus::InFlight => Stored::Already,
-                SlotStatus::NoSpace => Stored::NoRoom,
-            };
-        }
+        let tokens = granted(&slots, at, out);
         let toks: Vec<u64> = tokens.iter().map(|(_, t)| *t).collect();
         // Every slot of the round filled at once, in parallel when large enough.
         let failed = c.fill_slots_hashed(&toks, |slots| {

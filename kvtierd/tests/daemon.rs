@@ -514,6 +514,29 @@ fn kv_paged(mem: &mut [Vec<u8>], blocks: usize, inner: usize) -> kvtier_connecto
     unsafe { kvtier_connector::PagedKv::new(views).unwrap() }
 }
 
+/// Loads every key into engine blocks `into` of `pd` (checksums verified on the way) and
+/// checks each is byte for byte engine blocks `ids` of `ps`.
+fn loads_back(
+    b: &kvtier_connector::Backend,
+    ps: &kvtier_connector::PagedKv,
+    pd: &kvtier_connector::PagedKv,
+    keys: &[BlockKey],
+    ids: &[Vec<usize>],
+    into: &[Vec<usize>],
+) {
+    assert_eq!(
+        b.load(pd, keys, into, Duration::from_secs(10)).unwrap(),
+        keys.len()
+    );
+    for i in 0..keys.len() {
+        let mut a = vec![0u8; ps.block_bytes()];
+        let mut c = vec![0u8; pd.block_bytes()];
+        ps.gather(&ids[i], &mut a).unwrap();
+        pd.gather(&into[i], &mut c).unwrap();
+        assert!(a == c, "block {i} differs");
+    }
+}
+
 /// A layer-by-layer save through kvtierd: the slots are reserved at the begin (as many as the
 /// connection may hold; the rest are saved whole at the finish), no block is visible before
 /// every layer is in, the blocks load back byte-exact (checksums verified); a save whose
@@ -546,17 +569,7 @@ fn a_layerwise_save_through_the_sidecar_commits_whole_blocks() {
     let mut dst = kv_tensors(2, layers, blocks, inner);
     let pd = kv_paged(&mut dst, blocks, inner);
     let into: Vec<Vec<usize>> = (0..20).map(|i| vec![23 - i]).collect();
-    assert_eq!(
-        b.load(&pd, &keys, &into, Duration::from_secs(10)).unwrap(),
-        20
-    );
-    for i in 0..20 {
-        let mut a = vec![0u8; ps.block_bytes()];
-        let mut c = vec![0u8; pd.block_bytes()];
-        ps.gather(&ids[i], &mut a).unwrap();
-        pd.gather(&into[i], &mut c).unwrap();
-        assert!(a == c, "block {i} differs");
-    }
+    loads_back(&b, &ps, &pd, &keys, &ids, &into);
     // The daemon restarts between the begin and the finish: the reservations went with the
     // connection; the finish stores nothing (no error), and a save afterwards stores them.
     let more: Vec<BlockKey> = (100..102).map(key).collect();
@@ -605,15 +618,5 @@ fn a_layerwise_save_past_half_the_reservation_ttl_is_redone_whole() {
     let mut dst = kv_tensors(4, layers, blocks, inner);
     let pd = kv_paged(&mut dst, blocks, inner);
     let into: Vec<Vec<usize>> = (0..4).map(|i| vec![7 - i]).collect();
-    assert_eq!(
-        b.load(&pd, &keys, &into, Duration::from_secs(10)).unwrap(),
-        4
-    );
-    for i in 0..4 {
-        let mut a = vec![0u8; ps.block_bytes()];
-        let mut c = vec![0u8; pd.block_bytes()];
-        ps.gather(&ids[i], &mut a).unwrap();
-        pd.gather(&into[i], &mut c).unwrap();
-        assert!(a == c, "block {i} differs");
-    }
+    loads_back(&b, &ps, &pd, &keys, &ids, &into);
 }

@@ -270,6 +270,24 @@ impl LayerSave {
             .lock()
             .map_err(|_| PyRuntimeError::new_err("a layer-by-layer save was poisoned by a panic"))
     }
+
+    /// Runs `f` on the save while it is open.
+    fn with_open<R>(
+        &self,
+        f: impl FnOnce(&mut kvtier_connector::LayerSave) -> PyResult<R>,
+    ) -> PyResult<R> {
+        let mut g = self.lock()?;
+        f(g.as_mut().ok_or_else(over)?)
+    }
+
+    /// Ends the save: it is the caller's to finish or abort.
+    fn take(&self) -> PyResult<kvtier_connector::LayerSave> {
+        self.lock()?.take().ok_or_else(over)
+    }
+}
+
+fn over() -> PyErr {
+    PyValueError::new_err("this layer-by-layer save is over")
 }
 
 #[pymethods]
@@ -582,11 +600,7 @@ impl Backend {
     ) -> PyResult<()> {
         let paged = paged.host()?;
         py.allow_threads(|| {
-            let mut g = save.lock()?;
-            let s = g
-                .as_mut()
-                .ok_or_else(|| PyValueError::new_err("this layer-by-layer save is over"))?;
-            self.b.save_layer(s, paged, layer).map_err(transfer_err)
+            save.with_open(|s| self.b.save_layer(s, paged, layer).map_err(transfer_err))
         })
     }
 
@@ -600,11 +614,9 @@ impl Backend {
     ) -> PyResult<usize> {
         let paged = paged.host()?;
         py.allow_threads(|| {
-            let s = save
-                .lock()?
-                .take()
-                .ok_or_else(|| PyValueError::new_err("this layer-by-layer save is over"))?;
-            self.b.finish_layer_save(s, paged).map_err(transfer_err)
+            self.b
+                .finish_layer_save(save.take()?, paged)
+                .map_err(transfer_err)
         })
     }
 
@@ -640,17 +652,16 @@ impl Backend {
     ) -> PyResult<()> {
         let paged = paged.device()?;
         py.allow_threads(|| {
-            let mut g = save.lock()?;
-            let s = g
-                .as_mut()
-                .ok_or_else(|| PyValueError::new_err("this layer-by-layer save is over"))?;
-            // SAFETY: PagedKv's contract (live GPU tensors of this device for its life); vLLM
-            // keeps a request's blocks allocated until its save reported done (delay_free).
-            unsafe {
-                self.b
-                    .save_layer_cuda(s, &cuda.c, paged, layer, after.map(|e| &e.ev))
-            }
-            .map_err(transfer_err)
+            save.with_open(|s| {
+                // SAFETY: PagedKv's contract (live GPU tensors of this device for its life);
+                // vLLM keeps a request's blocks allocated until its save reported done
+                // (delay_free).
+                unsafe {
+                    self.b
+                        .save_layer_cuda(s, &cuda.c, paged, layer, after.map(|e| &e.ev))
+                }
+                .map_err(transfer_err)
+            })
         })
     }
 
@@ -665,10 +676,7 @@ impl Backend {
     ) -> PyResult<usize> {
         let paged = paged.device()?;
         py.allow_threads(|| {
-            let s = save
-                .lock()?
-                .take()
-                .ok_or_else(|| PyValueError::new_err("this layer-by-layer save is over"))?;
+            let s = save.take()?;
             // SAFETY: as in save_layer_cuda.
             unsafe { self.b.finish_layer_save_cuda(s, &cuda.c, paged) }.map_err(transfer_err)
         })

@@ -6,10 +6,12 @@
 
 use std::time::Instant;
 
-use kvstore::{BlockKey, NsId, Reservation, Reserve, StoreError};
-use kvtier_ipc::SlotStatus;
+use kvstore::{BlockKey, NsId, Reservation};
 
-use super::{check_pairs, commit_tokens, Backend, Kind, Stored, TransferError};
+use super::{
+    commit_tokens, granted, lens_u32, reserve_embedded, round_end, save_lens, Backend, Kind,
+    Stored, TransferError,
+};
 use crate::layout::PagedKv;
 
 /// How a layer of every held block gets into its slot: `copy([(engine block ids, slot)])`.
@@ -94,59 +96,30 @@ impl Backend {
         block_ids: &[Vec<usize>],
         engine_hashes: &[Vec<u8>],
     ) -> Result<LayerSave, TransferError> {
-        check_pairs(keys, block_ids)?;
-        if !engine_hashes.is_empty() && engine_hashes.len() != keys.len() {
-            return Err(TransferError::Input(format!(
-                "{} keys but {} engine hashes",
-                keys.len(),
-                engine_hashes.len()
-            )));
-        }
-        for ids in block_ids {
-            paged.check_ids(ids)?;
-        }
-        let bb = paged.block_bytes();
-        let lens: Vec<usize> = block_ids.iter().map(|ids| ids.len() * bb).collect();
+        let lens = save_lens(paged, keys, block_ids, engine_hashes)?;
         let mut out = vec![Stored::NoRoom; keys.len()];
         let mut rest = keys.len();
         let held = match &self.kind {
-            Kind::Embedded(s) => {
-                let mut slots = Vec::new();
-                for i in 0..keys.len() {
-                    out[i] = match s.reserve(ns, keys[i], lens[i]) {
-                        Ok(Reserve::Slot(r)) => {
-                            slots.push((i, r));
-                            Stored::Now
-                        }
-                        Ok(Reserve::AlreadyPresent | Reserve::InFlight) => Stored::Already,
-                        Err(StoreError::NoSpace { .. }) => Stored::NoRoom,
-                        Err(e) => return Err(e.into()),
-                    };
-                }
-                Held::Embedded(slots)
-            }
+            Kind::Embedded(s) => Held::Embedded(reserve_embedded(
+                s,
+                ns,
+                keys,
+                &lens,
+                0..keys.len(),
+                &mut out,
+            )?),
             Kind::Sidecar(side) => {
-                let lens32 = lens
-                    .iter()
-                    .map(|&l| {
-                        u32::try_from(l)
-                            .map_err(|_| TransferError::Input(format!("a {l}-byte block")))
-                    })
-                    .collect::<Result<Vec<u32>, _>>()?;
+                let lens32 = lens_u32(&lens)?;
                 let got = side.call(|c, map| {
                     let conn = map.connection();
                     let until = write_deadline(c.reservation_ttl());
                     let dns = map.get(c, ns)?;
-                    // One reservation, within what the daemon lets a connection hold.
-                    let limit = c.max_reserve_bytes().max(1);
-                    let (mut end, mut bytes) = (0, 0u64);
-                    while end < keys.len()
-                        && end < c.max_keys()
-                        && bytes + u64::from(lens32[end]) <= limit
-                    {
-                        bytes += u64::from(lens32[end]);
-                        end += 1;
-                    }
+                    // One round, within what the daemon lets a connection hold.
+                    let end = if keys.is_empty() {
+                        0
+                    } else {
+                        round_end(c, 0, &lens32)
+                    };
                     let slots = if end == 0 {
                         Vec::new()
                     } else {
@@ -158,20 +131,9 @@ impl Backend {
                     None => Held::Nothing,
                     Some((conn, until, end, slots)) => {
                         rest = end;
-                        let mut tokens = Vec::new();
-                        for (i, s) in slots.iter().enumerate().take(end) {
-                            out[i] = match *s {
-                                SlotStatus::Slot { token, .. } => {
-                                    tokens.push((i, token));
-                                    Stored::Now
-                                }
-                                SlotStatus::Present | SlotStatus::InFlight => Stored::Already,
-                                SlotStatus::NoSpace => Stored::NoRoom,
-                            };
-                        }
                         Held::Sidecar {
                             conn,
-                            tokens,
+                            tokens: granted(&slots[..slots.len().min(end)], 0, &mut out),
                             until,
                         }
                     }
