@@ -59,6 +59,7 @@ pub(super) enum Held {
 
 impl LayerSave {
     /// Takes the held slots out (the save then holds nothing).
+    #[cfg(feature = "cuda")]
     pub(super) fn take_held(&mut self) -> Held {
         std::mem::replace(&mut self.held, Held::Nothing)
     }

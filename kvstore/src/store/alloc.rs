@@ -291,7 +291,6 @@ impl Inner {
                 return false;
             }
             self.stats.admission_rejects.fetch_add(1, Relaxed);
-            self.remember(key);
         }
         if e.copy() == Copy::Demoting {
             return false;

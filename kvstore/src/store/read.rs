@@ -633,6 +633,7 @@ impl Inner {
 
     /// The location and checksum of a block we hold a pin on.
     fn pinned(&self, key: BlockKey, e: &Entry) -> Pinned {
+        self.reference(key);
         let slot = e.slot();
         let (page, checksum) = {
             let mut c = self.classes[slot.class as usize].lock();

@@ -104,6 +104,9 @@ impl Inner {
         if !self.namespace_ok(ns) {
             return Err(StoreError::UnknownNamespace(ns.0));
         }
+        // Every put is a reference (the engine computed the block, or a peer pushed it),
+        // whether the key is present or not.
+        self.reference(key);
         let mk = MapKey::from(key);
         let existing = |e: Option<&Entry>| {
             e.map(|e| {
