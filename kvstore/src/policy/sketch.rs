@@ -43,6 +43,38 @@ impl FrequencySketch {
         self.width() / 4
     }
 
+    /// Widens the sketch to track `capacity` blocks, keeping every estimate: a counter of the
+    /// wider table starts from the one its column folds onto (`col & old_mask`: the columns
+    /// are the same hash bits, masked wider), so no key's estimate drops, as a Count-Min
+    /// sketch must not; the doorkeeper's bits fold the same way. Keys that shared a column keep
+    /// sharing its count until the next halving, so estimates run high for a while: fine for
+    /// the store's seen-twice admission (a one-hit block is rarely put with a hot one's count),
+    /// not for W-TinyLFU's duel, which starts over instead.
+    pub(crate) fn grow(&mut self, capacity: usize) {
+        let capacity = capacity.next_power_of_two().max(64);
+        if capacity <= self.capacity() {
+            return;
+        }
+        let mut wider = Self::new(capacity);
+        let (old_w, new_w) = (self.width(), wider.width());
+        for row in 0..4 {
+            for col in 0..new_w {
+                let c = self.counter(row * old_w + (col & (old_w - 1)));
+                let i = row * new_w + col;
+                wider.table[i / 2] |= c << ((i % 2) * 4);
+            }
+        }
+        let old_bits = 64 * self.door.len();
+        for bit in 0..64 * wider.door.len() {
+            let b = bit & (old_bits - 1);
+            if self.door[b / 64] & (1 << (b % 64)) != 0 {
+                wider.door[bit / 64] |= 1 << (bit % 64);
+            }
+        }
+        wider.additions = self.additions;
+        *self = wider;
+    }
+
     fn width(&self) -> usize {
         self.mask as usize + 1
     }
@@ -139,5 +171,26 @@ mod tests {
         let f = s.frequency(42);
         assert!((7..=8).contains(&f), "after halving: {f}");
         assert_eq!(s.bytes(), 10 * 256, "10 bytes per tracked block");
+    }
+
+    #[test]
+    fn growing_keeps_every_estimate() {
+        let mut s = FrequencySketch::new(64);
+        let keys: Vec<u64> = (0..200u64)
+            .map(|k| k.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+            .collect();
+        for (n, &k) in keys.iter().enumerate() {
+            for _ in 0..n % 5 {
+                s.increment(k);
+            }
+        }
+        let before: Vec<u8> = keys.iter().map(|&k| s.frequency(k)).collect();
+        s.grow(1000);
+        assert_eq!(s.capacity(), 1024);
+        let after: Vec<u8> = keys.iter().map(|&k| s.frequency(k)).collect();
+        assert_eq!(before, after, "folded counters give the same minimum");
+        s.increment(keys[1]);
+        assert!(s.frequency(keys[1]) > before[1]);
+        assert_eq!(s.bytes(), 10 * 1024);
     }
 }

@@ -58,9 +58,9 @@ impl WTinyLfu {
     fn record(&mut self, h: u64, hit: bool) {
         let n = self.lists.total();
         if n > self.sketch.capacity() {
-            // Grown past the sketch: a wider one (the counts start over: carried over, the
-            // folded counts overestimate and the duel turns to noise, Mooncake 10%: 0.359 ->
-            // 0.311 x MIN).
+            // Grown past the sketch: a wider one, the counts start over (carried over with
+            // `grow`, the folded counts run high and the duel turns to noise: Mooncake 10%
+            // 0.359 -> 0.311 x MIN).
             self.sketch = FrequencySketch::new(n);
         }
         self.sketch.increment(h);

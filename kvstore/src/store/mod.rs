@@ -804,7 +804,8 @@ impl Inner {
 
     /// Records one reference of `key` (a put or a load) in the frequency estimate, which is
     /// sized for `FREQ_PER_BLOCK` x as many blocks as the host and disk tiers hold at the host
-    /// tier's present mean block size (at most `FREQ_MAX_BLOCKS`).
+    /// tier's present mean block size (at most `FREQ_MAX_BLOCKS`), growing without losing
+    /// counts.
     pub(crate) fn reference(&self, key: BlockKey) {
         if self.demote_to.is_none() {
             return;
@@ -812,8 +813,9 @@ impl Inner {
         let want = (self.stats.blocks.load(Relaxed) as f64 * self.freq_scale) as usize;
         let mut f = self.freq.lock();
         if want > f.capacity() && f.capacity() < FREQ_MAX_BLOCKS {
-            // Wider, counts start over (as W-TinyLFU's does; only while the tiers fill up).
-            *f = FrequencySketch::new(want.min(FREQ_MAX_BLOCKS));
+            // Wider, counts kept: a block put while the tiers fill up is still known when it
+            // comes back.
+            f.grow(want.min(FREQ_MAX_BLOCKS));
         }
         f.increment(key.0 as u64);
     }

@@ -594,6 +594,16 @@ impl Inner {
                 }
             }
         }
+        // The policy sees the served blocks tail first: at equal recency a parent outlives its
+        // children (evicting a parent would kill their hits), as SGLang's radix cache and
+        // vLLM's block pool evict chain tails first.
+        for p in out.iter().rev() {
+            self.reference(p.key);
+            self.classes[p.slot.class as usize]
+                .lock()
+                .policy
+                .access(p.slot.idx);
+        }
         let served: u64 = out.iter().map(|p| u64::from(p.len)).sum();
         self.stats.hits.fetch_add(out.len() as u64, Relaxed);
         self.stats.bytes_out.fetch_add(served, Relaxed);
@@ -632,12 +642,11 @@ impl Inner {
     }
 
     /// The location and checksum of a block we hold a pin on.
+    /// (The policy learns of the access once the load is done: [`Inner::pin_prefix_in`].)
     fn pinned(&self, key: BlockKey, e: &Entry) -> Pinned {
-        self.reference(key);
         let slot = e.slot();
         let (page, checksum) = {
-            let mut c = self.classes[slot.class as usize].lock();
-            c.policy.access(slot.idx);
+            let c = self.classes[slot.class as usize].lock();
             (
                 c.page_of(slot.idx, self.seg_pages),
                 c.sums[slot.idx as usize],

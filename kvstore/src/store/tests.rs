@@ -364,3 +364,27 @@ fn segments_follow_demand_between_size_classes() {
     let large = (1000..1400).filter(|&i| s.in_host(&k(i))).count();
     assert!(large >= 16, "only {large} large blocks resident");
 }
+
+#[test]
+fn a_loaded_prefix_loses_its_tail_first() {
+    // LRU, 64 slots: a request's three blocks are loaded together (prefix order); at equal
+    // recency the chain's tail is the older, so the parent outlives its children.
+    let (s, n) = small(PolicyKind::Lru);
+    let block = vec![7u8; 60_000];
+    for i in 0..64 {
+        s.put(n, k(i), &block).unwrap();
+    }
+    let chain = [k(0), k(1), k(2)];
+    assert_eq!(s.load(&chain).unwrap().len(), 3);
+    // Everything else is touched later: the chain is now the least recently used.
+    for i in 3..64 {
+        assert!(s.get(&k(i)).is_some());
+    }
+    for (j, gone) in [2u128, 1, 0].into_iter().enumerate() {
+        s.put(n, k(1000 + j as u128), &block).unwrap();
+        assert!(s.get(&k(gone)).is_none(), "block {gone} evicted next");
+        for keep in 0..gone {
+            assert!(s.probe_local(&[k(keep)])[0].is_some(), "parent {keep} kept");
+        }
+    }
+}

@@ -778,20 +778,25 @@ impl Inner {
         outcomes: &[ReadOutcome],
         preload: Option<(Instant, u64)>,
     ) -> Vec<bool> {
+        let read = |i: usize, p: &Promote| match outcomes.get(i) {
+            Some(ReadOutcome::Hit(info)) if info.len == p.len => Some(*info),
+            _ => None,
+        };
+        // Into the policy first (an evictor skips slots not Ready yet), tail first (items are
+        // in prefix order): at equal recency a parent outlives its children. Published (and
+        // announced) in prefix order below.
+        for (i, p) in items.iter().enumerate().rev() {
+            if let Some(info) = read(i, p) {
+                let mut c = self.classes[p.slot.class as usize].lock();
+                c.sums[p.slot.idx as usize] = info.checksum;
+                c.policy.insert(p.slot.idx, p.key.0 as u64);
+            }
+        }
         let mut ok = Vec::with_capacity(items.len());
         for (i, p) in items.iter().enumerate() {
-            let info = match outcomes.get(i) {
-                Some(ReadOutcome::Hit(info)) if info.len == p.len => Some(*info),
-                _ => None,
-            };
             let mk = MapKey::from(p.key);
-            let published = match info {
+            let published = match read(i, p) {
                 Some(info) => {
-                    {
-                        let mut c = self.classes[p.slot.class as usize].lock();
-                        c.sums[p.slot.idx as usize] = info.checksum;
-                        c.policy.insert(p.slot.idx, p.key.0 as u64);
-                    }
                     if let Some((deadline, owner)) = preload {
                         // Recorded before it is visible: a load that finds it preloaded
                         // always finds the hold to release.
