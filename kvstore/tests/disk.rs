@@ -3,6 +3,7 @@
 
 use std::path::Path;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use kvstore::io::fault::{FaultEngine, FaultPlan};
 use kvstore::io::{IoConfig, IoEngine, IoEngineKind};
@@ -555,6 +556,45 @@ fn a_disk_tier_of_an_older_format_starts_empty() {
     drop(store);
     let store = config(d, engine, Admission::Always, false).build().unwrap();
     assert_eq!(store.stats().disk().unwrap().recovered_blocks, 1);
+    drop(store);
+    std::fs::remove_dir_all(d).unwrap();
+}
+
+#[test]
+fn a_hinted_continuation_of_a_present_prefix_is_admitted() {
+    let engine = IoEngineKind::Psync;
+    let tmp = dir("continuation", engine);
+    let d = tmp.path();
+    let mut cfg = config(d, engine, Admission::SeenTwice, false);
+    cfg.policy = PolicyKind::Lru;
+    let store = cfg.build().unwrap();
+    let n = ns(&store);
+    // A conversation's first turn: two blocks, loaded once (so they are kept on disk).
+    for i in 0..2 {
+        store.put(n, key(i), &data(i)).unwrap();
+    }
+    assert_eq!(check_all(&store, 2), 2);
+    // The next turn arrives: the scheduler's hint names the whole prompt.
+    let turn: Vec<BlockKey> = (0..12).map(key).collect();
+    let far = Instant::now() + Duration::from_secs(60);
+    let p = store.prefetch(&turn, 0, far, 1);
+    assert_eq!(p.present, 2);
+    for i in 2..12 {
+        store.put(n, key(i), &data(i)).unwrap();
+    }
+    // Everything leaves host memory.
+    for i in 5000..5200 {
+        store.put(n, key(i), &data(i)).unwrap();
+    }
+    assert!(store.sync(SYNC));
+    let on_disk = |i: u32| store.probe_local(&[key(i)])[0].is_some_and(|(_, t)| t == Tier::Disk);
+    let kept: Vec<u32> = (2..12).filter(|&i| on_disk(i)).collect();
+    assert_eq!(
+        kept,
+        vec![2, 3, 4, 5],
+        "the first blocks after the present prefix"
+    );
+    assert!((0..2).all(|i| store.probe_local(&[key(i)])[0].is_some()));
     drop(store);
     std::fs::remove_dir_all(d).unwrap();
 }

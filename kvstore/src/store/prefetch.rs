@@ -23,6 +23,10 @@
 //!   Held bytes and those in flight together are bounded too (`prefetch_max_held_bytes`, by
 //!   default half the host tier), so hints can never take more host memory than that. Bytes
 //!   held until their deadline unused are counted as wasted.
+//! - A hint whose prefix is cached (partly) tells the store which blocks continue it: the
+//!   first 4 blocks (`CONTINUATION`) after the present prefix count as referenced once in the
+//!   frequency estimate, so seen-twice admission keeps them on disk once the engine saves them
+//!   (a conversation's new turn is the next turn's prefix).
 //! - Per client ([`PrefetchQuota`], [`Store::prefetch_as`]): the bytes one owner's hints hold
 //!   or have in flight, and the keys it has waiting, are bounded by its quota (the daemon gives
 //!   each engine connection its share), so one engine cannot take the preload room of the
@@ -175,6 +179,11 @@ impl Store {
         self.inner.cancel_prefetch(tag)
     }
 }
+
+/// Blocks after a hint's present prefix that count as referenced (the request's continuation).
+/// Chosen on the Mooncake and `chat` replays with hints (2: chat 0.900 x the simulation, 4:
+/// 0.957, 8: 0.976; docqa's disk writes +30%, +40%, +61% against none).
+const CONTINUATION: usize = 4;
 
 /// Most keys of hints waiting for room, all together (16 bytes each).
 pub const PREFETCH_WAITING_KEYS_MAX: usize = 1 << 18;
@@ -356,8 +365,20 @@ impl Inner {
         self.reap_preloads(Instant::now());
         // Hints wait for room in order: behind any already waiting.
         let behind = self.work.hints_waiting();
-        self.walk_hint(keys, priority, deadline, tag, quota, behind, false)
-            .0
+        let out = self
+            .walk_hint(keys, priority, deadline, tag, quota, behind, false)
+            .0;
+        if out.present > 0 {
+            // The request continues a cached prefix: its next blocks (the new turn of a
+            // conversation, the next step of an agent loop) are likely the prefix of the
+            // request after it. They count as referenced once now, so when the engine saves
+            // them (the second reference) seen-twice admission writes them to disk when they
+            // leave host memory.
+            for k in keys.iter().skip(out.present).take(CONTINUATION) {
+                self.reference(*k);
+            }
+        }
+        out
     }
 
     /// A waiting hint's turn (the reader, as room came back): true if it made progress.
