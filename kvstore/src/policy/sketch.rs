@@ -1,7 +1,7 @@
 //! The frequency estimate shared by W-TinyLFU's admission duel and the store's admission into
 //! the disk tier: a Count-Min sketch of 4-bit counters (4 rows) behind a doorkeeper (a bloom
-//! filter that absorbs first references), halved every `10 x capacity` references (aging), as
-//! in Caffeine's `FrequencySketch` and the TinyLFU paper (Einziger, Friedman, Manes, ACM ToS
+//! filter that absorbs first references), halved after `10 x capacity` references and then
+//! every `5 x capacity` (the count restarts from half, aging), as in Caffeine's `FrequencySketch` and the TinyLFU paper (Einziger, Friedman, Manes, ACM ToS
 //! 2017). Sized as Caffeine's: 16 counters per tracked block (4 rows of `4 x capacity`), so the
 //! `10 x capacity` references of a sample leave each counter a few increments, not a saturated
 //! 15; the doorkeeper has 16 bits per tracked block: 10 bytes per tracked block in all.
@@ -56,20 +56,18 @@ impl FrequencySketch {
             return;
         }
         let mut wider = Self::new(capacity);
-        let (old_w, new_w) = (self.width(), wider.width());
+        // Column `c` of a wider row reads the old row's column `c mod old_width`: each wider
+        // row is the old row repeated (two counters per byte, widths even), and the doorkeeper
+        // the old one repeated (its bit count is a multiple of 64).
+        let (old_row, new_row) = (self.width() / 2, wider.width() / 2);
         for row in 0..4 {
-            for col in 0..new_w {
-                let c = self.counter(row * old_w + (col & (old_w - 1)));
-                let i = row * new_w + col;
-                wider.table[i / 2] |= c << ((i % 2) * 4);
+            let old = &self.table[row * old_row..(row + 1) * old_row];
+            for tile in wider.table[row * new_row..(row + 1) * new_row].chunks_exact_mut(old_row) {
+                tile.copy_from_slice(old);
             }
         }
-        let old_bits = 64 * self.door.len();
-        for bit in 0..64 * wider.door.len() {
-            let b = bit & (old_bits - 1);
-            if self.door[b / 64] & (1 << (b % 64)) != 0 {
-                wider.door[bit / 64] |= 1 << (bit % 64);
-            }
+        for tile in wider.door.chunks_exact_mut(self.door.len()) {
+            tile.copy_from_slice(&self.door);
         }
         wider.additions = self.additions;
         *self = wider;

@@ -291,8 +291,8 @@ pub(crate) struct Inner {
     pub(crate) max_leases: usize,
     policy: PolicyKind,
     pub(crate) stats: Counters,
-    /// How often each key was referenced lately (puts and loads): the seen-twice admission
-    /// into the disk tier asks it. Kept only when there is a disk tier.
+    /// How often each key was referenced lately (puts, served loads, hinted continuations):
+    /// the seen-twice admission into the disk tier asks it (fed only for that admission).
     freq: Mutex<FrequencySketch>,
     /// Blocks the estimate tracks per host block: `FREQ_PER_BLOCK` x (host + disk bytes) / host bytes.
     freq_scale: f64,
@@ -802,12 +802,14 @@ impl Inner {
         }
     }
 
-    /// Records one reference of `key` (a put or a load) in the frequency estimate, which is
-    /// sized for `FREQ_PER_BLOCK` x as many blocks as the host and disk tiers hold at the host
+    /// Records one reference of each of `keys` (a put, a served load, a hinted continuation)
+    /// in the frequency estimate; with `only_unseen`, only of keys it has not seen lately. Fed
+    /// only where seen-twice admission asks it (a disk tier, `Admission::SeenTwice`). Sized
+    /// for `FREQ_PER_BLOCK` x as many blocks as the host and disk tiers hold at the host
     /// tier's present mean block size (at most `FREQ_MAX_BLOCKS`), growing without losing
     /// counts.
-    pub(crate) fn reference(&self, key: BlockKey) {
-        if self.demote_to.is_none() {
+    pub(crate) fn reference(&self, keys: impl IntoIterator<Item = BlockKey>, only_unseen: bool) {
+        if self.demote_to.is_none() || self.admission != Admission::SeenTwice {
             return;
         }
         let want = (self.stats.blocks.load(Relaxed) as f64 * self.freq_scale) as usize;
@@ -816,8 +818,21 @@ impl Inner {
             // Wider, counts kept: a block put while the tiers fill up is still known when it
             // comes back.
             f.grow(want.min(FREQ_MAX_BLOCKS));
+            if f.capacity() >= FREQ_MAX_BLOCKS {
+                tracing::info!(
+                    tracked = f.capacity(),
+                    wanted = want,
+                    "the frequency estimate of seen-twice admission is at its size bound: \
+                     with more (smaller) blocks than that, some one-off blocks are admitted"
+                );
+            }
         }
-        f.increment(key.0 as u64);
+        for k in keys {
+            let h = k.0 as u64;
+            if !only_unseen || f.frequency(h) == 0 {
+                f.increment(h);
+            }
+        }
     }
 }
 

@@ -373,10 +373,12 @@ impl Inner {
             // conversation, the next step of an agent loop) are likely the prefix of the
             // request after it. They count as referenced once now, so when the engine saves
             // them (the second reference) seen-twice admission writes them to disk when they
-            // leave host memory.
-            for k in keys.iter().skip(out.present).take(CONTINUATION) {
-                self.reference(*k);
-            }
+            // leave host memory. Only keys not seen lately: a hint alone (however often
+            // repeated) never makes a block look seen twice.
+            self.reference(
+                keys.iter().skip(out.present).take(CONTINUATION).copied(),
+                true,
+            );
         }
         out
     }

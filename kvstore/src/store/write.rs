@@ -100,13 +100,25 @@ impl Inner {
         len: usize,
         deadline: Instant,
     ) -> Result<Reserve, StoreError> {
+        let r = self.reserve_slot(ns, key, len, deadline)?;
+        // A put that got a slot or found the key (present, or being written) is a reference:
+        // the engine computed the block, or a peer pushed it. One refused (no room, bad input)
+        // is not, so a retried save does not make a one-off block look seen twice.
+        self.reference([key], false);
+        Ok(r)
+    }
+
+    fn reserve_slot(
+        self: &Arc<Self>,
+        ns: NsId,
+        key: BlockKey,
+        len: usize,
+        deadline: Instant,
+    ) -> Result<Reserve, StoreError> {
         let class = self.class_for(len)?;
         if !self.namespace_ok(ns) {
             return Err(StoreError::UnknownNamespace(ns.0));
         }
-        // Every put is a reference (the engine computed the block, or a peer pushed it),
-        // whether the key is present or not.
-        self.reference(key);
         let mk = MapKey::from(key);
         let existing = |e: Option<&Entry>| {
             e.map(|e| {
