@@ -2,9 +2,10 @@
 //! the disk tier: a Count-Min sketch of 4-bit counters (4 rows) behind a doorkeeper (a bloom
 //! filter that absorbs first references), halved after `10 x capacity` references and then
 //! every `5 x capacity` (the count restarts from half, aging), as in Caffeine's
-//! `FrequencySketch` and the TinyLFU paper (Einziger, Friedman, Manes, ACM ToS 2017). Sized as Caffeine's: 16 counters per tracked block (4 rows of `4 x capacity`), so the
-//! `10 x capacity` references of a sample leave each counter a few increments, not a saturated
-//! 15; the doorkeeper has 16 bits per tracked block: 10 bytes per tracked block in all.
+//! `FrequencySketch` and the TinyLFU paper (Einziger, Friedman, Manes, ACM ToS 2017). Sized
+//! as Caffeine's: 16 counters per tracked block (4 rows of `4 x capacity`), so the `10 x
+//! capacity` references of a sample leave each counter a few increments, not a saturated 15;
+//! the doorkeeper has 16 bits per tracked block: 10 bytes per tracked block in all.
 
 const SEEDS: [u64; 4] = [
     0x9E37_79B9_7F4A_7C15,
