@@ -11,10 +11,8 @@ use crate::policy::PolicyKind;
 pub enum Admission {
     /// Every block leaving the host tier.
     Always,
-    /// Only blocks seen at least twice: read while in host memory, or referenced twice lately
-    /// by the store's frequency estimate (put again after being dropped, put by two engines,
-    /// or named by a preload hint as the continuation of a cached prefix and then put).
-    /// One-off blocks never cost disk bandwidth.
+    /// Only blocks seen at least twice: read while in host memory, or put again after being
+    /// dropped once without admission. One-off blocks never cost disk bandwidth.
     #[default]
     SeenTwice,
 }

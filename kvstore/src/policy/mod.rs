@@ -11,12 +11,10 @@ use std::collections::{HashMap, VecDeque};
 mod arc;
 mod lists;
 mod sieve;
-mod sketch;
 mod tinylfu;
 
 pub use arc::Arc;
 pub use sieve::Sieve;
-pub(crate) use sketch::FrequencySketch;
 pub use tinylfu::WTinyLfu;
 
 const NIL: u32 = u32::MAX;

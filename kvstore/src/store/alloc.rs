@@ -291,6 +291,7 @@ impl Inner {
                 return false;
             }
             self.stats.admission_rejects.fetch_add(1, Relaxed);
+            self.remember([key]);
         }
         if e.copy() == Copy::Demoting {
             return false;

@@ -6,7 +6,7 @@
 //! `write` (reserve/commit), `read` (lookups and the one load-and-pin path), `remove`,
 //! `tiering` (the worker: demotions, promotions, population of the arena).
 //!
-//! Lock order: a size-class lock, then a shard lock, then leaf locks (segment pool, frequency estimate,
+//! Lock order: a size-class lock, then a shard lock, then leaf locks (segment pool, doorkeeper,
 //! lease table, work queues). No code holds two class locks or two shard locks at once (the
 //! empty-segment step only `try_lock`s other classes), and no store lock is held while calling
 //! into a lower tier. A lower tier may call back into the index (`still_wanted`, under the tier's
@@ -23,7 +23,8 @@ mod slab;
 mod tiering;
 mod write;
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::hash::BuildHasherDefault;
 use std::sync::atomic::{
     AtomicU32, AtomicU64,
     Ordering::{Relaxed, SeqCst},
@@ -39,9 +40,9 @@ use crate::error::{ConfigError, KeyError};
 use crate::events::{BlockEvent, Events};
 use crate::io::IoEngine;
 use crate::key::{BlockKey, Fingerprint, Namespace};
-use crate::policy::{FrequencySketch, PolicyKind};
+use crate::policy::PolicyKind;
 use crate::tier::{LowerTier, TierStats};
-use crate::types::{NsId, Tier};
+use crate::types::{FoldHasher, NsId, Tier};
 
 pub use config::{Populate, StoreConfig};
 pub use prefetch::{Prefetch, PrefetchQuota, PrefetchStats, PREFETCH_WAITING_KEYS_MAX};
@@ -54,16 +55,10 @@ use lease::Leases;
 use slab::Class;
 use tiering::Work;
 
-/// Blocks the frequency estimate tracks per block the host and disk tiers hold. Seen-twice
-/// admission asks about blocks dropped long ago (a prefix recomputed after its blocks left
-/// host memory), so the estimate must remember many more keys than the tiers hold: at 1 per
-/// block, counter collisions admitted one-hit blocks (Mooncake replay 0.381 hits against 0.408
-/// with an exact set of the last 1 M dropped keys); at 8 it matches that set (0.409).
-const FREQ_PER_BLOCK: f64 = 8.0;
-
-/// Most blocks the frequency estimate is sized for (10 bytes each: 40 MiB); enough for 8 per
-/// block of 500,000 stored blocks (a 1 TB disk of 2 MiB blocks).
-const FREQ_MAX_BLOCKS: usize = 1 << 22;
+/// Keys remembered by the seen-twice admission doorkeeper (an exact set: a frequency sketch
+/// of the same memory admitted one-off blocks through its bloom filter's false positives,
+/// 0.7% of 100,000 one-off saves, more once it fills up).
+const DOORKEEPER: usize = 1 << 20;
 
 /// The fingerprint of a freed (reclaimable) namespace id: no namespace hashes to zero.
 const FREE_NS: Fingerprint = Fingerprint(BlockKey(0));
@@ -228,6 +223,12 @@ impl Speed {
     }
 }
 
+#[derive(Default)]
+struct Doorkeeper {
+    order: VecDeque<u64>,
+    set: HashSet<u64, BuildHasherDefault<FoldHasher>>,
+}
+
 /// Wakes whoever waits for the store to change (a slot freed, a block published, a write
 /// done, a segment populated). Waiters re-check their condition; one deadline per request. A
 /// bump with nobody waiting costs one atomic increment.
@@ -291,11 +292,7 @@ pub(crate) struct Inner {
     pub(crate) max_leases: usize,
     policy: PolicyKind,
     pub(crate) stats: Counters,
-    /// How often each key was referenced lately (puts, served loads, hinted continuations):
-    /// the seen-twice admission into the disk tier asks it (fed only for that admission).
-    freq: Mutex<FrequencySketch>,
-    /// Blocks the estimate tracks per host block: `FREQ_PER_BLOCK` x (host + disk bytes) / host bytes.
-    freq_scale: f64,
+    doorkeeper: Mutex<Doorkeeper>,
     pub(crate) events: Arc<Events>,
     pub(crate) admission: Admission,
     pub(crate) write_through: bool,
@@ -365,10 +362,7 @@ impl Store {
         let mut tiers: Vec<Box<dyn LowerTier>> = Vec::new();
         let (mut admission, mut write_through, mut max_batch_bytes) =
             (Admission::Always, false, 256 << 20);
-        let host_bytes = (n_segments * cfg.segment_bytes).max(1) as f64;
-        let mut freq_scale = 1.0;
         if let Some(mut d) = cfg.disk.take() {
-            freq_scale = FREQ_PER_BLOCK * (host_bytes + d.capacity_bytes as f64) / host_bytes;
             d.io.fixed_buffers = vec![(arena.base() as usize, arena.len())];
             // Registering the arena with io_uring faults all of it in: with background
             // population that waits until the populator is done.
@@ -453,8 +447,7 @@ impl Store {
             max_leases: cfg.max_leases,
             policy: cfg.policy,
             stats: Counters::default(),
-            freq: Mutex::new(FrequencySketch::new(1024)),
-            freq_scale,
+            doorkeeper: Mutex::default(),
             events,
             admission,
             write_through,
@@ -788,49 +781,35 @@ impl Inner {
             .is_some_and(|f| *f != FREE_NS)
     }
 
-    /// Whether a block with this key and access history goes to the lower tiers: seen-twice
-    /// admits a block that was loaded while in host memory, or whose key the frequency
-    /// estimate has seen at least twice lately (put again after it was dropped, or put by two
-    /// engines).
+    /// Whether a block with this key and access history goes to the lower tiers.
     pub(crate) fn admitted(&self, key: BlockKey, accessed: bool) -> bool {
         if self.demote_to.is_none() {
             return false;
         }
         match self.admission {
             Admission::Always => true,
-            Admission::SeenTwice => accessed || self.freq.lock().frequency(key.0 as u64) >= 2,
+            Admission::SeenTwice => {
+                accessed || self.doorkeeper.lock().set.contains(&(key.0 as u64))
+            }
         }
     }
 
-    /// Records one reference of each of `keys` (a put, a served load, a hinted continuation)
-    /// in the frequency estimate; with `only_unseen`, only of keys it has not seen lately. Fed
-    /// only where seen-twice admission asks it (a disk tier, `Admission::SeenTwice`). Sized
-    /// for `FREQ_PER_BLOCK` x as many blocks as the host and disk tiers hold at the host
-    /// tier's present mean block size (at most `FREQ_MAX_BLOCKS`), growing without losing
-    /// counts.
-    pub(crate) fn reference(&self, keys: impl IntoIterator<Item = BlockKey>, only_unseen: bool) {
+    /// Remembers keys seen once (dropped without admission, or named by a hint as the
+    /// continuation of a cached prefix): they are admitted when they come back and are
+    /// evicted again.
+    pub(crate) fn remember(&self, keys: impl IntoIterator<Item = BlockKey>) {
         if self.demote_to.is_none() || self.admission != Admission::SeenTwice {
             return;
         }
-        let want = (self.stats.blocks.load(Relaxed) as f64 * self.freq_scale) as usize;
-        let mut f = self.freq.lock();
-        if want > f.capacity() && f.capacity() < FREQ_MAX_BLOCKS {
-            // Wider, counts kept: a block put while the tiers fill up is still known when it
-            // comes back.
-            f.grow(want.min(FREQ_MAX_BLOCKS));
-            if f.capacity() >= FREQ_MAX_BLOCKS {
-                tracing::info!(
-                    tracked = f.capacity(),
-                    wanted = want,
-                    "the frequency estimate of seen-twice admission is at its size bound: \
-                     with more (smaller) blocks than that, some one-off blocks are admitted"
-                );
-            }
-        }
-        for k in keys {
-            let h = k.0 as u64;
-            if !only_unseen || f.frequency(h) == 0 {
-                f.increment(h);
+        let mut d = self.doorkeeper.lock();
+        for key in keys {
+            if d.set.insert(key.0 as u64) {
+                d.order.push_back(key.0 as u64);
+                if d.order.len() > DOORKEEPER {
+                    if let Some(old) = d.order.pop_front() {
+                        d.set.remove(&old);
+                    }
+                }
             }
         }
     }

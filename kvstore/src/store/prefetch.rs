@@ -24,9 +24,9 @@
 //!   default half the host tier), so hints can never take more host memory than that. Bytes
 //!   held until their deadline unused are counted as wasted.
 //! - A hint whose prefix is cached (partly) tells the store which blocks continue it: the
-//!   first 4 blocks (`CONTINUATION`) after the present prefix count as referenced once in the
-//!   frequency estimate, so seen-twice admission keeps them on disk once the engine saves them
-//!   (a conversation's new turn is the next turn's prefix).
+//!   first 4 blocks (`CONTINUATION`) after the present prefix count as seen once (seen-twice
+//!   admission's doorkeeper), so they go to disk once the engine has saved them and they leave
+//!   host memory (a conversation's new turn is the next turn's prefix).
 //! - Per client ([`PrefetchQuota`], [`Store::prefetch_as`]): the bytes one owner's hints hold
 //!   or have in flight, and the keys it has waiting, are bounded by its quota (the daemon gives
 //!   each engine connection its share), so one engine cannot take the preload room of the
@@ -371,14 +371,9 @@ impl Inner {
         if out.present > 0 {
             // The request continues a cached prefix: its next blocks (the new turn of a
             // conversation, the next step of an agent loop) are likely the prefix of the
-            // request after it. They count as referenced once now, so when the engine saves
-            // them (the second reference) seen-twice admission writes them to disk when they
-            // leave host memory. Only keys not seen lately: a hint alone (however often
-            // repeated) never makes a block look seen twice.
-            self.reference(
-                keys.iter().skip(out.present).take(CONTINUATION).copied(),
-                true,
-            );
+            // request after it. They count as seen once now, so once the engine saves them
+            // seen-twice admission writes them to disk when they leave host memory.
+            self.remember(keys.iter().skip(out.present).take(CONTINUATION).copied());
         }
         out
     }

@@ -597,7 +597,6 @@ impl Inner {
         // The policy sees the served blocks tail first: at equal recency a parent outlives its
         // children (evicting a parent would kill their hits), as SGLang's radix cache and
         // vLLM's block pool evict chain tails first.
-        self.reference(out.iter().map(|p| p.key), false);
         for p in out.iter().rev() {
             self.classes[p.slot.class as usize]
                 .lock()

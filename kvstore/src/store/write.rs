@@ -100,21 +100,6 @@ impl Inner {
         len: usize,
         deadline: Instant,
     ) -> Result<Reserve, StoreError> {
-        let r = self.reserve_slot(ns, key, len, deadline)?;
-        // A put that got a slot or found the key (present, or being written) is a reference:
-        // the engine computed the block, or a peer pushed it. One refused (no room, bad input)
-        // is not, so a retried save does not make a one-off block look seen twice.
-        self.reference([key], false);
-        Ok(r)
-    }
-
-    fn reserve_slot(
-        self: &Arc<Self>,
-        ns: NsId,
-        key: BlockKey,
-        len: usize,
-        deadline: Instant,
-    ) -> Result<Reserve, StoreError> {
         let class = self.class_for(len)?;
         if !self.namespace_ok(ns) {
             return Err(StoreError::UnknownNamespace(ns.0));
