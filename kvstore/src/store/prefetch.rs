@@ -180,9 +180,9 @@ impl Store {
     }
 }
 
-/// Blocks after a hint's present prefix that count as referenced (the request's continuation).
+/// Blocks after a hint's present prefix that count as seen once (the request's continuation).
 /// Chosen on the Mooncake and `chat` replays with hints (2: chat 0.900 x the simulation, 4:
-/// 0.957, 8: 0.976; docqa's disk writes +30%, +40%, +61% against none).
+/// 0.957, 8: 0.976; docqa's disk writes +30%, +40%, +61% against none; bench/RESULTS.md).
 const CONTINUATION: usize = 4;
 
 /// Most keys of hints waiting for room, all together (16 bytes each).
