@@ -231,9 +231,10 @@ def test_a_burst_of_100k_saves_arrives_in_order_without_gaps(tmp_path):
             got = replay(d.replay, 0)
             seqs = [s for s, _ in got]
             assert seqs == list(range(len(seqs))), "gaps in the replay"
-        media = collections.Counter(e.medium for _, p in got for e in dec.decode(p).events
-                                    if isinstance(e, BlockStored) for _ in e.block_hashes)
-        assert count(got) == n, media
+        # On failure, which media the extra (or missing) events were.
+        assert count(got) == n, collections.Counter(
+            e.medium for _, p in got for e in dec.decode(p).events
+            if isinstance(e, BlockStored) for _ in e.block_hashes)
         hashes = [h for _, p in got for e in dec.decode(p).events
                   if isinstance(e, BlockStored) for h in e.block_hashes]
         assert hashes[-n:] == keys

@@ -597,11 +597,18 @@ impl Inner {
         // The policy sees the served blocks tail first: at equal recency a parent outlives its
         // children (evicting a parent would kill their hits), as SGLang's radix cache and
         // vLLM's block pool evict chain tails first.
-        for p in out.iter().rev() {
-            self.classes[p.slot.class as usize]
-                .lock()
-                .policy
-                .access(p.slot.idx);
+        // One class lock per run of same-class blocks (a request's blocks share one size).
+        let mut rest = &out[..];
+        while let Some(last) = rest.last() {
+            let class = last.slot.class;
+            let mut c = self.classes[class as usize].lock();
+            while let Some((p, before)) = rest.split_last() {
+                if p.slot.class != class {
+                    break;
+                }
+                c.policy.access(p.slot.idx);
+                rest = before;
+            }
         }
         let served: u64 = out.iter().map(|p| u64::from(p.len)).sum();
         self.stats.hits.fetch_add(out.len() as u64, Relaxed);
