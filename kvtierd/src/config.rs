@@ -266,7 +266,7 @@ pub struct HostSection {
     pub segment: Size,
     /// Slot sizes; empty: 4 per power of two from 64 KiB to the segment size.
     pub size_classes: Vec<Size>,
-    /// Eviction policy: s3fifo (default), s3fifo-adaptive, lru, sieve, wtinylfu or arc.
+    /// Eviction policy: duel (default: S3-FIFO and LRU in a duel), s3fifo, s3fifo-adaptive, lru, sieve, wtinylfu or arc.
     pub policy: String,
     /// Explicit huge pages (needs vm.nr_hugepages).
     pub huge_pages: bool,
@@ -284,7 +284,7 @@ impl Default for HostSection {
             capacity: None,
             segment: Size(64 << 20),
             size_classes: Vec::new(),
-            policy: "s3fifo".into(),
+            policy: "duel".into(),
             huge_pages: false,
             populate: true,
             max_leases: 1 << 16,
@@ -333,7 +333,7 @@ impl Default for DiskSection {
             engine: "auto".into(),
             queue_depth: 32,
             sqpoll: false,
-            policy: "s3fifo".into(),
+            policy: "duel".into(),
             admission: "seen-twice".into(),
             write_through: false,
             max_batch: Size(256 << 20),
@@ -573,12 +573,12 @@ impl Config {
         }
         ensure!(
             PolicyKind::parse(&self.host.policy).is_some(),
-            "host.policy = {:?}: use s3fifo, s3fifo-adaptive, lru, sieve, wtinylfu or arc",
+            "host.policy = {:?}: use duel, s3fifo, s3fifo-adaptive, lru, sieve, wtinylfu or arc",
             self.host.policy
         );
         ensure!(
             PolicyKind::parse(&self.disk.policy).is_some(),
-            "disk.policy = {:?}: use s3fifo, s3fifo-adaptive, lru, sieve, wtinylfu or arc",
+            "disk.policy = {:?}: use duel, s3fifo, s3fifo-adaptive, lru, sieve, wtinylfu or arc",
             self.disk.policy
         );
         ensure!(
