@@ -23,7 +23,7 @@ fn len_of(i: u64) -> usize {
 
 #[test]
 fn threads_put_get_byte_exact() {
-    for policy in [PolicyKind::S3Fifo, PolicyKind::Lru] {
+    for policy in [PolicyKind::S3Fifo, PolicyKind::Lru, PolicyKind::Duel] {
         let store = StoreConfig {
             capacity_bytes: 8 << 20,
             segment_bytes: 1 << 20,

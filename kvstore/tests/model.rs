@@ -251,4 +251,9 @@ proptest! {
     fn store_matches_model_lru(ops in proptest::collection::vec(op(), 1..250)) {
         run(PolicyKind::Lru, ops);
     }
+
+    #[test]
+    fn store_matches_model_duel(ops in proptest::collection::vec(op(), 1..250)) {
+        run(PolicyKind::Duel, ops);
+    }
 }

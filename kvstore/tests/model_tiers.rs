@@ -196,7 +196,7 @@ proptest! {
 
     #[test]
     fn host_and_disk_against_a_model_write_back(ops in prop::collection::vec(op(), 1..70), case in any::<u64>()) {
-        run(false, PolicyKind::S3Fifo, ops, case);
+        run(false, PolicyKind::Duel, ops, case);
     }
 
     #[test]
