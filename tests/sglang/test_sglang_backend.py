@@ -12,7 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
@@ -320,6 +324,46 @@ def test_kvtierd_restart_under_a_running_engine_is_misses_then_hits(tmp_path):
         # Nothing was stored while it was away.
         assert not b.exists("aa" * 32)
         assert v1.batch_set_v1(["bb" * 32], slots(0, 1)) == [True]
+    finally:
+        p.terminate()
+        assert p.wait(timeout=60) == 0
+
+
+def test_pages_continuing_a_prefix_sglang_holds_are_kept_on_disk(tmp_path):
+    """With SGLang's hicache_storage_pass_prefix_keys, batch_exists learns which pages continue
+    a prefix (SGLang asks only beyond its own hit): seen-twice disk admission keeps them when
+    host memory evicts them, the first time. Pages asked without a prefix, or after a prefix
+    kvtier does not hold, are one-offs: evicted, never written."""
+    p = subprocess.Popen(
+        [str(REPO / "target" / "debug" / "kvtierd"), "--data-dir", str(tmp_path),
+         "--host-capacity", "32M", "--disk-capacity", "128M", "--grpc", "127.0.0.1:0",
+         "--metrics", "127.0.0.1:0", "--set", "host.segment=16M", "--set", "log=warn"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        sock = dict(w.split("=", 1) for w in line.split() if "=" in w)["socket"]
+        b = make({"mode": "sidecar", "socket": sock}, model="m/continuations")
+        key = lambda i: f"{i:064x}"  # noqa: E731
+        prefix, cont, alone, orphan = key(1), [key(2), key(3)], [key(4), key(5)], [key(6)]
+        assert b.batch_set([prefix], [page(1)])
+        held = HiCacheStorageExtraInfo(prefix_keys=[key(100), prefix])
+        assert b.batch_exists(cont, held) == 0
+        assert b.batch_exists(alone) == 0
+        assert b.batch_exists(orphan, HiCacheStorageExtraInfo(prefix_keys=[key(99)])) == 0
+        new = cont + alone + orphan
+        assert b.batch_set(new, [page(i) for i in range(2, 7)])
+        # One-off pages, twice the host tier: everything above leaves host memory.
+        flood = [key(1000 + i) for i in range(512)]
+        filler = list(torch.ones(64, page(7).numel(), dtype=DT).unbind(0))
+        for i in range(0, len(flood), 64):
+            assert b.batch_set(flood[i:i + 64], filler)
+        kept = [b.exists(k) for k in new]
+        assert kept == [True, True, False, False, False], kept
+        # Counted from the first page asked for, with or without a held prefix kvtier has.
+        assert b.batch_exists(cont, held) == 2
+        assert b.batch_exists(cont, HiCacheStorageExtraInfo(prefix_keys=[key(99)])) == 2
+        out = torch.zeros_like(page(2))
+        assert b.get(cont[1], out) is out and torch.equal(out, page(3))
     finally:
         p.terminate()
         assert p.wait(timeout=60) == 0

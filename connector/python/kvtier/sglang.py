@@ -20,7 +20,12 @@ Extra config keys (besides the three the factory needs):
   preload: true (default): batch_exists, which SGLang calls as a request joins the queue,
          also starts moving the hit's pages found only on disk into host memory, so the
          batch_get that follows reads host memory (preload_deadline_ms, default 10000, bounds
-         how long such a preload may wait to start)
+         how long such a preload may wait to start). With SGLang's
+         "hicache_storage_pass_prefix_keys": true in the same extra config, batch_exists
+         also learns which pages continue a prefix SGLang holds itself (a conversation's new
+         turn): kvtier's disk admission (seen-twice) then keeps the first few of them, as it
+         does for vLLM, instead of writing a page to disk only the second time it leaves
+         host memory
   interface_v1: 1 makes SGLang call batch_get_v1/batch_set_v1, which copy each page once,
          straight between the host pool and the store (recommended); without it SGLang copies
          pages through a temporary tensor (its generic path). The two lay a page's bytes out
@@ -237,9 +242,19 @@ class KvtierHiCache(HiCacheStorage):
             ks = [self._key(k) for k in _keys(keys)]
             if not ks:
                 return 0
-            if self._preload:
-                return int(self._store.prefetch(ks, 0, self._preload_ms, 0)["present"])
-            return self._store.match_prefix(ks)
+            if not self._preload:
+                return self._store.match_prefix(ks)
+            prefix = getattr(extra_info, "prefix_keys", None)
+            if prefix:
+                # SGLang holds the pages before `keys` (it asks only beyond its own hit): hint
+                # from the last of them, so a continuation of a prefix kvtier holds too is
+                # learned as one (the store's hint rule: a present prefix, then new blocks).
+                n = int(self._store.prefetch([self._key(prefix[-1])] + ks, 0,
+                                             self._preload_ms, 0)["present"])
+                if n > 0:
+                    return n - 1
+                # That page is not in kvtier: ask for `keys` alone.
+            return int(self._store.prefetch(ks, 0, self._preload_ms, 0)["present"])
         except Exception:  # noqa: BLE001 - the controller's prefetch thread must not die
             log.exception("kvtier: batch_exists failed: counted as a miss")
             return 0
