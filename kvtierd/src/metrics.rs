@@ -286,6 +286,11 @@ fn collect(d: &Daemon, o: &mut Out) -> fmt::Result {
         &one(p.wasted_bytes),
     )?;
     o.gauge(
+        "policy_lru_leading_classes",
+        "Host size classes whose duel policy has LRU choosing victims (the rest: S3-FIFO).",
+        &one_f(s.policy_lru_leading_classes as f64),
+    )?;
+    o.gauge(
         "prefetch_held_bytes",
         "Bytes of blocks held in host memory for the load a hint announced.",
         &one_f(p.held_bytes as f64),

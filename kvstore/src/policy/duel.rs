@@ -214,6 +214,10 @@ impl EvictionPolicy for Duel {
         Some(victim)
     }
 
+    fn leader(&self) -> Option<&'static str> {
+        Some(if self.lru_leads { "lru" } else { "s3fifo" })
+    }
+
     fn len(&self) -> usize {
         self.s3.len()
     }
@@ -258,6 +262,7 @@ mod tests {
         let lap = |i: u64| (0..80).map(move |k| (i << 32) | k);
         run(&mut p, cap, (0..50).flat_map(|i| lap(i / 2)));
         assert!(p.lru_leads(), "keys reused once a lap: LRU should lead");
+        assert_eq!(p.leader(), Some("lru"));
         // Then a hot set of 70 keys, each back every 110 references, under a scan of
         // single-use keys: LRU (100 blocks) loses the hot set to the scan; S3-FIFO's ghost
         // catches it and its main queue keeps it.

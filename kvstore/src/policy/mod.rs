@@ -47,6 +47,10 @@ pub trait EvictionPolicy: Send {
     /// size class grows, with at most the class's final slot count, so a full store keeps no
     /// doubling slack (bench: `metadata 10M blocks`). A hint: the default ignores it.
     fn reserve(&mut self, _ids: usize) {}
+    /// For a policy that switches between orders (the duel): the order choosing victims now.
+    fn leader(&self) -> Option<&'static str> {
+        None
+    }
     /// Number of tracked ids.
     fn len(&self) -> usize;
     /// Whether no id is tracked.

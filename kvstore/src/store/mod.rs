@@ -129,6 +129,9 @@ pub struct StoreStats {
     pub push_failed: u64,
     /// Bytes queued for pushing (retries waiting included).
     pub push_queue_bytes: u64,
+    /// Size classes of the host tier whose policy is the duel and has LRU choosing victims
+    /// now (the others' duels, if any, have S3-FIFO).
+    pub policy_lru_leading_classes: u64,
 }
 
 impl StoreStats {
@@ -688,7 +691,13 @@ impl Store {
             (l.len() as u64, l.pinned() as u64)
         };
         let q = inner.work.depths();
+        let policy_lru_leading_classes = inner
+            .classes
+            .iter()
+            .filter(|c| c.lock().policy.leader() == Some("lru"))
+            .count() as u64;
         StoreStats {
+            policy_lru_leading_classes,
             capacity_bytes: inner.capacity_bytes(),
             used_bytes: s.used_bytes.load(Relaxed),
             blocks: s.blocks.load(Relaxed),
