@@ -162,10 +162,16 @@ impl Duel {
     fn learn_capacity(&mut self, len: usize) {
         if len > self.cap {
             self.cap = len;
+            let shift = self.shift;
             while self.shift < 63 && self.cap >> self.shift > SHADOW_MAX {
                 self.shift += 1;
             }
-            self.rebuild_sample();
+            // A larger capacity at the same sample needs nothing now (the shadows fill up);
+            // a finer sample drops the keys outside it (a pass over at most 2 x 65,536 keys,
+            // once per halving of the sample).
+            if self.shift != shift {
+                self.rebuild_sample();
+            }
         }
     }
 }
