@@ -287,6 +287,7 @@ mod tests {
             !p.lru_leads(),
             "a hot set under a scan: S3-FIFO should lead"
         );
+        assert_eq!(p.leader(), Some("s3fifo"));
         assert_eq!(p.s3.len(), p.lru.len());
         assert_eq!(p.len(), cap);
     }

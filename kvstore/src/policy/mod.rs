@@ -126,8 +126,8 @@ impl PolicyKind {
         }
     }
 
-    /// Parses `s3fifo`, `s3fifo-adaptive`, `duel`, `wtinylfu`, `lru`, `sieve` or `arc` (case, `-` and
-    /// `_` ignored).
+    /// Parses `duel`, `s3fifo`, `s3fifo-adaptive`, `wtinylfu`, `lru`, `sieve` or `arc` (case,
+    /// `-` and `_` ignored).
     pub fn parse(s: &str) -> Option<Self> {
         match s.to_ascii_lowercase().replace(['-', '_'], "").as_str() {
             "lru" => Some(PolicyKind::Lru),
