@@ -210,6 +210,27 @@ fn admission_seen_twice_and_write_through() {
             store.stats()
         );
         assert!(check_all(&store, 50) >= 40);
+        // Put twice while present (two engines computed the same prefix): seen twice, so the
+        // first eviction writes it to disk.
+        let before = store.stats().disk().cloned().unwrap().blocks;
+        for i in 2000..2010 {
+            store.put(n, key(i), &data(i)).unwrap();
+            store.put(n, key(i), &data(i)).unwrap();
+        }
+        for i in 3000..3150 {
+            store.put(n, key(i), &data(i)).unwrap();
+        }
+        assert!(store.sync(SYNC));
+        let added = store.stats().disk().cloned().unwrap().blocks - before;
+        assert!(
+            (10..=12).contains(&added),
+            "twice-put blocks admitted, one-offs not: {added} {:?}",
+            store.stats()
+        );
+        for i in 2000..2010 {
+            let b = store.get(&key(i));
+            assert!(b.is_some_and(|b| *b == data(i)[..]), "key {i}");
+        }
         drop(store);
         std::fs::remove_dir_all(d).unwrap();
 

@@ -803,9 +803,9 @@ impl Inner {
         }
     }
 
-    /// Remembers keys seen once (dropped without admission, or named by a hint as the
-    /// continuation of a cached prefix): they are admitted when they come back and are
-    /// evicted again.
+    /// Remembers keys seen once (dropped without admission, put again while present, or named
+    /// by a hint as the continuation of a cached prefix): seen-twice admission writes them to
+    /// the lower tier when they leave host memory (again).
     pub(crate) fn remember(&self, keys: impl IntoIterator<Item = BlockKey>) {
         if self.demote_to.is_none() || self.admission != Admission::SeenTwice {
             return;

@@ -114,7 +114,13 @@ impl Inner {
                 }
             })
         };
-        if let Some(r) = existing(self.shard(key).lock().map.get(&mk)) {
+        let found = existing(self.shard(key).lock().map.get(&mk));
+        if let Some(r) = found {
+            if matches!(r, Reserve::AlreadyPresent) {
+                // Put again while present (two engines computed the same prefix): seen twice,
+                // so seen-twice admission writes it to disk when it leaves host memory.
+                self.remember([key]);
+            }
             return Ok(r);
         }
         // Committed in a lower tier (e.g. after a restart, or evicted from host memory): the
