@@ -240,8 +240,10 @@ pub struct RunCfg {
     pub disk_blocks: u64,
     /// Bytes per block.
     pub block_bytes: u64,
-    /// Eviction policy.
+    /// Eviction policy of the disk tier.
     pub policy: PolicyKind,
+    /// Eviction policy of host memory.
+    pub host_policy: PolicyKind,
     /// Disk admission.
     pub admission: Admission,
     /// Write-through.
@@ -278,7 +280,7 @@ pub fn run_embedded(
         capacity_bytes: host_bytes,
         segment_bytes: seg,
         size_classes: vec![cfg.block_bytes as usize],
-        policy: cfg.policy,
+        policy: cfg.host_policy,
         disk: (cfg.disk_blocks > 0).then(|| DiskConfig {
             dir: cfg.dir.clone(),
             capacity_bytes: cfg.disk_blocks * block + (1 << 20),
@@ -461,7 +463,7 @@ pub fn run_sidecar(
         "--set".into(),
         format!("host.size_classes=[{}]", cfg.block_bytes),
         "--set".into(),
-        format!("host.policy={}", cfg.policy.name()),
+        format!("host.policy={}", cfg.host_policy.name()),
     ];
     if cfg.disk_blocks > 0 {
         args.extend([
@@ -663,10 +665,12 @@ pub fn run(args: ReplayArgs) -> Result<()> {
         "kvtierd" => Some(crate::sidecar::binary(args.kvtierd.as_deref())?),
         other => bail!("--mode must be embedded or kvtierd, not {other:?}"),
     };
-    let policy = match &args.policy {
-        None => PolicyKind::default(),
+    // Without --policy, the store's defaults: the duel on disk, and in host memory LRU in front
+    // of a disk tier (the duel without one).
+    let (policy, host_policy) = match &args.policy {
+        None => (PolicyKind::default(), None),
         Some(p) => match PolicyKind::parse(p) {
-            Some(p) => p,
+            Some(p) => (p, Some(p)),
             None => bail!(
                 "--policy must be duel, wtinylfu, s3fifo, s3fifo-adaptive, lru, sieve or arc, not {p:?}"
             ),
@@ -715,6 +719,7 @@ pub fn run(args: ReplayArgs) -> Result<()> {
     let distinct = distinct_blocks(&reqs);
     let host_blocks = capacity_blocks(&args.host, distinct, args.block_bytes)?.max(1);
     let disk_blocks = capacity_blocks(&args.disk, distinct, args.block_bytes)?;
+    let host_policy = host_policy.unwrap_or(PolicyKind::for_host(disk_blocks > 0));
     let (inf_hits, inf_refs) = infinite_hits(&reqs);
     let inf = inf_hits as f64 / inf_refs.max(1) as f64;
 
@@ -724,6 +729,7 @@ pub fn run(args: ReplayArgs) -> Result<()> {
         disk_blocks,
         block_bytes: args.block_bytes,
         policy,
+        host_policy,
         admission,
         write_through: args.write_through,
         pace,
@@ -776,9 +782,14 @@ pub fn run(args: ReplayArgs) -> Result<()> {
         sweep: None,
     };
     let label = format!(
-        "{} host {} disk {}{}",
+        "{} host {}{} disk {}{}",
         policy.name(),
         args.host,
+        if host_policy == policy {
+            String::new()
+        } else {
+            format!(" ({})", host_policy.name())
+        },
         args.disk,
         if sidecar_bin.is_some() {
             " kvtierd"
@@ -1176,6 +1187,7 @@ mod tests {
                 disk_blocks: 0,
                 block_bytes: 8192,
                 policy: PolicyKind::S3Fifo,
+                host_policy: PolicyKind::S3Fifo,
                 admission: Admission::Always,
                 write_through: false,
                 pace: None,
@@ -1207,6 +1219,7 @@ mod tests {
                 disk_blocks: 64,
                 block_bytes: 1 << 20,
                 policy: PolicyKind::Lru,
+                host_policy: PolicyKind::Lru,
                 admission: Admission::Always,
                 write_through: true,
                 pace: Some(1000.0),

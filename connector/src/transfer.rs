@@ -330,15 +330,18 @@ impl Backend {
         }
     }
 
-    /// How many leading keys are present in any tier (no side effects).
+    /// How many leading keys are present in any tier (see [`Backend::lookup`]).
     pub fn match_prefix(&self, keys: &[BlockKey]) -> Result<usize, TransferError> {
         Ok(self.lookup(keys)?.n)
     }
 
-    /// How many leading keys are present, and the tier of each (no side effects).
+    /// How many leading keys are present, and the tier of each: an engine's lookup for a
+    /// request it is about to run. Nothing is pinned or counted; the store learns that the
+    /// blocks after a present prefix continue it (seen once, for seen-twice admission; see
+    /// `kvstore::Store::match_prefix_priced`), the same embedded or through kvtierd.
     pub fn lookup(&self, keys: &[BlockKey]) -> Result<kvstore::PrefixMatch, TransferError> {
         match &self.kind {
-            Kind::Embedded(s) => Ok(s.match_prefix(keys)),
+            Kind::Embedded(s) => Ok(s.match_prefix_priced(keys, 0, 0.0).0),
             Kind::Sidecar(c) => Ok(c.call(|c, _| c.lookup(keys, None))?.map_or(
                 kvstore::PrefixMatch {
                     n: 0,

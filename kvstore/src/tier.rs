@@ -161,6 +161,9 @@ pub struct TierStats {
     pub read_bandwidth: u64,
     /// Fixed cost of a read batch from this tier, nanoseconds (same weighting).
     pub read_latency_ns: u64,
+    /// For a tier whose eviction policy switches between orders (the duel): the order choosing
+    /// victims now (`"s3fifo"` or `"lru"`).
+    pub policy_leader: Option<&'static str>,
 }
 
 /// A tier below the host arena. Every method is safe to call from several threads; reads and

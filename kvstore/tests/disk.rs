@@ -231,6 +231,40 @@ fn admission_seen_twice_and_write_through() {
             let b = store.get(&key(i));
             assert!(b.is_some_and(|b| *b == data(i)[..]), "key {i}");
         }
+        // An engine's lookup of a request that continues a cached prefix (a conversation's
+        // next turn) names the blocks it will save next: they count as seen once, so their
+        // first eviction writes them to disk. A router's probe (`match_prefix`) teaches
+        // nothing, and neither does a lookup that finds no prefix.
+        store.put(n, key(4000), &data(4000)).unwrap();
+        assert_eq!(store.match_prefix(&[key(4000), key(4004)]).n, 1);
+        assert_eq!(
+            store.match_prefix_priced(&[key(4005), key(4006)], 0, 0.0).1,
+            0
+        );
+        let (m, present) = store.match_prefix_priced(&[key(4000), key(4001), key(4002)], 0, 0.0);
+        assert_eq!((m.n, present), (1, 1));
+        let lease = store
+            .lease(&[key(4000), key(4003)], Duration::from_secs(5))
+            .unwrap();
+        assert_eq!(lease.n, 1);
+        assert!(store.release(lease.id.unwrap()));
+        for i in 4001..4007 {
+            store.put(n, key(i), &data(i)).unwrap();
+        }
+        for i in 5000..5150 {
+            store.put(n, key(i), &data(i)).unwrap();
+        }
+        assert!(store.sync(SYNC));
+        for i in 4001..4007 {
+            assert!(!store.in_host(&key(i)), "key {i} still in host memory");
+            assert_eq!(
+                store.contains(&key(i)),
+                (4001..4004).contains(&i),
+                "key {i}: only the continuations of a present prefix go to disk"
+            );
+        }
+        let b = store.get(&key(4002));
+        assert!(b.is_some_and(|b| *b == data(4002)[..]));
         drop(store);
         std::fs::remove_dir_all(d).unwrap();
 

@@ -266,7 +266,8 @@ pub struct HostSection {
     pub segment: Size,
     /// Slot sizes; empty: 4 per power of two from 64 KiB to the segment size.
     pub size_classes: Vec<Size>,
-    /// Eviction policy: duel (default: S3-FIFO and LRU in a duel), s3fifo, s3fifo-adaptive, lru, sieve, wtinylfu or arc.
+    /// Eviction policy: auto (default: lru in front of a disk tier, duel without one), duel
+    /// (S3-FIFO and LRU in a duel), s3fifo, s3fifo-adaptive, lru, sieve, wtinylfu or arc.
     pub policy: String,
     /// Explicit huge pages (needs vm.nr_hugepages).
     pub huge_pages: bool,
@@ -284,7 +285,7 @@ impl Default for HostSection {
             capacity: None,
             segment: Size(64 << 20),
             size_classes: Vec::new(),
-            policy: "duel".into(),
+            policy: "auto".into(),
             huge_pages: false,
             populate: true,
             max_leases: 1 << 16,
@@ -572,8 +573,8 @@ impl Config {
             }
         }
         ensure!(
-            PolicyKind::parse(&self.host.policy).is_some(),
-            "host.policy = {:?}: use duel, s3fifo, s3fifo-adaptive, lru, sieve, wtinylfu or arc",
+            self.host.policy == "auto" || PolicyKind::parse(&self.host.policy).is_some(),
+            "host.policy = {:?}: use auto, duel, s3fifo, s3fifo-adaptive, lru, sieve, wtinylfu or arc",
             self.host.policy
         );
         ensure!(
@@ -832,7 +833,8 @@ impl Config {
                 .iter()
                 .map(|s| s.0 as usize)
                 .collect(),
-            policy: PolicyKind::parse(&self.host.policy).unwrap_or_default(),
+            policy: PolicyKind::parse(&self.host.policy)
+                .unwrap_or_else(|| PolicyKind::for_host(disk.is_some())),
             huge_pages: self.host.huge_pages,
             // The daemon serves at once and faults the arena in behind (logged, and shown in
             // `kvtier status`).
@@ -945,6 +947,39 @@ mod tests {
         let c = load_with("", &[], &["host.segment=0", "host.capacity=1G"]).unwrap();
         let e = format!("{:#}", c.store().unwrap_err());
         assert!(e.contains("host.segment"), "{e}");
+    }
+
+    #[test]
+    fn host_policy_auto_is_lru_in_front_of_a_disk_tier() {
+        let tmp = std::env::temp_dir().join(format!("kvtierd-policy-{}", std::process::id()));
+        let dir = format!("disk.dir={:?}", tmp.display().to_string());
+        let small = ["host.capacity=64M", "disk.capacity=64M"];
+        let policy = |sets: &[&str]| {
+            let mut all = vec![dir.as_str()];
+            all.extend(small);
+            all.extend(sets);
+            let c = load_with("", &[], &all).unwrap();
+            assert_eq!(
+                c.host.policy,
+                sets.iter()
+                    .find_map(|s| s.strip_prefix("host.policy="))
+                    .unwrap_or("auto")
+            );
+            c.store().unwrap().policy
+        };
+        assert_eq!(policy(&[]), PolicyKind::Lru);
+        assert_eq!(policy(&["disk.enabled=false"]), PolicyKind::Duel);
+        assert_eq!(policy(&["host.policy=duel"]), PolicyKind::Duel);
+        assert_eq!(
+            policy(&["host.policy=s3fifo", "disk.enabled=false"]),
+            PolicyKind::S3Fifo
+        );
+        let e = format!(
+            "{:#}",
+            load_with("", &[], &["host.policy=autox"]).unwrap_err()
+        );
+        assert!(e.contains("host.policy") && e.contains("auto"), "{e}");
+        let _ = std::fs::remove_dir_all(&tmp);
     }
 
     #[test]

@@ -287,7 +287,7 @@ fn collect(d: &Daemon, o: &mut Out) -> fmt::Result {
     )?;
     o.gauge(
         "policy_lru_leading_classes",
-        "Host size classes whose duel policy has LRU choosing victims (the rest: S3-FIFO).",
+        "Host size classes whose duel policy has LRU choosing victims (host.policy = duel only; the rest: S3-FIFO).",
         &one_f(s.policy_lru_leading_classes as f64),
     )?;
     o.gauge(
@@ -304,6 +304,14 @@ fn collect(d: &Daemon, o: &mut Out) -> fmt::Result {
         "prefetch_inflight_bytes",
         "Bytes of preloads queued or being read.",
         &one_f(p.inflight_bytes as f64),
+    )?;
+    o.gauge(
+        "tier_policy_lru_leading",
+        "1 while LRU chooses the victims of a lower tier's duel policy (0: S3-FIFO, or no duel).",
+        &[(
+            label("tier", "disk"),
+            f64::from(u8::from(disk.policy_leader == Some("lru"))),
+        )],
     )?;
     o.gauge(
         "tier_read_bandwidth_bytes_per_second",

@@ -316,8 +316,10 @@ fn admin_api_limits_token_metrics_and_events() {
         "kvtier_blocks{tier=\"disk\"}",
         "kvtier_checksum_failures_total ",
         "kvtier_leases ",
-        // The default policy is the duel; a fresh store's classes start with S3-FIFO leading.
+        // In front of the disk tier the host's default policy is LRU (no duel); the disk's is
+        // the duel, which starts with S3-FIFO leading.
         "kvtier_policy_lru_leading_classes 0",
+        "kvtier_tier_policy_lru_leading{tier=\"disk\"} 0",
         "# TYPE kvtier_ipc_request_seconds histogram",
         "kvtier_ipc_request_seconds_bucket{le=\"+Inf\",op=\"commit\"}",
         "kvtier_ipc_requests_total{op=\"commit\"}",

@@ -690,6 +690,7 @@ impl LowerTier for DiskTier {
             // Measured by the store's reader (it times whole promotion batches).
             read_bandwidth: 0,
             read_latency_ns: 0,
+            policy_leader: st.policy.leader(),
         }
     }
 

@@ -180,11 +180,6 @@ impl Store {
     }
 }
 
-/// Blocks after a hint's present prefix that count as seen once (the request's continuation).
-/// Chosen on the Mooncake and `chat` replays with hints (2: chat 0.900 x the simulation, 4:
-/// 0.957, 8: 0.976; docqa's disk writes +30%, +40%, +61% against none; bench/RESULTS.md).
-const CONTINUATION: usize = 4;
-
 /// Most keys of hints waiting for room, all together (16 bytes each).
 pub const PREFETCH_WAITING_KEYS_MAX: usize = 1 << 18;
 use PREFETCH_WAITING_KEYS_MAX as WAITING_KEYS_MAX;
@@ -368,13 +363,7 @@ impl Inner {
         let out = self
             .walk_hint(keys, priority, deadline, tag, quota, behind, false)
             .0;
-        if out.present > 0 {
-            // The request continues a cached prefix: its next blocks (the new turn of a
-            // conversation, the next step of an agent loop) are likely the prefix of the
-            // request after it. They count as seen once now, so once the engine saves them
-            // seen-twice admission writes them to disk when they leave host memory.
-            self.remember(keys.iter().skip(out.present).take(CONTINUATION).copied());
-        }
+        self.continues(keys, out.present);
         out
     }
 

@@ -83,6 +83,12 @@ impl Store {
     /// the prefix length that minimises load time of the prefix + compute time of the rest
     /// (the longest of equals); `present` is the prefix found before the cut. A tier not
     /// measured yet is trusted (no cut). Returns (the priced match, present).
+    ///
+    /// This is an engine's lookup for a request it is about to run (`tokens_per_block` 0: no
+    /// pricing), and the store learns from it: when a prefix is present, the blocks after it
+    /// count as seen once for seen-twice admission (a conversation's new turn is the next
+    /// turn's prefix). Probes that must leave no trace (a router's) use
+    /// [`Store::match_prefix`].
     pub fn match_prefix_priced(
         &self,
         keys: &[BlockKey],
@@ -217,7 +223,9 @@ impl Store {
     }
 
     /// Pins the leading present keys (in any tier, without loading them) until
-    /// [`Store::release`] or until `ttl` passes. Repeated keys are pinned once.
+    /// [`Store::release`] or until `ttl` passes. Repeated keys are pinned once. Like
+    /// [`Store::match_prefix_priced`], an engine's lookup: the blocks after a present prefix
+    /// count as seen once for admission.
     pub fn lease(&self, keys: &[BlockKey], ttl: Duration) -> Result<Lease, StoreError> {
         let inner = &self.inner;
         inner.reap_expired_leases_at(Instant::now());
@@ -259,6 +267,7 @@ impl Store {
             }
         }
         let n = pinned.len();
+        inner.continues(keys, n);
         let id = (n > 0).then(|| inner.leases.lock().insert(pinned, expires));
         Ok(Lease {
             id,
@@ -309,6 +318,7 @@ impl Inner {
     ) -> (PrefixMatch, usize) {
         let (mut m, below) = self.match_prefix_in(keys, true);
         let present = m.n;
+        self.continues(keys, present);
         if tokens_per_block == 0
             || rate.is_nan()
             || rate <= 0.0
