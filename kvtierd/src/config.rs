@@ -573,7 +573,8 @@ impl Config {
             }
         }
         ensure!(
-            self.host.policy == "auto" || PolicyKind::parse(&self.host.policy).is_some(),
+            self.host.policy.eq_ignore_ascii_case("auto")
+                || PolicyKind::parse(&self.host.policy).is_some(),
             "host.policy = {:?}: use auto, duel, s3fifo, s3fifo-adaptive, lru, sieve, wtinylfu or arc",
             self.host.policy
         );
@@ -774,9 +775,16 @@ impl Config {
                     }
                     _ => None,
                 };
+                c.policy = self.host_policy(c.disk.is_some());
                 Ok((t.clone(), c))
             })
             .collect()
+    }
+
+    /// The host tier's policy: `host.policy`, or for `auto` LRU in front of a disk tier and the
+    /// duel without one (`PolicyKind::for_host`).
+    fn host_policy(&self, disk: bool) -> PolicyKind {
+        PolicyKind::parse(&self.host.policy).unwrap_or_else(|| PolicyKind::for_host(disk))
     }
 
     /// The store configuration, with defaults sized to this machine.
@@ -833,8 +841,7 @@ impl Config {
                 .iter()
                 .map(|s| s.0 as usize)
                 .collect(),
-            policy: PolicyKind::parse(&self.host.policy)
-                .unwrap_or_else(|| PolicyKind::for_host(disk.is_some())),
+            policy: self.host_policy(disk.is_some()),
             huge_pages: self.host.huge_pages,
             // The daemon serves at once and faults the arena in behind (logged, and shown in
             // `kvtier status`).
@@ -974,6 +981,20 @@ mod tests {
             policy(&["host.policy=s3fifo", "disk.enabled=false"]),
             PolicyKind::S3Fifo
         );
+        // Per tenant: a tenant without a disk quota has no disk tier, so the duel.
+        let toml = "[server]\nisolation = \"tenant\"\n\
+            [[tenants]]\nname = \"a\"\nsecret = \"x\"\nhost_capacity = \"64M\"\ndisk_capacity = \"16M\"\n\
+            [[tenants]]\nname = \"b\"\nsecret = \"y\"\nhost_capacity = \"64M\"\n";
+        let sets: Vec<&str> = [dir.as_str()].into_iter().chain(small).collect();
+        let tenants = load_with(toml, &[], &sets)
+            .unwrap()
+            .tenant_stores()
+            .unwrap();
+        let got: Vec<_> = tenants
+            .iter()
+            .map(|(t, c)| (t.name.as_str(), c.policy))
+            .collect();
+        assert_eq!(got, [("a", PolicyKind::Lru), ("b", PolicyKind::Duel)]);
         let e = format!(
             "{:#}",
             load_with("", &[], &["host.policy=autox"]).unwrap_err()

@@ -507,6 +507,8 @@ fn run() -> Result<()> {
             host_bytes = scfg.capacity_bytes,
             disk_bytes = scfg.disk.as_ref().map_or(0, |d| d.capacity_bytes),
             disk_dir = ?scfg.disk.as_ref().map(|d| d.dir.display().to_string()),
+            host_policy = scfg.policy.name(),
+            disk_policy = scfg.disk.as_ref().map_or("", |d| d.policy.name()),
             "kvtierd starting: opening the store (the host arena is faulted in in the background)"
         );
         let mut s = scfg.build().context("opening the store")?;
