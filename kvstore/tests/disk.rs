@@ -124,6 +124,10 @@ fn demote_and_promote_roundtrip() {
         let st = store.stats();
         assert!(st.promotions > 0);
         assert_eq!(st.disk().unwrap().checksum_failures, 0);
+        // Served per tier: each get read from disk what host memory no longer held.
+        assert_eq!(st.hits, 200);
+        assert_eq!(st.disk_hits, st.promotions, "{st:?}");
+        assert!(st.disk_hits >= 200 - 64 && st.remote_hits == 0, "{st:?}");
         // Prefix load: the first 40 all end up in host memory in one batch.
         let first: Vec<BlockKey> = (0..40).map(key).collect();
         for k in &first[..] {

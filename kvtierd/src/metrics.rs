@@ -134,6 +134,20 @@ fn collect(d: &Daemon, o: &mut Out) -> fmt::Result {
     let one_f = |v: f64| vec![(no_labels(), v)];
     o.counter("hits", "Block gets served.", &one(s.hits))?;
     o.counter("misses", "Block gets not found.", &one(s.misses))?;
+    // Of `hits`, by the tier each block was in when its load asked (a block a preload had
+    // brought up counts as host memory's); remote only with a remote tier.
+    let mut tier_hits = tiered(
+        s.hits.saturating_sub(s.disk_hits + s.remote_hits),
+        s.disk_hits,
+    );
+    if d.cluster.is_some() || s.remote_hits > 0 {
+        tier_hits.push((label("tier", "remote"), s.remote_hits));
+    }
+    o.counter(
+        "tier_hits",
+        "Blocks served, by the tier each was in when its load asked.",
+        &tier_hits,
+    )?;
     o.gauge(
         "capacity_bytes",
         "Bytes of block space per tier.",

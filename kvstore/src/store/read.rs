@@ -551,6 +551,7 @@ impl Inner {
             }
         }
         // Submit our promotions, then wait for them and for others', with one deadline.
+        let from: Vec<Tier> = batches.iter().map(|(ti, _)| self.tiers[*ti].kind()).collect();
         let mut promoted: Vec<(Vec<Promote>, Arc<Ticket>)> = batches
             .into_iter()
             .map(|(ti, items)| (items.clone(), self.enqueue_promotions(ti, items)))
@@ -578,7 +579,16 @@ impl Inner {
                 }
             };
             match got {
-                Some(p) => out.push(p),
+                Some(p) => {
+                    if let Step::Own(b, _) = s {
+                        match from[b] {
+                            Tier::Disk => self.stats.disk_hits.fetch_add(1, Relaxed),
+                            Tier::Remote => self.stats.remote_hits.fetch_add(1, Relaxed),
+                            Tier::Host => 0,
+                        };
+                    }
+                    out.push(p)
+                }
                 None => {
                     ended = true;
                     // Pins past the end are dropped (ours, by promotions that succeeded).
