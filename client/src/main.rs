@@ -263,7 +263,8 @@ async fn run() -> Result<()> {
                             "held_bytes": p.held_bytes, "waited": p.waited,
                             "waiting_keys": p.waiting_keys},
                         "break_even_cuts": s.break_even_cuts,
-                        "break_even_blocks_cut": s.break_even_blocks_cut})
+                        "break_even_blocks_cut": s.break_even_blocks_cut,
+                        "break_even_prefill_tokens_per_s": s.break_even_prefill_tokens_per_s})
                 );
             } else {
                 println!(
@@ -300,10 +301,11 @@ async fn run() -> Result<()> {
                     .filter(|t| t.read_bandwidth_bytes_per_s > 0.0)
                 {
                     println!(
-                        "{} reads measured at {:.2} GB/s + {:.2} ms per batch (break-even admission: {} lookups cut, {} blocks)",
+                        "{} reads measured at {:.2} GB/s + {:.2} ms per batch (break-even admission at the stated prefill rate {} tokens/s: {} lookups cut, {} blocks)",
                         tier_name(t.tier),
                         t.read_bandwidth_bytes_per_s / 1e9,
                         t.read_latency_s * 1e3,
+                        s.break_even_prefill_tokens_per_s,
                         s.break_even_cuts,
                         s.break_even_blocks_cut
                     );

@@ -271,6 +271,7 @@ impl Admin for AdminService {
             }),
             break_even_cuts: s.break_even_cuts,
             break_even_blocks_cut: s.break_even_blocks_cut,
+            break_even_prefill_tokens_per_s: s.break_even_prefill_tokens_per_s,
         }))
     }
 

@@ -740,10 +740,13 @@ impl Drop for Conn<'_> {
         for id in self.namespaces.drain() {
             self.d.hold_namespace(self.t, kvstore::NsId(id), false);
         }
-        if r + l > 0 {
+        // Its hints' queued preloads and the blocks held for its loads: nobody will load them.
+        let p = self.store.cancel_prefetch_of_owner(self.serial);
+        if r + l + p > 0 {
             tracing::info!(
                 reservations = r,
                 leases = l,
+                preloads = p,
                 "engine disconnected: released what it held"
             );
         }

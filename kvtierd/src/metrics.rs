@@ -332,6 +332,11 @@ fn collect(d: &Daemon, o: &mut Out) -> fmt::Result {
         "Measured read bandwidth of promotions per lower tier (what break-even admission uses).",
         &[(label("tier", "disk"), disk.read_bandwidth as f64)],
     )?;
+    o.gauge(
+        "break_even_prefill_tokens_per_s",
+        "The prefill rate the last priced lookup stated (what break-even admission weighs loads against).",
+        &one_f(s.break_even_prefill_tokens_per_s as f64),
+    )?;
     o.counter(
         "break_even_cuts",
         "Priced lookups cut short by break-even admission.",

@@ -902,6 +902,10 @@ impl Store {
         d.set_item("prefetch_held_bytes", s.prefetch.held_bytes)?;
         d.set_item("prefetch_waiting_keys", s.prefetch.waiting_keys)?;
         d.set_item("break_even_cuts", s.break_even_cuts)?;
+        d.set_item(
+            "break_even_prefill_tokens_per_s",
+            s.break_even_prefill_tokens_per_s,
+        )?;
         Ok(d)
     }
 }

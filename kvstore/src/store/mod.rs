@@ -128,6 +128,9 @@ pub struct StoreStats {
     pub break_even_cuts: u64,
     /// Blocks those lookups left out.
     pub break_even_blocks_cut: u64,
+    /// The prefill rate (tokens/s) the last priced lookup stated: what break-even admission
+    /// weighs loads against (0 until an engine states one).
+    pub break_even_prefill_tokens_per_s: u64,
     /// The lower tiers' counters, in chain order.
     pub tiers: Vec<TierStats>,
     /// Committed blocks pushed to the remote tier (write-behind) and stored by their owner.
@@ -197,6 +200,7 @@ pub(crate) struct Counters {
     pub prefetch_waited: AtomicU64,
     pub prefetch_wasted_bytes: AtomicU64,
     pub break_even_cuts: AtomicU64,
+    pub break_even_prefill: AtomicU64,
     pub break_even_blocks_cut: AtomicU64,
     pub pushes: AtomicU64,
     pub push_dropped: AtomicU64,
@@ -763,6 +767,7 @@ impl Store {
                 })
                 .collect(),
             break_even_cuts: s.break_even_cuts.load(Relaxed),
+            break_even_prefill_tokens_per_s: s.break_even_prefill.load(Relaxed),
             break_even_blocks_cut: s.break_even_blocks_cut.load(Relaxed),
             pushes: s.pushes.load(Relaxed),
             push_dropped: s.push_dropped.load(Relaxed),

@@ -173,10 +173,21 @@ impl Store {
         self.inner.prefetch(keys, priority, deadline, tag, quota)
     }
 
-    /// Cancels the preloads of `tag` that have not started; returns how many blocks they held.
-    /// Preloads being read finish (their blocks age out if unused).
+    /// Cancels the hint `tag` (its request was aborted or finished): its preloads that have
+    /// not started, its rest still waiting for room, and the holds it made on blocks for its
+    /// load (they become ordinary cached blocks). Returns how many blocks that was. Preloads
+    /// being read finish, and their blocks are held until the hint's deadline.
     pub fn cancel_prefetch(&self, tag: u64) -> usize {
-        self.inner.cancel_prefetch(tag)
+        self.inner.cancel_prefetch_where(|t, _| t == tag)
+    }
+
+    /// [`Store::cancel_prefetch`] for every hint of one client ([`PrefetchQuota::owner`]): the
+    /// daemon calls it when an engine disconnects.
+    pub fn cancel_prefetch_of_owner(&self, owner: u64) -> usize {
+        if owner == 0 {
+            return 0;
+        }
+        self.inner.cancel_prefetch_where(|_, o| o == owner)
     }
 }
 
@@ -208,6 +219,8 @@ pub(crate) struct Held {
     pub read: bool,
     /// The hint's owner ([`PrefetchQuota::owner`]).
     pub owner: u64,
+    /// The tag of the hint that made the hold (one hold per block: the first hint's).
+    pub tag: u64,
 }
 
 /// The preloaded blocks held for their loads, and the earliest deadline among them (so a
@@ -284,7 +297,7 @@ impl Inner {
     /// Holds `key`, Ready in host memory, for the hint's load until `deadline` (one pin, so
     /// eviction leaves it); false if it is held already or no longer Ready. Lock order: the
     /// holds, then the shard (nothing takes them the other way round).
-    fn hold_in_host(&self, key: BlockKey, deadline: Instant, owner: u64) -> bool {
+    fn hold_in_host(&self, key: BlockKey, deadline: Instant, owner: u64, tag: u64) -> bool {
         let mk = MapKey::from(key);
         let mut holds = self.preloads.lock();
         if holds.contains(&mk) {
@@ -309,6 +322,7 @@ impl Inner {
                 bytes,
                 read: false,
                 owner,
+                tag,
             },
         );
         self.add_hold_bytes(owner, bytes);
@@ -317,24 +331,34 @@ impl Inner {
 
     /// Ends the holds whose deadline passed (their blocks were never used: wasted).
     pub(crate) fn reap_preloads(&self, now: Instant) {
+        if self.preloads.lock().earliest.is_none_or(|e| e > now) {
+            return;
+        }
+        self.end_holds_where(|h| h.deadline <= now, true);
+    }
+
+    /// Ends the holds `end` picks: their blocks become ordinary cached blocks (with `wasted`,
+    /// the bytes preloads read for them are counted as wasted). Returns how many.
+    pub(crate) fn end_holds_where(&self, end: impl Fn(&Held) -> bool, wasted: bool) -> usize {
         let gone: Vec<(MapKey, Held)> = {
             let mut m = self.preloads.lock();
-            if m.earliest.is_none_or(|e| e > now) {
-                return;
-            }
             let keys: Vec<MapKey> = m
                 .map
                 .iter()
-                .filter(|(_, h)| h.deadline <= now)
+                .filter(|(_, h)| end(h))
                 .map(|(k, _)| *k)
                 .collect();
-            let gone = keys
+            if keys.is_empty() {
+                return 0;
+            }
+            let gone: Vec<(MapKey, Held)> = keys
                 .into_iter()
                 .filter_map(|k| m.map.remove(&k).map(|h| (k, h)))
                 .collect();
             m.earliest = m.map.values().map(|h| h.deadline).min();
             gone
         };
+        let n = gone.len();
         for (mk, h) in gone {
             let key = BlockKey::from(mk);
             if let Some(e) = self.shard(key).lock().map.get_mut(&mk) {
@@ -342,11 +366,12 @@ impl Inner {
                     e.set_preloaded(false);
                 }
             }
-            if h.read {
+            if wasted && h.read {
                 self.stats.prefetch_wasted_bytes.fetch_add(h.bytes, Relaxed);
             }
             self.drop_hold(key, h);
         }
+        n
     }
 
     fn prefetch(
@@ -440,7 +465,7 @@ impl Inner {
                         }
                         full = true;
                         cut.get_or_insert(i);
-                    } else if self.hold_in_host(*k, deadline, quota.owner) {
+                    } else if self.hold_in_host(*k, deadline, quota.owner, tag) {
                         planned += len;
                         out.held += 1;
                     }
@@ -793,6 +818,47 @@ mod tests {
         assert_eq!(s.prefetch(&[key(0)], 0, far, 20).waiting, 1);
         assert_eq!(s.cancel_prefetch(5), 0, "nothing queued to cancel");
         assert_eq!(s.stats().prefetch.waiting_keys, 3);
+        drop(s);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn cancel_and_disconnect_end_the_holds_of_their_hints() {
+        let (s, d) = on_disk_with("cancel-holds", 8, 512 << 10, 512 << 10);
+        let far = Instant::now() + Duration::from_secs(60);
+        // Tag 1 preloads two blocks from disk; once read they are held for its load.
+        assert_eq!(s.prefetch(&[key(0), key(1)], 0, far, 1).queued, 2);
+        wait_in_host(&s, &[key(0), key(1)]);
+        // Another engine (owner 7) preloads one, and holds one already in host memory.
+        let q = PrefetchQuota {
+            owner: 7,
+            max_bytes: 256 << 10,
+            max_waiting_keys: 8,
+        };
+        assert_eq!(s.prefetch_as(&[key(2)], 0, far, 2, q).queued, 1);
+        wait_in_host(&s, &[key(2)]);
+        let p = s.prefetch_as(&[key(1), key(3)], 0, far, 3, q);
+        assert_eq!((p.in_host, p.held, p.queued), (1, 0, 1), "key 1 is held by tag 1");
+        wait_in_host(&s, &[key(3)]);
+        assert_eq!(s.stats().prefetch.held_bytes, 4 * 60_000);
+        // The request of tag 1 finished without loading: its holds end at once, not at the
+        // hint's deadline a minute from now.
+        assert_eq!(s.cancel_prefetch(1), 2);
+        assert_eq!(s.stats().prefetch.held_bytes, 2 * 60_000);
+        assert_eq!(s.cancel_prefetch(1), 0);
+        // Owner 7's engine went away: every hold its hints made ends.
+        assert_eq!(s.cancel_prefetch_of_owner(7), 2);
+        let st = s.stats().prefetch;
+        assert_eq!((st.held_bytes, st.wasted_bytes), (0, 0), "{st:?}");
+        assert_eq!(s.cancel_prefetch_of_owner(0), 0, "owner 0 is nobody");
+        // The blocks stay cached, as ordinary blocks now: loads find them, eviction may take
+        // them.
+        for i in 0..4 {
+            let mut out = vec![0u8; 60_000];
+            assert!(s.get_into(&key(i), &mut out).unwrap().is_some());
+            assert_eq!(out, data(i));
+        }
+        assert_eq!(s.stats().prefetch.in_time, 0, "no hold was left for the loads");
         drop(s);
         let _ = std::fs::remove_dir_all(&d);
     }

@@ -319,11 +319,12 @@ impl Inner {
         let (mut m, below) = self.match_prefix_in(keys, true);
         let present = m.n;
         self.continues(keys, present);
-        if tokens_per_block == 0
-            || rate.is_nan()
-            || rate <= 0.0
-            || m.tiers.iter().all(|t| *t == Tier::Host)
-        {
+        if tokens_per_block == 0 || rate.is_nan() || rate <= 0.0 {
+            return (m, present);
+        }
+        // `as` saturates: an infinite rate reads as u64::MAX.
+        self.stats.break_even_prefill.store(rate as u64, Relaxed);
+        if m.tiers.iter().all(|t| *t == Tier::Host) {
             return (m, present);
         }
         let compute = f64::from(tokens_per_block) / rate;

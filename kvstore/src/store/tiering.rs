@@ -362,18 +362,20 @@ impl Inner {
         }
     }
 
-    /// Cancels the queued (not yet started, not escalated) preloads of `tag`; returns how
-    /// many blocks they held.
-    pub(crate) fn cancel_prefetch(&self, tag: u64) -> usize {
+    /// Cancels the queued (not yet started, not escalated) preloads of hints that `cancel`
+    /// picks (by tag and owner), their rest still waiting for room, and ends the holds they
+    /// made; returns how many blocks that was. Preloads being read finish, and their blocks
+    /// are held until the hint's deadline.
+    pub(crate) fn cancel_prefetch_where(&self, cancel: impl Fn(u64, u64) -> bool) -> usize {
         let gone: Vec<PromoteJob> = {
             let mut q = self.work.q.lock();
             let (gone, keep) = std::mem::take(&mut q.prefetch)
                 .into_iter()
-                .partition(|j| j.hint.is_some_and(|h| h.tag == tag));
+                .partition(|j| j.hint.is_some_and(|h| cancel(h.tag, h.owner)));
             q.prefetch = keep;
             let (dropped, waiting): (VecDeque<_>, VecDeque<_>) = std::mem::take(&mut q.waiting)
                 .into_iter()
-                .partition(|w| w.tag == tag);
+                .partition(|w| cancel(w.tag, w.quota.owner));
             q.waiting = waiting;
             for w in &dropped {
                 q.waiting_keys -= w.keys.len();
@@ -392,7 +394,9 @@ impl Inner {
             self.finish_promotions(&j.items, &[], None);
             n += j.items.len();
         }
+        n += self.end_holds_where(|h| cancel(h.tag, h.owner), false);
         self.stats.prefetch_cancelled.fetch_add(n as u64, Relaxed);
+        self.work.room_changed();
         self.progress.bump();
         n
     }
@@ -744,7 +748,7 @@ impl Inner {
             let ok = self.finish_promotions(
                 &job.items,
                 &outcomes,
-                job.hint.map(|h| (h.deadline, h.owner)),
+                job.hint.map(|h| (h.deadline, h.owner, h.tag)),
             );
             if let Some(h) = job.hint {
                 {
@@ -776,7 +780,7 @@ impl Inner {
         &self,
         items: &[Promote],
         outcomes: &[ReadOutcome],
-        preload: Option<(Instant, u64)>,
+        preload: Option<(Instant, u64, u64)>,
     ) -> Vec<bool> {
         let read = |i: usize, p: &Promote| match outcomes.get(i) {
             Some(ReadOutcome::Hit(info)) if info.len == p.len => Some(*info),
@@ -797,7 +801,7 @@ impl Inner {
             let mk = MapKey::from(p.key);
             let published = match read(i, p) {
                 Some(info) => {
-                    if let Some((deadline, owner)) = preload {
+                    if let Some((deadline, owner, tag)) = preload {
                         // Recorded before it is visible: a load that finds it preloaded
                         // always finds the hold to release.
                         let old = self.preloads.lock().insert(
@@ -808,6 +812,7 @@ impl Inner {
                                 bytes: u64::from(info.len),
                                 read: true,
                                 owner,
+                                tag,
                             },
                         );
                         self.add_hold_bytes(owner, u64::from(info.len));
