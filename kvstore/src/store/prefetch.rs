@@ -16,7 +16,8 @@
 //! - Real loads go first: the reader takes every load's promotion before any preload, and a
 //!   load that waits for a block a queued preload holds moves that job to the front.
 //! - A preload whose deadline passed before the reader reached it is dropped unread; `cancel`
-//!   drops the queued preloads of a tag (an aborted or finished request).
+//!   drops the queued preloads of a tag (an aborted or finished request) and ends the holds it
+//!   made; an engine's disconnect cancels all its hints.
 //! - A preloaded block is held in host memory (it keeps the promotion's pin: eviction leaves it)
 //!   until a load uses it or its hint's deadline passes; then it is an ordinary clean block.
 //!   One hold per block, however many hints name it: the first load ends it.
@@ -51,7 +52,8 @@ pub struct PrefetchStats {
     pub in_time: u64,
     /// Preloaded blocks a load had to wait for (the preload was still queued or being read).
     pub late: u64,
-    /// Preloads cancelled before they were read (their request went away).
+    /// Preloads cancelled before they were read, and holds ended, because their request (or
+    /// its engine) went away.
     pub cancelled: u64,
     /// Preloads dropped unread because their deadline passed first.
     pub expired: u64,
