@@ -367,3 +367,51 @@ def test_pages_continuing_a_prefix_sglang_holds_are_kept_on_disk(tmp_path):
     finally:
         p.terminate()
         assert p.wait(timeout=60) == 0
+
+
+def test_batch_exists_brings_disk_pages_to_host_memory_before_batch_get(tmp_path):
+    """SGLang calls batch_exists when a request joins the waiting queue: the hit pages found
+    only on disk are read into host memory then (a preload), so the batch_get that follows
+    reads host memory only: no disk read during it."""
+    p = subprocess.Popen(
+        [str(REPO / "target" / "debug" / "kvtierd"), "--data-dir", str(tmp_path),
+         "--host-capacity", "32M", "--disk-capacity", "128M", "--grpc", "127.0.0.1:0",
+         "--metrics", "127.0.0.1:0", "--set", "host.segment=16M",
+         "--set", "disk.admission=always", "--set", "log=warn"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        f = dict(w.split("=", 1) for w in line.split() if "=" in w)
+
+        def disk_bytes_read():
+            out = subprocess.run([str(REPO / "target" / "debug" / "kvtier"), "--addr", f["grpc"],
+                                  "--json", "stats"], capture_output=True, text=True, check=True)
+            import json
+            tiers = json.loads(out.stdout)["tiers"]
+            return next(t["bytes_read"] for t in tiers if t["tier"] == "disk")
+
+        b = make({"mode": "sidecar", "socket": f["socket"]}, model="m/preload")
+        key = lambda i: f"{i:064x}"  # noqa: E731
+        hit = [key(i) for i in range(1, 5)]
+        assert b.batch_set(hit, [page(i) for i in range(1, 5)])
+        # One-off pages, twice the host tier: the hit leaves host memory for the disk.
+        filler = list(torch.ones(64, page(0).numel(), dtype=DT).unbind(0))
+        for i in range(0, 512, 64):
+            assert b.batch_set([key(1000 + j) for j in range(i, i + 64)], filler)
+        before = disk_bytes_read()
+        page_bytes = page(0).numel() * page(0).element_size()
+        assert b.batch_exists(hit) == 4
+        deadline = time.monotonic() + 20
+        while disk_bytes_read() < before + 4 * page_bytes:
+            assert time.monotonic() < deadline, "the preload never read the pages"
+            time.sleep(0.02)
+        read = disk_bytes_read()
+        assert read == before + 4 * page_bytes, "each page read once, all four were on disk"
+        out = [torch.zeros_like(page(0)) for _ in hit]
+        got = b.batch_get(hit, out)
+        assert all(g is o for g, o in zip(got, out))
+        assert all(torch.equal(o, page(i)) for o, i in zip(out, range(1, 5)))
+        assert disk_bytes_read() == read, "batch_get read the disk: the preload was not used"
+    finally:
+        p.terminate()
+        assert p.wait(timeout=60) == 0
