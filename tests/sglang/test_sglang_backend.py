@@ -6,6 +6,7 @@ store), embedded and through kvtierd. The v1 tests use SGLang's own host pools
 (MHATokenToKVPoolHost in every layout, MLATokenToKVPoolHost), built on CPU from a CPU device
 pool as SGLang's cache controller builds them."""
 
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -386,7 +387,6 @@ def test_batch_exists_brings_disk_pages_to_host_memory_before_batch_get(tmp_path
         def disk_bytes_read():
             out = subprocess.run([str(REPO / "target" / "debug" / "kvtier"), "--addr", f["grpc"],
                                   "--json", "stats"], capture_output=True, text=True, check=True)
-            import json
             tiers = json.loads(out.stdout)["tiers"]
             return next(t["bytes_read"] for t in tiers if t["tier"] == "disk")
 
