@@ -408,6 +408,9 @@ fn break_even_admission_refuses_a_tier_slower_than_recomputing() {
     assert_eq!(m.n, 6);
     let st = store.stats();
     assert_eq!((st.break_even_cuts, st.break_even_blocks_cut), (1, 4));
-    assert_eq!(st.break_even_prefill_tokens_per_s, 10, "the rate the last lookup stated");
+    assert_eq!(
+        st.break_even_prefill_tokens_per_s, 10,
+        "the rate the last lookup stated"
+    );
     drop(faults);
 }

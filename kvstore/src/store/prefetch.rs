@@ -840,7 +840,11 @@ mod tests {
         assert_eq!(s.prefetch_as(&[key(2)], 0, far, 2, q).queued, 1);
         wait_in_host(&s, &[key(2)]);
         let p = s.prefetch_as(&[key(1), key(3)], 0, far, 3, q);
-        assert_eq!((p.in_host, p.held, p.queued), (1, 0, 1), "key 1 is held by tag 1");
+        assert_eq!(
+            (p.in_host, p.held, p.queued),
+            (1, 0, 1),
+            "key 1 is held by tag 1"
+        );
         wait_in_host(&s, &[key(3)]);
         assert_eq!(s.stats().prefetch.held_bytes, 4 * 60_000);
         // The request of tag 1 finished without loading: its holds end at once, not at the
@@ -860,7 +864,11 @@ mod tests {
             assert!(s.get_into(&key(i), &mut out).unwrap().is_some());
             assert_eq!(out, data(i));
         }
-        assert_eq!(s.stats().prefetch.in_time, 0, "no hold was left for the loads");
+        assert_eq!(
+            s.stats().prefetch.in_time,
+            0,
+            "no hold was left for the loads"
+        );
         drop(s);
         let _ = std::fs::remove_dir_all(&d);
     }

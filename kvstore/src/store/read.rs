@@ -552,7 +552,10 @@ impl Inner {
             }
         }
         // Submit our promotions, then wait for them and for others', with one deadline.
-        let from: Vec<Tier> = batches.iter().map(|(ti, _)| self.tiers[*ti].kind()).collect();
+        let from: Vec<Tier> = batches
+            .iter()
+            .map(|(ti, _)| self.tiers[*ti].kind())
+            .collect();
         let mut promoted: Vec<(Vec<Promote>, Arc<Ticket>)> = batches
             .into_iter()
             .map(|(ti, items)| (items.clone(), self.enqueue_promotions(ti, items)))
