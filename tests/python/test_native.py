@@ -319,7 +319,9 @@ def test_preload_hints_move_disk_blocks_into_host_memory(tmp_path, mode):
             time.sleep(0.02)
         assert s.lookup(keys)[2][3] == "disk"
         assert s.get(keys[1]) == bytes([1]) * 70_000
-        # Nothing queued is left to cancel; a gap ends the hint's prefix.
+        # The request is done: cancelling its hint ends the holds left (keys 0 and 2; key 1's
+        # ended at its load), then nothing is left to cancel. A gap ends a hint's prefix.
+        assert s.cancel_prefetch(5) == 2
         assert s.cancel_prefetch(5) == 0
         assert s.prefetch([keys[0], b"\0" * 16, keys[2]])["present"] == 1
         if mode == "embedded":
