@@ -72,7 +72,8 @@ pub struct Encoding {
 /// Longest engine hash kept (vLLM's SHA-256 block hashes are 32 bytes).
 pub const MAX_ENGINE_HASH: usize = 32;
 
-/// Most blocks whose engine hash is kept (about 70 bytes each): past it, new blocks are
+/// Most blocks whose engine hash is kept (an 80-byte entry each, 90–185 bytes with the hash
+/// table's load): past it, new blocks are
 /// published under their kvtier keys (counted in `EngineHashes::refused`).
 const MAX_ENGINE_HASHES: usize = 8 << 20;
 
