@@ -645,7 +645,10 @@ impl<'d> Conn<'d> {
                 })
             }
             request::Body::CancelPrefetch(c) => {
-                let n = store.cancel_prefetch(crate::Daemon::preload_tag(self.serial, c.tag));
+                let n = store.cancel_prefetch_as(
+                    crate::Daemon::preload_tag(self.serial, c.tag),
+                    self.serial,
+                );
                 response::Body::CancelPrefetch(pb::CancelPrefetchReply {
                     cancelled: n as u32,
                 })

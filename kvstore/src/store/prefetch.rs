@@ -183,6 +183,14 @@ impl Store {
         self.inner.cancel_prefetch_where(|t, _| t == tag)
     }
 
+    /// [`Store::cancel_prefetch`] on behalf of one client ([`PrefetchQuota::owner`]): only its
+    /// own hints, whatever tag another client chose (a client of the daemon's socket cannot
+    /// cancel another's preloads or end its holds).
+    pub fn cancel_prefetch_as(&self, tag: u64, owner: u64) -> usize {
+        self.inner
+            .cancel_prefetch_where(|t, o| t == tag && o == owner)
+    }
+
     /// [`Store::cancel_prefetch`] for every hint of one client ([`PrefetchQuota::owner`]): the
     /// daemon calls it when an engine disconnects.
     pub fn cancel_prefetch_of_owner(&self, owner: u64) -> usize {
@@ -846,6 +854,9 @@ mod tests {
             "key 1 is held by tag 1"
         );
         wait_in_host(&s, &[key(3)]);
+        assert_eq!(s.stats().prefetch.held_bytes, 4 * 60_000);
+        // Another client naming owner 7's tag cancels nothing of owner 7's.
+        assert_eq!(s.cancel_prefetch_as(3, 8), 0);
         assert_eq!(s.stats().prefetch.held_bytes, 4 * 60_000);
         // The request of tag 1 finished without loading: its holds end at once, not at the
         // hint's deadline a minute from now.
