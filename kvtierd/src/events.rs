@@ -38,6 +38,10 @@ use crate::config::EventsSection;
 /// Most block events in one batch.
 const MAX_EVENTS_PER_BATCH: usize = 4096;
 
+/// How long the first event of a batch waits for others (vLLM's own publisher sends one batch
+/// per scheduler step, tens of milliseconds apart).
+const GATHER: Duration = Duration::from_millis(2);
+
 /// Most bytes of batches queued for the publisher, and kept for replay: `hwm` and
 /// `buffer_steps` count batches, and a batch holds up to 4096 events (~80 KiB), so saves
 /// from engines alone must not make the daemon hold gigabytes of events.
@@ -403,7 +407,14 @@ pub async fn start(
             .name(format!("kvtierd-events-{t}"))
             .spawn(move || {
                 let mut buf = Vec::with_capacity(MAX_EVENTS_PER_BATCH);
+                let mut backlog = false;
                 while let Ok(first) = rx_events.recv() {
+                    // Let a stream of saves gather for a moment unless a backlog waits: the
+                    // store's emit then finds no parked receiver to wake (a futex call per
+                    // event otherwise), and batches come out fuller.
+                    if !backlog {
+                        std::thread::sleep(GATHER);
+                    }
                     buf.clear();
                     buf.push(first);
                     while buf.len() < MAX_EVENTS_PER_BATCH {
@@ -412,6 +423,7 @@ pub async fn start(
                             Err(_) => break,
                         }
                     }
+                    backlog = buf.len() == MAX_EVENTS_PER_BATCH;
                     let hashes = engine.resolve_all(t, &buf);
                     let rs = {
                         let m = tokens.lock();
