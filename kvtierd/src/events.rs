@@ -10,7 +10,10 @@
 //!   buffered batch from that sequence on, `[topic, sequence, payload]` each, then
 //!   `[b"", -1, b""]`.
 //!
-//! Events come from the store's event channel: `BlockStored` / `BlockRemoved` with `medium`
+//! The first batch of a run (sequence 0) is `AllBlocksCleared`: a subscriber that knew this
+//! node from an earlier run of the daemon forgets it (host memory starts empty; the engine
+//! hashes of the blocks the disk tier kept are not kept across restarts). Later events come
+//! from the store's event channel: `BlockStored` / `BlockRemoved` with `medium`
 //! `CPU` (host tier) or `STORAGE` (disk tier). A block committed with the engine's own hash (the
 //! vLLM connector sends vLLM's block hashes with its commits) is published under that hash, as
 //! vLLM's publisher would; the daemon keeps it in [`EngineHashes`] (outside the store's
@@ -351,6 +354,33 @@ pub fn batch(ts: f64, runs: &[Run], enc: Encoding) -> Vec<u8> {
     b
 }
 
+/// The batch a daemon publishes first: `[ts, [AllBlocksCleared], 0]`. A subscriber that knew
+/// this node's blocks from an earlier run of the daemon (ZMQ reconnects it on its own; the
+/// sequence starts again at 0) forgets them: host memory starts empty, and the engine hashes
+/// of the blocks the disk tier kept are not kept across restarts.
+pub fn cleared_batch(ts: f64, enc: Encoding) -> Vec<u8> {
+    let mut b = Vec::with_capacity(40);
+    let _ = rmp::encode::write_array_len(&mut b, 3);
+    let _ = rmp::encode::write_f64(&mut b, ts);
+    let _ = rmp::encode::write_array_len(&mut b, 1);
+    if enc.array {
+        let _ = rmp::encode::write_array_len(&mut b, 1);
+    } else {
+        let _ = rmp::encode::write_map_len(&mut b, 1);
+        str_(&mut b, "type");
+    }
+    str_(&mut b, "AllBlocksCleared");
+    let _ = rmp::encode::write_uint(&mut b, 0);
+    b
+}
+
+fn now_secs() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or(Duration::ZERO)
+        .as_secs_f64()
+}
+
 /// `tcp://*:P` → `tcp://0.0.0.0:P` (the pure-Rust ZMQ binds an address).
 fn bind_addr(endpoint: &str) -> String {
     endpoint.replacen("tcp://*:", "tcp://0.0.0.0:", 1)
@@ -397,6 +427,12 @@ pub async fn start(
     let topic = bytes::Bytes::from(cfg.topic.clone().into_bytes());
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<u8>>(cfg.hwm);
     let queued = Arc::new(AtomicU64::new(0));
+    // Sequence 0: whatever a subscriber knew of this node is void.
+    let first = cleared_batch(now_secs(), enc);
+    queued.fetch_add(first.len() as u64, Relaxed);
+    tx.try_send(first)
+        .map_err(|_| anyhow::anyhow!("events: the publisher's queue refused its first batch"))?;
+    stats.events.fetch_add(1, Relaxed);
     // One thread per store turns its events into encoded batches.
     for (t, store) in stores {
         let rx_events = store.subscribe(1 << 16);
@@ -434,11 +470,7 @@ pub async fn start(
                             |e| next.next().unwrap_or(Hash::Key(e.key.0)),
                         )
                     };
-                    let ts = SystemTime::now()
-                        .duration_since(UNIX_EPOCH)
-                        .unwrap_or(Duration::ZERO)
-                        .as_secs_f64();
-                    let payload = batch(ts, &rs, enc);
+                    let payload = batch(now_secs(), &rs, enc);
                     let len = payload.len() as u64;
                     if queued.load(Relaxed) + len > MAX_QUEUED_BYTES {
                         stats.dropped_batches.fetch_add(1, Relaxed);
