@@ -57,6 +57,14 @@ enum Cmd {
         /// Drop what has not started by then (0: the daemon's preload.deadline_ms).
         #[arg(long, default_value_t = 0)]
         deadline_ms: u64,
+        /// A tag of the caller's choice, to cancel the hint with `cancel-prefetch`.
+        #[arg(long, default_value_t = 0)]
+        tag: u64,
+    },
+    /// End the admin API's hints of one tag: their queued preloads and the blocks they hold.
+    CancelPrefetch {
+        /// The tag given to `prefetch --tag`.
+        tag: u64,
     },
     /// Remove every block of a namespace (by id, see `stats`).
     Clear {
@@ -403,6 +411,7 @@ async fn run() -> Result<()> {
             keys,
             priority,
             deadline_ms,
+            tag,
         } => {
             let keys = keys
                 .iter()
@@ -413,6 +422,7 @@ async fn run() -> Result<()> {
                     keys,
                     priority,
                     deadline_ms,
+                    tag,
                     ..Default::default()
                 })
                 .await
@@ -429,6 +439,24 @@ async fn run() -> Result<()> {
                 println!(
                     "{} leading keys present: {} in host memory ({} held for the load), {} being promoted, {} queued now, {} waiting for room, {} given up",
                     r.present, r.in_host, r.held, r.joined, r.queued, r.waiting, r.dropped
+                );
+            }
+        }
+        Cmd::CancelPrefetch { tag } => {
+            let r = c
+                .cancel_prefetch(pb::CancelPrefetchRequest {
+                    tag,
+                    ..Default::default()
+                })
+                .await
+                .map_err(explain)?
+                .into_inner();
+            if cli.json {
+                println!("{}", json!({"cancelled": r.cancelled}));
+            } else {
+                println!(
+                    "{} hints, queued preloads and holds of tag {tag} ended",
+                    r.cancelled
                 );
             }
         }

@@ -125,7 +125,7 @@ impl AdminService {
         let s = &self.d.cfg.server;
         if s.token.is_empty() && !s.allow_unauthenticated_admin {
             return Err(Status::permission_denied(
-                "admin writes (pin, unpin, clear) need server.token (clients send it as a bearer token), or server.allow_unauthenticated_admin = true",
+                "admin writes (pin, unpin, clear, prefetch, cancel-prefetch) need server.token (clients send it as a bearer token), or server.allow_unauthenticated_admin = true",
             ));
         }
         Ok(())
@@ -423,6 +423,20 @@ impl Admin for AdminService {
             dropped: p.dropped as u32,
             held: p.held as u32,
             waiting: p.waiting as u32,
+        }))
+    }
+
+    async fn cancel_prefetch(
+        &self,
+        req: Request<pb::CancelPrefetchRequest>,
+    ) -> Result<Response<pb::CancelPrefetchReply>, Status> {
+        self.write_allowed()?;
+        let r = req.get_ref();
+        let (_, store) = self.store(&r.tenant)?;
+        // The admin API's hints are owner 0 with tags in scope 0 (see `prefetch`).
+        let n = store.cancel_prefetch_as(crate::Daemon::preload_tag(0, r.tag), 0);
+        Ok(Response::new(pb::CancelPrefetchReply {
+            cancelled: n as u32,
         }))
     }
 

@@ -270,6 +270,7 @@ def test_block_ids_outside_the_cache_are_refused():
 def test_preload_hints_move_disk_blocks_into_host_memory(tmp_path, mode):
     """A hint promotes the blocks found only on disk into host memory in the background; the
     lookup then says host for them; a hint of a missing prefix stops where the prefix ends."""
+    import json
     import pathlib
     import subprocess
     import time
@@ -293,7 +294,8 @@ def test_preload_hints_move_disk_blocks_into_host_memory(tmp_path, mode):
         args = [str(daemon), "--data-dir", str(tmp_path / "d"), "--host-capacity", "64M",
                 "--disk-capacity", "128M", "--grpc", "127.0.0.1:0", "--metrics", "127.0.0.1:0",
                 "--set", "host.segment=4M", "--set", "log=warn",
-                "--set", "disk.admission=always"]
+                "--set", "disk.admission=always",
+                "--set", "server.allow_unauthenticated_admin=true"]
         p = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
         sock = next(w[7:] for w in p.stdout.readline().split() if w.startswith("socket="))
         w = kvtier.Sidecar(sock, "writer")
@@ -304,7 +306,7 @@ def test_preload_hints_move_disk_blocks_into_host_memory(tmp_path, mode):
         p.terminate()
         assert p.wait(timeout=60) == 0  # flushed to disk
         p = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-        p.stdout.readline()
+        grpc = next(w[5:] for w in p.stdout.readline().split() if w.startswith("grpc="))
         s = kvtier.Sidecar(sock, "reader")
         s.register_namespace(enc)
         stop = p
@@ -324,6 +326,24 @@ def test_preload_hints_move_disk_blocks_into_host_memory(tmp_path, mode):
         assert s.cancel_prefetch(5) == 2
         assert s.cancel_prefetch(5) == 0
         assert s.prefetch([keys[0], b"\0" * 16, keys[2]])["present"] == 1
+        if mode == "sidecar":
+            # A hint from the admin API (a router's), cancelled there: it holds keys 0 and 1
+            # (in host memory) and queues key 3 (on disk); an engine's cancel of the same tag
+            # does not touch it (hints belong to whoever sent them).
+            cli = pathlib.Path(__file__).resolve().parents[2] / "target" / "debug" / "kvtier"
+
+            def admin(*a):
+                out = subprocess.run([str(cli), "--addr", grpc, "--json", *a],
+                                     capture_output=True, text=True, timeout=60)
+                assert out.returncode == 0, out.stderr
+                return json.loads(out.stdout.strip().splitlines()[-1])
+
+            r = admin("prefetch", keys[0].hex(), keys[1].hex(), keys[2].hex(), keys[3].hex(),
+                      "--tag", "9", "--deadline-ms", "30000")
+            assert r["present"] == 4 and r["in_host"] == 3, r
+            assert s.cancel_prefetch(9) == 0
+            assert admin("cancel-prefetch", "9")["cancelled"] >= 3
+            assert admin("cancel-prefetch", "9")["cancelled"] == 0
         if mode == "embedded":
             st = s.stats()
             assert st["prefetch_hinted"] == 3 and st["prefetch_in_time"] >= 1
