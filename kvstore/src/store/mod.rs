@@ -368,7 +368,9 @@ impl Store {
             b => b,
         };
         let prefetch_max_held = match cfg.prefetch_max_held_bytes {
-            0 => n_segments * cfg.segment_bytes / 2,
+            // Three eighths: tuned on the Mooncake trace and the three synthetic traces at a
+            // queueing arrival rate (bench/RESULTS.md, "held bound").
+            0 => n_segments * cfg.segment_bytes / 8 * 3,
             b => b,
         }
         .max(prefetch_max_inflight);
