@@ -330,6 +330,9 @@ def test_vllm_engines_share_kv_through_kvtierd(model, ref, tmp_path):
         for out, name in zip(cleared, "CD"):
             assert out["num_cached_tokens"] == 0
             same(out, ref[name])
+        # No prefill rate configured: the engine measured its own from C's prefill step (its
+        # worker's timing, through vLLM's worker metadata) and stated it with D's lookup.
+        assert d.cli("stats")["break_even_prefill_tokens_per_s"] > 0
         dec = msgspec.msgpack.Decoder(type=KVEventBatch)
         ours = []
         while sub.poll(1000):

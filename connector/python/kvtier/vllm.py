@@ -39,9 +39,13 @@ Extra config keys:
         own while the forward pass starts: every block is pinned and checksum-verified first,
         then each layer is copied in order and ``wait_for_layer_load`` waits only for its own
         layer. Models with several KV-cache groups move whole requests.
-  prefill_tokens_per_s: the engine's prefill rate; when set, break-even admission loads a block
-        from disk only if that beats recomputing it (each tier priced by its measured read
-        bandwidth and latency); 0 (default) loads every hit
+  prefill_tokens_per_s: the engine's prefill rate; break-even admission loads a block from
+        disk only if that beats recomputing it (each tier priced by its measured read bandwidth
+        and latency). 0 (default): measured from the engine's own steps on a CPU engine (the
+        tokens each step of at least 64 tokens computed over its forward pass's time, load
+        waits taken out, as workers report it through ``build_connector_worker_meta``;
+        exponentially weighted); until a step was measured, and on GPU engines (whose forward
+        pass the host does not wait for), every hit loads. "off": never price, load every hit
 
 kvtierd may restart under a running engine (a rolling upgrade): while it is away every lookup,
 load and save is a miss (logged once, counted), and the connection is made again with backoff
@@ -83,6 +87,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
+
+try:  # newer vLLM: workers report back to the scheduler's connector each step
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+except ImportError:  # pragma: no cover - older vLLM: no measured prefill rate
+    KVConnectorWorkerMetadata = object
 
 from . import PagedKv, engine_key, namespace_fingerprint
 from ._native import Cuda
@@ -152,6 +161,46 @@ class KvtierMetadata(KVConnectorMetadata):
     saves: list[_Transfer] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     async_load: bool = True
+    # Tokens the step computes (all requests): the workers time the forward pass for the
+    # measured prefill rate.
+    step_tokens: int = 0
+
+
+# Steps with fewer tokens (decode) say little about the prefill rate. Small steps run below
+# the engine's full rate (fixed costs per step): they understate it, which errs towards loading.
+MIN_TIMED_TOKENS = 64
+
+
+class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker → scheduler, per step: the tokens the step computed and the seconds its forward
+    pass took on this worker (load waits taken out). Workers of one step (tensor parallel)
+    aggregate to the slowest: the step is as fast as its slowest rank."""
+
+    def __init__(self, tokens: int, seconds: float):
+        self.tokens = tokens
+        self.seconds = seconds
+
+    def aggregate(self, other):
+        if not isinstance(other, KvtierWorkerMetadata):
+            return self
+        return KvtierWorkerMetadata(max(self.tokens, other.tokens),
+                                    max(self.seconds, other.seconds))
+
+
+class _PrefillRate:
+    """The engine's prefill rate as measured from its steps, exponentially weighted (a fifth
+    of each new step), in tokens/s; 0 until a step was measured."""
+
+    def __init__(self):
+        self.rate = 0.0
+        self.steps = 0
+
+    def note(self, tokens: int, seconds: float) -> None:
+        if tokens < MIN_TIMED_TOKENS or not seconds > 0:
+            return
+        r = tokens / seconds
+        self.rate = r if self.steps == 0 else 0.8 * self.rate + 0.2 * r
+        self.steps += 1
 
 
 class _LayerLoads:
@@ -481,7 +530,10 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         # lapsed while its request still queued was hinted again and waited for, where a plain
         # asynchronous load would have read at once.)
         self._hint_ttl_s = max(2 * self._deadline_s, 30.0)
-        self._prefill_rate = float(extra.get("prefill_tokens_per_s", 0.0))
+        rate = extra.get("prefill_tokens_per_s", 0.0)
+        self._measure_prefill = rate != "off"
+        self._prefill_rate = 0.0 if rate == "off" else float(rate)
+        self._measured = _PrefillRate()
         # kv_role: "kv_both" loads and saves, "kv_consumer" only loads, "kv_producer" only saves.
         kv_role = str(getattr(self._kv_transfer_config, "kv_role", None) or "kv_both")
         if kv_role not in ("kv_both", "kv_consumer", "kv_producer"):
@@ -650,7 +702,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         rid = request.request_id
         n, tiers = 0, []
         if keys:
-            n, _present, tiers = self._store.lookup(keys, self._block_size, self._prefill_rate)
+            n, _present, tiers = self._store.lookup(keys, self._block_size,
+                                                    self.prefill_rate())
         since = self._hinted.get(rid)
         if since is not None and n:
             host = next((i for i, t in enumerate(tiers) if t != "host"), n)
@@ -729,7 +782,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output):
         meta = KvtierMetadata(loads=self._loads, async_load=self._async,
-                              preempted=list(getattr(scheduler_output, "preempted_req_ids", None) or ()))
+                              preempted=list(getattr(scheduler_output, "preempted_req_ids", None) or ()),
+                              step_tokens=int(getattr(scheduler_output,
+                                                      "total_num_scheduled_tokens", 0) or 0))
         self._loads = []
         # A preempted request's blocks are freed now: its queued saves are flushed by the
         # workers (handle_preemptions), so it no longer needs delay_free for them.
@@ -804,8 +859,18 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         events, self._events = self._events, []
         return events
 
+    def prefill_rate(self) -> float:
+        """The prefill rate lookups state for break-even admission: the configured one, else
+        the one measured from the engine's steps (0: load every hit)."""
+        if self._prefill_rate > 0 or not self._measure_prefill:
+            return self._prefill_rate
+        return self._measured.rate
+
     def update_connector_output(self, connector_output):
         """Blocks that failed to load are recomputed by the engine: save them again then."""
+        wm = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(wm, KvtierWorkerMetadata):
+            self._measured.note(wm.tokens, wm.seconds)
         # A hybrid model's failed load fails its request: vLLM recomputes all of it, so all of
         # it is saved again.
         for rid in getattr(connector_output, "failed_recving", None) or ():
@@ -1064,6 +1129,11 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)
+        # The forward pass starts after this (and after start_load_kv, whose synchronous loads
+        # are taken out of the step's time): wait_for_save ends the timing.
+        self._step_t0 = time.perf_counter()
+        self._step_waited = 0.0
+        self._step_timed = None
         # The step's layer-by-layer saves begin here, before the forward pass (vLLM calls
         # start_load_kv after it when the step has no synchronous loads).
         # A step whose forward pass never reached wait_for_save: its saves commit now (on a
@@ -1079,6 +1149,13 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                                       starts=[t.req_id for t in saves])
 
     def start_load_kv(self, forward_context, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            self._start_load_kv()
+        finally:
+            self._step_waited += time.perf_counter() - t0
+
+    def _start_load_kv(self):
         meta = self._get_connector_metadata()
         if self._cuda is not None and meta.loads:
             # Loads write blocks only after what the engine's stream queued before them.
@@ -1102,6 +1179,13 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name):
         if self._layer_loads is None:
             return
+        t0 = time.perf_counter()
+        try:
+            self._wait_for_layer_load(layer_name)
+        finally:
+            self._step_waited += time.perf_counter() - t0
+
+    def _wait_for_layer_load(self, layer_name):
         layer = self._layer_index.get(layer_name)
         if layer is None:
             # A layer kvtier does not know: wait for every layer rather than guess.
@@ -1142,9 +1226,17 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             self._mover.submit_op(lambda: step.layer(layer, after))
 
     def wait_for_save(self):
-        # The forward pass is over: the step's layer-wise loads are all in.
-        self._finish_layer_loads()
+        # The forward pass is over (on a CPU engine; a GPU's runs on after the host queued it,
+        # so its steps are not timed): the step's layer-wise loads are all in.
         meta = self._get_connector_metadata()
+        t0 = getattr(self, "_step_t0", None)
+        if (t0 is not None and self._cuda is None
+                and getattr(meta, "step_tokens", 0) >= MIN_TIMED_TOKENS):
+            secs = time.perf_counter() - t0 - self._step_waited
+            if secs > 0:
+                self._step_timed = (meta.step_tokens, secs)
+        self._step_t0 = None
+        self._finish_layer_loads()
         # A synchronous load that failed: vLLM recomputes from the failed block, but this
         # pass already computed (and would save) the blocks after it over stale KV.
         failed = self._failed
@@ -1178,6 +1270,11 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             # be reused at once (delay_free covers only finished requests): this step's saves
             # are written before the step ends.
             self._mover.wait_saves({t.req_id for t in meta.saves})
+
+    def build_connector_worker_meta(self):
+        """The step's timing for the scheduler's measured prefill rate (None: not timed)."""
+        timed, self._step_timed = getattr(self, "_step_timed", None), None
+        return None if timed is None else KvtierWorkerMetadata(*timed)
 
     def _transfers_done(self, finished_req_ids) -> tuple[set[str], set[str], set[str]]:
         """Requests whose saves are written, whose loads finished, and (hybrid models) whose
