@@ -827,6 +827,12 @@ mod tests {
         // A new hint waits behind them; cancelling a waiting hint takes it off the list.
         assert_eq!(s.prefetch(&[key(0)], 0, far, 20).waiting, 1);
         assert_eq!(s.cancel_prefetch(5), 0, "nothing queued to cancel");
+        // (If the reader was resuming hint 5 just then, it cancels what it had in hand once
+        // it is done with it.)
+        let t = Instant::now();
+        while s.stats().prefetch.waiting_keys != 3 && t.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(2));
+        }
         assert_eq!(s.stats().prefetch.waiting_keys, 3);
         drop(s);
         let _ = std::fs::remove_dir_all(&d);
@@ -882,6 +888,38 @@ mod tests {
         );
         drop(s);
         let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn a_hint_cancelled_while_its_preload_is_read_holds_nothing() {
+        // A slow disk (200 ms a read): the cancel comes while the reader reads the hint's job.
+        let (mut s, d) = on_disk("cancel-reading", 2, 0);
+        s.wrap_disk_engine(|inner| {
+            let f = crate::io::fault::FaultEngine::new(inner);
+            f.set_plan(crate::io::fault::FaultPlan {
+                delay: Duration::from_millis(200),
+                ..Default::default()
+            });
+            std::sync::Arc::new(f)
+        });
+        let far = Instant::now() + Duration::from_secs(60);
+        let keys: Vec<BlockKey> = (0..2).map(key).collect();
+        assert_eq!(s.prefetch(&keys, 0, far, 5).queued, 2);
+        std::thread::sleep(Duration::from_millis(50)); // the reader has taken it
+        assert_eq!(s.cancel_prefetch(5), 0, "nothing queued or held yet");
+        wait_in_host(&s, &keys);
+        // Published (the bytes were read), but held for no request: not until the deadline a
+        // minute away.
+        let until = Instant::now() + Duration::from_secs(10);
+        while s.stats().prefetch.held_bytes > 0 {
+            assert!(Instant::now() < until, "{:?}", s.stats().prefetch);
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(s.stats().prefetch.cancelled, 2);
+        // The next hint of the same blocks holds them again (a new request).
+        assert_eq!(s.prefetch(&keys, 0, far, 6).held, 2);
+        drop(s);
+        let _ = std::fs::remove_dir_all(d);
     }
 
     #[test]

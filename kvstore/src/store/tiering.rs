@@ -157,6 +157,10 @@ struct Queues {
     /// The first waiting hint made no progress when last resumed: not again until room
     /// changes.
     resume_stalled: bool,
+    /// The (tag, owner) of the preload job the reader is reading now, and whether its hint
+    /// was cancelled meanwhile (its holds then end as soon as the read is published).
+    reading: Option<(u64, u64)>,
+    reading_cancelled: bool,
     /// Committed blocks to push to the write-behind tier (each holds one pin), and their bytes
     /// (retries included).
     push: VecDeque<Demote>,
@@ -377,6 +381,9 @@ impl Inner {
                 .into_iter()
                 .partition(|w| cancel(w.tag, w.quota.owner));
             q.waiting = waiting;
+            if q.reading.is_some_and(|(t, o)| cancel(t, o)) {
+                q.reading_cancelled = true;
+            }
             for w in &dropped {
                 q.waiting_keys -= w.keys.len();
                 q.waiting_by_owner.sub(w.quota.owner, w.keys.len() as u64);
@@ -399,6 +406,21 @@ impl Inner {
         self.work.room_changed();
         self.progress.bump();
         n
+    }
+
+    /// The reader is done with the hint it took (a preload job read and published, or a
+    /// waiting hint resumed): if the hint was cancelled meanwhile, the cancel missed what the
+    /// reader had in hand, so it runs again now (the holds it published, the jobs and waiting
+    /// rest a resume queued). A cancel after this point finds them itself.
+    fn done_reading(&self, hint: (u64, u64)) {
+        let cancelled = {
+            let mut q = self.work.q.lock();
+            q.reading = None;
+            std::mem::take(&mut q.reading_cancelled)
+        };
+        if cancelled {
+            self.cancel_prefetch_where(|t, o| (t, o) == hint);
+        }
     }
 
     /// Takes the first waiting hint whose owner may have room: one its quota cut waits until
@@ -692,7 +714,10 @@ impl Inner {
                 } else if let Some(i) = (0..q.prefetch.len())
                     .max_by_key(|&i| (q.prefetch[i].hint.map_or(0, |h| h.priority), usize::MAX - i))
                 {
-                    q.prefetch.remove(i)
+                    let j = q.prefetch.remove(i);
+                    q.reading = j.hint.map(|h| (h.tag, h.owner));
+                    q.reading_cancelled = false;
+                    j
                 } else if !q.stop && !q.waiting.is_empty() {
                     // Room came back: the first waiting hint's turn (whose owner has room).
                     let Some(w) = self.next_waiting(&mut q) else {
@@ -702,11 +727,15 @@ impl Inner {
                     };
                     q.waiting_keys -= w.keys.len();
                     q.waiting_by_owner.sub(w.quota.owner, w.keys.len() as u64);
+                    let hint = (w.tag, w.quota.owner);
+                    q.reading = Some(hint);
+                    q.reading_cancelled = false;
                     drop(q);
                     let progress = self.resume_hint(w);
                     if !progress {
                         self.work.q.lock().resume_stalled = true;
                     }
+                    self.done_reading(hint);
                     continue;
                 } else {
                     return;
@@ -722,6 +751,8 @@ impl Inner {
                     let mut q = self.work.q.lock();
                     q.prefetch_bytes -= h.bytes;
                     q.inflight_by_owner.sub(h.owner, h.bytes);
+                    q.reading = None;
+                    q.reading_cancelled = false;
                 }
                 self.progress.bump();
                 continue;
@@ -756,6 +787,7 @@ impl Inner {
                     q.prefetch_bytes -= h.bytes;
                     q.inflight_by_owner.sub(h.owner, h.bytes);
                 }
+                self.done_reading((h.tag, h.owner));
                 // Published preloads keep their pin (held, see `Inner::release_preload`).
                 self.reap_preloads(Instant::now());
                 self.work.room_changed();
