@@ -22,8 +22,8 @@
 //!   until a load uses it or its hint's deadline passes; then it is an ordinary clean block.
 //!   One hold per block, however many hints name it: the first load ends it.
 //!   Held bytes and those in flight together are bounded too (`prefetch_max_held_bytes`, by
-//!   default three eighths of the host tier), so hints can never take more host memory than that. Bytes
-//!   held until their deadline unused are counted as wasted.
+//!   default three eighths of the host tier), so hints can never take more host memory than
+//!   that. Bytes held until their deadline unused are counted as wasted.
 //! - A hint whose prefix is cached (partly) tells the store which blocks continue it: the
 //!   first 4 blocks (`CONTINUATION`) after the present prefix count as seen once (seen-twice
 //!   admission's doorkeeper), so they go to disk once the engine has saved them and they leave

@@ -157,8 +157,9 @@ struct Queues {
     /// The first waiting hint made no progress when last resumed: not again until room
     /// changes.
     resume_stalled: bool,
-    /// The (tag, owner) of the preload job the reader is reading now, and whether its hint
-    /// was cancelled meanwhile (its holds then end as soon as the read is published).
+    /// The (tag, owner) of the hint the reader has in hand (a preload job it reads, a waiting
+    /// hint it resumes), and whether that hint was cancelled meanwhile (the reader then
+    /// cancels it again once done: `done_reading`).
     reading: Option<(u64, u64)>,
     reading_cancelled: bool,
     /// Committed blocks to push to the write-behind tier (each holds one pin), and their bytes
