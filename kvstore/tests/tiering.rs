@@ -414,3 +414,102 @@ fn break_even_admission_refuses_a_tier_slower_than_recomputing() {
     );
     drop(faults);
 }
+
+/// A remote peer that stopped answering: each read takes `stall`, then misses (what the
+/// remote tier returns when its peer timed out). It claims the keys it was given.
+struct StalledPeer {
+    keys: Vec<BlockKey>,
+    stall: Duration,
+    reads_done: std::sync::atomic::AtomicU64,
+}
+
+impl kvstore::LowerTier for StalledPeer {
+    fn kind(&self) -> Tier {
+        Tier::Remote
+    }
+    fn local(&self) -> bool {
+        false
+    }
+    fn lookup(&self, key: &BlockKey) -> Option<kvstore::BlockInfo> {
+        self.keys.contains(key).then_some(kvstore::BlockInfo {
+            len: 50_000,
+            ns: 0,
+            checksum: 0,
+        })
+    }
+    fn pin(&self, key: &BlockKey) -> bool {
+        self.keys.contains(key)
+    }
+    fn unpin(&self, _key: &BlockKey) {}
+    fn read(&self, items: Vec<kvstore::ReadItem>) -> Vec<kvstore::ReadOutcome> {
+        std::thread::sleep(self.stall);
+        self.reads_done
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        vec![kvstore::ReadOutcome::Miss; items.len()]
+    }
+    fn write(
+        &self,
+        items: Vec<kvstore::WriteItem>,
+        _still_wanted: &(dyn Fn(&BlockKey) -> bool + Sync),
+    ) -> Vec<kvstore::WriteOutcome> {
+        vec![kvstore::WriteOutcome::Failed; items.len()]
+    }
+    fn remove(&self, _key: &BlockKey) -> bool {
+        false
+    }
+    fn clear_namespace(&self, _ns: u16) -> Vec<BlockKey> {
+        Vec::new()
+    }
+    fn namespace_usage(&self) -> Vec<kvstore::NsUsage> {
+        Vec::new()
+    }
+    fn stats(&self) -> kvstore::TierStats {
+        kvstore::TierStats {
+            tier: Some(Tier::Remote),
+            ..Default::default()
+        }
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// A load waiting on a peer that stopped answering holds up only that peer's reads: another
+/// engine's load from the local disk is served meanwhile (each lower tier has a reader of its
+/// own).
+#[test]
+fn a_stalled_peer_does_not_hold_up_disk_loads() {
+    let tmp = dir("stalled-peer");
+    let d = tmp.path();
+    let store = config(d, true, 4).build().unwrap();
+    let id = ns(&store);
+    store.put(id, key(1), &data(1)).unwrap();
+    assert!(store.sync(SYNC));
+    store.flush();
+    drop(store);
+    let peer = Arc::new(StalledPeer {
+        keys: vec![key(100)],
+        stall: Duration::from_secs(3),
+        reads_done: Default::default(),
+    });
+    let mut cfg = config(d, true, 4);
+    cfg.remote = Some(kvstore::SharedTier(peer.clone()));
+    let store = Arc::new(cfg.build().unwrap());
+    let remote_load = {
+        let s = store.clone();
+        std::thread::spawn(move || s.load(&[key(100)]).map(|l| l.len()))
+    };
+    // The peer's reader is inside its stalled read now.
+    std::thread::sleep(Duration::from_millis(300));
+    let mut out = vec![0u8; 64 << 10];
+    let n = store.get_into(&key(1), &mut out).unwrap();
+    assert_eq!(n, Some(data(1).len()), "the disk block, promoted");
+    assert_eq!(&out[..data(1).len()], &data(1)[..]);
+    assert_eq!(
+        peer.reads_done.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "served while the peer's read was still stalled"
+    );
+    // The stalled read ends as a miss: nothing is served from it.
+    assert_eq!(remote_load.join().unwrap().unwrap(), 0);
+}

@@ -157,11 +157,10 @@ struct Queues {
     /// The first waiting hint made no progress when last resumed: not again until room
     /// changes.
     resume_stalled: bool,
-    /// The (tag, owner) of the hint the reader has in hand (a preload job it reads, a waiting
-    /// hint it resumes), and whether that hint was cancelled meanwhile (the reader then
-    /// cancels it again once done: `done_reading`).
-    reading: Option<(u64, u64)>,
-    reading_cancelled: bool,
+    /// The hints the readers have in hand (a preload job one reads, a waiting hint one
+    /// resumes): (reader, (tag, owner), cancelled meanwhile). A reader cancels its hint again
+    /// once done with it if a cancel came meanwhile (`done_reading`).
+    reading: Vec<(usize, (u64, u64), bool)>,
     /// Committed blocks to push to the write-behind tier (each holds one pin), and their bytes
     /// (retries included).
     push: VecDeque<Demote>,
@@ -244,7 +243,7 @@ impl Work {
         } else {
             q.waiting.push_back(w);
             q.resume_stalled = false;
-            self.reader_cv.notify_one();
+            self.reader_cv.notify_all();
         }
         true
     }
@@ -254,7 +253,7 @@ impl Work {
         let mut q = self.q.lock();
         if !q.waiting.is_empty() {
             q.resume_stalled = false;
-            self.reader_cv.notify_one();
+            self.reader_cv.notify_all();
         }
     }
 
@@ -317,7 +316,7 @@ impl Inner {
             ticket: ticket.clone(),
             hint: None,
         });
-        self.work.reader_cv.notify_one();
+        self.work.reader_cv.notify_all();
         ticket
     }
 
@@ -349,7 +348,7 @@ impl Inner {
             ticket,
             hint: Some(hint),
         });
-        self.work.reader_cv.notify_one();
+        self.work.reader_cv.notify_all();
         Ok(())
     }
 
@@ -369,8 +368,8 @@ impl Inner {
 
     /// Cancels the queued (not yet started, not escalated) preloads of hints that `cancel`
     /// picks (by tag and owner), their rest still waiting for room, and ends the holds they
-    /// made; returns how many blocks that was. Preloads being read finish, and their blocks
-    /// are held until the hint's deadline.
+    /// made; returns how many blocks that was. A preload being read (or a waiting hint being
+    /// resumed) is marked: its reader cancels what it published or queued once done.
     pub(crate) fn cancel_prefetch_where(&self, cancel: impl Fn(u64, u64) -> bool) -> usize {
         let gone: Vec<PromoteJob> = {
             let mut q = self.work.q.lock();
@@ -382,8 +381,8 @@ impl Inner {
                 .into_iter()
                 .partition(|w| cancel(w.tag, w.quota.owner));
             q.waiting = waiting;
-            if q.reading.is_some_and(|(t, o)| cancel(t, o)) {
-                q.reading_cancelled = true;
+            for r in q.reading.iter_mut().filter(|r| cancel(r.1 .0, r.1 .1)) {
+                r.2 = true;
             }
             for w in &dropped {
                 q.waiting_keys -= w.keys.len();
@@ -413,11 +412,13 @@ impl Inner {
     /// waiting hint resumed): if the hint was cancelled meanwhile, the cancel missed what the
     /// reader had in hand, so it runs again now (the holds it published, the jobs and waiting
     /// rest a resume queued). A cancel after this point finds them itself.
-    fn done_reading(&self, hint: (u64, u64)) {
+    fn done_reading(&self, reader: usize, hint: (u64, u64)) {
         let cancelled = {
             let mut q = self.work.q.lock();
-            q.reading = None;
-            std::mem::take(&mut q.reading_cancelled)
+            match q.reading.iter().position(|r| r.0 == reader) {
+                Some(i) => q.reading.swap_remove(i).2,
+                None => false,
+            }
         };
         if cancelled {
             self.cancel_prefetch_where(|t, o| (t, o) == hint);
@@ -682,16 +683,21 @@ impl Inner {
         }
     }
 
-    /// The reader: one promotion batch at a time.
-    fn reader_loop(&self) {
+    /// The reader of lower tier `me`: one promotion batch of that tier at a time (a slow
+    /// peer's reads never hold up the disk's). The first tier's reader also resumes the
+    /// waiting hints.
+    fn reader_loop(&self, me: usize) {
+        let resumer = me == 0;
+        let mine = |q: &Queues| {
+            q.promote.iter().any(|j| j.tier == me) || q.prefetch.iter().any(|j| j.tier == me)
+        };
         loop {
             let job = {
                 let mut q = self.work.q.lock();
-                while q.promote.is_empty()
-                    && q.prefetch.is_empty()
-                    && !self.can_resume(&q)
-                    && !q.stop
-                {
+                // Until there is a job of this tier, a waiting hint to resume (the first
+                // tier's reader), or the store stops.
+                let ready = |q: &Queues| mine(q) || (resumer && self.can_resume(q)) || q.stop;
+                while !ready(&q) {
                     self.work.reader_cv.wait(&mut q);
                 }
                 if q.stop && !q.waiting.is_empty() {
@@ -710,16 +716,21 @@ impl Inner {
                     }
                     continue;
                 }
-                if let Some(j) = q.promote.pop_front() {
-                    j
+                if let Some(i) = q.promote.iter().position(|j| j.tier == me) {
+                    match q.promote.remove(i) {
+                        Some(j) => j,
+                        None => continue,
+                    }
                 } else if let Some(i) = (0..q.prefetch.len())
+                    .filter(|&i| q.prefetch[i].tier == me)
                     .max_by_key(|&i| (q.prefetch[i].hint.map_or(0, |h| h.priority), usize::MAX - i))
                 {
                     let j = q.prefetch.remove(i);
-                    q.reading = j.hint.map(|h| (h.tag, h.owner));
-                    q.reading_cancelled = false;
+                    if let Some(h) = j.hint {
+                        q.reading.push((me, (h.tag, h.owner), false));
+                    }
                     j
-                } else if !q.stop && !q.waiting.is_empty() {
+                } else if resumer && !q.stop && !q.waiting.is_empty() {
                     // Room came back: the first waiting hint's turn (whose owner has room).
                     let Some(w) = self.next_waiting(&mut q) else {
                         // Every waiting hint's owner is at its quota: until room changes.
@@ -729,17 +740,18 @@ impl Inner {
                     q.waiting_keys -= w.keys.len();
                     q.waiting_by_owner.sub(w.quota.owner, w.keys.len() as u64);
                     let hint = (w.tag, w.quota.owner);
-                    q.reading = Some(hint);
-                    q.reading_cancelled = false;
+                    q.reading.push((me, hint, false));
                     drop(q);
                     let progress = self.resume_hint(w);
                     if !progress {
                         self.work.q.lock().resume_stalled = true;
                     }
-                    self.done_reading(hint);
+                    self.done_reading(me, hint);
                     continue;
-                } else {
+                } else if q.stop {
                     return;
+                } else {
+                    continue;
                 }
             };
             if let Some(h) = job.hint.filter(|h| Instant::now() >= h.deadline) {
@@ -752,8 +764,9 @@ impl Inner {
                     let mut q = self.work.q.lock();
                     q.prefetch_bytes -= h.bytes;
                     q.inflight_by_owner.sub(h.owner, h.bytes);
-                    q.reading = None;
-                    q.reading_cancelled = false;
+                    if let Some(i) = q.reading.iter().position(|r| r.0 == me) {
+                        q.reading.swap_remove(i);
+                    }
                 }
                 self.progress.bump();
                 continue;
@@ -788,7 +801,7 @@ impl Inner {
                     q.prefetch_bytes -= h.bytes;
                     q.inflight_by_owner.sub(h.owner, h.bytes);
                 }
-                self.done_reading((h.tag, h.owner));
+                self.done_reading(me, (h.tag, h.owner));
                 // Published preloads keep their pin (held, see `Inner::release_preload`).
                 self.reap_preloads(Instant::now());
                 self.work.room_changed();
@@ -1028,7 +1041,15 @@ impl Threads {
         };
         if !inner.tiers.is_empty() {
             handles.push(spawn("kvtier-writer", Inner::writer_loop)?);
-            handles.push(spawn("kvtier-reader", Inner::reader_loop)?);
+        }
+        // One reader per lower tier: a remote peer that times out holds up only its own reads.
+        for t in 0..inner.tiers.len() {
+            let i = inner.clone();
+            handles.push(
+                std::thread::Builder::new()
+                    .name(format!("kvtier-reader-{t}"))
+                    .spawn(move || i.reader_loop(t))?,
+            );
         }
         if inner.push_to.is_some() {
             handles.push(spawn("kvtier-pusher", Inner::pusher_loop)?);
