@@ -327,7 +327,7 @@ def test_preload_hints_move_disk_blocks_into_host_memory(tmp_path, mode):
         assert s.cancel_prefetch(5) == 0
         assert s.prefetch([keys[0], b"\0" * 16, keys[2]])["present"] == 1
         if mode == "sidecar":
-            # A hint from the admin API (a router's), cancelled there: it holds keys 0 and 1
+            # A hint from the admin API (a router's), cancelled there: it holds keys 0 to 2
             # (in host memory) and queues key 3 (on disk); an engine's cancel of the same tag
             # does not touch it (hints belong to whoever sent them).
             cli = pathlib.Path(__file__).resolve().parents[2] / "target" / "debug" / "kvtier"
