@@ -493,8 +493,18 @@ fn a_cluster_lookup_by_tokens_names_the_node_and_tier() {
     let nb = nodes.iter().find(|n| n["local"] == true).unwrap();
     assert_eq!(nb["node"], format!("127.0.0.1:{}", p[1]));
     // Once pushed, B can load all of it (its own tiers, then A's); a push that timed out
-    // lands with a retry, the last 16 s later.
-    wait_until("B can load the prefix", 45, || cli(&b, &args)["n"] == 5);
+    // lands with a retry (1 s, 4 s, then 16 s later, each with its 5 s deadline: up to ~40 s
+    // under the load of the parallel tests). On failure, both nodes' cluster counters say why.
+    let until = Instant::now() + Duration::from_secs(90);
+    while cli(&b, &args)["n"] != 5 {
+        assert!(
+            Instant::now() < until,
+            "B cannot load the prefix within 90 s: A {} B {}",
+            cli(&a, &["cluster"]),
+            cli(&b, &["cluster"])
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     // Block hashes need their namespace; a bad hash is a clear error.
     let exe = std::path::Path::new(env!("CARGO_BIN_EXE_kvtierd")).with_file_name("kvtier");
     let out = Command::new(exe)
