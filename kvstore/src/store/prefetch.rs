@@ -672,6 +672,18 @@ mod tests {
         (s, d)
     }
 
+    /// Every disk read of `s` takes `ms` longer.
+    fn slow_disk(s: &mut Store, ms: u64) {
+        s.wrap_disk_engine(|inner| {
+            let f = crate::io::fault::FaultEngine::new(inner);
+            f.set_plan(crate::io::fault::FaultPlan {
+                delay: Duration::from_millis(ms),
+                ..Default::default()
+            });
+            std::sync::Arc::new(f)
+        });
+    }
+
     fn wait_in_host(s: &Store, keys: &[BlockKey]) {
         let until = Instant::now() + Duration::from_secs(20);
         while !keys.iter().all(|k| s.in_host(k)) {
@@ -894,14 +906,7 @@ mod tests {
     fn a_hint_cancelled_while_its_preload_is_read_holds_nothing() {
         // A slow disk (200 ms a read): the cancel comes while the reader reads the hint's job.
         let (mut s, d) = on_disk("cancel-reading", 2, 0);
-        s.wrap_disk_engine(|inner| {
-            let f = crate::io::fault::FaultEngine::new(inner);
-            f.set_plan(crate::io::fault::FaultPlan {
-                delay: Duration::from_millis(200),
-                ..Default::default()
-            });
-            std::sync::Arc::new(f)
-        });
+        slow_disk(&mut s, 200);
         let far = Instant::now() + Duration::from_secs(60);
         let keys: Vec<BlockKey> = (0..2).map(key).collect();
         assert_eq!(s.prefetch(&keys, 0, far, 5).queued, 2);
@@ -975,14 +980,7 @@ mod tests {
         // Cancel: queued preloads of a tag are dropped unread and their slots come back. A
         // slow disk (200 ms a read) keeps the reader busy with the first hint.
         let (mut s, d) = on_disk("cancel", 8, 0);
-        s.wrap_disk_engine(|inner| {
-            let f = crate::io::fault::FaultEngine::new(inner);
-            f.set_plan(crate::io::fault::FaultPlan {
-                delay: Duration::from_millis(200),
-                ..Default::default()
-            });
-            std::sync::Arc::new(f)
-        });
+        slow_disk(&mut s, 200);
         let keys: Vec<BlockKey> = (0..8).map(key).collect();
         assert_eq!(s.prefetch(&keys[..2], 0, far, 7).queued, 2);
         std::thread::sleep(Duration::from_millis(50)); // the reader has taken it

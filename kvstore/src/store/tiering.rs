@@ -8,8 +8,9 @@
 //! - **pusher** (with a write-behind tier, the remote tier): committed blocks pushed to it in
 //!   batches, each pinned while queued; the queue is bounded by bytes and a block past it is
 //!   not pushed (counted), so no commit ever waits for the network.
-//! - **reader**: promotions (blocks read from a lower tier into reserved host slots), queued by
-//!   loads; a load waits for its own batch with one deadline and may abandon it.
+//! - **readers**, one per lower tier: promotions (blocks read from that tier into reserved host
+//!   slots), queued by loads; a load waits for its own batch with one deadline and may abandon
+//!   it. A peer that stopped answering holds up only the remote tier's reader.
 //! - **populator** (with `Populate::Background`): faults the arena in segment by segment and
 //!   hands each segment to the allocator as it is ready.
 //!
@@ -764,10 +765,8 @@ impl Inner {
                     let mut q = self.work.q.lock();
                     q.prefetch_bytes -= h.bytes;
                     q.inflight_by_owner.sub(h.owner, h.bytes);
-                    if let Some(i) = q.reading.iter().position(|r| r.0 == me) {
-                        q.reading.swap_remove(i);
-                    }
                 }
+                self.done_reading(me, (h.tag, h.owner));
                 self.progress.bump();
                 continue;
             }
