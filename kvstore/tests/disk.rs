@@ -439,7 +439,11 @@ fn remove_during_a_disk_write_is_not_undone() {
         });
         std::thread::scope(|s| {
             let t = s.spawn(|| store.put(n, key(1), &data(1)).unwrap());
-            std::thread::sleep(std::time::Duration::from_millis(100));
+            let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while !store.in_host(&key(1)) {
+                assert!(std::time::Instant::now() < until, "never committed");
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
             // The block is committed in host memory and its write-through is in flight.
             assert!(store.remove(&key(1)));
             t.join().unwrap();

@@ -363,25 +363,34 @@ fn bad_config_is_a_startup_error_naming_the_key() {
 
 #[test]
 fn uncommitted_reservations_expire_and_are_bounded() {
-    let d = Kvtierd::start("resv", &["--set", "server.reservation_ttl_ms=300"], true);
+    let d = Kvtierd::start("resv", &["--set", "server.reservation_ttl_ms=2000"], true);
     let mut c = d.client();
     let ns = c.register_namespace(&namespace()).unwrap();
+    let mut other = d.client();
     let s = c.reserve(ns, &[key(1)], &[1000]).unwrap();
     let SlotStatus::Slot { token, .. } = s[0] else {
         panic!("no slot: {s:?}")
     };
-    let mut other = d.client();
     assert_eq!(
         other.reserve(ns, &[key(1)], &[1000]).unwrap(),
         vec![SlotStatus::InFlight]
     );
-    std::thread::sleep(Duration::from_millis(800));
-    // The idle connection dropped its stale reservation: the key is writable again, and the
-    // late commit is refused (named as expired), never a success.
-    assert!(matches!(
-        other.reserve(ns, &[key(1)], &[1000]).unwrap()[0],
-        SlotStatus::Slot { .. }
-    ));
+    // The idle connection drops its stale reservation (past the TTL, checked every 200 ms):
+    // the key is writable again, and the late commit is refused (named as expired), never a
+    // success.
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = other.reserve(ns, &[key(1)], &[1000]).unwrap();
+        if matches!(s[0], SlotStatus::Slot { .. }) {
+            break;
+        }
+        assert_eq!(s, vec![SlotStatus::InFlight]);
+        assert!(
+            std::time::Instant::now() < until,
+            "the reservation never expired"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let r = c.commit(&[token]).unwrap();
     assert_eq!((r.committed, r.expired), (0, vec![token]));
     // One connection may not reserve more than half the host tier (64 MiB here).

@@ -43,26 +43,28 @@ def test_lookup_and_score_find_the_node_with_the_prefix(tmp_path):
         enc, fp = namespace_fingerprint(model="router/model", dtype="bf16", layout="nhd",
                                         block_tokens=16, tp_size=1, tp_rank=0)
         ns = side.register_namespace(enc)
-        keys = [engine_key(fp, bytes([i]) * 32) for i in range(6)]
+        # Twelve blocks: the chance that B owns every one (and, once A's pushes land, holds
+        # the whole prefix in host memory too) is 1/4096.
+        keys = [engine_key(fp, bytes([i]) * 32) for i in range(12)]
         for k in keys:
             assert side.put(ns, k, b"k" * 8192)
         # Asked through node B (which no engine wrote to): node A has all of it in host memory.
         r = router.lookup(b["grpc"], keys, cluster=True)
         by = {n["node"]: n for n in r["nodes"]}
         na = by[f"127.0.0.1:{ports[0]}"]
-        assert na["n"] == 6 and na["tiers"] == ["host"] * 6 and not na["local"], r
+        assert na["n"] == 12 and na["tiers"] == ["host"] * 12 and not na["local"], r
         assert by[f"127.0.0.1:{ports[1]}"]["local"]
         engines = {"on-a": f"127.0.0.1:{ports[0]}", "on-b": f"127.0.0.1:{ports[1]}"}
         costs = router.score(engines, keys=keys, via=b["grpc"])
         assert costs["on-a"] < costs["on-b"], costs
-        assert abs(costs["on-a"] - 6 * (1 - router.WEIGHTS["host"])) < 1e-9
+        assert abs(costs["on-a"] - 12 * (1 - router.WEIGHTS["host"])) < 1e-9
         # B's engine can still load what B does not hold from A (the remote weight).
-        assert costs["on-b"] <= 6 * (1 - router.WEIGHTS["remote"]) + 1e-9
-        # One lookup per node (no `via`): A answers host for all six.
+        assert costs["on-b"] <= 12 * (1 - router.WEIGHTS["remote"]) + 1e-9
+        # One lookup per node (no `via`): A answers host for all twelve.
         direct = router.score({"on-a": a["grpc"]}, keys=keys)
         assert abs(direct["on-a"] - costs["on-a"]) < 1e-9
         # GPU-resident blocks weigh most; an unknown prompt costs every block.
-        assert router.score({"on-a": a["grpc"]}, keys=keys, gpu={"on-a": 6})["on-a"] == 0.0
+        assert router.score({"on-a": a["grpc"]}, keys=keys, gpu={"on-a": 12})["on-a"] == 0.0
         other = [engine_key(fp, bytes([200 + i]) * 32) for i in range(4)]
         assert router.score(engines, keys=other, via=b["grpc"]) == {"on-a": 4.0, "on-b": 4.0}
         # Token ids with their namespace: kvtier's token keys, computed by the daemon.

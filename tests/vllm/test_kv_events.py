@@ -44,14 +44,42 @@ class Daemon:
         assert self.p.wait(timeout=60) == 0
 
 
-def subscriber(endpoint):
+def event_hashes(payload):
+    """The hashes of every BlockStored in a batch, either encoding."""
+    out = []
+    for e in msgspec.msgpack.decode(payload)[1]:
+        if isinstance(e, dict) and e.get("type") == "BlockStored":
+            out += e["block_hashes"]
+        elif isinstance(e, list) and e and e[0] == "BlockStored":
+            out += e[1]
+    return out
+
+
+def subscriber(endpoint, side):
+    """A SUB socket whose subscription has reached the publisher (ZMQ's slow joiner: a PUB
+    socket drops what it sends before). It saves probe blocks (their own namespace) until the
+    event of the last one arrives; every probe's batch came before it, so what the socket
+    reads next is the test's own."""
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.RCVHWM, 0)
     sub.connect(endpoint)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    time.sleep(0.5)  # ZMQ's slow joiner: the subscription reaches the publisher
-    return sub
+    enc, fp = namespace_fingerprint(model="probe", dtype="bf16", layout="events-test",
+                                    block_tokens=BLOCK_TOKENS, tp_size=1, tp_rank=0)
+    ns = side.register_namespace(enc)
+    end = time.monotonic() + 30
+    for i in range(1_000_000):
+        assert time.monotonic() < end, "the subscription never reached the publisher"
+        k = engine_key(fp, i.to_bytes(32, "little"))
+        assert side.put(ns, k, b"p" * 4096)
+        forms = (k, int.from_bytes(k[8:], "big"))
+        t = time.monotonic() + 0.2
+        while time.monotonic() < t:
+            if sub.poll(20) and any(h in forms for h in
+                                    event_hashes(sub.recv_multipart()[2])):
+                return sub
+    raise AssertionError("unreachable")
 
 
 def receive(sub, until, timeout=30.0):
@@ -99,8 +127,8 @@ def test_events_decode_with_vllms_classes_and_replay(tmp_path):
 
     d = Daemon(tmp_path / "d")
     try:
-        sub = subscriber(d.events)
         side = Sidecar(d.socket, "events-test")
+        sub = subscriber(d.events, side)
         ns, fp = setup_ns(side, "events-map")
         keys = [engine_key(fp, bytes([i]) * 32) for i in range(5)]
         for k in keys:
@@ -189,8 +217,8 @@ def test_array_encoding_with_int_hashes(tmp_path):
     d = Daemon(tmp_path / "d", "--set", "events.encoding=array",
                "--set", "events.int_hashes=true")
     try:
-        sub = subscriber(d.events)
         side = Sidecar(d.socket, "events-test")
+        sub = subscriber(d.events, side)
         ns, fp = setup_ns(side, "events-array")
         keys = [engine_key(fp, bytes([i]) * 32) for i in range(3)]
         for k in keys:
@@ -215,8 +243,8 @@ def test_a_burst_of_100k_saves_arrives_in_order_without_gaps(tmp_path):
     n = 100_000
     d = Daemon(tmp_path / "d", "--set", "events.buffer_steps=200000")
     try:
-        sub = subscriber(d.events)
         side = Sidecar(d.socket, "events-test")
+        sub = subscriber(d.events, side)
         ns, fp = setup_ns(side, "events-burst")
         keys = [engine_key(fp, i.to_bytes(32, "little")) for i in range(n)]
         got, stop = [], threading.Event()
