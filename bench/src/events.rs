@@ -247,11 +247,24 @@ pub fn run(args: EventsArgs) -> Result<()> {
     ready_rx
         .recv_timeout(Duration::from_secs(30))
         .context("the subscriber did not connect")?;
-    std::thread::sleep(Duration::from_millis(500)); // the subscription reaches the publisher
     let mut src = AlignedBuf::new(block)?;
     src.fill_pattern(5);
     let mut cw = IpcClient::connect(&with.socket, "kvtier-bench-events")?;
     let mut co = IpcClient::connect(&without.socket, "kvtier-bench-events")?;
+    // ZMQ's slow joiner: a PUB socket drops what it sends before the subscription reached it.
+    // Probe blocks (keys of their own) until one's event arrives, then let the rest drain.
+    let probes = Instant::now();
+    for i in 0u64.. {
+        ensure!(
+            probes.elapsed() < Duration::from_secs(60),
+            "the subscription never reached kvtierd's publisher"
+        );
+        put_all(&mut cw, 1, (1 << 60) + i, block, 1, &src)?;
+        if count_rx.recv_timeout(Duration::from_millis(200)).is_ok() {
+            while count_rx.recv_timeout(Duration::from_millis(300)).is_ok() {}
+            break;
+        }
+    }
     let (mut puts, mut rates) = (Vec::new(), Vec::new());
     for round in 0..args.rounds {
         let base = (round as u64 + 1) << 40;

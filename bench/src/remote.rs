@@ -554,6 +554,15 @@ fn replay(args: &RemoteArgs) -> Result<Vec<Row>> {
             for k in &keys[n..] {
                 s.put(ids[i % stores.len()], *k, &data)?;
             }
+            // Pushes go in the background: let them reach their owners before the next
+            // request, so that the pooled figure does not hang on how fast this machine is.
+            let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+            while pooled
+                && s.stats().push_queue_bytes > 0
+                && std::time::Instant::now() < until
+            {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
         }
         // The servers (and their store handles) go with the runtime, then the stores.
         drop(rt);

@@ -487,6 +487,9 @@ pub fn run_sidecar(
         args.push("--no-disk".into());
     }
     let side = crate::sidecar::Sidecar::start(bin, cfg.dir.clone(), &args)?;
+    // Host memory still being populated is taken by evicting, not by waiting: like the
+    // embedded store (populated as it is built), start with all of it there.
+    side.wait_populated(std::time::Duration::from_secs(600))?;
     let backend = Backend::sidecar(&side.socket, "kvtier-bench replay")?;
     let mut out = replay_through(&backend, reqs, cfg, progress)?;
     // Disk counters come from the admin API.

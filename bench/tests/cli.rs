@@ -452,7 +452,7 @@ fn soak_two_minutes_serves_no_wrong_bytes_and_loses_nothing_durable() {
             "--engines",
             "3",
             "--restart-every",
-            "20",
+            "10",
             "--keys",
             "128",
             "--json",
@@ -480,7 +480,9 @@ fn soak_two_minutes_serves_no_wrong_bytes_and_loses_nothing_durable() {
     assert_eq!(row("unclean SIGTERM exits")["value"], 0.0, "{stderr}");
     let c = &v["counts"];
     let n = |k: &str| c[k].as_f64().unwrap_or_else(|| panic!("no count {k}: {c}"));
-    assert!(n("restarts_kill9") + n("restarts_sigterm") >= 4.0, "{c}");
+    // (Each restart also waits for the engines and checks the durable blocks: on a loaded
+    // machine that takes tens of seconds.)
+    assert!(n("restarts_kill9") + n("restarts_sigterm") >= 3.0, "{c}");
     assert!(n("blocks_verified") > 100.0, "{c}");
     assert!(n("durable_checks") > 0.0, "{c}");
     assert!(n("engine_reconnects") >= 3.0, "{c}");

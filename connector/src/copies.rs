@@ -172,8 +172,18 @@ mod tests {
         let me = std::thread::current().id();
         let ids = c.map(&[16], |_| std::thread::current().id());
         assert_eq!(ids, vec![me]);
-        let ids = c.map(&[4 << 20; 8], |_| {
-            std::thread::sleep(std::time::Duration::from_millis(5));
+        // Two groups of four items. The first item of each waits (up to 10 s) until the other
+        // group started too: a thread waiting there cannot run the other group, so another
+        // thread must have taken it, however late the pool's threads start.
+        let started = AtomicUsize::new(0);
+        let ids = c.map(&[4 << 20; 8], |i| {
+            if i % 4 == 0 {
+                started.fetch_add(1, Ordering::SeqCst);
+                let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+                while started.load(Ordering::SeqCst) < 2 && std::time::Instant::now() < until {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+            }
             std::thread::current().id()
         });
         let mut distinct = ids.clone();

@@ -82,6 +82,9 @@ fn config(dir: &std::path::Path, write_through: bool, policy: PolicyKind) -> Sto
             write_through,
             max_batch_bytes: 256 << 10,
         }),
+        // A put into a full host tier of dirty blocks waits for the writer: on a busy disk
+        // that may take longer than the default 5 s (a put refused for room fails the model).
+        wait: Duration::from_secs(60),
         ..Default::default()
     }
 }

@@ -378,7 +378,10 @@ def test_batch_exists_brings_disk_pages_to_host_memory_before_batch_get(tmp_path
         [str(REPO / "target" / "debug" / "kvtierd"), "--data-dir", str(tmp_path),
          "--host-capacity", "32M", "--disk-capacity", "128M", "--grpc", "127.0.0.1:0",
          "--metrics", "127.0.0.1:0", "--set", "host.segment=16M",
-         "--set", "disk.admission=always", "--set", "log=warn"],
+         "--set", "disk.admission=always", "--set", "log=warn",
+         # (A full host tier of dirty pages: a save waits for the writer to make room, which
+         # a busy disk may take longer than the default 5 s to do.)
+         "--set", "server.load_wait_ms=60000"],
         stdout=subprocess.PIPE, text=True)
     try:
         line = p.stdout.readline()

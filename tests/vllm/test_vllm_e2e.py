@@ -277,12 +277,15 @@ def test_vllm_engines_share_kv_through_kvtierd(model, ref, tmp_path):
         assert after[0]["num_cached_tokens"] >= len(A) - BS
         same(after[0], ref["A"])
 
-        # Preloads on a slow disk (every I/O 300 ms), A's blocks on disk only after a restart.
+        # Preloads on a slow disk (every I/O 5 s, then 300 ms), A's blocks on disk only after a
+        # restart.
         # A 50 ms load deadline: the request waits 50 ms in the queue for its preloads, then
         # computes everything (nothing had arrived): no hit, the same output.
         slow = ("--set", "disk.fault_delay_ms=300")
         d.stop()
-        d.start(*slow)
+        # (5 s an I/O here: nothing can have arrived at the 50 ms deadline, however late the
+        # engine's scheduler looks.)
+        d.start("--set", "disk.fault_delay_ms=5000")
         late = engine(model, [A], d.conn(load_policy="timeout", load_deadline_ms=50))["outputs"]
         assert late[0]["num_cached_tokens"] == 0, late
         same(late[0], ref["A"])
@@ -410,8 +413,11 @@ def test_two_nodes_share_a_prefix_over_the_remote_tier(model, ref, tmp_path):
 
     ports = free_ports(2)
     members = "[" + ",".join(f'"127.0.0.1:{p}"' for p in ports) + "]"
+    # (A roomy peer deadline: on a loaded 2-core machine a push or a remote read may take
+    # seconds, and one that times out is a miss; the test is about bytes, not speed.)
     nodes = [Daemon(tmp_path / f"node{i}", "--set", f"cluster.listen=127.0.0.1:{p}",
-                    "--set", f"cluster.members={members}", "--set", "cluster.secret=e2e")
+                    "--set", f"cluster.members={members}", "--set", "cluster.secret=e2e",
+                    "--set", "cluster.timeout_ms=10000")
              for i, p in enumerate(ports)]
     a, b = nodes
     try:
@@ -421,12 +427,12 @@ def test_two_nodes_share_a_prefix_over_the_remote_tier(model, ref, tmp_path):
             same(out, ref[name])
         # Pushed to their owners in the background: node B sees every full block.
         side = Sidecar(b.socket, "e2e-test")
-        deadline = time.time() + 30
+        deadline = time.time() + 90  # a failed push is tried again 1, 4 and 16 s later
         while not all(side.match_prefix(keys(p)) == len(p) // BS for p in (A, C, F)):
             assert time.time() < deadline, "node B never saw the prefixes"
             time.sleep(0.2)
         del side
-        again = engine(model, [A, C, F], b.conn())["outputs"]
+        again = engine(model, [A, C, F], b.conn(load_deadline_ms=30000))["outputs"]
         assert again[0]["num_cached_tokens"] >= len(A) - BS
         same(again[0], ref["A"])
         assert again[1]["num_cached_tokens"] >= 2 * BS
