@@ -557,10 +557,7 @@ fn replay(args: &RemoteArgs) -> Result<Vec<Row>> {
             // Pushes go in the background: let them reach their owners before the next
             // request, so that the pooled figure does not hang on how fast this machine is.
             let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
-            while pooled
-                && s.stats().push_queue_bytes > 0
-                && std::time::Instant::now() < until
-            {
+            while pooled && s.stats().push_queue_bytes > 0 && std::time::Instant::now() < until {
                 std::thread::sleep(std::time::Duration::from_millis(1));
             }
         }
