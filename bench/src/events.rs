@@ -47,8 +47,12 @@ pub struct EventsArgs {
 }
 
 fn ns() -> Namespace {
+    named("bench-events")
+}
+
+fn named(model: &str) -> Namespace {
     Namespace {
-        model: "bench-events".into(),
+        model: model.into(),
         dtype: "bf16".into(),
         layout: "bench".into(),
         block_tokens: 16,
@@ -58,16 +62,17 @@ fn ns() -> Namespace {
     }
 }
 
-/// Puts `n` fresh blocks (keys from `base`); returns the seconds it took.
+/// Puts `n` fresh blocks (keys from `base`) in namespace `ns`; returns the seconds it took.
 fn put_all(
     c: &mut IpcClient,
+    ns: &Namespace,
     n: u64,
     base: u64,
     block: usize,
     batch: usize,
     src: &[u8],
 ) -> Result<f64> {
-    let sid = c.register_namespace(&ns())?;
+    let sid = c.register_namespace(ns)?;
     let t = Instant::now();
     let mut i = 0;
     while i < n {
@@ -252,14 +257,16 @@ pub fn run(args: EventsArgs) -> Result<()> {
     let mut cw = IpcClient::connect(&with.socket, "kvtier-bench-events")?;
     let mut co = IpcClient::connect(&without.socket, "kvtier-bench-events")?;
     // ZMQ's slow joiner: a PUB socket drops what it sends before the subscription reached it.
-    // Probe blocks (keys of their own) until one's event arrives, then let the rest drain.
+    // Probe blocks (a namespace of their own, which the clear below leaves alone) until one's
+    // event arrives, then let the rest drain.
+    let probe = named("bench-events-probe");
     let probes = Instant::now();
     for i in 0u64.. {
         ensure!(
             probes.elapsed() < Duration::from_secs(60),
             "the subscription never reached kvtierd's publisher"
         );
-        put_all(&mut cw, 1, (1 << 60) + i, block, 1, &src)?;
+        put_all(&mut cw, &probe, 1, (1 << 60) + i, block, 1, &src)?;
         if count_rx.recv_timeout(Duration::from_millis(200)).is_ok() {
             while count_rx.recv_timeout(Duration::from_millis(300)).is_ok() {}
             break;
@@ -273,10 +280,10 @@ pub fn run(args: EventsArgs) -> Result<()> {
         let without_first = round % 2 == 0;
         let mut t_without = 0.0;
         if without_first {
-            t_without = put_all(&mut co, args.blocks, base, block, args.batch, &src)?;
+            t_without = put_all(&mut co, &ns(), args.blocks, base, block, args.batch, &src)?;
         }
         let start = Instant::now();
-        let t_with = put_all(&mut cw, args.blocks, base, block, args.batch, &src)?;
+        let t_with = put_all(&mut cw, &ns(), args.blocks, base, block, args.batch, &src)?;
         let mut got = 0u64;
         let mut last = start;
         while got < args.blocks {
@@ -291,7 +298,7 @@ pub fn run(args: EventsArgs) -> Result<()> {
             last = at;
         }
         if !without_first {
-            t_without = put_all(&mut co, args.blocks, base, block, args.batch, &src)?;
+            t_without = put_all(&mut co, &ns(), args.blocks, base, block, args.batch, &src)?;
         }
         let put_without = args.blocks as f64 / t_without;
         puts.push((args.blocks as f64 / t_with, put_without));
