@@ -129,6 +129,7 @@ async fn a_prefix_saved_on_one_node_loads_byte_exact_on_another() {
     let id = register(&nodes);
     let (keys, data) = blocks(12, 1);
     let a = nodes[0].store;
+    let events = a.subscribe(1024);
     for (k, d) in keys.iter().zip(&data) {
         a.put(id, *k, d).unwrap();
     }
@@ -147,6 +148,21 @@ async fn a_prefix_saved_on_one_node_loads_byte_exact_on_another() {
     });
     let s = a.stats();
     assert_eq!(s.pushes as usize, keys.len() - own, "{s:?}");
+    // Each acknowledged push is an event: stored in the remote tier (KV events' `REMOTE`).
+    let pushed: std::collections::HashSet<BlockKey> = events
+        .try_iter()
+        .filter(|e| e.tier == Tier::Remote)
+        .map(|e| {
+            assert_eq!(e.kind, kvstore::EventKind::Stored);
+            e.key
+        })
+        .collect();
+    let to_others: std::collections::HashSet<BlockKey> = keys
+        .iter()
+        .copied()
+        .filter(|k| nodes[0].remote.placement().owner(k) != Some(nodes[0].addr.as_str()))
+        .collect();
+    assert_eq!(pushed, to_others);
     let c = nodes[2].store;
     tokio::task::block_in_place(|| {
         // The lookup names the tier of each block; two nodes agree on the owners.

@@ -14,7 +14,11 @@
 //! node from an earlier run of the daemon forgets it (host memory starts empty; the engine
 //! hashes of the blocks the disk tier kept are not kept across restarts). Later events come
 //! from the store's event channel: `BlockStored` / `BlockRemoved` with `medium`
-//! `CPU` (host tier) or `STORAGE` (disk tier). A block committed with the engine's own hash (the
+//! `CPU` (host tier) or `STORAGE` (disk tier), and `BlockStored` with `medium` `REMOTE` once a
+//! block's push to the remote tier (its owner node, or Redis) was acknowledged: this node can
+//! load it from there too. No `BlockRemoved` follows for `REMOTE`: the copy is the owner's,
+//! which publishes it, and its removal, as its own `CPU`/`STORAGE` (a Redis copy's TTL expiry
+//! is seen by no one); a router that finds it gone counts a miss, never wrong bytes. A block committed with the engine's own hash (the
 //! vLLM connector sends vLLM's block hashes with its commits) is published under that hash, as
 //! vLLM's publisher would; the daemon keeps it in [`EngineHashes`] (outside the store's
 //! per-block metadata, only while events are on) until the block has left every tier. A block
@@ -189,6 +193,11 @@ impl EngineHashes {
             return Hash::Key(e.key.0);
         };
         let hash = h.hash;
+        if e.tier == Tier::Remote {
+            // A pushed copy is another node's: its removal is never seen here, so it does not
+            // keep the hash (the host copy, pinned while it is pushed, does).
+            return Hash::Engine(hash);
+        }
         match e.kind {
             EventKind::Stored => h.tiers |= tier_bit(e.tier),
             EventKind::Removed => {
@@ -667,7 +676,10 @@ mod tests {
             hs.resolve(1, &ev(EventKind::Stored, 7, Tier::Host, 0)),
             Hash::Key(7)
         );
-        // Written below, then evicted from host: still known until it leaves the disk too.
+        // Pushed to its owner, written below, then evicted from host: still known until it
+        // leaves the disk too. The remote copy (whose removal is never seen here) keeps
+        // nothing.
+        assert_eq!(resolve(EventKind::Stored, 7, Tier::Remote), engine);
         assert_eq!(resolve(EventKind::Stored, 7, Tier::Disk), engine);
         assert_eq!(resolve(EventKind::Removed, 7, Tier::Host), engine);
         assert_eq!(hs.len(), 1);

@@ -4,6 +4,7 @@ on the PUB endpoint, a REQ socket on the replay endpoint, and vLLM's own classes
 
 import collections
 import json
+import os
 import subprocess
 import threading
 import time
@@ -69,9 +70,10 @@ def subscriber(endpoint, side):
                                     block_tokens=BLOCK_TOKENS, tp_size=1, tp_rank=0)
     ns = side.register_namespace(enc)
     end = time.monotonic() + 30
-    for i in range(1_000_000):
+    while True:
         assert time.monotonic() < end, "the subscription never reached the publisher"
-        k = engine_key(fp, i.to_bytes(32, "little"))
+        # (Random: another node's probes may be pushed here.)
+        k = engine_key(fp, os.urandom(32))
         assert side.put(ns, k, b"p" * 4096)
         forms = (k, int.from_bytes(k[8:], "big"))
         t = time.monotonic() + 0.2
@@ -79,7 +81,6 @@ def subscriber(endpoint, side):
             if sub.poll(20) and any(h in forms for h in
                                     event_hashes(sub.recv_multipart()[2])):
                 return sub
-    raise AssertionError("unreachable")
 
 
 def receive(sub, until, timeout=30.0):
@@ -285,3 +286,62 @@ def test_a_burst_of_100k_saves_arrives_in_order_without_gaps(tmp_path):
         del side
     finally:
         d.stop()
+
+
+def free_ports(n):
+    import socket
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def test_a_pushed_block_is_announced_remote_and_its_owner_announces_it_cpu(tmp_path):
+    """Two nodes: a block saved on A and owned by B is pushed to B. A announces it with medium
+    REMOTE once B acknowledged it (A's engines can load it from there); B announces its own
+    copy as CPU. The same blocks on both sides: every pushed block, and no other."""
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    ports = free_ports(2)
+    members = "[" + ",".join(f'"127.0.0.1:{p}"' for p in ports) + "]"
+    a, b = [Daemon(tmp_path / f"n{i}", "--set", f"cluster.listen=127.0.0.1:{p}",
+                   "--set", f"cluster.members={members}", "--set", "cluster.secret=ev",
+                   "--set", "cluster.timeout_ms=10000")
+            for i, p in enumerate(ports)]
+    try:
+        side_a, side_b = Sidecar(a.socket, "events-test"), Sidecar(b.socket, "events-test")
+        sub_a, sub_b = subscriber(a.events, side_a), subscriber(b.events, side_b)
+        ns, fp = setup_ns(side_a, "events-remote")
+        # Twelve blocks: that B owns none of them is a 1/4096 chance.
+        keys = [engine_key(fp, bytes([i]) * 32) for i in range(12)]
+        for k in keys:
+            assert side_a.put(ns, k, b"r" * 8192)
+        dec = msgspec.msgpack.Decoder(type=KVEventBatch)
+
+        def stored(sub, into):
+            """The test's blocks stored, by medium."""
+            while sub.poll(100):
+                for e in dec.decode(sub.recv_multipart()[2]).events:
+                    if isinstance(e, BlockStored):
+                        into.setdefault(e.medium, set()).update(
+                            h for h in e.block_hashes if h in keys)
+
+        on_a, on_b = {}, {}
+        end = time.monotonic() + 90  # a failed push is tried again 1, 4 and 16 s later
+        while True:
+            stored(sub_a, on_a)
+            stored(sub_b, on_b)
+            remote, cpu_a = on_a.get("REMOTE", set()), on_a.get("CPU", set())
+            if remote and remote == on_b.get("CPU") and len(cpu_a) == len(keys):
+                break
+            assert time.monotonic() < end, (on_a, on_b)
+        # Every block is in A's host memory; the pushed ones also with B.
+        assert remote <= set(keys)
+        assert a.cli("cluster")["pushes"] >= len(remote)
+        del side_a, side_b
+    finally:
+        a.stop()
+        b.stop()

@@ -563,6 +563,10 @@ impl Inner {
                 match o {
                     WriteOutcome::Written | WriteOutcome::Present => {
                         self.stats.pushes.fetch_add(1, Relaxed);
+                        // Now also loadable from the remote tier (its owner publishes its
+                        // own copy, and that copy's removal, as its host or disk tier's).
+                        self.events
+                            .emit(EventKind::Stored, d.key, tier.kind(), d.ns);
                     }
                     WriteOutcome::Cancelled => {}
                     WriteOutcome::Busy | WriteOutcome::Failed if *tries < PUSH_RETRIES => {
