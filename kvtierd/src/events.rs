@@ -18,10 +18,11 @@
 //! block's push to the remote tier (its owner node, or Redis) was acknowledged: this node can
 //! load it from there too. No `BlockRemoved` follows for `REMOTE`: the copy is the owner's,
 //! which publishes it, and its removal, as its own `CPU`/`STORAGE` (a Redis copy's TTL expiry
-//! is seen by no one); a router that finds it gone counts a miss, never wrong bytes. A block committed with the engine's own hash (the
-//! vLLM connector sends vLLM's block hashes with its commits) is published under that hash, as
-//! vLLM's publisher would; the daemon keeps it in [`EngineHashes`] (outside the store's
-//! per-block metadata, only while events are on) until the block has left every tier. A block
+//! is seen by no one); a router that finds it gone counts a miss, never wrong bytes. A block
+//! committed with the engine's own hash (the vLLM connector sends vLLM's block hashes with its
+//! commits) is published under that hash, as vLLM's publisher would; the daemon keeps it in
+//! [`EngineHashes`] (outside the store's per-block metadata, only while events are on) until
+//! the block has left every local tier. A block
 //! without one (raw IPC keys, SGLang, blocks recovered from disk after a restart) is published
 //! under its 16-byte kvtier key. With `events.int_hashes` a hash goes as vLLM's integer form (its
 //! low 64 bits, big-endian). `parent_block_hash` is nil and `token_ids` empty; `block_size` is
