@@ -427,6 +427,7 @@ fn break_even_admission_refuses_a_tier_slower_than_recomputing() {
 struct StalledPeer {
     keys: Vec<BlockKey>,
     stall: Duration,
+    reads_started: std::sync::atomic::AtomicU64,
     reads_done: std::sync::atomic::AtomicU64,
 }
 
@@ -449,6 +450,8 @@ impl kvstore::LowerTier for StalledPeer {
     }
     fn unpin(&self, _key: &BlockKey) {}
     fn read(&self, items: Vec<kvstore::ReadItem>) -> Vec<kvstore::ReadOutcome> {
+        self.reads_started
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         std::thread::sleep(self.stall);
         self.reads_done
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
@@ -497,6 +500,7 @@ fn a_stalled_peer_does_not_hold_up_disk_loads() {
     let peer = Arc::new(StalledPeer {
         keys: vec![key(100)],
         stall: Duration::from_secs(3),
+        reads_started: Default::default(),
         reads_done: Default::default(),
     });
     let mut cfg = config(d, true, 4);
@@ -506,8 +510,12 @@ fn a_stalled_peer_does_not_hold_up_disk_loads() {
         let s = store.clone();
         std::thread::spawn(move || s.load(&[key(100)]).map(|l| l.len()))
     };
-    // The peer's reader is inside its stalled read now.
-    std::thread::sleep(Duration::from_millis(300));
+    // Until the peer's reader is inside its stalled read.
+    let until = Instant::now() + Duration::from_secs(10);
+    while peer.reads_started.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < until, "the peer's read never started");
+        std::thread::sleep(Duration::from_millis(1));
+    }
     let mut out = vec![0u8; 64 << 10];
     let n = store.get_into(&key(1), &mut out).unwrap();
     assert_eq!(n, Some(data(1).len()), "the disk block, promoted");

@@ -14,6 +14,7 @@ import msgspec
 import zmq
 
 from kvtier import Sidecar, engine_key, namespace_fingerprint
+from test_vllm_e2e import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCK_TOKENS = 16
@@ -286,17 +287,6 @@ def test_a_burst_of_100k_saves_arrives_in_order_without_gaps(tmp_path):
         del side
     finally:
         d.stop()
-
-
-def free_ports(n):
-    import socket
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def test_a_pushed_block_is_announced_remote_and_its_owner_announces_it_cpu(tmp_path):

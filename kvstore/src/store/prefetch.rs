@@ -684,6 +684,16 @@ mod tests {
         });
     }
 
+    /// Until the reader took every queued preload job (it takes a job off the queue as it
+    /// starts reading it).
+    fn wait_taken(s: &Store) {
+        let until = Instant::now() + Duration::from_secs(10);
+        while s.stats().prefetch.queued_jobs > 0 {
+            assert!(Instant::now() < until, "{:?}", s.stats().prefetch);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     fn wait_in_host(s: &Store, keys: &[BlockKey]) {
         let until = Instant::now() + Duration::from_secs(20);
         while !keys.iter().all(|k| s.in_host(k)) {
@@ -916,12 +926,7 @@ mod tests {
         let far = Instant::now() + Duration::from_secs(60);
         let keys: Vec<BlockKey> = (0..2).map(key).collect();
         assert_eq!(s.prefetch(&keys, 0, far, 5).queued, 2);
-        // The reader takes the job off the queue as it starts reading it.
-        let until = Instant::now() + Duration::from_secs(10);
-        while s.stats().prefetch.queued_jobs > 0 {
-            assert!(Instant::now() < until, "{:?}", s.stats().prefetch);
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        wait_taken(&s);
         assert_eq!(s.cancel_prefetch(5), 0, "nothing queued or held yet");
         wait_in_host(&s, &keys);
         // Published (the bytes were read), but held for no request: not until the deadline a
@@ -995,7 +1000,7 @@ mod tests {
         slow_disk(&mut s, 200);
         let keys: Vec<BlockKey> = (0..8).map(key).collect();
         assert_eq!(s.prefetch(&keys[..2], 0, far, 7).queued, 2);
-        std::thread::sleep(Duration::from_millis(50)); // the reader has taken it
+        wait_taken(&s);
         assert_eq!(s.prefetch(&keys[2..4], 0, far, 8).queued, 2);
         assert_eq!(s.cancel_prefetch(8), 2);
         assert_eq!(s.cancel_prefetch(8), 0);
