@@ -28,6 +28,7 @@ pub mod io;
 mod key;
 pub mod policy;
 mod store;
+mod sync;
 mod tier;
 mod types;
 

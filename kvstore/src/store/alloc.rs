@@ -89,7 +89,7 @@ impl Inner {
             // back, a segment is populated, or a lease goes: wait for that, with the
             // request's one deadline.
             let busy =
-                self.work.demotions_pending() || self.populating() || self.leases.lock().len() > 0;
+                self.work.demote.pending() || self.populating() || self.leases.lock().len() > 0;
             if !busy || Instant::now() >= until {
                 return Err(StoreError::NoSpace { len });
             }
@@ -185,9 +185,16 @@ impl Inner {
     fn try_alloc_free(&self, class: usize, key: BlockKey) -> Option<(Slot, u32)> {
         let mut c = self.classes[class].lock();
         let c = &mut *c;
+        // (The pool's guard must not live through the `else` branches, as an `if let`
+        // scrutinee's temporary would: reclaiming takes shard locks.)
+        let pooled = if c.free.is_empty() {
+            self.segments.lock().pop()
+        } else {
+            None
+        };
         let idx = if let Some(idx) = c.free.pop() {
             idx
-        } else if let Some(seg) = self.segments.lock().pop() {
+        } else if let Some(seg) = pooled {
             c.add_segment(seg);
             c.free.pop()?
         } else {
@@ -215,9 +222,15 @@ impl Inner {
     ) -> Option<(Slot, u32)> {
         let mut c = self.classes[class].lock();
         let c = &mut *c;
+        // (Not an `if let` on the pool's lock: its guard would live through eviction.)
+        let pooled = if c.free.is_empty() {
+            self.segments.lock().pop()
+        } else {
+            None
+        };
         let idx = if let Some(idx) = c.free.pop() {
             Some(idx)
-        } else if let Some(seg) = self.segments.lock().pop() {
+        } else if let Some(seg) = pooled {
             c.add_segment(seg);
             c.free.pop()
         } else if let Some(seg) = self.reclaim_segment(class, false, demote) {
@@ -275,7 +288,7 @@ impl Inner {
         }
         if self.demote_to.is_some() && e.copy() == Copy::Dirty {
             if self.admitted(key, e.accessed()) {
-                if *queued < self.max_batch_bytes && self.work.demote_room(self.max_batch_bytes) {
+                if *queued < self.max_batch_bytes && self.work.demote.room(self.max_batch_bytes) {
                     *queued += u64::from(e.len);
                     e.set_copy(Copy::Demoting);
                     e.pins += 1;

@@ -20,6 +20,8 @@ mod prefetch;
 mod read;
 mod remove;
 mod slab;
+#[cfg(kvtier_shuttle)]
+mod shuttle_tests;
 mod tiering;
 mod write;
 
@@ -32,7 +34,7 @@ use std::sync::atomic::{
 use std::sync::Arc;
 use std::time::Duration;
 
-use parking_lot::{Condvar, Mutex, RwLock};
+use crate::sync::{level, Condvar, Mutex, RwLock};
 
 use crate::arena::Arena;
 use crate::disk::{Admission, DiskTier};
@@ -252,12 +254,22 @@ struct Doorkeeper {
 /// Wakes whoever waits for the store to change (a slot freed, a block published, a write
 /// done, a segment populated). Waiters re-check their condition; one deadline per request. A
 /// bump with nobody waiting costs one atomic increment.
-#[derive(Default)]
 pub(crate) struct Progress {
     gen: AtomicU64,
     waiters: AtomicU64,
     lock: Mutex<()>,
     cv: Condvar,
+}
+
+impl Default for Progress {
+    fn default() -> Self {
+        Self {
+            gen: AtomicU64::new(0),
+            waiters: AtomicU64::new(0),
+            lock: Mutex::new(level::LEAF, "progress", ()),
+            cv: Condvar::default(),
+        }
+    }
 }
 
 impl Progress {
@@ -324,10 +336,8 @@ pub(crate) struct Inner {
     /// Preloaded blocks no load has used yet: each keeps the promotion's pin (so eviction
     /// leaves it) until a load uses it or its hint's deadline passes.
     pub(crate) preloads: Mutex<prefetch::Holds>,
-    /// Their bytes (part of the preload budget).
+    /// Their bytes (part of the preload budget; per owner in the read queue).
     pub(crate) held_bytes: AtomicU64,
-    /// Of those, per hint owner (a leaf lock: nothing else is taken under it).
-    pub(crate) held_by_owner: Mutex<prefetch::PerOwner>,
     /// Measured read speed of each lower tier.
     pub(crate) speed: Vec<Mutex<Speed>>,
     pub(crate) wait: Duration,
@@ -421,7 +431,10 @@ impl Store {
         let classes = class_sizes
             .iter()
             .map(|&sz| {
-                Mutex::new(Class::new(
+                Mutex::new(
+                    level::CLASS,
+                    "class",
+                    Class::new(
                     sz,
                     cfg.segment_bytes,
                     n_segments as u32,
@@ -429,7 +442,9 @@ impl Store {
                 ))
             })
             .collect();
-        let shards = (0..cfg.shards).map(|_| Mutex::default()).collect();
+        let shards = (0..cfg.shards)
+            .map(|_| Mutex::new(level::SHARD, "shard", Shard::default()))
+            .collect();
         let background = cfg.populate == Populate::Background;
         let pool: Vec<u32> = if background {
             Vec::new()
@@ -459,26 +474,27 @@ impl Store {
             class_sizes,
             classes,
             populated: AtomicU32::new(pool.len() as u32),
-            segments: Mutex::new(pool),
+            segments: Mutex::new(level::LEAF, "segments", pool),
             n_segments: n_segments as u32,
             shards,
             shard_bits: cfg.shards.trailing_zeros(),
-            namespaces: RwLock::new(namespaces),
-            registering: Mutex::new(()),
-            leases: Mutex::default(),
+            namespaces: RwLock::new(level::NAMESPACES, "namespaces", namespaces),
+            registering: Mutex::new(level::REGISTERING, "registering", ()),
+            leases: Mutex::new(level::LEAF, "leases", Leases::default()),
             max_leases: cfg.max_leases,
             policy: cfg.policy,
             stats: Counters::default(),
-            doorkeeper: Mutex::default(),
+            doorkeeper: Mutex::new(level::LEAF, "doorkeeper", Doorkeeper::default()),
             events,
             admission,
             write_through,
             max_batch_bytes,
             verify_reads: cfg.verify_reads,
-            speed: (0..n_tiers).map(|_| Mutex::default()).collect(),
-            preloads: Mutex::default(),
+            speed: (0..n_tiers)
+                .map(|_| Mutex::new(level::LEAF, "speed", Speed::default()))
+                .collect(),
+            preloads: Mutex::new(level::HOLDS, "holds", prefetch::Holds::default()),
             held_bytes: AtomicU64::new(0),
-            held_by_owner: Mutex::default(),
             prefetch_max_inflight,
             prefetch_max_held,
             wait: cfg.wait,
@@ -710,6 +726,9 @@ impl Store {
             (l.len() as u64, l.pinned() as u64)
         };
         let q = inner.work.depths();
+        // (Read before the literal: a guard taken inside it would live to its end.)
+        let free_segments = inner.segments.lock().len() as u64;
+        let waiting_keys = inner.work.reads.waiting_keys() as u64;
         let policy_lru_leading_classes = inner
             .classes
             .iter()
@@ -728,7 +747,7 @@ impl Store {
             leases,
             leased_blocks,
             leases_expired: s.leases_expired.load(Relaxed),
-            free_segments: inner.segments.lock().len() as u64,
+            free_segments,
             populated_segments: u64::from(inner.populated.load(Relaxed)),
             total_segments: u64::from(inner.n_segments),
             promotions: s.promotions.load(Relaxed),
@@ -749,7 +768,7 @@ impl Store {
                 expired: s.prefetch_expired.load(Relaxed),
                 dropped: s.prefetch_dropped.load(Relaxed),
                 waited: s.prefetch_waited.load(Relaxed),
-                waiting_keys: inner.work.waiting_keys() as u64,
+                waiting_keys,
                 wasted_bytes: s.prefetch_wasted_bytes.load(Relaxed),
                 inflight_bytes: q.prefetch_bytes,
                 held_bytes: inner.held_bytes.load(Relaxed),

@@ -262,7 +262,7 @@ impl Inner {
     /// Bytes preloads may still take: the in-flight bound less those queued or being read,
     /// and the held bound less those and the ones held.
     pub(crate) fn prefetch_room(&self) -> u64 {
-        let inflight = self.work.prefetch_bytes();
+        let inflight = self.work.reads.prefetch_bytes();
         let held = self.held_bytes.load(Relaxed);
         self.prefetch_max_inflight
             .saturating_sub(inflight)
@@ -284,24 +284,23 @@ impl Inner {
 
     /// Bytes `owner`'s hints hold or have in flight.
     pub(crate) fn owner_bytes(&self, owner: u64) -> u64 {
-        if owner == 0 {
-            return 0;
-        }
-        self.held_by_owner.lock().get(owner) + self.work.owner_inflight(owner)
+        // One lock: the read queue keeps both counts (they were behind two locks taken in
+        // opposite orders by a hint and by reader 0: issue 35's deadlock).
+        self.work.reads.owner_bytes(owner)
     }
 
     /// Counts a new hold.
     pub(crate) fn add_hold_bytes(&self, owner: u64, bytes: u64) {
         self.held_bytes.fetch_add(bytes, Relaxed);
-        self.held_by_owner.lock().add(owner, bytes);
+        self.work.reads.add_held(owner, bytes);
     }
 
     /// Drops a hold's pin and bytes.
     pub(crate) fn drop_hold(&self, key: BlockKey, h: Held) {
         self.held_bytes.fetch_sub(h.bytes, Relaxed);
-        self.held_by_owner.lock().sub(h.owner, h.bytes);
+        self.work.reads.sub_held(h.owner, h.bytes);
         self.unpin(key, h.slot);
-        self.work.room_changed();
+        self.work.reads.room_changed();
     }
 
     /// Holds `key`, Ready in host memory, for the hint's load until `deadline` (one pin, so
@@ -394,7 +393,7 @@ impl Inner {
     ) -> Prefetch {
         self.reap_preloads(Instant::now());
         // Hints wait for room in order: behind any already waiting.
-        let behind = self.work.hints_waiting();
+        let behind = self.work.reads.hints_waiting();
         let out = self
             .walk_hint(keys, priority, deadline, tag, quota, behind, false)
             .0;
@@ -571,7 +570,7 @@ impl Inner {
                 quota,
                 owner_full_at: quota_cut.then_some(owner_bytes + planned),
             };
-            if self.work.wait_hint(w, resumed, WAITING_KEYS_MAX) {
+            if self.work.reads.wait_hint(w, resumed, WAITING_KEYS_MAX) {
                 out.waiting = n;
                 if !resumed {
                     self.stats.prefetch_waited.fetch_add(1, Relaxed);

@@ -1,0 +1,224 @@
+//! The pusher thread and the push queue it owns (with a write-behind tier, the remote tier):
+//! committed blocks pushed to it in batches, each pinned while queued; the queue is bounded by
+//! bytes and a block past it is not pushed (counted), so no commit ever waits for the network.
+//! A failed push is tried again after 1 s, 4 s and 16 s.
+//!
+//! Its lock is a leaf: nothing else is taken while it is held.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::{Duration, Instant};
+
+use crate::events::EventKind;
+use crate::io::IoBuf;
+use crate::key::BlockKey;
+use crate::sync::{level, Condvar, Mutex};
+use crate::tier::{WriteItem, WriteOutcome};
+use crate::types::MapKey;
+
+use super::super::Inner;
+use super::Demote;
+
+/// Tries of a failed push after the first, and the wait before the first of them (then 4×
+/// longer each time: 1 s, 4 s, 16 s, long enough for an owner's restart).
+const PUSH_RETRIES: u8 = 3;
+const PUSH_RETRY_FIRST: Duration = Duration::from_secs(1);
+
+#[derive(Default)]
+struct State {
+    /// Committed blocks to push (each holds one pin).
+    push: VecDeque<Demote>,
+    /// Their bytes, retries included.
+    bytes: u64,
+    /// Pushes that failed, waiting for their next try (due time, tries so far), due order.
+    retry: VecDeque<(Instant, u8, Demote)>,
+    stop: bool,
+}
+
+/// The push queue.
+pub(crate) struct Pushes {
+    q: Mutex<State>,
+    cv: Condvar,
+}
+
+impl Default for Pushes {
+    fn default() -> Self {
+        Self {
+            q: Mutex::new(level::LEAF, "pushes", State::default()),
+            cv: Condvar::default(),
+        }
+    }
+}
+
+/// What the pusher takes next.
+enum Next {
+    Batch(Vec<(u8, Demote)>),
+    /// Stopped: these were queued and are not pushed.
+    Stopped(Vec<Demote>),
+}
+
+impl Pushes {
+    /// Bytes queued (retries included).
+    pub(crate) fn bytes(&self) -> u64 {
+        self.q.lock().bytes
+    }
+
+    pub(super) fn stop(&self) {
+        self.q.lock().stop = true;
+        self.cv.notify_all();
+    }
+
+    /// Queues `d` unless the queue is full or stopped (then it is handed back).
+    fn push(&self, d: Demote, max_bytes: u64) -> Result<(), Demote> {
+        let mut q = self.q.lock();
+        if q.stop || q.bytes + u64::from(d.len) > max_bytes {
+            return Err(d);
+        }
+        q.bytes += u64::from(d.len);
+        q.push.push_back(d);
+        self.cv.notify_one();
+        Ok(())
+    }
+
+    /// Queues a failed push for its next try at `at`; false if stopped.
+    fn retry(&self, at: Instant, tries: u8, d: Demote) -> bool {
+        let mut q = self.q.lock();
+        if q.stop {
+            return false;
+        }
+        q.bytes += u64::from(d.len);
+        // Due order: a first retry (1 s) may come due before a later one (16 s) queued
+        // earlier.
+        let pos = q.retry.partition_point(|r| r.0 <= at);
+        q.retry.insert(pos, (at, tries, d));
+        true
+    }
+
+    /// The next batch: retries that are due, then queued blocks up to `max_bytes`.
+    fn next(&self, max_bytes: u64) -> Next {
+        let mut q = self.q.lock();
+        loop {
+            if q.stop {
+                let mut left: Vec<Demote> = q.push.drain(..).collect();
+                left.extend(q.retry.drain(..).map(|r| r.2));
+                q.bytes = 0;
+                return Next::Stopped(left);
+            }
+            let due = q.retry.front().is_some_and(|r| r.0 <= Instant::now());
+            if !q.push.is_empty() || due {
+                break;
+            }
+            match q.retry.front().map(|r| r.0) {
+                Some(at) => {
+                    self.cv.wait_until(&mut q, at);
+                }
+                None => self.cv.wait(&mut q),
+            }
+        }
+        let mut batch = Vec::new();
+        let mut bytes = 0u64;
+        let now = Instant::now();
+        while q.retry.front().is_some_and(|r| r.0 <= now) {
+            let Some((_, tries, d)) = q.retry.pop_front() else {
+                break;
+            };
+            bytes += u64::from(d.len);
+            batch.push((tries, d));
+        }
+        while let Some(d) = q.push.front() {
+            if !batch.is_empty() && bytes + u64::from(d.len) > max_bytes {
+                break;
+            }
+            bytes += u64::from(d.len);
+            batch.extend(q.push.pop_front().map(|d| (0, d)));
+        }
+        q.bytes -= bytes;
+        Next::Batch(batch)
+    }
+}
+
+impl Inner {
+    /// Queues a committed block (pinned for the push) for the write-behind tier; when the
+    /// queue is full it is not pushed (its pin is dropped, counted).
+    pub(crate) fn enqueue_push(&self, d: Demote) {
+        if let Err(d) = self.work.push.push(d, self.push_queue_bytes) {
+            self.stats.push_dropped.fetch_add(1, Relaxed);
+            self.unpin(d.key, d.slot);
+        }
+    }
+
+    /// The pusher: batches of committed blocks to the write-behind tier (the remote tier), in
+    /// commit order. A failed push is tried again after 1 s, 4 s and 16 s (an owner that
+    /// restarts or a breaker that closes again still gets the block), holding its pin and its
+    /// bytes of the push queue meanwhile; after that the block stays local only. Nothing waits
+    /// for a push.
+    pub(super) fn pusher_loop(&self) {
+        let Some(tier) = self.push_to.and_then(|i| self.tiers.get(i)) else {
+            return;
+        };
+        loop {
+            let batch = match self.work.push.next(self.max_batch_bytes) {
+                Next::Batch(b) => b,
+                Next::Stopped(left) => {
+                    // Shutting down: what is queued is not pushed.
+                    for d in left {
+                        self.unpin(d.key, d.slot);
+                    }
+                    return;
+                }
+            };
+            let items = batch
+                .iter()
+                .map(|(_, d)| {
+                    let checksum =
+                        self.classes[d.slot.class as usize].lock().sums[d.slot.idx as usize];
+                    WriteItem {
+                        key: d.key,
+                        ns: d.ns,
+                        // SAFETY: the block is committed and holds the push's pin until the
+                        // `unpin` below, so its slot is neither freed nor reused meanwhile.
+                        buf: unsafe { IoBuf::from_raw(self.ptr(d.page), d.cap) },
+                        len: d.len,
+                        checksum,
+                    }
+                })
+                .collect();
+            let still_wanted = |k: &BlockKey| {
+                self.shard(*k)
+                    .lock()
+                    .map
+                    .get(&MapKey::from(*k))
+                    .is_some_and(|e| e.ready())
+            };
+            let outcomes = tier.write(items, &still_wanted);
+            for ((tries, d), o) in batch.iter().zip(outcomes) {
+                match o {
+                    WriteOutcome::Written | WriteOutcome::Present => {
+                        self.stats.pushes.fetch_add(1, Relaxed);
+                        // Now also loadable from the remote tier (its owner publishes its
+                        // own copy, and that copy's removal, as its host or disk tier's).
+                        self.events
+                            .emit(EventKind::Stored, d.key, tier.kind(), d.ns);
+                    }
+                    WriteOutcome::Cancelled => {}
+                    WriteOutcome::Busy | WriteOutcome::Failed if *tries < PUSH_RETRIES => {
+                        // Keeps its pin and its share of the queue until the next try.
+                        let at = Instant::now() + PUSH_RETRY_FIRST * (1 << (2 * tries));
+                        if self.work.push.retry(at, tries + 1, *d) {
+                            self.stats.push_retries.fetch_add(1, Relaxed);
+                            continue;
+                        }
+                    }
+                    WriteOutcome::Busy | WriteOutcome::Failed => {
+                        self.stats.push_failed.fetch_add(1, Relaxed);
+                    }
+                    WriteOutcome::Corrupt => {
+                        self.stats.push_failed.fetch_add(1, Relaxed);
+                        tracing::warn!(key = %d.key, "host block no longer matches its commit checksum: not pushed");
+                    }
+                }
+                self.unpin(d.key, d.slot);
+            }
+        }
+    }
+}
