@@ -30,6 +30,8 @@ pub(crate) mod level {
     pub const CLASS: Level = Level(30, "class");
     /// The preload holds (`Inner::preloads`): taken before the shard of a held block.
     pub const HOLDS: Level = Level(40, "holds");
+    /// A lower tier's own lock (a tier may ask the index, `still_wanted`, while holding it).
+    pub const TIER: Level = Level(45, "tier");
     /// An index shard.
     pub const SHARD: Level = Level(50, "shard");
     /// Leaf locks: nothing is taken while one is held.
@@ -388,7 +390,10 @@ mod tests {
         }));
         let msg = r.expect_err("shard then class must panic");
         let msg = msg.downcast_ref::<String>().cloned().unwrap_or_default();
-        assert!(msg.contains("taking `class`") && msg.contains("holding `shard`"), "{msg}");
+        assert!(
+            msg.contains("taking `class`") && msg.contains("holding `shard`"),
+            "{msg}"
+        );
         // Two leaves at once: the deadlock of a hint against the reader (issue 35) had this
         // shape.
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

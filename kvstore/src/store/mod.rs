@@ -19,9 +19,10 @@ mod lease;
 mod prefetch;
 mod read;
 mod remove;
-mod slab;
 #[cfg(kvtier_shuttle)]
+#[cfg(test)]
 mod shuttle_tests;
+mod slab;
 mod tiering;
 mod write;
 
@@ -434,12 +435,8 @@ impl Store {
                 Mutex::new(
                     level::CLASS,
                     "class",
-                    Class::new(
-                    sz,
-                    cfg.segment_bytes,
-                    n_segments as u32,
-                    cfg.policy.build(),
-                ))
+                    Class::new(sz, cfg.segment_bytes, n_segments as u32, cfg.policy.build()),
+                )
             })
             .collect();
         let shards = (0..cfg.shards)

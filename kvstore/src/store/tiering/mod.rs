@@ -20,7 +20,7 @@
 
 mod pusher;
 mod reader;
-mod reads;
+pub(crate) mod reads;
 mod ticket;
 mod writer;
 

@@ -304,19 +304,26 @@ impl Inner {
                 Some(info) => {
                     if let Some((deadline, owner, tag)) = preload {
                         // Recorded before it is visible: a load that finds it preloaded
-                        // always finds the hold to release.
-                        let old = self.preloads.lock().insert(
-                            mk,
-                            Held {
-                                slot: p.slot,
-                                deadline,
-                                bytes: u64::from(info.len),
-                                read: true,
-                                owner,
-                                tag,
-                            },
-                        );
-                        self.add_hold_bytes(owner, u64::from(info.len));
+                        // always finds the hold to release. Counted under the holds' lock:
+                        // a cancel that ends the hold at once subtracts only what was added
+                        // (counted after the insert, an owner's count kept a hold's bytes
+                        // for good: found by the shuttle tests).
+                        let old = {
+                            let mut holds = self.preloads.lock();
+                            let old = holds.insert(
+                                mk,
+                                Held {
+                                    slot: p.slot,
+                                    deadline,
+                                    bytes: u64::from(info.len),
+                                    read: true,
+                                    owner,
+                                    tag,
+                                },
+                            );
+                            self.add_hold_bytes(owner, u64::from(info.len));
+                            old
+                        };
                         if let Some(old) = old {
                             // The hold of a copy removed while held.
                             self.drop_hold(p.key, old);

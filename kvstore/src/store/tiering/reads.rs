@@ -29,7 +29,7 @@ pub(super) struct PromoteJob {
 }
 
 #[derive(Default)]
-pub(super) struct State {
+pub(crate) struct State {
     pub promote: VecDeque<PromoteJob>,
     /// Preload jobs not started, in arrival order (a reader takes the highest priority first,
     /// after every real load's job).
@@ -75,7 +75,8 @@ impl State {
         })?;
         let w = self.waiting.remove(i)?;
         self.waiting_keys -= w.keys.len();
-        self.waiting_by_owner.sub(w.quota.owner, w.keys.len() as u64);
+        self.waiting_by_owner
+            .sub(w.quota.owner, w.keys.len() as u64);
         Some(w)
     }
 }
@@ -96,7 +97,7 @@ impl Default for Reads {
 }
 
 impl Reads {
-    pub(super) fn lock(&self) -> MutexGuard<'_, State> {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
         self.q.lock()
     }
 
