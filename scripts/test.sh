@@ -38,6 +38,10 @@ VIRTUAL_ENV="$PWD/.venv" .venv/bin/maturin develop -q --manifest-path connector/
 echo "== cargo test"
 # Fuzz targets (kvtier-fuzz) replay their corpus and mutate for this many seconds each.
 KVTIER_FUZZ_SECS="${KVTIER_FUZZ_SECS:-20}" cargo test --workspace --locked
+# The real store under shuttle's deterministic schedulers: kvstore's locks, condition
+# variables and threads become shuttle's (--cfg kvtier_shuttle, its own target directory).
+RUSTFLAGS="--cfg kvtier_shuttle" CARGO_TARGET_DIR=target/shuttle \
+    cargo test --locked -p kvstore --lib shuttle_tests
 # The CUDA gather/scatter builds without CUDA; its tests say SKIPPED without a GPU
 # (scripts/gpu-check.sh runs them on one).
 cargo test --locked -p kvtier-connector --features cuda

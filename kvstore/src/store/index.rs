@@ -1,7 +1,7 @@
 //! The host tier's index: per shard, key → [`Entry`] (16 bytes), and the slots of removed but
 //! still pinned blocks. The transitions are plain functions on a [`Shard`] (the caller holds
 //! its lock), so the pin/lease/evict protocol can be model-checked on its own
-//! (`tests/protocol.rs` runs them under shuttle).
+//! (`shuttle_tests.rs` runs them, with the rest of the store, under shuttle).
 //!
 //! ```text
 //!  reserve ──► Filling ──commit──► Ready ──evict / remove / clear──► gone (slot freed)

@@ -4,13 +4,16 @@
 //! Module map: `config` (StoreConfig), `index` (entries, shards and their transitions), `slab`
 //! (size classes and segments), `alloc` (finding a slot: never I/O), `lease` (the lease table),
 //! `write` (reserve/commit), `read` (lookups and the one load-and-pin path), `remove`,
-//! `tiering` (the worker: demotions, promotions, population of the arena).
+//! `tiering` (the worker: a file per thread, each queue owned by its thread), `shuttle_tests`
+//! (the real store under shuttle, `--cfg kvtier_shuttle`).
 //!
-//! Lock order: a size-class lock, then a shard lock, then leaf locks (segment pool, doorkeeper,
-//! lease table, work queues). No code holds two class locks or two shard locks at once (the
-//! empty-segment step only `try_lock`s other classes), and no store lock is held while calling
-//! into a lower tier. A lower tier may call back into the index (`still_wanted`, under the tier's
-//! own lock): tier locks come before shard locks, never after.
+//! Lock order (`crate::sync::level`, checked in debug builds): registering → namespaces →
+//! size class → preload holds → a lower tier's own lock → shard → leaf locks (segment pool,
+//! doorkeeper, lease table, each queue, speed, progress, tickets), one leaf at a time. No code
+//! holds two class locks or two shard locks at once (the empty-segment step only `try_lock`s
+//! other classes), and no store lock is held while calling into a lower tier. A lower tier may
+//! call back into the index (`still_wanted`, under the tier's own lock): tier locks come
+//! before shard locks, never after.
 
 mod alloc;
 mod config;
@@ -874,7 +877,5 @@ impl Inner {
     }
 }
 
-#[cfg(test)]
-mod protocol_tests;
 #[cfg(test)]
 mod tests;

@@ -322,38 +322,44 @@ fn quota(owner: u64) -> PrefetchQuota {
     }
 }
 
-/// Issue 35's freeze: engines hint prefixes that live only below, past their quotas (so hints
-/// wait and reader 0 resumes them) while loads use held blocks (room comes back) and cancels
-/// end hints.
+/// Issue 35's freeze (see `hints_loads_and_cancels`).
 #[test]
 fn hints_loads_and_cancels_never_deadlock() {
-    shuttle::check_random(
-        || {
-            let (s, _ns) = store(8, 8, 4);
-            let far = Instant::now() + Duration::from_secs(600);
-            let engines: Vec<_> = (1..=2u64)
-                .map(|owner| {
-                    let s = s.clone();
-                    thread::spawn(move || {
-                        let base = (owner - 1) * 4;
-                        let keys: Vec<BlockKey> = (base..base + 4).map(key).collect();
-                        s.prefetch_as(&keys, 0, far, owner * 10, quota(owner));
-                        s.prefetch_as(&keys[..2], 1, far, owner * 10 + 1, quota(owner));
-                        load_checked(&s, &[base, base + 1]);
-                        s.cancel_prefetch_as(owner * 10, owner);
-                        s.prefetch_as(&keys[2..], 0, far, owner * 10 + 2, quota(owner));
-                        load_checked(&s, &[base + 2]);
-                        s.cancel_prefetch_of_owner(owner);
-                    })
-                })
-                .collect();
-            for e in engines {
-                e.join().expect("engine thread");
-            }
-            check_balanced(&s, &[1, 2]);
-        },
-        iterations(),
-    );
+    shuttle::check_random(hints_loads_and_cancels, iterations());
+}
+
+/// The same under PCT (priority-based schedules that find bugs of a few ordering points with
+/// a known probability).
+#[test]
+fn hints_loads_and_cancels_never_deadlock_pct() {
+    shuttle::check_pct(hints_loads_and_cancels, iterations(), 3);
+}
+
+/// Two engines hint prefixes that live only below, past their quotas (so hints wait and reader
+/// 0 resumes them) while loads use held blocks (room comes back) and cancels end hints.
+fn hints_loads_and_cancels() {
+    let (s, _ns) = store(8, 8, 4);
+    let far = Instant::now() + Duration::from_secs(600);
+    let engines: Vec<_> = (1..=2u64)
+        .map(|owner| {
+            let s = s.clone();
+            thread::spawn(move || {
+                let base = (owner - 1) * 4;
+                let keys: Vec<BlockKey> = (base..base + 4).map(key).collect();
+                s.prefetch_as(&keys, 0, far, owner * 10, quota(owner));
+                s.prefetch_as(&keys[..2], 1, far, owner * 10 + 1, quota(owner));
+                load_checked(&s, &[base, base + 1]);
+                s.cancel_prefetch_as(owner * 10, owner);
+                s.prefetch_as(&keys[2..], 0, far, owner * 10 + 2, quota(owner));
+                load_checked(&s, &[base + 2]);
+                s.cancel_prefetch_of_owner(owner);
+            })
+        })
+        .collect();
+    for e in engines {
+        e.join().expect("engine thread");
+    }
+    check_balanced(&s, &[1, 2]);
 }
 
 /// Puts that evict and demote, loads that promote, leases, removals and hints together.

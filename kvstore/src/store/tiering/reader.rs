@@ -127,16 +127,19 @@ impl Inner {
     /// waiting hint resumed): if the hint was cancelled meanwhile, the cancel missed what the
     /// reader had in hand, so it runs again now (the holds it published, the jobs and waiting
     /// rest a resume queued). A cancel after this point finds them itself.
+    /// The hint stays in hand until that second cancel is done, so that whoever sees no hint
+    /// in hand (and nothing queued) sees its cancel complete.
     fn done_reading(&self, reader: usize, hint: (u64, u64)) {
         let cancelled = {
-            let mut q = self.work.reads.lock();
-            match q.reading.iter().position(|r| r.0 == reader) {
-                Some(i) => q.reading.swap_remove(i).2,
-                None => false,
-            }
+            let q = self.work.reads.lock();
+            q.reading.iter().any(|r| r.0 == reader && r.2)
         };
         if cancelled {
             self.cancel_prefetch_where(|t, o| (t, o) == hint);
+        }
+        let mut q = self.work.reads.lock();
+        if let Some(i) = q.reading.iter().position(|r| r.0 == reader) {
+            q.reading.swap_remove(i);
         }
     }
 

@@ -19,7 +19,7 @@ use super::ticket::Ticket;
 use super::{Hint, Promote};
 
 /// A batch of blocks one reader reads from its tier.
-pub(super) struct PromoteJob {
+pub(crate) struct PromoteJob {
     pub tier: usize,
     pub items: Vec<Promote>,
     pub ticket: Arc<Ticket>,
