@@ -31,6 +31,7 @@ pub(crate) mod level {
     /// The preload holds (`Inner::preloads`): taken before the shard of a held block.
     pub const HOLDS: Level = Level(40, "holds");
     /// A lower tier's own lock (a tier may ask the index, `still_wanted`, while holding it).
+    #[cfg_attr(not(kvtier_shuttle), allow(dead_code))]
     pub const TIER: Level = Level(45, "tier");
     /// An index shard.
     pub const SHARD: Level = Level(50, "shard");

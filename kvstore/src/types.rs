@@ -34,7 +34,7 @@ impl Tier {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct NsId(pub u32);
 
-/// A lease id: unguessable (drawn from a keyed hash of a counter), so one client cannot release
+/// A lease id: unguessable (drawn from a CSPRNG seeded by the OS), so one client cannot release
 /// another's pins by counting.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct LeaseId(pub u64);

@@ -1,11 +1,13 @@
-//! Leases: pins held on behalf of a client until released or until their deadline. Ids are a
-//! keyed hash of a counter (the key drawn from the OS at start), so they cannot be guessed from
-//! one another: a client cannot release another client's pins by counting.
+//! Leases: pins held on behalf of a client until released or until their deadline. Ids are
+//! drawn from a CSPRNG (ChaCha12, `rand`'s `StdRng`, seeded from the OS), so one id says
+//! nothing of the others: a client cannot release another client's pins by guessing. (They were
+//! a seeded XXH3 of a counter, which one known id reverses for 8-byte input.)
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 
-use xxhash_rust::xxh3::xxh3_64_with_seed;
+use rand::rngs::StdRng;
+use rand::{RngCore, SeedableRng};
 
 use crate::key::BlockKey;
 use crate::types::LeaseId;
@@ -22,31 +24,15 @@ pub(crate) enum Pin {
 }
 
 pub(crate) struct Leases {
-    secret: u64,
-    counter: u64,
+    rng: StdRng,
     live: HashMap<u64, (Instant, Vec<Pin>)>,
     by_deadline: BTreeMap<(Instant, u64), ()>,
-}
-
-/// 8 random bytes from the OS (a hash of the time and pid if that fails).
-pub(crate) fn random_u64() -> u64 {
-    let mut b = [0u8; 8];
-    // SAFETY: getrandom writes at most `b.len()` bytes into the valid buffer.
-    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    if n == 8 {
-        return u64::from_le_bytes(b);
-    }
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
-    xxh3_64_with_seed(&t.to_le_bytes(), u64::from(std::process::id()))
 }
 
 impl Default for Leases {
     fn default() -> Self {
         Self {
-            secret: random_u64(),
-            counter: 0,
+            rng: StdRng::from_entropy(),
             live: HashMap::new(),
             by_deadline: BTreeMap::new(),
         }
@@ -57,8 +43,7 @@ impl Leases {
     /// Records pins as a lease.
     pub(crate) fn insert(&mut self, pins: Vec<Pin>, expires: Instant) -> LeaseId {
         let id = loop {
-            self.counter += 1;
-            let id = xxh3_64_with_seed(&self.counter.to_le_bytes(), self.secret);
+            let id = self.rng.next_u64();
             if id != 0 && !self.live.contains_key(&id) {
                 break id;
             }
@@ -125,5 +110,21 @@ mod tests {
         // Another table draws other ids.
         let mut m = Leases::default();
         assert_ne!(m.insert(vec![], now), a);
+    }
+
+    #[test]
+    fn consecutive_ids_share_no_structure() {
+        // From a CSPRNG: no two of 4096 ids collide, and the difference of consecutive ids
+        // (constant or small for a counter, whatever its keyed hash) takes every bit.
+        let mut l = Leases::default();
+        let far = Instant::now() + Duration::from_secs(60);
+        let ids: Vec<u64> = (0..4096).map(|_| l.insert(vec![], far).0).collect();
+        let set: std::collections::HashSet<u64> = ids.iter().copied().collect();
+        assert_eq!(set.len(), ids.len());
+        let or = ids.windows(2).fold(0u64, |a, w| a | (w[1] ^ w[0]));
+        assert_eq!(or, u64::MAX);
+        let ones: u32 = ids.iter().map(|v| v.count_ones()).sum();
+        let mean = f64::from(ones) / ids.len() as f64;
+        assert!((30.0..34.0).contains(&mean), "{mean} bits set on average");
     }
 }
