@@ -15,13 +15,18 @@ def h64(b):
     return xxhash.xxh3_64_intdigest(b)
 
 
+# The journal format (ARCHITECTURE.md, "Disk tier on-disk format"): a corpus of another version
+# is refused at its first check and exercises nothing past it.
+VERSION = 2
+
+
 def header(instance):
-    h = b"KVTJRNL\0" + struct.pack("<IIQ", 1, 64, instance) + bytes(32)
+    h = b"KVTJRNL\0" + struct.pack("<IIQ", VERSION, 64, instance) + bytes(32)
     return h + struct.pack("<Q", h64(h))
 
 
 def record(kind, ns, key, page, length, file, checksum, seq):
-    b = struct.pack("<IBBH", 0x5244564B, kind, 1, ns) + key.to_bytes(16, "big")
+    b = struct.pack("<IBBH", 0x5244564B, kind, VERSION, ns) + key.to_bytes(16, "big")
     b += struct.pack("<QIIQQ", page, length, file, checksum, seq)
     return b + struct.pack("<Q", h64(b))
 
@@ -55,6 +60,9 @@ def main():
         "removes-and-overlaps": header(7) + put(1, 1, 8 * 4096, 0, 1) + put(2, 4, 4096, 0, 2)
         + remove(2, 3) + put(3, 500, 4096, 1, 4) + put(3, 10, 2 * 4096, 1, 5),
         "torn-tail": (header(7) + put(1, 1, 4096, 0, 1) + put(2, 2, 4096, 0, 2))[:-20],
+        # Valid checksums, extents past the end of u64: `page + pages` must not overflow.
+        "page-overflow": header(7) + put(1, 2**64 - 1, 2 * 4096, 0, 1)
+        + put(2, 2**64 - 2, 4096, 0, 2) + put(3, 1, 4096, 0, 3),
     }
     for name, b in journals.items():
         (ROOT / "journal" / name).write_bytes(b)

@@ -263,9 +263,11 @@ pub(crate) fn replay(
             Kind::Put => {
                 let file = r.file as u16;
                 let pages = u64::from(r.len).div_ceil(PAGE);
+                // Checked: a crafted record (its checksum valid) may name any page.
+                let end = r.page.checked_add(pages);
                 if r.file >= files
                     || r.page == 0
-                    || r.page + pages > pages_per_file + 1
+                    || end.is_none_or(|e| e > pages_per_file + 1)
                     || r.len == 0
                 {
                     tracing::warn!(key = %r.key, "journal: record out of bounds, skipped");
