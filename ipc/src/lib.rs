@@ -279,6 +279,14 @@ fn tier(t: i32) -> Tier {
 }
 
 impl IpcClient {
+    /// Bounds every later read and write of a call on this connection (60 s by default): a
+    /// call past it fails with a timeout and the connection is broken.
+    pub fn set_timeout(&self, d: Duration) -> Result<(), IpcError> {
+        self.sock.set_read_timeout(Some(d))?;
+        self.sock.set_write_timeout(Some(d))?;
+        Ok(())
+    }
+
     /// Connects, checks the protocol version and maps the arena.
     pub fn connect(path: &Path, client: &str) -> Result<Self, IpcError> {
         Self::connect_as(path, client, "")
@@ -297,6 +305,7 @@ impl IpcClient {
             ))
         })?;
         sock.set_read_timeout(Some(Duration::from_secs(60)))?;
+        sock.set_write_timeout(Some(Duration::from_secs(60)))?;
         let hello = pb::Request {
             id: 1,
             body: Some(request::Body::Hello(pb::Hello {
