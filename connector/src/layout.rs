@@ -337,24 +337,27 @@ impl PagedKv {
         self.scatter_with(ids, src, &mut |_| {})
     }
 
-    /// [`PagedKv::scatter`] that also returns the checksum of `src`, each checksum piece hashed
-    /// right after it was copied out (still in cache): the caller compares it with the block's
-    /// commit checksum without reading the block again.
+    /// [`PagedKv::scatter`] that also returns the checksum of what it wrote: each run is hashed
+    /// from the engine's tensor right after it was written there (still in cache), in
+    /// canonical order. The bytes hashed are the engine's own (private) copy, not `src`: a
+    /// writer that changes `src` (shared memory) during the copy cannot make a hash that was
+    /// read from it pass for bytes that were not (issue 35: the hash used to be read from
+    /// `src` after the copy, a second read of memory another process may write).
     pub fn scatter_hashed(&self, ids: &[usize], src: &[u8]) -> Result<u64, LayoutError> {
         let mut h = kvstore::Checksummer::new();
-        self.scatter_with(ids, src, &mut |chunk| h.update(chunk))?;
+        self.scatter_with(ids, src, &mut |written| h.update(written))?;
         Ok(h.finish())
     }
 
+    /// Scatters, handing every run written (the engine's bytes, in canonical order) to
+    /// `written`.
     fn scatter_with(
         &self,
         ids: &[usize],
         src: &[u8],
-        copied: &mut dyn FnMut(&[u8]),
+        written: &mut dyn FnMut(&[u8]),
     ) -> Result<(), LayoutError> {
-        const CHUNK: usize = kvstore::checksum::CHUNK;
         self.check(ids, src.len())?;
-        let mut done = 0;
         let mut at = 0;
         for &id in ids {
             for p in &self.plans {
@@ -365,18 +368,30 @@ impl PagedKv {
                     let to = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len) };
                     to.copy_from_slice(&src[at..at + len]);
                     at += len;
-                    // Whole checksum pieces of the block as soon as they are copied (in cache).
-                    while at - done >= CHUNK {
-                        copied(&src[done..done + CHUNK]);
-                        done += CHUNK;
-                    }
+                    written(to);
                 });
             }
         }
-        if at > done {
-            copied(&src[done..at]);
-        }
         Ok(())
+    }
+
+    /// The checksum of engine blocks `ids` in canonical form, read from the engine's tensors
+    /// (what a layer-by-layer load verifies once every layer is in: the engine's private copy,
+    /// which no other process can change).
+    pub fn checksum_of(&self, ids: &[usize]) -> Result<u64, LayoutError> {
+        self.check_ids(ids)?;
+        let mut h = kvstore::Checksummer::new();
+        for &id in ids {
+            for p in &self.plans {
+                let base = p.ptr as isize + id as isize * p.block_stride;
+                walk(p, base, &mut |src, len| {
+                    // SAFETY: within the layer tensor (PagedKv::new's contract), which nobody
+                    // writes while the load that asks is running.
+                    h.update(unsafe { std::slice::from_raw_parts(src as *const u8, len) });
+                });
+            }
+        }
+        Ok(h.finish())
     }
 
     /// The copies a gather (or scatter) of `ids` is made of, as strided pieces for a copy

@@ -208,26 +208,23 @@ fn gather_segments(src: &[&[u8]], slot: &mut [u8]) -> u64 {
 }
 
 /// Copies `block` into the segments, in order; false unless the sizes match (nothing copied)
-/// and the bytes match `sum` (checked as they are copied).
+/// and the bytes copied match `sum`: each piece is hashed from the destination (private)
+/// right after it was written there (in cache), so bytes another process writes into the
+/// shared `block` meanwhile cannot pass.
 fn fill_segments(block: &[u8], segs: &mut [&mut [u8]], sum: u64) -> bool {
     if segs.iter().map(|s| s.len()).sum::<usize>() != block.len() {
         return false;
     }
     const CHUNK: usize = kvstore::checksum::CHUNK;
-    let (mut at, mut done) = (0, 0);
+    let mut at = 0;
     let mut h = kvstore::Checksummer::new();
     for s in segs.iter_mut() {
         for d in s.chunks_mut(CHUNK) {
             d.copy_from_slice(&block[at..at + d.len()]);
             at += d.len();
-            // Whole checksum pieces of the block as they are copied (in cache).
-            while at - done >= CHUNK {
-                h.update(&block[done..done + CHUNK]);
-                done += CHUNK;
-            }
+            h.update(d);
         }
     }
-    h.update(&block[done..at]);
     verified(h.finish(), sum)
 }
 
@@ -677,12 +674,18 @@ impl Backend {
     }
 
     /// Loads the longest present prefix of `keys` into engine blocks `block_ids[i]` layer by
-    /// layer: every block is pinned and its checksum verified first (a damaged or wrong-sized
-    /// block ends the prefix before any byte reaches the engine), then layer 0 of every block
-    /// is copied, `on_layer(0, n)` called, layer 1, and so on, so the engine may run a layer
-    /// as soon as its KV is in. Returns how many leading keys were loaded: 0 when a sidecar
-    /// lease lapsed before release (the engine must then treat those blocks as failed, even
-    /// though `on_layer` reported them).
+    /// layer: every block is pinned and its size checked first (a wrong-sized block ends the
+    /// prefix before any byte reaches the engine), then layer 0 of every block is copied,
+    /// `on_layer(0, n)` called, layer 1, and so on, so the engine may run a layer as soon as
+    /// its KV is in. Once every layer is in, each block's checksum is computed from the
+    /// engine's own copy (private memory, which no other process writes) and compared with its
+    /// commit checksum: the first mismatch ends the loaded prefix there. Returns how many
+    /// leading keys were loaded and verified: fewer than `on_layer` reported when a block
+    /// failed (bytes written into its slot after its commit), 0 when a sidecar lease lapsed
+    /// before release; the engine treats the blocks past it as failed (vLLM's load-failure
+    /// policy recomputes them or fails the request), so bytes that do not match their commit
+    /// are never kept. (Verifying the shared slot before the copy left a window: a stalled
+    /// writer could change the bytes between the check and a layer's copy.)
     pub fn load_layerwise(
         &self,
         paged: &PagedKv,
@@ -691,12 +694,17 @@ impl Backend {
         ttl: Duration,
         on_layer: &mut dyn FnMut(usize, usize),
     ) -> Result<usize, TransferError> {
-        self.load_layers_with(
+        let mut sums: Vec<u64> = Vec::new();
+        let copied = self.load_layers_with(
             paged,
             keys,
             block_ids,
             ttl,
+            false,
             &mut |layer, blocks| {
+                if layer == 0 {
+                    sums = blocks.iter().map(|(_, sum)| *sum).collect();
+                }
                 for (i, (b, _)) in blocks.iter().enumerate() {
                     paged.scatter_layer(&block_ids[i], b, layer)?;
                 }
@@ -704,19 +712,35 @@ impl Backend {
                 Ok(())
             },
             &mut || Ok(()),
-        )
+        )?;
+        // The engine's copy of each block, hashed on the copy threads (a long prefix hashed
+        // on one core would dwarf the copies).
+        let m = copied.min(sums.len());
+        let sizes: Vec<usize> = block_ids[..m]
+            .iter()
+            .map(|ids| ids.len() * paged.block_bytes())
+            .collect();
+        let ok = self.copies.map(&sizes, |i| {
+            paged
+                .checksum_of(&block_ids[i])
+                .is_ok_and(|got| verified(got, sums[i]))
+        });
+        Ok(ok.iter().take_while(|o| **o).count())
     }
 
     /// The frame of a layer-by-layer load: pins the blocks, keeps the valid prefix (right
-    /// size, checksum verified), calls `layer(l, prefix)` for every layer in order, then
-    /// `done()` while the blocks are still pinned (e.g. to wait for queued copies), and
-    /// releases them. A daemon that is away: `layer(l, [])` for every layer, 0 loaded.
+    /// size, and with `verify_first` checksum verified in the shared slot), calls
+    /// `layer(l, prefix)` for every layer in order, then `done()` while the blocks are still
+    /// pinned (e.g. to wait for queued copies), and releases them. A daemon that is away:
+    /// `layer(l, [])` for every layer, 0 loaded.
+    #[allow(clippy::too_many_arguments)]
     fn load_layers_with(
         &self,
         paged: &PagedKv,
         keys: &[BlockKey],
         block_ids: &[Vec<usize>],
         ttl: Duration,
+        verify_first: bool,
         layer: &mut EachLayer<'_>,
         done: &mut dyn FnMut() -> Result<(), TransferError>,
     ) -> Result<usize, TransferError> {
@@ -733,7 +757,8 @@ impl Backend {
             let sizes: Vec<usize> = blocks[..m].iter().map(|(b, _)| b.len()).collect();
             let ok = copies.map(&sizes, |i| {
                 let (b, sum) = blocks[i];
-                b.len() == block_ids[i].len() * bb && verified(kvstore::checksum(b), sum)
+                b.len() == block_ids[i].len() * bb
+                    && (!verify_first || verified(kvstore::checksum(b), sum))
             });
             let n = ok.iter().take_while(|o| **o).count();
             let r = (0..paged.layers()).try_for_each(|l| layer(l, &blocks[..n]));

@@ -325,6 +325,55 @@ fn layerwise_loads_copy_each_layer_before_reporting_it() {
         .is_err());
 }
 
+#[test]
+fn a_layerwise_load_never_keeps_bytes_written_into_the_slot_after_the_check() {
+    // A stalled writer (another process: a second mapping of the arena) writes into a
+    // committed block's slot while its load copies it layer by layer. The load used to verify
+    // the slot first and then copy each layer from it: the later layers were served. Now the
+    // engine's own copy is verified once every layer is in, and the block is failed.
+    let b = store();
+    let id = b.register_namespace(&ns()).unwrap();
+    let layers = 3;
+    let mut src = tensors(17, layers);
+    let ps = paged(&mut src);
+    let keys: Vec<BlockKey> = (40..43).map(key).collect();
+    let ids = [vec![1], vec![2], vec![3]];
+    assert_eq!(b.save(id, &ps, &keys, &ids).unwrap(), 3);
+    let store = b.store().expect("embedded");
+    let offset = store.get(&keys[1]).expect("stored").arena_offset() as usize;
+    // SAFETY: a second shared mapping of the store's memfd, as an engine process maps it; the
+    // test writes only inside one committed block's slot.
+    let mut other = unsafe {
+        memmap2::MmapMut::map_mut(&std::fs::File::from(
+            store.arena().fd().try_clone_to_owned().unwrap(),
+        ))
+    }
+    .expect("map the arena");
+    let per = ps.block_bytes() / layers;
+    let mut dst = tensors(18, layers);
+    let pd = paged(&mut dst);
+    let into = [vec![9], vec![10], vec![11]];
+    let mut reported = Vec::new();
+    let n = b
+        .load_layerwise(&pd, &keys, &into, Duration::ZERO, &mut |layer, n| {
+            reported.push((layer, n));
+            if layer == 0 {
+                // Layer 2 of key 41's block, before the load copies it.
+                for x in &mut other[offset + 2 * per..offset + 3 * per] {
+                    *x = !*x;
+                }
+            }
+        })
+        .unwrap();
+    assert_eq!(reported, vec![(0, 3), (1, 3), (2, 3)]);
+    assert_eq!(
+        n, 1,
+        "key 41's block changed after its check: the prefix ends before it"
+    );
+    // What was kept is exact.
+    assert_eq!(canon(&pd, &into[0]), canon(&ps, &ids[0]));
+}
+
 /// Engine blocks `ids` of `p`, canonical form.
 fn canon(p: &PagedKv, ids: &[usize]) -> Vec<u8> {
     let mut v = vec![0u8; ids.len() * p.block_bytes()];

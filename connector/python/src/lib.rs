@@ -526,10 +526,12 @@ impl Backend {
             .map_err(transfer_err)
     }
 
-    /// Loads like `load`, layer by layer: every block is pinned and checked first, then each
-    /// layer of every block is copied and `on_layer(layer, loaded)` called (with the GIL) as
-    /// soon as it is in, so the engine can run that layer. Returns how many leading keys were
-    /// loaded (0 if a lease lapsed: treat them all as failed, whatever `on_layer` said).
+    /// Loads like `load`, layer by layer: every block is pinned and its size checked first,
+    /// then each layer of every block is copied and `on_layer(layer, loaded)` called (with the
+    /// GIL) as soon as it is in, so the engine can run that layer; once all are in, each
+    /// block's copy is verified against its commit checksum. Returns how many leading keys
+    /// were loaded and verified (fewer if a block changed after its commit, 0 if a lease
+    /// lapsed: treat the rest as failed, whatever `on_layer` said).
     #[pyo3(signature = (paged, keys, block_ids, on_layer, ttl_ms=30_000))]
     fn load_layerwise(
         &self,

@@ -184,11 +184,19 @@ impl Backend {
         ttl: Duration,
         on_layer: &mut dyn FnMut(usize, usize, CudaEvent),
     ) -> Result<usize, TransferError> {
+        // Verified on the host before the DMA reads the shared slot (`verify_first`): the one
+        // window left is a write into a pinned, committed slot between that check and the copy
+        // engine's read of it. Only a process that maps this arena writable can make it (an
+        // engine of the same tenant with `server.isolation = "tenant"`, any engine of the node
+        // otherwise, never another tenant's), and only into a slot it no longer owns (its
+        // reservation lapsed and the block was committed by another writer): hashing the
+        // device copy would need a GPU pass per block (ARCHITECTURE.md, "Trust boundary").
         self.load_layers_with(
             paged,
             keys,
             block_ids,
             ttl,
+            true,
             &mut |layer, blocks| {
                 // Every block's layer at once: coalesced 2D copies (the blocks' sizes were
                 // checked against their engine block ids).
