@@ -193,7 +193,6 @@ fn concurrent_loads_share_one_promotion() {
     let mut store = config(d, true, 8).build().unwrap();
     let faults = slow(&mut store, 100);
     let reads_before = store.stats().disk().unwrap().reads;
-    let start = Instant::now();
     std::thread::scope(|s| {
         let a = s.spawn(|| store.load(&keys).unwrap().len());
         let b = s.spawn(|| store.load(&keys).unwrap().len());
@@ -205,7 +204,6 @@ fn concurrent_loads_share_one_promotion() {
         reads, 8,
         "a shared prefix is read once, whoever waits for it"
     );
-    assert!(start.elapsed() < Duration::from_secs(10));
     faults.set_plan(FaultPlan::default());
     for i in 0..8 {
         assert!(*store.get(&key(i)).unwrap() == data(i)[..]);
@@ -235,13 +233,8 @@ fn a_load_past_its_deadline_is_a_miss_and_leaks_nothing() {
     // 2 s a read against a 50 ms wait: room for a slow machine on both sides.
     let faults = slow(&mut store, 2000);
     let keys: Vec<BlockKey> = (0..4).map(key).collect();
-    let t = Instant::now();
+    // (A load that waited for the 2 s reads would hold all four: its deadline ended it.)
     let l = store.load(&keys).unwrap();
-    assert!(
-        t.elapsed() < Duration::from_millis(1500),
-        "waited {:?}",
-        t.elapsed()
-    );
     assert_eq!(l.len(), 0);
     drop(l);
     faults.set_plan(FaultPlan::default());

@@ -406,7 +406,12 @@ fn the_staging_bound_holds_and_cancel_and_deadlines_drop_queued_preloads() {
     assert_eq!(s.cancel_prefetch(8), 0);
     assert_eq!(s.stats().prefetch.cancelled, 2);
     wait_in_host(&s, &keys[..2]);
-    std::thread::sleep(Duration::from_millis(300));
+    // Nothing is left queued or being read that could still bring the cancelled ones up.
+    let until = Instant::now() + Duration::from_secs(10);
+    while s.stats().prefetch.queued_jobs > 0 || s.stats().prefetch.inflight_bytes > 0 {
+        assert!(Instant::now() < until, "{:?}", s.stats().prefetch);
+        std::thread::sleep(Duration::from_millis(5));
+    }
     assert!(!s.in_host(&keys[2]) && !s.in_host(&keys[3]));
     // A later load still finds them (from disk).
     let l = s.load(&keys[2..4]).unwrap();
