@@ -41,7 +41,8 @@ run)
         nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
         for t in target/gpu-check/cuda target/gpu-check/layouts; do
             echo "== $t"
-            "$t" --nocapture --test-threads=1 || echo "FAILED: $t"
+            # A test that finds no GPU fails here instead of saying SKIPPED.
+            KVTIER_REQUIRE_GPU=1 "$t" --nocapture --test-threads=1 || echo "FAILED: $t"
         done
         echo "== scripts/gpu_check.py"
         python3 -m pip install -q --no-deps --no-index --target "$py" target/gpu-check/*.whl &&

@@ -35,6 +35,9 @@ fi
 # The Python package kvtier (PyO3 extension), installed editable into .venv.
 VIRTUAL_ENV="$PWD/.venv" .venv/bin/maturin develop -q --manifest-path connector/python/Cargo.toml
 
+# Both are installed above: a test that finds one missing fails instead of skipping.
+export KVTIER_REQUIRE_ETCD=1 KVTIER_REQUIRE_REDIS=1
+
 echo "== cargo test"
 # Fuzz targets (kvtier-fuzz) replay their corpus and mutate for this many seconds each.
 KVTIER_FUZZ_SECS="${KVTIER_FUZZ_SECS:-20}" cargo test --workspace --locked

@@ -9,15 +9,24 @@ use rand::{Rng, SeedableRng};
 
 use Dim::{Blocks as B, Inner as I, Kv as K, Tokens as T};
 
+/// No GPU skips a test, unless `KVTIER_REQUIRE_GPU` is set (`scripts/gpu-check.sh run`):
+/// then it fails.
+fn no_gpu(why: &str) {
+    if std::env::var_os("KVTIER_REQUIRE_GPU").is_some() {
+        panic!("{why}, and KVTIER_REQUIRE_GPU is set");
+    }
+    eprintln!("SKIPPED: {why}");
+}
+
 fn copier() -> Option<CudaCopier> {
     if !driver_present() {
-        eprintln!("SKIPPED: no CUDA driver on this machine");
+        no_gpu("no CUDA driver on this machine");
         return None;
     }
     match CudaCopier::new(0) {
         Ok(c) => Some(c),
         Err(e) => {
-            eprintln!("SKIPPED: no usable GPU: {e}");
+            no_gpu(&format!("no usable GPU: {e}"));
             None
         }
     }
