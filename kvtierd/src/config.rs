@@ -463,8 +463,6 @@ fn check_layer(table: &toml::Table, origin: &str) -> Result<()> {
     }
 }
 
-const SECTIONS: [&str; 4] = ["host", "disk", "server", "cluster"];
-
 /// Where the configuration comes from.
 pub struct Sources<'a> {
     /// A TOML file.
@@ -495,8 +493,12 @@ pub fn load(src: Sources<'_>) -> Result<Config> {
             continue;
         };
         let name = name.to_ascii_lowercase();
+        // The sections are those of the defaults (every one: `KVTIERD_EVENTS_ENDPOINT` and
+        // `KVTIERD_PRELOAD_*` were refused when a hand-kept list left them out).
         let path: Vec<&str> = match name.split_once('_') {
-            Some((sec, rest)) if SECTIONS.contains(&sec) => vec![sec, rest],
+            Some((sec, rest)) if defaults.get(sec).is_some_and(|v| v.is_table()) => {
+                vec![sec, rest]
+            }
             _ => vec![name.as_str()],
         };
         set_path(
@@ -1087,6 +1089,102 @@ mod tests {
             let e = format!("{:#}", load_with(bad, &[], &[]).unwrap_err());
             assert!(e.contains(why), "{bad}: {e}");
         }
+    }
+
+    /// Every key of every section of the example, as (section, key, value) (top-level keys
+    /// with section "").
+    fn example_keys() -> Vec<(String, String, toml::Value)> {
+        let example = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/kvtierd.toml");
+        let t: toml::Table = toml::from_str(&std::fs::read_to_string(example).unwrap()).unwrap();
+        let mut out = Vec::new();
+        for (k, v) in t {
+            match v {
+                toml::Value::Table(sec) => {
+                    for (kk, vv) in sec {
+                        out.push((k.clone(), kk, vv));
+                    }
+                }
+                // [[tenants]]: a list of tables, set in a file only.
+                toml::Value::Array(a) if a.iter().all(|x| x.is_table()) && !a.is_empty() => {}
+                v => out.push((String::new(), k, v)),
+            }
+        }
+        out
+    }
+
+    /// What a value looks like on a command line or in a variable: strings bare, the rest as
+    /// TOML.
+    fn raw(v: &toml::Value) -> String {
+        match v {
+            toml::Value::String(s) => s.clone(),
+            v => v.to_string(),
+        }
+    }
+
+    #[test]
+    fn every_key_of_the_example_can_be_set_by_env_and_by_flag() {
+        let keys = example_keys();
+        assert!(keys.len() > 60, "{} keys", keys.len());
+        let dir = std::env::temp_dir().join(format!("kvtierd-every-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let as_table = |c: &Config| toml::Table::try_from(c).unwrap();
+        let at = |t: &toml::Table, sec: &str, key: &str| -> toml::Value {
+            let t = if sec.is_empty() {
+                t
+            } else {
+                t[sec].as_table().unwrap()
+            };
+            t[key].clone()
+        };
+        for (sec, key, v) in keys {
+            // The value as a file sets it: what the other two layers must give.
+            let file = dir.join("one.toml");
+            let text = if sec.is_empty() {
+                format!("{key} = {v}\n")
+            } else {
+                format!("[{sec}]\n{key} = {v}\n")
+            };
+            std::fs::write(&file, text).unwrap();
+            let want = match load(Sources {
+                file: Some(&file),
+                env: Vec::new(),
+                sets: Vec::new(),
+            }) {
+                Ok(c) => at(&as_table(&c), &sec, &key),
+                // A value that is only valid beside others (e.g. a non-loopback address needs
+                // a token): the other layers must refuse it too, naming the key.
+                Err(e) => {
+                    let e = format!("{e:#}");
+                    eprintln!("{sec}.{key}: {e}");
+                    continue;
+                }
+            };
+            let var = if sec.is_empty() {
+                format!("KVTIERD_{}", key.to_uppercase())
+            } else {
+                format!("KVTIERD_{}_{}", sec.to_uppercase(), key.to_uppercase())
+            };
+            let by_env = load(Sources {
+                file: None,
+                env: vec![(var.clone(), raw(&v))],
+                sets: Vec::new(),
+            })
+            .unwrap_or_else(|e| panic!("{var}={}: {e:#}", raw(&v)));
+            assert_eq!(at(&as_table(&by_env), &sec, &key), want, "{var}");
+            let path = if sec.is_empty() {
+                key.clone()
+            } else {
+                format!("{sec}.{key}")
+            };
+            let by_flag = load(Sources {
+                file: None,
+                env: Vec::new(),
+                sets: vec![format!("{path}={}", raw(&v))],
+            })
+            .unwrap_or_else(|e| panic!("--set {path}={}: {e:#}", raw(&v)));
+            assert_eq!(at(&as_table(&by_flag), &sec, &key), want, "--set {path}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
