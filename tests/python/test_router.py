@@ -88,3 +88,41 @@ def test_requests_encode_as_protobuf():
     assert fields == [(1, 2), (3, 2), (5, 2), (6, 0)]
     reply = bytes([0x08, 0x02, 0x12, 0x02, 0x01, 0x02])  # n=2, tiers=[host, disk] packed
     assert router._decode_reply(reply) == {"n": 2, "tiers": ["host", "disk"], "nodes": []}
+
+
+def test_bad_lookup_input_is_refused_with_an_error_naming_it():
+    # A negative token id never ended the hand-written varint loop (the call spun and
+    # allocated); out-of-range ids, non-integers and malformed keys are refused up front.
+    ns = dict(model="m", block_tokens=16)
+    for bad, why in (([1, -1], "token id"), ([1 << 32], "token id"), (["7"], "token id"),
+                     ([1.5], "token id")):
+        try:
+            router._encode_request(None, bad, None, ns, False, "")
+        except ValueError as e:
+            assert why in str(e), e
+        else:
+            raise AssertionError(f"{bad!r} was accepted")
+    for bad_ns in (dict(model="m", block_tokens=-16), dict(model="m", tp_rank=1 << 40)):
+        try:
+            router._encode_request(None, [1, 2], None, bad_ns, False, "")
+        except ValueError as e:
+            assert "namespace" in str(e), e
+        else:
+            raise AssertionError(f"{bad_ns!r} was accepted")
+    for bad_keys in ([b"short"], ["not bytes at all, 16"]):
+        try:
+            router._encode_request(bad_keys, None, None, None, False, "")
+        except (ValueError, TypeError):
+            pass
+        else:
+            raise AssertionError(f"{bad_keys!r} was accepted")
+    # What is accepted encodes as protobuf does: field 5 packed uint32, the namespace nested.
+    req = router._encode_request(None, [0, 1, 300, (1 << 32) - 1], None, ns, True, "")
+    fields = list(router._fields(req))
+    assert [f[0] for f in fields] == [3, 5, 6]
+    packed = fields[1][2]
+    ids, i = [], 0
+    while i < len(packed):
+        v, i = router._read_varint(packed, i)
+        ids.append(v)
+    assert ids == [0, 1, 300, (1 << 32) - 1]

@@ -15,7 +15,9 @@ engine already has (GPU > host memory > disk > another node), weights configurab
                          keys=keys, via="10.0.0.5:50551")
 
 `lookup` is the admin gRPC `Lookup` (grpcio, the one dependency; its messages are encoded
-here, so no generated code is needed). A cost is in blocks: a block computed costs 1, a block
+here, so no generated code is needed, and every value is checked against its protobuf type
+first: a negative or out-of-range token id, a non-integer, a key that is not 16 bytes is a
+ValueError naming it). A cost is in blocks: a block computed costs 1, a block
 loaded from tier t costs 1 - weight[t].
 """
 
@@ -26,7 +28,25 @@ WEIGHTS = {"gpu": 1.0, "host": 0.9, "disk": 0.6, "remote": 0.4}
 METHOD = "/kvtier.admin.v1.Admin/Lookup"
 
 
+U32 = (1 << 32) - 1
+
+
+def _u32(v, what: str) -> int:
+    """`v` as a protobuf uint32, or a ValueError naming `what` (a negative number never ended
+    the varint loop: the call spun and allocated)."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        try:
+            v = int(v.__index__())
+        except (AttributeError, TypeError):
+            raise ValueError(f"{what} must be an integer, not {v!r}") from None
+    if not 0 <= v <= U32:
+        raise ValueError(f"{what} must be in 0..{U32}, not {v}")
+    return v
+
+
 def _varint(n: int) -> bytes:
+    if n < 0:
+        raise ValueError(f"a varint cannot encode {n}")
     out = bytearray()
     while True:
         b = n & 0x7F
@@ -61,7 +81,7 @@ def _encode_request(keys, token_ids, block_hashes, namespace, cluster, tenant) -
             if v:
                 ns += _field(i, 2, v.encode())
         for i, name, default in ((4, "block_tokens", 16), (5, "tp_size", 1), (6, "tp_rank", 0)):
-            v = int(namespace.get(name, default))
+            v = _u32(namespace.get(name, default), f"namespace {name}")
             if v:
                 ns += _field(i, 0, _varint(v))
         for i, name in ((7, "tenant"), (8, "lora")):
@@ -70,9 +90,11 @@ def _encode_request(keys, token_ids, block_hashes, namespace, cluster, tenant) -
                 ns += _field(i, 2, v.encode())
         out += _field(3, 2, bytes(ns))
     for h in block_hashes or []:
+        if not isinstance(h, (bytes, bytearray, memoryview)):
+            raise ValueError(f"a block hash is bytes, not {type(h).__name__}")
         out += _field(4, 2, bytes(h))
     if token_ids:
-        out += _field(5, 2, b"".join(_varint(int(t)) for t in token_ids))
+        out += _field(5, 2, b"".join(_varint(_u32(t, "a token id")) for t in token_ids))
     if cluster:
         out += _field(6, 0, _varint(1))
     return bytes(out)
