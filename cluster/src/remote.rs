@@ -598,13 +598,21 @@ impl LowerTier for RemoteTier {
                     }
                     c.set_read_timeout(Some(remaining(deadline)?))?;
                     // SAFETY: the buffer is the block's reserved host slot (or an owned
-                    // buffer), `cap` bytes long and ours alone until this call returns.
-                    let dst = unsafe { std::slice::from_raw_parts_mut(it.buf.as_ptr(), len) };
-                    // Hashed piece by piece as it arrives (each piece still in cache).
+                    // buffer), `cap` >= `len` bytes, ours to fill until this call returns;
+                    // engines map the arena writable, so it is never a `&mut [u8]`.
+                    let dst = unsafe { kvstore::ArenaSlice::new(it.buf.as_ptr(), len) };
+                    // Each piece arrives in private memory and is hashed there (in cache),
+                    // then copied into the slot.
                     let mut h = kvstore::Checksummer::new();
-                    for piece in dst.chunks_mut(PIECE) {
-                        c.read_exact(piece)?;
-                        h.update(piece);
+                    let mut piece = vec![0u8; PIECE.min(len)];
+                    let mut at = 0;
+                    while at < len {
+                        let n = PIECE.min(len - at);
+                        c.read_exact(&mut piece[..n])?;
+                        h.update(&piece[..n]);
+                        // SAFETY: within the reserved slot (above).
+                        unsafe { dst.write(at, &piece[..n]) };
+                        at += n;
                     }
                     s.peer.bytes_in.fetch_add(len as u64, Relaxed);
                     self.stats.bytes_read.fetch_add(len as u64, Relaxed);
@@ -688,6 +696,8 @@ impl LowerTier for RemoteTier {
                 }
                 io::Result::Ok(())
             };
+            // The private copy each block is checked and sent from.
+            let mut src: Vec<u8> = Vec::new();
             let res = (|| -> io::Result<()> {
                 for &i in &idx {
                     let it = &items[i];
@@ -699,12 +709,14 @@ impl LowerTier for RemoteTier {
                         continue;
                     };
                     // SAFETY: the block's slot is pinned by the caller for this call, `len`
-                    // <= cap.
-                    let src =
-                        unsafe { std::slice::from_raw_parts(it.buf.as_ptr(), it.len as usize) };
-                    // The bytes are checked against the commit checksum before they leave: a
-                    // slot an engine wrote into after its commit is never pushed.
-                    if kvstore::checksum(src) != it.checksum {
+                    // <= cap; engines map it writable: copied out, never referenced.
+                    let shared =
+                        unsafe { kvstore::ArenaSlice::new(it.buf.as_ptr(), it.len as usize) };
+                    // Copied into private memory and checked there against the commit
+                    // checksum before it leaves: a slot an engine wrote into after its commit
+                    // is never pushed, and what is sent is what was checked.
+                    src.resize(it.len as usize, 0);
+                    if shared.copy_to_hashed(&mut src) != it.checksum {
                         out[i] = WriteOutcome::Corrupt;
                         continue;
                     }
@@ -728,7 +740,7 @@ impl LowerTier for RemoteTier {
                     };
                     c.set_write_timeout(Some(remaining(deadline)?))?;
                     c.write_all(&wire::encode_header(&req))?;
-                    c.write_all(src)?;
+                    c.write_all(&src)?;
                     peer.bytes_out.fetch_add(u64::from(it.len), Relaxed);
                     self.stats
                         .bytes_written

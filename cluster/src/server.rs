@@ -178,7 +178,7 @@ async fn connection(
                             Block {
                                 key: k.0.to_be_bytes().to_vec(),
                                 present: true,
-                                len: loaded.block(i).len() as u32,
+                                len: loaded.arena_block(i).len() as u32,
                                 checksum: loaded.checksum(i),
                                 fingerprint: fps[i].fingerprint.clone(),
                                 tier: fps[i].tier,
@@ -194,13 +194,20 @@ async fn connection(
                     ..Default::default()
                 };
                 wire::write_header_async(&mut wr, &reply).await?;
+                // Engines map the arena writable: each piece is copied out of the pinned slot
+                // into private memory, then sent (never a reference into shared memory; the
+                // peer checks what it received against the checksum above).
+                let mut piece = vec![0u8; PIECE];
                 for i in 0..n {
-                    // Straight from the pinned slot (the writer copies only what does not go
-                    // to the socket at once).
-                    wr.write_all(loaded.block(i)).await?;
-                    stats
-                        .bytes_out
-                        .fetch_add(loaded.block(i).len() as u64, Relaxed);
+                    let b = loaded.arena_block(i);
+                    let mut at = 0;
+                    while at < b.len() {
+                        let k = PIECE.min(b.len() - at);
+                        b.copy_to(at, &mut piece[..k]);
+                        wr.write_all(&piece[..k]).await?;
+                        at += k;
+                    }
+                    stats.bytes_out.fetch_add(b.len() as u64, Relaxed);
                 }
                 drop(loaded);
             }
@@ -256,14 +263,20 @@ async fn put_one(
     };
     match reserved {
         Ok(mut r) => {
-            // Hashed piece by piece as it arrives (each piece still in cache).
+            // Each piece arrives in private memory, is hashed there, then copied into the
+            // reserved slot (shared memory: never a `&mut [u8]` into it).
             let mut h = kvstore::Checksummer::new();
-            let slot = r.as_mut_slice();
+            // SAFETY: the reservation's slot, `len` bytes of the arena, reserved for this
+            // writer until its commit or drop below.
+            let slot = unsafe { kvstore::ArenaSlice::new(r.as_mut_ptr(), len) };
+            let mut piece = vec![0u8; PIECE.min(len)];
             let mut off = 0;
             while off < len {
                 let n = (len - off).min(PIECE);
-                rd.read_exact(&mut slot[off..off + n]).await?;
-                h.update(&slot[off..off + n]);
+                rd.read_exact(&mut piece[..n]).await?;
+                h.update(&piece[..n]);
+                // SAFETY: within the reserved slot, which is ours to fill.
+                unsafe { slot.write(off, &piece[..n]) };
                 off += n;
             }
             stats.bytes_in.fetch_add(len as u64, Relaxed);

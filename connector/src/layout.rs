@@ -22,6 +22,7 @@
 //! The copy finds, per layer, the longest run of trailing dims that is contiguous in the engine
 //! tensor and moves it with one `memcpy`.
 
+use kvstore::ArenaSlice;
 use thiserror::Error;
 
 /// What a tensor dimension means.
@@ -303,14 +304,14 @@ impl PagedKv {
     pub fn scatter_layer(
         &self,
         ids: &[usize],
-        src: &[u8],
+        src: ArenaSlice<'_>,
         layer: usize,
     ) -> Result<(), LayoutError> {
         self.layer_runs(ids, src.len(), layer, &mut |dst, at, len| {
             // SAFETY: as in scatter: within the layer tensor, which nobody else reads or writes
             // during the copy (PagedKv::new's contract).
             let to = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len) };
-            to.copy_from_slice(&src[at..at + len]);
+            src.copy_to(at, to);
         })
     }
 
@@ -334,7 +335,7 @@ impl PagedKv {
 
     /// Copies `src` (canonical form of engine blocks `ids`) into the engine's tensors.
     pub fn scatter(&self, ids: &[usize], src: &[u8]) -> Result<(), LayoutError> {
-        self.scatter_with(ids, src, &mut |_| {})
+        self.scatter_with(ids, src.into(), &mut |_| {})
     }
 
     /// [`PagedKv::scatter`] that also returns the checksum of what it wrote: each run is hashed
@@ -343,7 +344,7 @@ impl PagedKv {
     /// writer that changes `src` (shared memory) during the copy cannot make a hash that was
     /// read from it pass for bytes that were not (issue 35: the hash used to be read from
     /// `src` after the copy, a second read of memory another process may write).
-    pub fn scatter_hashed(&self, ids: &[usize], src: &[u8]) -> Result<u64, LayoutError> {
+    pub fn scatter_hashed(&self, ids: &[usize], src: ArenaSlice<'_>) -> Result<u64, LayoutError> {
         let mut h = kvstore::Checksummer::new();
         self.scatter_with(ids, src, &mut |written| h.update(written))?;
         Ok(h.finish())
@@ -354,7 +355,7 @@ impl PagedKv {
     fn scatter_with(
         &self,
         ids: &[usize],
-        src: &[u8],
+        src: ArenaSlice<'_>,
         written: &mut dyn FnMut(&[u8]),
     ) -> Result<(), LayoutError> {
         self.check(ids, src.len())?;
@@ -366,7 +367,7 @@ impl PagedKv {
                     // SAFETY: as in gather, with roles swapped; the engine tensor is not read or
                     // written by anyone else during the scatter (PagedKv::new's contract).
                     let to = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len) };
-                    to.copy_from_slice(&src[at..at + len]);
+                    src.copy_to(at, to);
                     at += len;
                     written(to);
                 });

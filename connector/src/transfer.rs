@@ -11,7 +11,9 @@
 
 use std::time::Duration;
 
-use kvstore::{BlockKey, LeaseId, Namespace, NsId, Reservation, Reserve, Store, StoreError};
+use kvstore::{
+    ArenaSlice, BlockKey, LeaseId, Namespace, NsId, Reservation, Reserve, Store, StoreError,
+};
 use kvtier_ipc::{IpcClient, IpcError, SlotStatus};
 
 use crate::copies::Copies;
@@ -182,15 +184,17 @@ type Fill<'a> = dyn Fn(usize, &mut [u8]) -> Result<u64, TransferError> + Sync + 
 
 /// What a parallel load does with block `i` (its bytes and commit checksum), given its own
 /// item (e.g. its destination segments): false refuses it (ends the prefix).
-type EachPar<'a, T> = dyn Fn(usize, &mut T, &[u8], u64) -> Result<bool, TransferError> + Sync + 'a;
+type EachPar<'a, T> =
+    dyn Fn(usize, &mut T, ArenaSlice<'_>, u64) -> Result<bool, TransferError> + Sync + 'a;
 
 /// What a layer-by-layer load does with layer `l` of the pinned, verified prefix of blocks
 /// (each with its commit checksum).
-type EachLayer<'a> = dyn FnMut(usize, &[(&[u8], u64)]) -> Result<(), TransferError> + 'a;
+type EachLayer<'a> = dyn FnMut(usize, &[(ArenaSlice<'_>, u64)]) -> Result<(), TransferError> + 'a;
 
-/// What a load does with block `i` (its bytes and commit checksum) while it is pinned: false
-/// refuses it (ends the prefix).
-pub type Each<'a> = dyn FnMut(usize, &[u8], u64) -> Result<bool, TransferError> + 'a;
+/// What a load does with block `i` (its bytes in the arena, and its commit checksum) while it
+/// is pinned: false refuses it (ends the prefix). The bytes are shared memory other engines
+/// may write: copy them out (`ArenaSlice::copy_to_hashed`) and check what was copied.
+pub type Each<'a> = dyn FnMut(usize, ArenaSlice<'_>, u64) -> Result<bool, TransferError> + 'a;
 
 /// Copies `src` segments, in order, into `slot` (exactly their total length); returns the
 /// checksum of the slot's bytes.
@@ -211,7 +215,7 @@ fn gather_segments(src: &[&[u8]], slot: &mut [u8]) -> u64 {
 /// and the bytes copied match `sum`: each piece is hashed from the destination (private)
 /// right after it was written there (in cache), so bytes another process writes into the
 /// shared `block` meanwhile cannot pass.
-fn fill_segments(block: &[u8], segs: &mut [&mut [u8]], sum: u64) -> bool {
+fn fill_segments(block: ArenaSlice<'_>, segs: &mut [&mut [u8]], sum: u64) -> bool {
     if segs.iter().map(|s| s.len()).sum::<usize>() != block.len() {
         return false;
     }
@@ -220,12 +224,28 @@ fn fill_segments(block: &[u8], segs: &mut [&mut [u8]], sum: u64) -> bool {
     let mut h = kvstore::Checksummer::new();
     for s in segs.iter_mut() {
         for d in s.chunks_mut(CHUNK) {
-            d.copy_from_slice(&block[at..at + d.len()]);
+            block.copy_to(at, d);
             at += d.len();
             h.update(d);
         }
     }
     verified(h.finish(), sum)
+}
+
+/// The checksum of a block in the arena, hashed from private copies of its pieces (for the
+/// GPU path's check before its DMA: the bytes a copy engine then reads may still differ; see
+/// `load_layerwise_cuda`).
+fn checksum_of_shared(b: ArenaSlice<'_>) -> u64 {
+    let mut piece = vec![0u8; kvstore::checksum::CHUNK.min(b.len())];
+    let mut h = kvstore::Checksummer::new();
+    let mut at = 0;
+    while at < b.len() {
+        let n = piece.len().min(b.len() - at);
+        b.copy_to(at, &mut piece[..n]);
+        h.update(&piece[..n]);
+        at += n;
+    }
+    h.finish()
 }
 
 /// Whether what was copied matches the block's commit checksum; a mismatch (the block was
@@ -643,7 +663,7 @@ impl Backend {
                 let m = l.len().min(m);
                 let sizes: Vec<usize> = (0..m).map(|i| l.block(i).len()).collect();
                 prefix(copies.map_mut(&mut items[..m], &sizes, |i, t| {
-                    each(i, t, l.block(i), l.checksum(i))
+                    each(i, t, l.block(i).into(), l.checksum(i))
                 }))
             }
             Kind::Sidecar(side) => {
@@ -706,7 +726,7 @@ impl Backend {
                     sums = blocks.iter().map(|(_, sum)| *sum).collect();
                 }
                 for (i, (b, _)) in blocks.iter().enumerate() {
-                    paged.scatter_layer(&block_ids[i], b, layer)?;
+                    paged.scatter_layer(&block_ids[i], *b, layer)?;
                 }
                 on_layer(layer, blocks.len());
                 Ok(())
@@ -750,7 +770,7 @@ impl Backend {
         }
         let bb = paged.block_bytes();
         let copies = &self.copies;
-        let mut layers = |blocks: &[(&[u8], u64)]| -> Result<usize, TransferError> {
+        let mut layers = |blocks: &[(ArenaSlice<'_>, u64)]| -> Result<usize, TransferError> {
             // The valid prefix, every block checked before anything is copied (on the copy
             // threads: hashing a large prefix on one core would dwarf the copies).
             let m = blocks.len().min(keys.len());
@@ -758,7 +778,7 @@ impl Backend {
             let ok = copies.map(&sizes, |i| {
                 let (b, sum) = blocks[i];
                 b.len() == block_ids[i].len() * bb
-                    && (!verify_first || verified(kvstore::checksum(b), sum))
+                    && (!verify_first || verified(checksum_of_shared(b), sum))
             });
             let n = ok.iter().take_while(|o| **o).count();
             let r = (0..paged.layers()).try_for_each(|l| layer(l, &blocks[..n]));
@@ -772,8 +792,8 @@ impl Backend {
             Kind::Embedded(s) => {
                 let l = s.load(keys)?;
                 let m = l.len().min(keys.len());
-                let blocks: Vec<(&[u8], u64)> =
-                    (0..m).map(|i| (l.block(i), l.checksum(i))).collect();
+                let blocks: Vec<(ArenaSlice<'_>, u64)> =
+                    (0..m).map(|i| (l.block(i).into(), l.checksum(i))).collect();
                 layers(&blocks)
             }
             Kind::Sidecar(side) => {
@@ -783,7 +803,7 @@ impl Backend {
                     let k = l.blocks.len().min(keys.len());
                     let sums: Vec<u64> = l.blocks[..k].iter().map(|b| b.checksum).collect();
                     let r = guard.c.with_blocks(&l, |blocks| {
-                        let pinned: Vec<(&[u8], u64)> = blocks[..k]
+                        let pinned: Vec<(ArenaSlice<'_>, u64)> = blocks[..k]
                             .iter()
                             .copied()
                             .zip(sums.iter().copied())
@@ -825,7 +845,7 @@ impl Backend {
                 let l = s.load(keys)?;
                 let mut n = 0;
                 while n < l.len().min(keys.len()) {
-                    if !each(n, l.block(n), l.checksum(n))? {
+                    if !each(n, l.block(n).into(), l.checksum(n))? {
                         break;
                     }
                     n += 1;

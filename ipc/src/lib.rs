@@ -17,7 +17,7 @@ use kvtier_proto::IPC_VERSION;
 use memmap2::MmapRaw;
 use prost::Message;
 
-use kvstore::{checksum, copy_hashed, copy_out_hashed};
+use kvstore::{checksum, copy_hashed, ArenaSlice};
 use kvstore::{BlockKey, LeaseId, Namespace, NsId, Tier};
 
 /// Largest frame either side accepts.
@@ -861,20 +861,22 @@ impl IpcClient {
     }
 
     /// Lends every block of a load to `read` at once (e.g. to copy them out in parallel; valid
-    /// while the lease holds).
+    /// while the lease holds). The blocks are shared memory that other engines map writable:
+    /// they come as [`ArenaSlice`]s, copied out through raw pointers, never references.
     pub fn with_blocks<R>(
         &self,
         loaded: &Loaded,
-        read: impl FnOnce(&[&[u8]]) -> R,
+        read: impl FnOnce(&[ArenaSlice<'_>]) -> R,
     ) -> Result<R, IpcError> {
         let mut blocks = Vec::with_capacity(loaded.blocks.len());
         for b in &loaded.blocks {
             self.check(b.offset, b.len as usize)?;
-            // SAFETY: in bounds (checked); committed and pinned by the load's lease, so the
-            // daemon neither reuses nor writes the slot during the borrow.
+            // SAFETY: in bounds (checked) of the mapping, which lives as long as `self`; the
+            // block is pinned by the load's lease. Other processes may write it: an
+            // ArenaSlice only ever copies out of it.
             blocks.push(unsafe {
-                std::slice::from_raw_parts(
-                    self.arena.as_ptr().add(b.offset as usize),
+                ArenaSlice::new(
+                    self.arena.as_ptr().add(b.offset as usize) as *mut u8,
                     b.len as usize,
                 )
             });
@@ -882,12 +884,13 @@ impl IpcClient {
         Ok(read(&blocks))
     }
 
-    /// Lends block `i` of a load to `read` (copied out in place; valid while the lease holds).
+    /// Lends block `i` of a load to `read` (valid while the lease holds; see
+    /// [`IpcClient::with_blocks`]).
     pub fn with_block<R>(
         &self,
         loaded: &Loaded,
         i: usize,
-        read: impl FnOnce(&[u8]) -> R,
+        read: impl FnOnce(ArenaSlice<'_>) -> R,
     ) -> Result<R, IpcError> {
         let b = loaded.blocks.get(i).ok_or_else(|| {
             IpcError::Protocol(format!(
@@ -896,10 +899,12 @@ impl IpcClient {
             ))
         })?;
         self.check(b.offset, b.len as usize)?;
-        // SAFETY: in bounds (checked); the block is committed and pinned by the load's lease,
-        // so the daemon neither reuses nor writes the slot during the borrow.
+        // SAFETY: as in `with_blocks`.
         let block = unsafe {
-            std::slice::from_raw_parts(self.arena.as_ptr().add(b.offset as usize), b.len as usize)
+            ArenaSlice::new(
+                self.arena.as_ptr().add(b.offset as usize) as *mut u8,
+                b.len as usize,
+            )
         };
         Ok(read(block))
     }
@@ -935,7 +940,7 @@ impl IpcClient {
             )));
         }
         let want = b.checksum;
-        let got = self.with_block(loaded, i, |b| copy_out_hashed(dst, b))?;
+        let got = self.with_block(loaded, i, |b| b.copy_to_hashed(dst))?;
         if got != want {
             return Err(IpcError::Damaged(i));
         }

@@ -118,6 +118,143 @@ impl Arena {
     }
 }
 
+/// A range of arena memory that other processes map writable (the shared arena of kvtierd,
+/// which every engine of the node or of the tenant maps): never a Rust reference, whose
+/// aliasing rules (nobody writes while a `&[u8]` lives) another process does not keep. Bytes
+/// leave it only through raw-pointer copies into private memory ([`ArenaSlice::copy_to`],
+/// [`ArenaSlice::copy_to_hashed`], which hashes the private copy: what was checked is what
+/// was copied), and enter it only through [`ArenaSlice::write`] by the holder of the slot's
+/// reservation. A writer that scribbles over a slot meanwhile makes the copy wrong, never
+/// undefined: the commit checksum of the private copy catches it.
+#[derive(Clone, Copy, Debug)]
+pub struct ArenaSlice<'a> {
+    ptr: *mut u8,
+    len: usize,
+    _life: std::marker::PhantomData<&'a ()>,
+}
+
+// SAFETY: an ArenaSlice is an address range whose memory stays mapped for 'a (its creator's
+// promise); every access is a raw copy, which is as sound from any thread as from one.
+unsafe impl Send for ArenaSlice<'_> {}
+// SAFETY: as for Send: shared access only copies through raw pointers.
+unsafe impl Sync for ArenaSlice<'_> {}
+
+impl<'a> ArenaSlice<'a> {
+    /// The range `ptr..ptr + len`.
+    ///
+    /// # Safety
+    /// The range must stay mapped (readable, and writable for [`ArenaSlice::write`]) for
+    /// `'a`; others may write it at any time.
+    pub unsafe fn new(ptr: *mut u8, len: usize) -> Self {
+        Self {
+            ptr,
+            len,
+            _life: std::marker::PhantomData,
+        }
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The first byte's address (for DMA and I/O engines, which copy through it themselves).
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr
+    }
+
+    /// `len` bytes from `off`, or `None` past the end.
+    pub fn get(&self, off: usize, len: usize) -> Option<ArenaSlice<'a>> {
+        let end = off.checked_add(len)?;
+        (end <= self.len).then(|| ArenaSlice {
+            // SAFETY: `off <= self.len` (checked): within the range the creator vouched for.
+            ptr: unsafe { self.ptr.add(off) },
+            len,
+            _life: std::marker::PhantomData,
+        })
+    }
+
+    /// Copies bytes `off..off + dst.len()` into `dst` (private memory).
+    ///
+    /// # Panics
+    /// If the range ends past the slice.
+    pub fn copy_to(&self, off: usize, dst: &mut [u8]) {
+        assert!(
+            off.checked_add(dst.len()).is_some_and(|e| e <= self.len),
+            "ArenaSlice::copy_to: {}+{} past {}",
+            off,
+            dst.len(),
+            self.len
+        );
+        // SAFETY: the source range is within the slice (checked) and mapped (the creator's
+        // promise); `dst` is private memory the source cannot overlap (a `&mut` of ours). A
+        // concurrent write by another process only changes which bytes arrive.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(off), dst.as_mut_ptr(), dst.len()) };
+    }
+
+    /// A private copy of the whole slice.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut v = vec![0u8; self.len];
+        self.copy_to(0, &mut v);
+        v
+    }
+
+    /// Copies the whole slice into `dst` (same length), piece by piece, and returns the
+    /// checksum of what landed in `dst`, each piece hashed right after it was copied (in
+    /// cache): compared with the commit checksum, it says whether `dst` holds the block.
+    pub fn copy_to_hashed(&self, dst: &mut [u8]) -> u64 {
+        assert_eq!(
+            dst.len(),
+            self.len,
+            "ArenaSlice::copy_to_hashed: lengths differ"
+        );
+        let mut h = crate::Checksummer::new();
+        for (i, d) in dst.chunks_mut(crate::checksum::CHUNK).enumerate() {
+            self.copy_to(i * crate::checksum::CHUNK, d);
+            h.update(d);
+        }
+        h.finish()
+    }
+
+    /// Copies `src` into bytes `off..off + src.len()`.
+    ///
+    /// # Safety
+    /// The range must be writable and this process's to fill: a reserved slot it holds (nobody
+    /// else may rely on its bytes until the commit).
+    ///
+    /// # Panics
+    /// If the range ends past the slice.
+    pub unsafe fn write(&self, off: usize, src: &[u8]) {
+        assert!(
+            off.checked_add(src.len()).is_some_and(|e| e <= self.len),
+            "ArenaSlice::write: {}+{} past {}",
+            off,
+            src.len(),
+            self.len
+        );
+        // SAFETY: within the slice (checked), writable and ours to fill (the caller's
+        // promise); `src` is private memory.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(off), src.len()) };
+    }
+}
+
+impl<'a> From<&'a [u8]> for ArenaSlice<'a> {
+    /// Private memory seen as a slice of it (a store inside the engine's own process, a test's
+    /// buffer): read-only through it.
+    fn from(s: &'a [u8]) -> Self {
+        Self {
+            ptr: s.as_ptr() as *mut u8,
+            len: s.len(),
+            _life: std::marker::PhantomData,
+        }
+    }
+}
+
 /// A heap buffer aligned to 4096 bytes and touched once at creation, for benchmark and test
 /// buffers and for O_DIRECT I/O. A plain `Vec<u8>` is not aligned enough for fast copies.
 pub struct AlignedBuf {
@@ -221,5 +358,40 @@ mod tests {
         assert_eq!(&b[..], &c[..]);
         fill_pattern(&mut c, 4);
         assert_ne!(&b[..], &c[..]);
+    }
+}
+
+#[cfg(test)]
+mod arena_slice_tests {
+    use super::*;
+
+    #[test]
+    fn an_arena_slice_copies_out_checks_what_it_copied_and_refuses_out_of_range() {
+        let a = Arena::new(1 << 20, false, true).unwrap();
+        let data: Vec<u8> = (0..300_000u32).map(|i| (i * 7 + i / 4096) as u8).collect();
+        // SAFETY: the first 300,000 bytes of the arena, mapped while `a` lives; this test is
+        // its only writer.
+        let s = unsafe { ArenaSlice::new(a.base(), data.len()) };
+        // SAFETY: as above: ours to fill.
+        unsafe { s.write(0, &data) };
+        let mut out = vec![0u8; data.len()];
+        assert_eq!(s.copy_to_hashed(&mut out), crate::checksum(&data));
+        assert_eq!(out, data);
+        assert_eq!(s.to_vec(), data);
+        let mid = s.get(70_000, 10).unwrap();
+        assert_eq!(mid.to_vec(), &data[70_000..70_010]);
+        assert!(s.get(299_995, 10).is_none() && s.get(usize::MAX, 2).is_none());
+        // A write by "another process" (a second mapping) between two copies changes what
+        // the second copy gets, and its hash says so.
+        let fd = File::from(a.fd().try_clone_to_owned().unwrap());
+        // SAFETY: a second shared mapping of the same memfd, as an engine maps it.
+        let mut other = unsafe { MmapOptions::new().map_mut(&fd) }.unwrap();
+        other[100] ^= 0xff;
+        assert_ne!(s.copy_to_hashed(&mut out), crate::checksum(&data));
+        let r = std::panic::catch_unwind(|| {
+            let mut big = vec![0u8; 11];
+            mid.copy_to(0, &mut big);
+        });
+        assert!(r.is_err(), "a copy past the end must panic");
     }
 }

@@ -32,7 +32,7 @@ mod sync;
 mod tier;
 mod types;
 
-pub use arena::{fill_pattern, AlignedBuf, Arena};
+pub use arena::{fill_pattern, AlignedBuf, Arena, ArenaSlice};
 pub use checksum::{checksum, copy_hashed, copy_nt, copy_out_hashed, Checksummer};
 pub use disk::{Admission, DiskConfig, DiskError, DiskTier};
 pub use error::{ConfigError, KeyError, StoreError};

@@ -130,10 +130,10 @@ fn hints_loads_and_cancels_under_host_pressure_never_freeze_the_daemon() {
                             let l = c
                                 .load(&keys, Duration::from_secs(30), Some(Duration::from_secs(2)))
                                 .expect("load answered");
-                            for j in 0..l.n {
+                            for (j, id) in ids.iter().enumerate().take(l.n) {
                                 let mut buf = vec![0u8; l.blocks[j].len as usize];
                                 c.read(&l, j, &mut buf).expect("a verified block");
-                                assert!(buf == data(ids[j]), "block {} served wrong bytes", ids[j]);
+                                assert!(buf == data(*id), "block {id} served wrong bytes");
                             }
                             served.fetch_add(l.n as u64, Relaxed);
                             if let Some(lease) = l.lease {

@@ -799,8 +799,15 @@ impl Backend {
         let got = self
             .b
             .read_with(&[k], Duration::from_secs(10), &mut |_, b, sum| {
-                let copy = PyBytes::new(py, b);
-                if kvstore::checksum(copy.as_bytes()) != sum {
+                // Copied out of the shared block, and the copy hashed (never the shared bytes
+                // a second time).
+                let mut got = 0;
+                let copy = PyBytes::new_with(py, b.len(), |buf| {
+                    got = b.copy_to_hashed(buf);
+                    Ok(())
+                })
+                .map_err(|e| kvtier_connector::TransferError::Input(e.to_string()))?;
+                if got != sum {
                     return Ok(false);
                 }
                 out = Some(copy);

@@ -818,12 +818,23 @@ impl Loaded {
         self.pins.is_empty()
     }
 
-    /// Block `i`'s bytes.
+    /// Block `i`'s bytes, for a store whose arena no other process maps (an engine's embedded
+    /// store, a test). A daemon's arena is mapped writable by engines: it reads blocks through
+    /// [`Loaded::arena_block`].
     pub fn block(&self, i: usize) -> &[u8] {
         let p = &self.pins[i];
         // SAFETY: the block is committed and pinned by this guard: its slot is neither freed,
-        // evicted nor reserved until the guard drops, so nobody writes it; it lies in the arena.
+        // evicted nor reserved until the guard drops, so this process does not write it; it
+        // lies in the arena. (Another process mapping the arena could: see `arena_block`.)
         unsafe { std::slice::from_raw_parts(self.inner.ptr(p.page), p.len as usize) }
+    }
+
+    /// Block `i` as shared memory (copied out through raw pointers: see [`ArenaSlice`]).
+    pub fn arena_block(&self, i: usize) -> crate::ArenaSlice<'_> {
+        let p = &self.pins[i];
+        // SAFETY: the slot lies in the arena, mapped while `self.inner` (held by this guard)
+        // lives, and stays this block's until the guard drops.
+        unsafe { crate::ArenaSlice::new(self.inner.ptr(p.page), p.len as usize) }
     }
 
     /// Block `i`'s commit checksum.
