@@ -345,7 +345,7 @@ impl PagedKv {
     /// read from it pass for bytes that were not (issue 35: the hash used to be read from
     /// `src` after the copy, a second read of memory another process may write).
     pub fn scatter_hashed(&self, ids: &[usize], src: ArenaSlice<'_>) -> Result<u64, LayoutError> {
-        let mut h = kvstore::Checksummer::new();
+        let mut h = kvstore::RunChecksummer::new();
         self.scatter_with(ids, src, &mut |written| h.update(written))?;
         Ok(h.finish())
     }
@@ -381,7 +381,7 @@ impl PagedKv {
     /// which no other process can change).
     pub fn checksum_of(&self, ids: &[usize]) -> Result<u64, LayoutError> {
         self.check_ids(ids)?;
-        let mut h = kvstore::Checksummer::new();
+        let mut h = kvstore::RunChecksummer::new();
         for &id in ids {
             for p in &self.plans {
                 let base = p.ptr as isize + id as isize * p.block_stride;

