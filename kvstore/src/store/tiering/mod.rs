@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::key::BlockKey;
-use crate::sync::{spawn, JoinHandle};
+use crate::sync::{level, spawn, Condvar, JoinHandle, Mutex};
 
 use super::index::{Copy, Slot};
 use super::Inner;
@@ -67,6 +67,22 @@ pub(crate) struct Hint {
     pub bytes: u64,
     /// The hint's owner (see `PrefetchQuota`).
     pub owner: u64,
+}
+
+/// A queue's state behind a lock of its own (a leaf of the lock order), and the condition
+/// variable its thread waits on.
+pub(crate) struct Queue<S> {
+    q: Mutex<S>,
+    cv: Condvar,
+}
+
+impl<S: Default> Queue<S> {
+    fn new(name: &'static str) -> Self {
+        Self {
+            q: Mutex::new(level::LEAF, name, S::default()),
+            cv: Condvar::default(),
+        }
+    }
 }
 
 /// The worker's queues, each owned by its thread(s).

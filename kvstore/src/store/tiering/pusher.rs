@@ -12,12 +12,11 @@ use std::time::{Duration, Instant};
 use crate::events::EventKind;
 use crate::io::IoBuf;
 use crate::key::BlockKey;
-use crate::sync::{level, Condvar, Mutex};
 use crate::tier::{WriteItem, WriteOutcome};
 use crate::types::MapKey;
 
 use super::super::Inner;
-use super::Demote;
+use super::{Demote, Queue};
 
 /// Tries of a failed push after the first, and the wait before the first of them (then 4×
 /// longer each time: 1 s, 4 s, 16 s, long enough for an owner's restart).
@@ -36,17 +35,11 @@ struct State {
 }
 
 /// The push queue.
-pub(crate) struct Pushes {
-    q: Mutex<State>,
-    cv: Condvar,
-}
+pub(crate) struct Pushes(Queue<State>);
 
 impl Default for Pushes {
     fn default() -> Self {
-        Self {
-            q: Mutex::new(level::LEAF, "pushes", State::default()),
-            cv: Condvar::default(),
-        }
+        Self(Queue::new("pushes"))
     }
 }
 
@@ -60,29 +53,29 @@ enum Next {
 impl Pushes {
     /// Bytes queued (retries included).
     pub(crate) fn bytes(&self) -> u64 {
-        self.q.lock().bytes
+        self.0.q.lock().bytes
     }
 
     pub(super) fn stop(&self) {
-        self.q.lock().stop = true;
-        self.cv.notify_all();
+        self.0.q.lock().stop = true;
+        self.0.cv.notify_all();
     }
 
     /// Queues `d` unless the queue is full or stopped (then it is handed back).
     fn push(&self, d: Demote, max_bytes: u64) -> Result<(), Demote> {
-        let mut q = self.q.lock();
+        let mut q = self.0.q.lock();
         if q.stop || q.bytes + u64::from(d.len) > max_bytes {
             return Err(d);
         }
         q.bytes += u64::from(d.len);
         q.push.push_back(d);
-        self.cv.notify_one();
+        self.0.cv.notify_one();
         Ok(())
     }
 
     /// Queues a failed push for its next try at `at`; false if stopped.
     fn retry(&self, at: Instant, tries: u8, d: Demote) -> bool {
-        let mut q = self.q.lock();
+        let mut q = self.0.q.lock();
         if q.stop {
             return false;
         }
@@ -96,7 +89,7 @@ impl Pushes {
 
     /// The next batch: retries that are due, then queued blocks up to `max_bytes`.
     fn next(&self, max_bytes: u64) -> Next {
-        let mut q = self.q.lock();
+        let mut q = self.0.q.lock();
         loop {
             if q.stop {
                 let mut left: Vec<Demote> = q.push.drain(..).collect();
@@ -110,9 +103,9 @@ impl Pushes {
             }
             match q.retry.front().map(|r| r.0) {
                 Some(at) => {
-                    self.cv.wait_until(&mut q, at);
+                    self.0.cv.wait_until(&mut q, at);
                 }
-                None => self.cv.wait(&mut q),
+                None => self.0.cv.wait(&mut q),
             }
         }
         let mut batch = Vec::new();

@@ -39,7 +39,7 @@ impl Inner {
             ticket: ticket.clone(),
             hint: None,
         });
-        self.work.reads.cv.notify_all();
+        self.work.reads.notify();
         ticket
     }
 
@@ -71,7 +71,7 @@ impl Inner {
             ticket,
             hint: Some(hint),
         });
-        self.work.reads.cv.notify_all();
+        self.work.reads.notify();
         Ok(())
     }
 
@@ -168,7 +168,7 @@ impl Inner {
                 // tier's reader), or the store stops.
                 let ready = |q: &State| mine(q) || (resumer && self.can_resume(q)) || q.stop;
                 while !ready(&q) {
-                    self.work.reads.cv.wait(&mut q);
+                    self.work.reads.wait(&mut q);
                 }
                 if q.stop && !q.waiting.is_empty() {
                     q.waiting.clear();

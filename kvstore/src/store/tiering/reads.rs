@@ -12,11 +12,11 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use crate::key::BlockKey;
-use crate::sync::{level, Condvar, Mutex, MutexGuard};
+use crate::sync::MutexGuard;
 
 use super::super::prefetch::{PerOwner, Waiting};
 use super::ticket::Ticket;
-use super::{Hint, Promote};
+use super::{Hint, Promote, Queue};
 
 /// A batch of blocks one reader reads from its tier.
 pub(crate) struct PromoteJob {
@@ -82,28 +82,32 @@ impl State {
 }
 
 /// The read queue and the readers' condition variable.
-pub(crate) struct Reads {
-    q: Mutex<State>,
-    pub(super) cv: Condvar,
-}
+pub(crate) struct Reads(Queue<State>);
 
 impl Default for Reads {
     fn default() -> Self {
-        Self {
-            q: Mutex::new(level::LEAF, "reads", State::default()),
-            cv: Condvar::default(),
-        }
+        Self(Queue::new("reads"))
     }
 }
 
 impl Reads {
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
-        self.q.lock()
+        self.0.q.lock()
+    }
+
+    /// Wakes the readers (a job was queued).
+    pub(super) fn notify(&self) {
+        self.0.cv.notify_all();
+    }
+
+    /// A reader waits for work (the lock released meanwhile).
+    pub(super) fn wait(&self, q: &mut MutexGuard<'_, State>) {
+        self.0.cv.wait(q);
     }
 
     /// (promotion jobs, preload jobs, preload bytes queued or being read).
     pub(crate) fn depth(&self) -> (u64, u64, u64) {
-        let q = self.q.lock();
+        let q = self.0.q.lock();
         (
             q.promote.len() as u64,
             q.prefetch.len() as u64,
@@ -113,17 +117,17 @@ impl Reads {
 
     /// Bytes of preloads queued or being read.
     pub(crate) fn prefetch_bytes(&self) -> u64 {
-        self.q.lock().prefetch_bytes
+        self.0.q.lock().prefetch_bytes
     }
 
     /// Whether hints wait for room (a new one waits behind them).
     pub(crate) fn hints_waiting(&self) -> bool {
-        !self.q.lock().waiting.is_empty()
+        !self.0.q.lock().waiting.is_empty()
     }
 
     /// Keys of hints waiting for room.
     pub(crate) fn waiting_keys(&self) -> usize {
-        self.q.lock().waiting_keys
+        self.0.q.lock().waiting_keys
     }
 
     /// Bytes `owner`'s hints hold or have in flight.
@@ -131,23 +135,23 @@ impl Reads {
         if owner == 0 {
             return 0;
         }
-        self.q.lock().owner_bytes(owner)
+        self.0.q.lock().owner_bytes(owner)
     }
 
     /// Counts `bytes` more held for `owner`.
     pub(crate) fn add_held(&self, owner: u64, bytes: u64) {
-        self.q.lock().held_by_owner.add(owner, bytes);
+        self.0.q.lock().held_by_owner.add(owner, bytes);
     }
 
     /// Counts a hold of `owner` ended (the caller says `room_changed` once its pin is gone).
     pub(crate) fn sub_held(&self, owner: u64, bytes: u64) {
-        self.q.lock().held_by_owner.sub(owner, bytes);
+        self.0.q.lock().held_by_owner.sub(owner, bytes);
     }
 
     /// Puts a hint's rest on the waiting list (at the front: a resumed one keeps its place);
     /// false if the list is full (or the readers stopped).
     pub(crate) fn wait_hint(&self, w: Waiting, front: bool, max_keys: usize) -> bool {
-        let mut q = self.q.lock();
+        let mut q = self.0.q.lock();
         let n = w.keys.len();
         let mine = q.waiting_by_owner.get(w.quota.owner) as usize;
         if q.stop || q.waiting_keys + n > max_keys || mine + n > w.quota.max_waiting_keys {
@@ -160,29 +164,29 @@ impl Reads {
         } else {
             q.waiting.push_back(w);
             q.resume_stalled = false;
-            self.cv.notify_all();
+            self.0.cv.notify_all();
         }
         true
     }
 
     /// Preload room may have come back: the first reader tries the waiting hints again.
     pub(crate) fn room_changed(&self) {
-        let mut q = self.q.lock();
+        let mut q = self.0.q.lock();
         if !q.waiting.is_empty() {
             q.resume_stalled = false;
-            self.cv.notify_all();
+            self.0.cv.notify_all();
         }
     }
 
     /// The readers end (each drops what it has queued).
     pub(super) fn stop(&self) {
-        self.q.lock().stop = true;
-        self.cv.notify_all();
+        self.0.q.lock().stop = true;
+        self.0.cv.notify_all();
     }
 
     /// Every job left once the readers ended: promotions nobody will read.
     pub(super) fn drain(&self) -> Vec<PromoteJob> {
-        let mut q = self.q.lock();
+        let mut q = self.0.q.lock();
         let mut v: Vec<PromoteJob> = q.promote.drain(..).collect();
         v.append(&mut q.prefetch);
         q.prefetch_bytes = 0;
@@ -193,7 +197,7 @@ impl Reads {
     /// A load waits for `key`, which a queued preload will read: that job goes to the front
     /// of the real loads' queue (and can no longer be cancelled).
     pub(crate) fn escalate(&self, key: BlockKey) {
-        let mut q = self.q.lock();
+        let mut q = self.0.q.lock();
         if let Some(i) = q
             .prefetch
             .iter()
@@ -201,7 +205,7 @@ impl Reads {
         {
             let job = q.prefetch.remove(i);
             q.promote.push_front(job);
-            self.cv.notify_all();
+            self.0.cv.notify_all();
         }
     }
 }

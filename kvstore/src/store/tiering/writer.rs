@@ -11,13 +11,12 @@ use std::sync::atomic::Ordering::Relaxed;
 use crate::events::EventKind;
 use crate::io::IoBuf;
 use crate::key::BlockKey;
-use crate::sync::{level, Condvar, Mutex};
 use crate::tier::{WriteItem, WriteOutcome};
 use crate::types::{FoldMap, MapKey, Tier};
 
 use super::super::index::{Copy, Removed, Slot};
 use super::super::Inner;
-use super::Demote;
+use super::{Demote, Queue};
 
 #[derive(Default)]
 struct State {
@@ -30,64 +29,58 @@ struct State {
 
 /// The demotion queue (bounded by bytes: an allocation that finds it full waits for room,
 /// counted in `waits`).
-pub(crate) struct Demotions {
-    q: Mutex<State>,
-    cv: Condvar,
-}
+pub(crate) struct Demotions(Queue<State>);
 
 impl Default for Demotions {
     fn default() -> Self {
-        Self {
-            q: Mutex::new(level::LEAF, "demotions", State::default()),
-            cv: Condvar::default(),
-        }
+        Self(Queue::new("demotions"))
     }
 }
 
 impl Demotions {
     /// Queues demotions (their blocks are pinned and marked Demoting).
     pub(crate) fn push(&self, items: Vec<Demote>) {
-        let mut q = self.q.lock();
+        let mut q = self.0.q.lock();
         for d in items {
             q.bytes += u64::from(d.len);
             q.demote.push_back(d);
         }
-        self.cv.notify_one();
+        self.0.cv.notify_one();
     }
 
     /// Whether demotions are queued or being written (room is coming).
     pub(crate) fn pending(&self) -> bool {
-        let q = self.q.lock();
+        let q = self.0.q.lock();
         !q.demote.is_empty() || q.writing > 0
     }
 
     /// Whether the queue takes more (bounded to a few batches).
     pub(crate) fn room(&self, batch: u64) -> bool {
-        self.q.lock().bytes < 4 * batch
+        self.0.q.lock().bytes < 4 * batch
     }
 
     /// (blocks, bytes) queued.
     pub(crate) fn depth(&self) -> (u64, u64) {
-        let q = self.q.lock();
+        let q = self.0.q.lock();
         (q.demote.len() as u64, q.bytes)
     }
 
     pub(crate) fn stopped(&self) -> bool {
-        self.q.lock().stop
+        self.0.q.lock().stop
     }
 
     /// The writer ends once the queue is drained.
     pub(super) fn stop(&self) {
-        self.q.lock().stop = true;
-        self.cv.notify_all();
+        self.0.q.lock().stop = true;
+        self.0.cv.notify_all();
     }
 
     /// The next batch (at most `max_bytes`, at least one block), or `None` once stopped and
     /// drained; marks it being written.
     fn next_batch(&self, max_bytes: u64) -> Option<Vec<Demote>> {
-        let mut q = self.q.lock();
+        let mut q = self.0.q.lock();
         while q.demote.is_empty() && !q.stop {
-            self.cv.wait(&mut q);
+            self.0.cv.wait(&mut q);
         }
         if q.demote.is_empty() {
             return None;
@@ -107,7 +100,7 @@ impl Demotions {
     }
 
     fn written(&self, n: usize) {
-        self.q.lock().writing -= n;
+        self.0.q.lock().writing -= n;
     }
 }
 
