@@ -84,22 +84,39 @@ fn slow_disk(s: &mut Store, ms: u64) {
     });
 }
 
-/// Until the reader took every queued preload job (it takes a job off the queue as it
-/// starts reading it).
-fn wait_taken(s: &Store) {
-    let until = Instant::now() + Duration::from_secs(10);
-    while s.stats().prefetch.queued_jobs > 0 {
-        assert!(Instant::now() < until, "{:?}", s.stats().prefetch);
-        std::thread::sleep(Duration::from_millis(1));
+/// Waits until `done` holds, on the store's progress condition variable (every change the
+/// worker or a request makes bumps it; a wait lasts 50 ms at most, for the conditions only
+/// time changes, such as a deadline passing); fails naming `what` after `secs` seconds.
+fn wait_for(s: &Store, what: &str, secs: u64, mut done: impl FnMut() -> bool) {
+    let until = Instant::now() + Duration::from_secs(secs);
+    loop {
+        let seen = s.inner.progress.current();
+        if done() {
+            return;
+        }
+        assert!(
+            Instant::now() < until,
+            "{what}: not within {secs} s ({:?})",
+            s.stats().prefetch
+        );
+        s.inner
+            .progress
+            .wait(seen, until.min(Instant::now() + Duration::from_millis(50)));
     }
 }
 
+/// Until the reader took every queued preload job (it takes a job off the queue as it
+/// starts reading it).
+fn wait_taken(s: &Store) {
+    wait_for(s, "the reader takes the queued jobs", 10, || {
+        s.stats().prefetch.queued_jobs == 0
+    });
+}
+
 fn wait_in_host(s: &Store, keys: &[BlockKey]) {
-    let until = Instant::now() + Duration::from_secs(20);
-    while !keys.iter().all(|k| s.in_host(k)) {
-        assert!(Instant::now() < until, "preloads never arrived");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_for(s, "the preloads arrive", 20, || {
+        keys.iter().all(|k| s.in_host(k))
+    });
 }
 
 #[test]
@@ -182,8 +199,13 @@ fn a_hint_holds_blocks_already_in_host_memory_until_the_load() {
         s.put(id, key(i), &data(i)).unwrap();
     }
     assert!(s.in_host(&cold), "held until its deadline");
-    std::thread::sleep(Duration::from_millis(400));
-    s.prefetch(&[], 0, far, 4);
+    // Past the deadline, a hint (any) reaps the hold.
+    wait_for(&s, "the hold lapses at its deadline", 10, || {
+        Instant::now() >= soon && {
+            s.prefetch(&[], 0, far, 4);
+            true
+        }
+    });
     let st = s.stats().prefetch;
     assert_eq!((st.held_bytes, st.wasted_bytes), (0, 0));
     let pins = |k: BlockKey| {
@@ -211,10 +233,9 @@ fn held_preloads_are_bounded_apart_from_those_in_flight() {
         queued += p.queued;
         waiting += p.waiting;
         // Let the reader finish it: what it read is held, no longer in flight.
-        let t = Instant::now();
-        while s.stats().prefetch.inflight_bytes > 0 && t.elapsed() < Duration::from_secs(10) {
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        wait_for(&s, "the reader finishes the preload", 10, || {
+            s.stats().prefetch.inflight_bytes == 0
+        });
         let st = s.stats().prefetch;
         assert!(st.held_bytes + st.inflight_bytes <= 256 << 10, "{st:?}");
     }
@@ -225,12 +246,10 @@ fn held_preloads_are_bounded_apart_from_those_in_flight() {
     );
     // The reader may be trying the first waiting hint again right now (it takes it off
     // the list and puts it back when there is no room): look again until it settled.
-    let t = Instant::now();
-    let mut st = s.stats().prefetch;
-    while st.waiting_keys != 4 && t.elapsed() < Duration::from_secs(5) {
-        std::thread::sleep(Duration::from_millis(2));
-        st = s.stats().prefetch;
-    }
+    wait_for(&s, "four keys wait", 5, || {
+        s.stats().prefetch.waiting_keys == 4
+    });
+    let st = s.stats().prefetch;
     assert_eq!(
         (st.held_bytes, st.waiting_keys, st.waited),
         (4 * 60_000, 4, 4)
@@ -244,12 +263,10 @@ fn held_preloads_are_bounded_apart_from_those_in_flight() {
     wait_in_host(&s, &[key(4)]);
     // Room changed: the reader may be trying the next waiting hint right now (off the
     // list until it finds no room): look again until it settled.
-    let t = Instant::now();
-    let mut st = s.stats().prefetch;
-    while st.waiting_keys != 3 && t.elapsed() < Duration::from_secs(5) {
-        std::thread::sleep(Duration::from_millis(2));
-        st = s.stats().prefetch;
-    }
+    wait_for(&s, "three keys wait", 5, || {
+        s.stats().prefetch.waiting_keys == 3
+    });
+    let st = s.stats().prefetch;
     assert!(!s.in_host(&key(5)));
     assert_eq!((st.held_bytes, st.waiting_keys), (4 * 60_000, 3));
     // A new hint waits behind them; cancelling a waiting hint takes it off the list.
@@ -257,10 +274,9 @@ fn held_preloads_are_bounded_apart_from_those_in_flight() {
     assert_eq!(s.cancel_prefetch(5), 0, "nothing queued to cancel");
     // (If the reader was resuming hint 5 just then, it cancels what it had in hand once
     // it is done with it.)
-    let t = Instant::now();
-    while s.stats().prefetch.waiting_keys != 3 && t.elapsed() < Duration::from_secs(5) {
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    wait_for(&s, "three keys wait", 5, || {
+        s.stats().prefetch.waiting_keys == 3
+    });
     assert_eq!(s.stats().prefetch.waiting_keys, 3);
     drop(s);
     let _ = std::fs::remove_dir_all(&d);
@@ -331,12 +347,11 @@ fn a_hint_cancelled_while_its_preload_is_read_holds_nothing() {
     wait_in_host(&s, &keys);
     // Published (the bytes were read), but held for no request: not until the deadline a
     // minute away.
-    let until = Instant::now() + Duration::from_secs(10);
     // (The hold is dropped before the cancel is counted.)
-    while s.stats().prefetch.held_bytes > 0 || s.stats().prefetch.cancelled < 2 {
-        assert!(Instant::now() < until, "{:?}", s.stats().prefetch);
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_for(&s, "the reader cancels what it published", 10, || {
+        let st = s.stats().prefetch;
+        st.held_bytes == 0 && st.cancelled >= 2
+    });
     assert_eq!(s.stats().prefetch.cancelled, 2);
     // The next hint of the same blocks holds them again (a new request).
     assert_eq!(s.prefetch(&keys, 0, far, 6).held, 2);
@@ -407,11 +422,10 @@ fn the_staging_bound_holds_and_cancel_and_deadlines_drop_queued_preloads() {
     assert_eq!(s.stats().prefetch.cancelled, 2);
     wait_in_host(&s, &keys[..2]);
     // Nothing is left queued or being read that could still bring the cancelled ones up.
-    let until = Instant::now() + Duration::from_secs(10);
-    while s.stats().prefetch.queued_jobs > 0 || s.stats().prefetch.inflight_bytes > 0 {
-        assert!(Instant::now() < until, "{:?}", s.stats().prefetch);
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_for(&s, "the read queue is idle", 10, || {
+        let st = s.stats().prefetch;
+        st.queued_jobs == 0 && st.inflight_bytes == 0
+    });
     assert!(!s.in_host(&keys[2]) && !s.in_host(&keys[3]));
     // A later load still finds them (from disk).
     let l = s.load(&keys[2..4]).unwrap();
@@ -420,15 +434,11 @@ fn the_staging_bound_holds_and_cancel_and_deadlines_drop_queued_preloads() {
     // An expired deadline: dropped unread.
     let past = Instant::now() - Duration::from_millis(1);
     assert_eq!(s.prefetch(&keys[4..8], 0, past, 9).queued, 4);
-    let until = Instant::now() + Duration::from_secs(10);
     // (The reader takes the job off the queue before it counts it expired.)
-    while s.stats().prefetch.queued_jobs > 0
-        || s.stats().prefetch.expired < 4
-        || s.stats().prefetch.inflight_bytes > 0
-    {
-        assert!(Instant::now() < until, "{:?}", s.stats().prefetch);
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_for(&s, "the expired preloads are dropped", 10, || {
+        let st = s.stats().prefetch;
+        st.queued_jobs == 0 && st.expired >= 4 && st.inflight_bytes == 0
+    });
     assert_eq!(s.stats().prefetch.expired, 4);
     assert!(!s.in_host(&keys[4]));
     assert_eq!(s.stats().prefetch.inflight_bytes, 0);
@@ -438,13 +448,12 @@ fn the_staging_bound_holds_and_cancel_and_deadlines_drop_queued_preloads() {
     // (Its read takes 200 ms: the deadline leaves room for a slow machine.)
     let soon = Instant::now() + Duration::from_millis(1500);
     assert_eq!(s.prefetch(&keys[6..7], 0, soon, 10).queued, 1);
-    let until = Instant::now() + Duration::from_secs(10);
     // (A reap counts the waste before it drops the hold.)
-    while s.stats().prefetch.wasted_bytes < 60_000 || s.stats().prefetch.held_bytes > 2 * 60_000 {
-        assert!(Instant::now() < until, "{:?}", s.stats().prefetch);
-        std::thread::sleep(Duration::from_millis(20));
+    wait_for(&s, "the unused hold lapses, wasted", 10, || {
         s.prefetch(&[], 0, far, 11); // reaps
-    }
+        let st = s.stats().prefetch;
+        st.wasted_bytes >= 60_000 && st.held_bytes <= 2 * 60_000
+    });
     assert_eq!(s.stats().prefetch.held_bytes, 2 * 60_000);
     assert!(s.in_host(&keys[6]), "let go, not removed");
     drop(s);
