@@ -82,15 +82,26 @@ fn hints_loads_and_cancels_under_host_pressure_never_freeze_the_daemon() {
     let stop = Arc::new(AtomicBool::new(false));
     let served = Arc::new(AtomicU64::new(0));
     let requests = Arc::new(AtomicU64::new(0));
+    // Each engine says when it ends (a panic too): the admin loop fails at once if one does
+    // before the run is over.
+    let (ended_tx, ended) = std::sync::mpsc::channel::<u64>();
+    struct Ended(u64, std::sync::mpsc::Sender<u64>);
+    impl Drop for Ended {
+        fn drop(&mut self) {
+            let _ = self.1.send(self.0);
+        }
+    }
     let engines: Vec<_> = (0..4u64)
         .map(|e| {
-            let (socket, stop, served, requests) = (
+            let (socket, stop, served, requests, ended) = (
                 d.socket.clone(),
                 stop.clone(),
                 served.clone(),
                 requests.clone(),
+                Ended(e, ended_tx.clone()),
             );
             std::thread::spawn(move || {
+                let _ended = ended;
                 let mut c = connect(&socket, &format!("engine-{e}"));
                 let mut rng = e.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
                 let mut next = || {
@@ -151,17 +162,24 @@ fn hints_loads_and_cancels_under_host_pressure_never_freeze_the_daemon() {
     let mut admin = connect(&d.socket, "admin");
     let until = Instant::now() + Duration::from_secs(secs);
     let mut polls = 0u64;
+    let mut early = None;
     while Instant::now() < until {
         admin.stats().expect("stats answered");
         assert!(metrics(&d.metrics).contains("kvtier_"), "metrics answered");
         polls += 1;
-        std::thread::sleep(Duration::from_millis(200)); // a poll interval, not a wait for a condition
+        // The next poll in 200 ms, unless an engine ended meanwhile (a failure: they run
+        // until told to stop).
+        if let Ok(e) = ended.recv_timeout(Duration::from_millis(200)) {
+            early = Some(e);
+            break;
+        }
     }
     stop.store(true, Relaxed);
     for e in engines {
         e.join()
             .expect("an engine thread failed (a request past its deadline, or wrong bytes)");
     }
+    assert_eq!(early, None, "an engine ended before the run was over");
     let (served, requests) = (served.load(Relaxed), requests.load(Relaxed));
     let m = metrics(&d.metrics);
     let hinted = m
