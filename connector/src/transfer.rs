@@ -221,7 +221,8 @@ fn fill_segments(block: ArenaSlice<'_>, segs: &mut [&mut [u8]], sum: u64) -> boo
     }
     const CHUNK: usize = kvstore::checksum::CHUNK;
     let mut at = 0;
-    let mut h = kvstore::Checksummer::new();
+    // (Pages' segments may be short runs: hashed where they lie, no buffering copy.)
+    let mut h = kvstore::RunChecksummer::new();
     for s in segs.iter_mut() {
         for d in s.chunks_mut(CHUNK) {
             block.copy_to(at, d);
@@ -230,22 +231,6 @@ fn fill_segments(block: ArenaSlice<'_>, segs: &mut [&mut [u8]], sum: u64) -> boo
         }
     }
     verified(h.finish(), sum)
-}
-
-/// The checksum of a block in the arena, hashed from private copies of its pieces (for the
-/// GPU path's check before its DMA: the bytes a copy engine then reads may still differ; see
-/// `load_layerwise_cuda`).
-fn checksum_of_shared(b: ArenaSlice<'_>) -> u64 {
-    let mut piece = vec![0u8; kvstore::checksum::CHUNK.min(b.len())];
-    let mut h = kvstore::Checksummer::new();
-    let mut at = 0;
-    while at < b.len() {
-        let n = piece.len().min(b.len() - at);
-        b.copy_to(at, &mut piece[..n]);
-        h.update(&piece[..n]);
-        at += n;
-    }
-    h.finish()
 }
 
 /// Whether what was copied matches the block's commit checksum; a mismatch (the block was
@@ -777,8 +762,7 @@ impl Backend {
             let sizes: Vec<usize> = blocks[..m].iter().map(|(b, _)| b.len()).collect();
             let ok = copies.map(&sizes, |i| {
                 let (b, sum) = blocks[i];
-                b.len() == block_ids[i].len() * bb
-                    && (!verify_first || verified(checksum_of_shared(b), sum))
+                b.len() == block_ids[i].len() * bb && (!verify_first || verified(b.checksum(), sum))
             });
             let n = ok.iter().take_while(|o| **o).count();
             let r = (0..paged.layers()).try_for_each(|l| layer(l, &blocks[..n]));

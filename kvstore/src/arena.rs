@@ -221,6 +221,21 @@ impl<'a> ArenaSlice<'a> {
         h.finish()
     }
 
+    /// The checksum of the slice as it is now, hashed from private copies of its pieces in a
+    /// 64 KiB buffer (for a check before a copy engine reads the slot itself, which may then
+    /// find other bytes; a copy out checks what it copied instead: `copy_to_hashed`).
+    pub fn checksum(&self) -> u64 {
+        const CHUNK: usize = crate::checksum::CHUNK;
+        let mut piece = vec![0u8; CHUNK.min(self.len)];
+        let mut h = crate::Checksummer::new();
+        for at in (0..self.len).step_by(CHUNK) {
+            let n = CHUNK.min(self.len - at);
+            self.copy_to(at, &mut piece[..n]);
+            h.update(&piece[..n]);
+        }
+        h.finish()
+    }
+
     /// Copies `src` into bytes `off..off + src.len()`.
     ///
     /// # Safety
@@ -378,6 +393,7 @@ mod arena_slice_tests {
         assert_eq!(s.copy_to_hashed(&mut out), crate::checksum(&data));
         assert_eq!(out, data);
         assert_eq!(s.to_vec(), data);
+        assert_eq!(s.checksum(), crate::checksum(&data));
         let mid = s.get(70_000, 10).unwrap();
         assert_eq!(mid.to_vec(), &data[70_000..70_010]);
         assert!(s.get(299_995, 10).is_none() && s.get(usize::MAX, 2).is_none());
