@@ -696,8 +696,6 @@ impl LowerTier for RemoteTier {
                 }
                 io::Result::Ok(())
             };
-            // The private copy each block is checked and sent from.
-            let mut src: Vec<u8> = Vec::new();
             let res = (|| -> io::Result<()> {
                 for &i in &idx {
                     let it = &items[i];
@@ -709,14 +707,13 @@ impl LowerTier for RemoteTier {
                         continue;
                     };
                     // SAFETY: the block's slot is pinned by the caller for this call, `len`
-                    // <= cap; engines map it writable: copied out, never referenced.
+                    // <= cap; engines map it writable: read through copies, never referenced.
                     let shared =
                         unsafe { kvstore::ArenaSlice::new(it.buf.as_ptr(), it.len as usize) };
-                    // Copied into private memory and checked there against the commit
-                    // checksum before it leaves: a slot an engine wrote into after its commit
-                    // is never pushed, and what is sent is what was checked.
-                    src.resize(it.len as usize, 0);
-                    if shared.copy_to_hashed(&mut src) != it.checksum {
+                    // Checked against the commit checksum before it leaves: a slot an engine
+                    // wrote into after its commit is not pushed (one written between this check
+                    // and the send is refused by the owner, which checks what it received).
+                    if shared.checksum() != it.checksum {
                         out[i] = WriteOutcome::Corrupt;
                         continue;
                     }
@@ -740,7 +737,7 @@ impl LowerTier for RemoteTier {
                     };
                     c.set_write_timeout(Some(remaining(deadline)?))?;
                     c.write_all(&wire::encode_header(&req))?;
-                    c.write_all(&src)?;
+                    wire::send_arena(c, shared)?;
                     peer.bytes_out.fetch_add(u64::from(it.len), Relaxed);
                     self.stats
                         .bytes_written

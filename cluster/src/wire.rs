@@ -174,6 +174,40 @@ pub fn mac_ok(secret: &str, nonce: &[u8], got: &[u8]) -> bool {
     m.verify_slice(got).is_ok()
 }
 
+/// Sends `b`, bytes of the shared arena, on a blocking socket (its write timeout applies):
+/// `send(2)` reads them out of the slot itself, so the block is neither copied nor borrowed as
+/// a `&[u8]` (engines map the arena writable).
+pub fn send_arena(sock: &std::net::TcpStream, b: kvstore::ArenaSlice<'_>) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let mut at = 0;
+    while at < b.len() {
+        // SAFETY: `at < b.len()`: the range lies in the pinned slot `b` names, mapped while its
+        // owner holds it; the kernel only reads it.
+        let n = unsafe {
+            libc::send(
+                sock.as_raw_fd(),
+                b.as_ptr().add(at).cast(),
+                b.len() - at,
+                libc::MSG_NOSIGNAL,
+            )
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            match e.kind() {
+                io::ErrorKind::Interrupted => continue,
+                // SO_SNDTIMEO passed (the socket's write timeout).
+                io::ErrorKind::WouldBlock => return Err(io::ErrorKind::TimedOut.into()),
+                _ => return Err(e),
+            }
+        }
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        at += n as usize;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
