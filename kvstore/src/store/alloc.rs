@@ -181,17 +181,22 @@ impl Inner {
         None
     }
 
+    /// A segment from the pool when class `c` has no free slot. Taken before the caller's
+    /// `if let` chain: an `if let` on the pool's lock would keep its guard through the `else`
+    /// branches, which reclaim and evict (shard locks).
+    fn pooled_segment(&self, c: &super::slab::Class) -> Option<u32> {
+        if c.free.is_empty() {
+            self.segments.lock().pop()
+        } else {
+            None
+        }
+    }
+
     /// A free slot, a pooled segment or an empty segment of another class; no eviction.
     fn try_alloc_free(&self, class: usize, key: BlockKey) -> Option<(Slot, u32)> {
         let mut c = self.classes[class].lock();
         let c = &mut *c;
-        // (The pool's guard must not live through the `else` branches, as an `if let`
-        // scrutinee's temporary would: reclaiming takes shard locks.)
-        let pooled = if c.free.is_empty() {
-            self.segments.lock().pop()
-        } else {
-            None
-        };
+        let pooled = self.pooled_segment(c);
         let idx = if let Some(idx) = c.free.pop() {
             idx
         } else if let Some(seg) = pooled {
@@ -222,12 +227,7 @@ impl Inner {
     ) -> Option<(Slot, u32)> {
         let mut c = self.classes[class].lock();
         let c = &mut *c;
-        // (Not an `if let` on the pool's lock: its guard would live through eviction.)
-        let pooled = if c.free.is_empty() {
-            self.segments.lock().pop()
-        } else {
-            None
-        };
+        let pooled = self.pooled_segment(c);
         let idx = if let Some(idx) = c.free.pop() {
             Some(idx)
         } else if let Some(seg) = pooled {
