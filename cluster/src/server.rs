@@ -360,34 +360,22 @@ fn bad(id: u64, error: &str) -> Reply {
     }
 }
 
-/// Sends `b`, bytes of the shared arena, on `sock`: `send(2)` reads them out of the slot
-/// itself, so the block is neither copied by us nor borrowed as a `&[u8]`.
+/// Sends `b`, bytes of the shared arena, on `sock` (`wire::send_arena_once`: no copy, no
+/// reference).
 async fn send_arena(sock: &TcpStream, b: kvstore::ArenaSlice<'_>) -> io::Result<()> {
     use std::os::fd::AsRawFd;
     let mut at = 0;
     while at < b.len() {
         sock.writable().await?;
-        let sent = sock.try_io(tokio::io::Interest::WRITABLE, || {
-            // SAFETY: `at < b.len()`: the range lies in the pinned slot `b` names, mapped while
-            // `b`'s guard lives; the kernel only reads it.
-            let n = unsafe {
-                libc::send(
-                    sock.as_raw_fd(),
-                    b.as_ptr().add(at).cast(),
-                    b.len() - at,
-                    libc::MSG_NOSIGNAL,
-                )
-            };
-            if n < 0 {
-                Err(io::Error::last_os_error())
-            } else {
-                Ok(n as usize)
-            }
-        });
-        match sent {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+        match sock.try_io(tokio::io::Interest::WRITABLE, || {
+            wire::send_arena_once(sock.as_raw_fd(), b, at)
+        }) {
             Ok(n) => at += n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                ) => {}
             Err(e) => return Err(e),
         }
     }

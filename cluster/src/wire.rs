@@ -174,36 +174,45 @@ pub fn mac_ok(secret: &str, nonce: &[u8], got: &[u8]) -> bool {
     m.verify_slice(got).is_ok()
 }
 
-/// Sends `b`, bytes of the shared arena, on a blocking socket (its write timeout applies):
-/// `send(2)` reads them out of the slot itself, so the block is neither copied nor borrowed as
-/// a `&[u8]` (engines map the arena writable).
+/// One `send(2)` of bytes `at..` of `b` (shared arena memory: the kernel reads them out of
+/// the slot itself, so the block is neither copied nor borrowed as a `&[u8]`); the bytes sent.
+pub fn send_arena_once(
+    fd: std::os::fd::RawFd,
+    b: kvstore::ArenaSlice<'_>,
+    at: usize,
+) -> io::Result<usize> {
+    assert!(at < b.len(), "send_arena_once: {at} of {}", b.len());
+    // SAFETY: `at < b.len()` (checked): the range lies in the slot `b` names, mapped and
+    // pinned while its owner holds it; the kernel only reads it.
+    let n = unsafe {
+        libc::send(
+            fd,
+            b.as_ptr().add(at).cast(),
+            b.len() - at,
+            libc::MSG_NOSIGNAL,
+        )
+    };
+    match n {
+        n if n < 0 => Err(io::Error::last_os_error()),
+        0 => Err(io::ErrorKind::WriteZero.into()),
+        n => Ok(n as usize),
+    }
+}
+
+/// Sends `b` on a blocking socket (its write timeout applies: past it, `TimedOut`).
 pub fn send_arena(sock: &std::net::TcpStream, b: kvstore::ArenaSlice<'_>) -> io::Result<()> {
     use std::os::fd::AsRawFd;
     let mut at = 0;
     while at < b.len() {
-        // SAFETY: `at < b.len()`: the range lies in the pinned slot `b` names, mapped while its
-        // owner holds it; the kernel only reads it.
-        let n = unsafe {
-            libc::send(
-                sock.as_raw_fd(),
-                b.as_ptr().add(at).cast(),
-                b.len() - at,
-                libc::MSG_NOSIGNAL,
-            )
-        };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            match e.kind() {
-                io::ErrorKind::Interrupted => continue,
-                // SO_SNDTIMEO passed (the socket's write timeout).
-                io::ErrorKind::WouldBlock => return Err(io::ErrorKind::TimedOut.into()),
-                _ => return Err(e),
+        match send_arena_once(sock.as_raw_fd(), b, at) {
+            Ok(n) => at += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            // SO_SNDTIMEO passed (the socket's write timeout).
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                return Err(io::ErrorKind::TimedOut.into())
             }
+            Err(e) => return Err(e),
         }
-        if n == 0 {
-            return Err(io::ErrorKind::WriteZero.into());
-        }
-        at += n as usize;
     }
     Ok(())
 }
