@@ -102,6 +102,7 @@ fn pair(capacity: u64, segment: u64) -> Result<Pair> {
         secret: "bench".into(),
         timeout: Duration::from_secs(30),
         replicas: 1,
+        handoff: Duration::from_secs(600),
     })?;
     remote.note_namespace(0, fingerprint())?;
     Ok(Pair { _rt: rt, remote })
@@ -473,6 +474,7 @@ fn nodes(
                     secret: "bench".into(),
                     timeout: Duration::from_secs(5),
                     replicas: 1,
+                    handoff: Duration::from_secs(600),
                 },
             )?)))
         } else {

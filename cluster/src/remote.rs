@@ -1,10 +1,17 @@
 //! The remote tier: a [`LowerTier`] whose blocks live on the other members of the cluster.
 //! Blocking sockets (the store's tiering worker and the engine threads call it from their own
 //! threads), a small pool of authenticated connections per peer, one deadline
-//! (`cluster.timeout_ms`) per call, requests to all owners sent before any reply is read, and a
-//! circuit breaker per peer. A block read from a peer is read straight into its reserved host
-//! slot and checked against its xxh3 checksum before the store publishes it; anything short of
-//! a whole, verified block is a miss.
+//! (`cluster.timeout_ms`) per call, and a circuit breaker per peer.
+//!
+//! A call asks every peer it needs at once, each on a thread of its own with its own budget
+//! inside the call's deadline: a peer that stalls costs its own keys and its own breaker
+//! strike, never another peer's answer. A read or lookup that a peer misses, fails or does not
+//! answer within its budget (half the deadline when there is somewhere else to ask) is asked
+//! once more of the key's next candidate: its other owners, its owners under the previous
+//! membership while a hand-off lasts (`cluster.handoff_ms`), then the next member in
+//! rendezvous order, where a push goes when no owner took it. A block read from a peer is read
+//! into its reserved host slot and checked against its xxh3 checksum before the store
+//! publishes it; anything short of a whole, verified block is a miss.
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
@@ -50,6 +57,8 @@ pub struct RemoteConfig {
     pub timeout: Duration,
     /// Owners per block (the first is asked first; pushes go to all of them).
     pub replicas: usize,
+    /// After a membership change, how long the previous owners are still asked.
+    pub handoff: Duration,
 }
 
 /// What one member holds of a prefix (see [`RemoteTier::node_prefixes`]).
@@ -157,10 +166,37 @@ struct Counters {
     checksum_failures: AtomicU64,
 }
 
+/// The members, and the previous ones while a hand-off lasts.
+struct View {
+    now: Arc<Placement>,
+    /// The placement before the last change, asked until the instant.
+    prev: Option<(Arc<Placement>, Instant)>,
+}
+
+/// A caller's buffer (a reserved or pinned host slot), shared by the per-peer threads of one
+/// call.
+#[derive(Clone, Copy)]
+struct Buf {
+    ptr: *mut u8,
+    cap: usize,
+}
+
+// SAFETY: the caller of `read`/`write` owns the buffers for the whole call (`IoBuf`'s
+// contract); within a call a read slot is written by one peer thread at a time (each key is in
+// one group per round, and a round's threads are joined before the next), and a write slot is
+// only read.
+unsafe impl Send for Buf {}
+// SAFETY: as above: shared access is reads only, or writes by the one thread a round gives
+// the key to.
+unsafe impl Sync for Buf {}
+
+/// Keys (positions in the caller's batch) grouped by the peer asked for them.
+type Groups = Vec<(Arc<Peer>, Vec<usize>)>;
+
 /// The remote tier (see the module docs).
 pub struct RemoteTier {
     cfg: RemoteConfig,
-    placement: RwLock<Arc<Placement>>,
+    view: RwLock<View>,
     peers: RwLock<HashMap<String, Arc<Peer>>>,
     /// Namespace fingerprints by local id, and back.
     ns: crate::nsmap::NsMap,
@@ -168,14 +204,6 @@ pub struct RemoteTier {
     next_id: AtomicU64,
     /// Read and write call latencies, microseconds.
     lat: Mutex<(Histogram<u64>, Histogram<u64>)>,
-}
-
-/// A request to one peer: the keys' (or items') positions in the caller's batch.
-struct Sent {
-    peer: Arc<Peer>,
-    conn: Option<TcpStream>,
-    idx: Vec<usize>,
-    id: u64,
 }
 
 impl RemoteTier {
@@ -191,7 +219,10 @@ impl RemoteTier {
             ));
         }
         let t = Self {
-            placement: RwLock::new(Arc::new(Placement::new(cfg.members.clone()))),
+            view: RwLock::new(View {
+                now: Arc::new(Placement::new(cfg.members.clone())),
+                prev: None,
+            }),
             peers: RwLock::default(),
             ns: Default::default(),
             stats: Counters::default(),
@@ -203,26 +234,58 @@ impl RemoteTier {
         Ok(t)
     }
 
-    /// Replaces the members (membership changed); only blocks whose owner changed move.
+    /// Replaces the members (membership changed); only blocks whose owner changed move. The
+    /// previous owners are still asked for `cluster.handoff_ms` (blocks are where they were
+    /// saved until engines save them again or a leaving node hands them over).
     pub fn set_members(&self, members: Vec<Member>) {
-        *self.placement.write() = Arc::new(Placement::new(members));
+        let next = Placement::new(members);
+        {
+            let mut v = self.view.write();
+            if v.now.members() == next.members() {
+                return;
+            }
+            let old = std::mem::replace(&mut v.now, Arc::new(next));
+            v.prev =
+                (!self.cfg.handoff.is_zero()).then(|| (old, Instant::now() + self.cfg.handoff));
+        }
         self.sync_peers();
     }
 
     /// The current placement.
     pub fn placement(&self) -> Arc<Placement> {
-        self.placement.read().clone()
+        self.view.read().now.clone()
+    }
+
+    /// The current placement and the previous one while its hand-off lasts.
+    fn view(&self) -> (Arc<Placement>, Option<Arc<Placement>>) {
+        let v = self.view.read();
+        let prev = v
+            .prev
+            .as_ref()
+            .filter(|(_, until)| Instant::now() < *until)
+            .map(|(p, _)| p.clone());
+        (v.now.clone(), prev)
     }
 
     fn sync_peers(&self) {
-        let p = self.placement();
+        let (now, prev) = self.view();
+        let known = |a: &str| {
+            now.members().iter().any(|m| m.addr == a)
+                || prev
+                    .as_ref()
+                    .is_some_and(|p| p.members().iter().any(|m| m.addr == a))
+        };
         let mut peers = self.peers.write();
-        for m in p.members() {
+        for m in now
+            .members()
+            .iter()
+            .chain(prev.iter().flat_map(|p| p.members()))
+        {
             if m.addr != self.cfg.me && !peers.contains_key(&m.addr) {
                 peers.insert(m.addr.clone(), Arc::new(Peer::new(m.addr.clone())));
             }
         }
-        peers.retain(|a, _| p.members().iter().any(|m| &m.addr == a));
+        peers.retain(|a, _| known(a));
     }
 
     /// Every member's state.
@@ -264,25 +327,61 @@ impl RemoteTier {
             .collect()
     }
 
-    /// The peers to ask for `key`, best first: its owners other than this node whose breaker
-    /// is closed. Empty when this node owns it (first) or no owner is reachable.
-    fn owners_of(&self, p: &Placement, key: &BlockKey, for_write: bool) -> Vec<Arc<Peer>> {
+    /// Where to look for `key`, best first, this node and peers whose breaker is open left
+    /// out: its owners, its owners under the previous membership (during a hand-off), then the
+    /// next member in rendezvous order (where a push goes when no owner took it).
+    fn candidates(
+        &self,
+        now: &Placement,
+        prev: Option<&Placement>,
+        key: &BlockKey,
+    ) -> Vec<Arc<Peer>> {
+        let r = self.cfg.replicas.max(1);
+        let owners = now.owners(key, r + 1);
+        let (owners, spare) = owners.split_at(owners.len().min(r));
+        let mut addrs: Vec<&str> = owners
+            .iter()
+            .map(|&i| now.members()[i].addr.as_str())
+            .collect();
+        if let Some(p) = prev {
+            addrs.extend(
+                p.owners(key, r)
+                    .iter()
+                    .map(|&i| p.members()[i].addr.as_str()),
+            );
+        }
+        addrs.extend(spare.iter().map(|&i| now.members()[i].addr.as_str()));
         let peers = self.peers.read();
-        let mut out = Vec::new();
-        for (n, i) in p.owners(key, self.cfg.replicas).into_iter().enumerate() {
-            let addr = &p.members()[i].addr;
-            if *addr == self.cfg.me {
-                if n == 0 && !for_write {
-                    // Its owner is this node: the local tiers answered already.
-                    return Vec::new();
-                }
+        let mut out: Vec<Arc<Peer>> = Vec::new();
+        for a in addrs {
+            if a == self.cfg.me || out.iter().any(|p| p.addr == a) {
                 continue;
             }
-            if let Some(peer) = peers.get(addr).filter(|p| p.allowed()) {
+            if let Some(peer) = peers.get(a).filter(|p| p.allowed()) {
                 out.push(peer.clone());
             }
         }
         out
+    }
+
+    /// Where a push of `key` goes: its owners other than this node (`None` where the breaker is
+    /// open), and the member a block no owner took goes to instead (`None` when that is this
+    /// node or its breaker is open).
+    fn push_targets(
+        &self,
+        p: &Placement,
+        key: &BlockKey,
+    ) -> (Vec<Option<Arc<Peer>>>, Option<Arc<Peer>>) {
+        let r = self.cfg.replicas.max(1);
+        let peers = self.peers.read();
+        let pick = |i: usize| -> Option<Option<Arc<Peer>>> {
+            let a = &p.members()[i].addr;
+            (*a != self.cfg.me).then(|| peers.get(a).filter(|q| q.allowed()).cloned())
+        };
+        let all = p.owners(key, r + 1);
+        let owners = all.iter().take(r).filter_map(|&i| pick(i)).collect();
+        let spare = all.get(r).and_then(|&i| pick(i)).flatten();
+        (owners, spare)
     }
 
     fn connect(&self, peer: &Peer, deadline: Instant) -> io::Result<TcpStream> {
@@ -297,6 +396,7 @@ impl RemoteTier {
             .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no address"))?;
         let mut s = TcpStream::connect_timeout(&addr, left)?;
         s.set_nodelay(true)?;
+        wire::keepalive(&s)?;
         s.set_read_timeout(Some(remaining(deadline)?))?;
         s.set_write_timeout(Some(remaining(deadline)?))?;
         let hello: Hello = wire::read_header(&mut s)?;
@@ -322,46 +422,62 @@ impl RemoteTier {
         Ok(s)
     }
 
-    /// Sends one request (no payload) to `peer` on a fresh or pooled connection.
-    fn send(&self, peer: &Arc<Peer>, req: &Request, deadline: Instant) -> io::Result<TcpStream> {
+    /// Sends one request of `op` for `keys` (no payload) to `peer` on a fresh or pooled
+    /// connection and reads its reply header.
+    fn ask(
+        &self,
+        peer: &Peer,
+        op: Op,
+        keys: &[BlockKey],
+        deadline: Instant,
+    ) -> io::Result<(TcpStream, Reply)> {
+        let id = self.id();
+        let req = Request {
+            id,
+            op: op as i32,
+            keys: wire::pack_keys(keys),
+            blocks: Vec::new(),
+        };
         let mut c = self.connect(peer, deadline)?;
         c.set_write_timeout(Some(remaining(deadline)?))?;
-        c.write_all(&wire::encode_header(req))?;
-        Ok(c)
+        c.write_all(&wire::encode_header(&req))?;
+        let r = Self::reply(&mut c, id, keys.len(), deadline)?;
+        Ok((c, r))
     }
 
-    /// Sends one request of `op` to each peer for its keys (`key_of` each position), all
-    /// before any reply is read.
-    fn ask_each(
-        &self,
-        groups: Vec<(Arc<Peer>, Vec<usize>)>,
-        op: Op,
-        key_of: impl Fn(usize) -> BlockKey,
-        deadline: Instant,
-    ) -> Vec<(Sent, io::Result<()>)> {
-        groups
-            .into_iter()
-            .map(|(peer, idx)| {
-                let id = self.id();
-                let req = Request {
-                    id,
-                    op: op as i32,
-                    keys: wire::pack_keys(&idx.iter().map(|&i| key_of(i)).collect::<Vec<_>>()),
-                    blocks: Vec::new(),
-                };
-                let (conn, res) = match self.send(&peer, &req, deadline) {
-                    Ok(c) => (Some(c), Ok(())),
-                    Err(e) => (None, Err(e)),
-                };
-                let s = Sent {
-                    peer,
-                    conn,
-                    idx,
-                    id,
-                };
-                (s, res)
-            })
-            .collect()
+    /// Runs `f` for every group, each peer on a thread of its own (the first on the caller's):
+    /// one peer's stall is its own.
+    fn fan_out<T: Send>(
+        groups: &[(Arc<Peer>, Vec<usize>)],
+        f: impl Fn(&Arc<Peer>, &[usize]) -> T + Sync,
+    ) -> Vec<T> {
+        let Some(((p0, i0), rest)) = groups.split_first() else {
+            return Vec::new();
+        };
+        if rest.is_empty() {
+            return vec![f(p0, i0)];
+        }
+        std::thread::scope(|s| {
+            let f = &f;
+            let spawned: Vec<_> = rest
+                .iter()
+                .map(|(p, i)| {
+                    std::thread::Builder::new()
+                        .name("kvtier-remote".into())
+                        .spawn_scoped(s, move || f(p, i))
+                        .map_err(|_| (p, i))
+                })
+                .collect();
+            let mut out = vec![f(p0, i0)];
+            for h in spawned {
+                out.push(match h {
+                    Ok(h) => h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)),
+                    // No thread to be had: asked from this one.
+                    Err((p, i)) => f(p, i),
+                });
+            }
+            out
+        })
     }
 
     /// Reads the reply to request `id` on `c`.
@@ -388,7 +504,7 @@ impl RemoteTier {
 
     /// Records a request's outcome on `peer`; a connection that served it goes back to the
     /// pool.
-    fn done(&self, peer: &Peer, conn: Option<TcpStream>, res: io::Result<()>) {
+    fn done(&self, peer: &Peer, conn: Option<TcpStream>, res: &io::Result<()>) {
         match res {
             Ok(()) => {
                 peer.ok();
@@ -399,35 +515,53 @@ impl RemoteTier {
                     }
                 }
             }
-            Err(e) => peer.failed(&e),
+            Err(e) => peer.failed(e),
         }
     }
 
-    /// Groups positions by the first reachable owner of each key.
-    fn group(
+    /// The two rounds of a read or lookup: positions `todo` grouped by their first candidate,
+    /// then by their next. `ask` runs one group against its peer within a deadline and
+    /// returns the positions it answered; the rest go to the next round. Round one's budget is
+    /// half the deadline when any key has somewhere else to go.
+    fn two_rounds(
         &self,
-        keys: impl Iterator<Item = BlockKey>,
-        for_write: bool,
-    ) -> Vec<(Arc<Peer>, Vec<usize>)> {
-        let p = self.placement();
-        let mut groups: Vec<(Arc<Peer>, Vec<usize>)> = Vec::new();
-        for (i, k) in keys.enumerate() {
-            let owners = self.owners_of(&p, &k, for_write);
-            let take = if for_write { owners.len() } else { 1 };
-            for peer in owners.into_iter().take(take) {
-                match groups.iter_mut().find(|(q, _)| Arc::ptr_eq(q, &peer)) {
-                    Some((_, v)) => v.push(i),
-                    None => groups.push((peer, vec![i])),
-                }
+        keys: &[BlockKey],
+        ask: impl Fn(&Arc<Peer>, &[usize], Instant) -> Vec<usize> + Sync,
+    ) -> bool {
+        let (now, prev) = self.view();
+        let cands: Vec<Vec<Arc<Peer>>> = keys
+            .iter()
+            .map(|k| self.candidates(&now, prev.as_deref(), k))
+            .collect();
+        let started = Instant::now();
+        let deadline = started + self.cfg.timeout;
+        let mut todo: Vec<usize> = (0..keys.len()).filter(|&i| !cands[i].is_empty()).collect();
+        let mut answered = vec![false; keys.len()];
+        for round in 0..2 {
+            let groups = group_by(todo.iter().filter_map(|&i| Some((cands[i].get(round)?, i))));
+            if groups.is_empty() {
+                return round > 0;
             }
+            let more = round == 0 && todo.iter().any(|&i| cands[i].len() > 1);
+            let budget = if more {
+                started + self.cfg.timeout / 2
+            } else {
+                deadline
+            };
+            for i in Self::fan_out(&groups, |p, idx| ask(p, idx, budget))
+                .into_iter()
+                .flatten()
+            {
+                answered[i] = true;
+            }
+            todo.retain(|&i| !answered[i]);
         }
-        groups
+        true
     }
 
     /// For routers: the longest run of leading `keys` each other member holds in its own
-    /// tiers, with the tier of each block; one EXISTS to every member, all sent before any
-    /// answer is read (one round trip, bounded by the deadline). A member that fails answers
-    /// with its error.
+    /// tiers, with the tier of each block; one EXISTS to every member, each on its own thread
+    /// (one round trip, bounded by the deadline). A member that fails answers with its error.
     pub fn node_prefixes(&self, keys: &[BlockKey]) -> Vec<NodePrefix> {
         let deadline = Instant::now() + self.cfg.timeout;
         let (asked, paused): (Vec<Arc<Peer>>, Vec<Arc<Peer>>) = {
@@ -446,32 +580,179 @@ impl RemoteTier {
                 error: Some("breaker open: the peer keeps failing".into()),
             })
             .collect();
-        let all: Vec<usize> = (0..keys.len()).collect();
-        let groups = asked.into_iter().map(|p| (p, all.clone())).collect();
-        for (mut s, res) in self.ask_each(groups, Op::Exists, |i| keys[i], deadline) {
+        let groups: Groups = asked.into_iter().map(|p| (p, Vec::new())).collect();
+        out.extend(Self::fan_out(&groups, |peer, _| {
             let mut tiers = Vec::new();
-            let res = res.and_then(|()| {
-                let c = s
-                    .conn
-                    .as_mut()
-                    .ok_or_else(|| io::Error::other("no connection"))?;
-                let r = Self::reply(c, s.id, keys.len(), deadline)?;
-                tiers = r
-                    .blocks
-                    .iter()
-                    .take_while(|b| b.present)
-                    .map(|b| if b.tier == 1 { Tier::Host } else { Tier::Disk })
-                    .collect();
-                Ok(())
-            });
-            out.push(NodePrefix {
-                addr: s.peer.addr.clone(),
+            let (conn, res) = match self.ask(peer, Op::Exists, keys, deadline) {
+                Ok((c, r)) => {
+                    tiers = r
+                        .blocks
+                        .iter()
+                        .take_while(|b| b.present)
+                        .map(|b| if b.tier == 1 { Tier::Host } else { Tier::Disk })
+                        .collect();
+                    (Some(c), Ok(()))
+                }
+                Err(e) => (None, Err(e)),
+            };
+            let error = res.as_ref().err().map(|e| e.to_string());
+            self.done(peer, conn, &res);
+            NodePrefix {
+                addr: peer.addr.clone(),
                 tiers,
-                error: res.as_ref().err().map(|e| e.to_string()),
-            });
-            self.done(&s.peer, s.conn, res);
-        }
+                error,
+            }
+        }));
         out.sort_by(|a, b| a.addr.cmp(&b.addr));
+        out
+    }
+
+    /// Reads the blocks `idx` of `items` from `peer` into their buffers: the positions it
+    /// served whole and verified, with their info (an error: none of them).
+    fn get_from(
+        &self,
+        peer: &Peer,
+        idx: &[usize],
+        keys: &[BlockKey],
+        bufs: &[Buf],
+        deadline: Instant,
+    ) -> io::Result<(TcpStream, Vec<(usize, BlockInfo)>)> {
+        let ask: Vec<BlockKey> = idx.iter().map(|&i| keys[i]).collect();
+        let (mut c, r) = self.ask(peer, Op::Get, &ask, deadline)?;
+        let mut hits = Vec::new();
+        // Present blocks come first, their payloads in order.
+        for (&i, b) in idx.iter().zip(&r.blocks) {
+            if !b.present {
+                break;
+            }
+            let len = b.len as usize;
+            if wire::key16(&b.key) != Some(keys[i]) || len == 0 || len > bufs[i].cap {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "a block that does not fit its slot",
+                ));
+            }
+            c.set_read_timeout(Some(remaining(deadline)?))?;
+            // SAFETY: the buffer is the block's reserved host slot (or an owned buffer), `cap`
+            // >= `len` bytes, written by this thread alone this round (`Buf`); engines map the
+            // arena writable, so it is never a `&mut [u8]`.
+            let dst = unsafe { kvstore::ArenaSlice::new(bufs[i].ptr, len) };
+            // Each piece arrives in private memory and is hashed there (in cache), then copied
+            // into the slot.
+            let mut h = kvstore::Checksummer::new();
+            let mut piece = vec![0u8; PIECE.min(len)];
+            let mut at = 0;
+            while at < len {
+                let n = PIECE.min(len - at);
+                c.read_exact(&mut piece[..n])?;
+                h.update(&piece[..n]);
+                // SAFETY: within the slot (above).
+                unsafe { dst.write(at, &piece[..n]) };
+                at += n;
+            }
+            peer.bytes_in.fetch_add(len as u64, Relaxed);
+            self.stats.bytes_read.fetch_add(len as u64, Relaxed);
+            if h.finish() != b.checksum {
+                self.stats.checksum_failures.fetch_add(1, Relaxed);
+                tracing::warn!(peer = %peer.addr, key = %keys[i],
+                    "cluster: a block from a peer failed its checksum: a miss");
+                continue;
+            }
+            if let Some(info) = info_of(b, self.local_ns(&b.fingerprint)) {
+                hits.push((i, info));
+            }
+        }
+        Ok((c, hits))
+    }
+
+    /// Pushes blocks `idx` of `items` to `peer`, pipelined: up to WINDOW PUTs are written
+    /// before their replies are read, so the peer stores block i while this thread checks and
+    /// sends block i+1. The outcome of each block it settled.
+    fn push_to(
+        &self,
+        peer: &Peer,
+        idx: &[usize],
+        items: &[(BlockKey, u16, Buf, u32, u64)],
+        still_wanted: &(dyn Fn(&BlockKey) -> bool + Sync),
+        deadline: Instant,
+    ) -> Vec<(usize, WriteOutcome)> {
+        let mut out = Vec::new();
+        let mut conn: Option<TcpStream> = None;
+        let mut pending: std::collections::VecDeque<(usize, u64)> = Default::default();
+        let settle = |c: &mut TcpStream, (i, id): (usize, u64), out: &mut Vec<_>| {
+            let r = Self::reply(c, id, 1, deadline)?;
+            let o = match r.outcomes.first().map(|&o| PutOutcome::from_wire(o)) {
+                Some(PutOutcome::Stored) => WriteOutcome::Written,
+                Some(PutOutcome::Present) => WriteOutcome::Present,
+                _ => WriteOutcome::Failed,
+            };
+            out.push((i, o));
+            io::Result::Ok(())
+        };
+        let res = (|| -> io::Result<()> {
+            for &i in idx {
+                let (key, ns, buf, len, checksum) = items[i];
+                if !still_wanted(&key) {
+                    continue;
+                }
+                let Some(fp) = self.fp_of(ns) else {
+                    out.push((i, WriteOutcome::Failed));
+                    continue;
+                };
+                // SAFETY: the block's slot is pinned by the caller for this call, `len` <= cap;
+                // engines map it writable: read through copies, never referenced.
+                let shared = unsafe { kvstore::ArenaSlice::new(buf.ptr, len as usize) };
+                // Checked against the commit checksum before it leaves: a slot an engine wrote
+                // into after its commit is not pushed (one written between this check and the
+                // send is refused by the owner, which checks what it received).
+                if shared.checksum() != checksum {
+                    out.push((i, WriteOutcome::Corrupt));
+                    continue;
+                }
+                let id = self.id();
+                let req = Request {
+                    id,
+                    op: Op::Put as i32,
+                    keys: Vec::new(),
+                    blocks: vec![Block {
+                        key: key.0.to_be_bytes().to_vec(),
+                        present: true,
+                        len,
+                        checksum,
+                        fingerprint: wire::fp_bytes(fp),
+                        tier: 0,
+                    }],
+                };
+                let c = match conn.as_mut() {
+                    Some(c) => c,
+                    None => conn.insert(self.connect(peer, deadline)?),
+                };
+                c.set_write_timeout(Some(remaining(deadline)?))?;
+                c.write_all(&wire::encode_header(&req))?;
+                wire::send_arena(c, shared)?;
+                peer.bytes_out.fetch_add(u64::from(len), Relaxed);
+                self.stats.bytes_written.fetch_add(u64::from(len), Relaxed);
+                pending.push_back((i, id));
+                while pending.len() > WINDOW {
+                    if let Some(p) = pending.pop_front() {
+                        settle(c, p, &mut out)?;
+                    }
+                }
+            }
+            if let Some(c) = conn.as_mut() {
+                while let Some(p) = pending.pop_front() {
+                    settle(c, p, &mut out)?;
+                }
+            }
+            Ok(())
+        })();
+        if let Err(e) = &res {
+            self.stats.write_errors.fetch_add(1, Relaxed);
+            tracing::debug!(peer = %peer.addr, error = %e, "cluster: push failed");
+        }
+        if conn.is_some() || res.is_err() {
+            self.done(peer, conn, &res);
+        }
         out
     }
 
@@ -493,6 +774,18 @@ impl RemoteTier {
     }
 }
 
+/// Positions grouped by the peer they go to (first-seen order).
+fn group_by<'a>(it: impl Iterator<Item = (&'a Arc<Peer>, usize)>) -> Groups {
+    let mut groups: Groups = Vec::new();
+    for (peer, i) in it {
+        match groups.iter_mut().find(|(q, _)| Arc::ptr_eq(q, peer)) {
+            Some((_, v)) => v.push(i),
+            None => groups.push((peer.clone(), vec![i])),
+        }
+    }
+    groups
+}
+
 fn hist() -> io::Result<Histogram<u64>> {
     Histogram::new_with_bounds(1, 60_000_000, 2).map_err(|e| io::Error::other(e.to_string()))
 }
@@ -506,6 +799,18 @@ fn remaining(deadline: Instant) -> io::Result<Duration> {
         ))
     } else {
         Ok(left)
+    }
+}
+
+/// Which of two owners' answers to a push counts (the best).
+fn rank(o: WriteOutcome) -> u8 {
+    match o {
+        WriteOutcome::Written => 5,
+        WriteOutcome::Present => 4,
+        WriteOutcome::Corrupt => 3,
+        WriteOutcome::Failed => 2,
+        WriteOutcome::Busy => 1,
+        WriteOutcome::Cancelled => 0,
     }
 }
 
@@ -535,32 +840,32 @@ impl LowerTier for RemoteTier {
     }
 
     fn lookup_batch(&self, keys: &[BlockKey]) -> Vec<Option<BlockInfo>> {
-        let mut out = vec![None; keys.len()];
-        let groups = self.group(keys.iter().copied(), false);
-        if groups.is_empty() {
-            return out;
-        }
-        self.stats.lookups.fetch_add(1, Relaxed);
-        let deadline = Instant::now() + self.cfg.timeout;
-        // Every owner is asked before any answer is read.
-        let sent = self.ask_each(groups, Op::Exists, |i| keys[i], deadline);
-        for (mut s, res) in sent {
-            let res = res.and_then(|()| {
-                let c = s
-                    .conn
-                    .as_mut()
-                    .ok_or_else(|| io::Error::other("no connection"))?;
-                let r = Self::reply(c, s.id, s.idx.len(), deadline)?;
-                for (&i, b) in s.idx.iter().zip(&r.blocks) {
-                    if wire::key16(&b.key) == Some(keys[i]) {
-                        out[i] = info_of(b, self.local_ns(&b.fingerprint));
-                    }
+        let out = Mutex::new(vec![None; keys.len()]);
+        let asked = self.two_rounds(keys, |peer, idx, deadline| {
+            let ask: Vec<BlockKey> = idx.iter().map(|&i| keys[i]).collect();
+            match self.ask(peer, Op::Exists, &ask, deadline) {
+                Ok((c, r)) => {
+                    self.done(peer, Some(c), &Ok(()));
+                    let mut o = out.lock();
+                    idx.iter()
+                        .zip(&r.blocks)
+                        .filter(|(&i, b)| wire::key16(&b.key) == Some(keys[i]))
+                        .filter_map(|(&i, b)| {
+                            o[i] = Some(info_of(b, self.local_ns(&b.fingerprint))?);
+                            Some(i)
+                        })
+                        .collect()
                 }
-                Ok(())
-            });
-            self.done(&s.peer, s.conn, res);
+                Err(e) => {
+                    self.done(peer, None, &Err(e));
+                    Vec::new()
+                }
+            }
+        });
+        if asked {
+            self.stats.lookups.fetch_add(1, Relaxed);
         }
-        out
+        out.into_inner()
     }
 
     fn pin(&self, _key: &BlockKey) -> bool {
@@ -571,80 +876,45 @@ impl LowerTier for RemoteTier {
     fn unpin(&self, _key: &BlockKey) {}
 
     fn read(&self, items: Vec<ReadItem>) -> Vec<ReadOutcome> {
-        let mut out = vec![ReadOutcome::Miss; items.len()];
-        let groups = self.group(items.iter().map(|it| it.key), false);
         let started = Instant::now();
-        let deadline = started + self.cfg.timeout;
-        let sent = self.ask_each(groups, Op::Get, |i| items[i].key, deadline);
-        for (mut s, res) in sent {
-            let res = res.and_then(|()| {
-                let c = s
-                    .conn
-                    .as_mut()
-                    .ok_or_else(|| io::Error::other("no connection"))?;
-                let r = Self::reply(c, s.id, s.idx.len(), deadline)?;
-                // Present blocks come first, their payloads in order.
-                for (&i, b) in s.idx.iter().zip(&r.blocks) {
-                    if !b.present {
-                        break;
-                    }
-                    let it = &items[i];
-                    let len = b.len as usize;
-                    if wire::key16(&b.key) != Some(it.key) || len == 0 || len > it.buf.cap() {
-                        return Err(io::Error::new(
-                            io::ErrorKind::InvalidData,
-                            "a block that does not fit its slot",
-                        ));
-                    }
-                    c.set_read_timeout(Some(remaining(deadline)?))?;
-                    // SAFETY: the buffer is the block's reserved host slot (or an owned
-                    // buffer), `cap` >= `len` bytes, ours to fill until this call returns;
-                    // engines map the arena writable, so it is never a `&mut [u8]`.
-                    let dst = unsafe { kvstore::ArenaSlice::new(it.buf.as_ptr(), len) };
-                    // Each piece arrives in private memory and is hashed there (in cache),
-                    // then copied into the slot.
-                    let mut h = kvstore::Checksummer::new();
-                    let mut piece = vec![0u8; PIECE.min(len)];
-                    let mut at = 0;
-                    while at < len {
-                        let n = PIECE.min(len - at);
-                        c.read_exact(&mut piece[..n])?;
-                        h.update(&piece[..n]);
-                        // SAFETY: within the reserved slot (above).
-                        unsafe { dst.write(at, &piece[..n]) };
-                        at += n;
-                    }
-                    s.peer.bytes_in.fetch_add(len as u64, Relaxed);
-                    self.stats.bytes_read.fetch_add(len as u64, Relaxed);
-                    if h.finish() != b.checksum {
-                        self.stats.checksum_failures.fetch_add(1, Relaxed);
-                        tracing::warn!(peer = %s.peer.addr, key = %it.key,
-                            "cluster: a block from a peer failed its checksum: a miss");
-                        continue;
-                    }
-                    let ns = self.local_ns(&b.fingerprint);
-                    if let Some(info) = info_of(b, ns) {
-                        out[i] = ReadOutcome::Hit(info);
-                    }
+        let keys: Vec<BlockKey> = items.iter().map(|it| it.key).collect();
+        let bufs: Vec<Buf> = items
+            .iter()
+            .map(|it| Buf {
+                ptr: it.buf.as_ptr(),
+                cap: it.buf.cap(),
+            })
+            .collect();
+        let out = Mutex::new(vec![ReadOutcome::Miss; items.len()]);
+        self.two_rounds(&keys, |peer, idx, deadline| {
+            let res = self.get_from(peer, idx, &keys, &bufs, deadline);
+            match res {
+                Ok((c, hits)) => {
+                    self.done(peer, Some(c), &Ok(()));
+                    let mut o = out.lock();
+                    hits.into_iter()
+                        .map(|(i, info)| {
+                            o[i] = ReadOutcome::Hit(info);
+                            i
+                        })
+                        .collect()
                 }
-                Ok(())
-            });
-            if res.is_err() {
-                self.stats.read_errors.fetch_add(1, Relaxed);
-                // Nothing of a broken reply is served.
-                for &i in &s.idx {
-                    out[i] = ReadOutcome::Miss;
+                Err(e) => {
+                    // Nothing of a broken reply is served: its keys go to the next round.
+                    self.stats.read_errors.fetch_add(1, Relaxed);
+                    self.done(peer, None, &Err(e));
+                    Vec::new()
                 }
             }
-            self.done(&s.peer, s.conn, res);
-        }
+        });
         self.stats.reads.fetch_add(1, Relaxed);
         let _ = self
             .lat
             .lock()
             .0
             .record((started.elapsed().as_micros() as u64).max(1));
-        out
+        drop(items);
+        out.into_inner()
     }
 
     fn write(
@@ -656,116 +926,65 @@ impl LowerTier for RemoteTier {
         let mut out = vec![WriteOutcome::Cancelled; items.len()];
         let started = Instant::now();
         let deadline = started + self.cfg.timeout;
-        let groups = self.group(items.iter().map(|it| it.key), true);
-        // A block whose other owners all have their breaker open is not "nothing to do": it
-        // is busy (the pusher tries it again later), never silently left out.
-        let mut sent = vec![false; items.len()];
-        for (_, idx) in &groups {
-            for &i in idx {
-                sent[i] = true;
-            }
-        }
-        {
-            let p = self.placement();
-            for (i, it) in items.iter().enumerate() {
-                let elsewhere = p
-                    .owners(&it.key, self.cfg.replicas)
-                    .into_iter()
-                    .any(|m| p.members()[m].addr != self.cfg.me);
-                // (A block removed here since it was queued is simply not pushed.)
-                if !sent[i] && elsewhere && still_wanted(&it.key) {
-                    out[i] = WriteOutcome::Busy;
-                }
-            }
-        }
-        // One PUT per block, pipelined: up to WINDOW requests are written before their replies
-        // are read, so the peer stores block i while this thread checks and sends block i+1.
-        for (peer, idx) in groups {
-            let mut conn: Option<TcpStream> = None;
-            let mut pending: std::collections::VecDeque<(usize, u64)> = Default::default();
-            let settle = |c: &mut TcpStream, (i, id): (usize, u64), out: &mut [WriteOutcome]| {
-                let r = Self::reply(c, id, 1, deadline)?;
-                let o = match r.outcomes.first().map(|&o| PutOutcome::from_wire(o)) {
-                    Some(PutOutcome::Stored) => WriteOutcome::Written,
-                    Some(PutOutcome::Present) => WriteOutcome::Present,
-                    _ => WriteOutcome::Failed,
+        let shared: Vec<(BlockKey, u16, Buf, u32, u64)> = items
+            .iter()
+            .map(|it| {
+                let buf = Buf {
+                    ptr: it.buf.as_ptr(),
+                    cap: it.buf.cap(),
                 };
+                (it.key, it.ns, buf, it.len, it.checksum)
+            })
+            .collect();
+        let p = self.placement();
+        let targets: Vec<_> = items
+            .iter()
+            .map(|it| self.push_targets(&p, &it.key))
+            .collect();
+        // Round one: every block to every owner but this node, each peer on its own thread.
+        let groups = group_by(
+            targets
+                .iter()
+                .enumerate()
+                .flat_map(|(i, (owners, _))| owners.iter().flatten().map(move |p| (p, i))),
+        );
+        let settle = |out: &mut [WriteOutcome], results: Vec<Vec<(usize, WriteOutcome)>>| {
+            for (i, o) in results.into_iter().flatten() {
                 // With replicas, the best outcome of any owner counts.
-                if out[i] != WriteOutcome::Written {
+                if rank(o) > rank(out[i]) {
                     out[i] = o;
                 }
-                io::Result::Ok(())
-            };
-            let res = (|| -> io::Result<()> {
-                for &i in &idx {
-                    let it = &items[i];
-                    if !still_wanted(&it.key) {
-                        continue;
-                    }
-                    let Some(fp) = self.fp_of(it.ns) else {
-                        out[i] = WriteOutcome::Failed;
-                        continue;
-                    };
-                    // SAFETY: the block's slot is pinned by the caller for this call, `len`
-                    // <= cap; engines map it writable: read through copies, never referenced.
-                    let shared =
-                        unsafe { kvstore::ArenaSlice::new(it.buf.as_ptr(), it.len as usize) };
-                    // Checked against the commit checksum before it leaves: a slot an engine
-                    // wrote into after its commit is not pushed (one written between this check
-                    // and the send is refused by the owner, which checks what it received).
-                    if shared.checksum() != it.checksum {
-                        out[i] = WriteOutcome::Corrupt;
-                        continue;
-                    }
-                    let id = self.id();
-                    let req = Request {
-                        id,
-                        op: Op::Put as i32,
-                        keys: Vec::new(),
-                        blocks: vec![Block {
-                            key: it.key.0.to_be_bytes().to_vec(),
-                            present: true,
-                            len: it.len,
-                            checksum: it.checksum,
-                            fingerprint: wire::fp_bytes(fp),
-                            tier: 0,
-                        }],
-                    };
-                    let c = match conn.as_mut() {
-                        Some(c) => c,
-                        None => conn.insert(self.connect(&peer, deadline)?),
-                    };
-                    c.set_write_timeout(Some(remaining(deadline)?))?;
-                    c.write_all(&wire::encode_header(&req))?;
-                    wire::send_arena(c, shared)?;
-                    peer.bytes_out.fetch_add(u64::from(it.len), Relaxed);
-                    self.stats
-                        .bytes_written
-                        .fetch_add(u64::from(it.len), Relaxed);
-                    pending.push_back((i, id));
-                    while pending.len() > WINDOW {
-                        if let Some(p) = pending.pop_front() {
-                            settle(c, p, &mut out)?;
-                        }
-                    }
-                }
-                if let Some(c) = conn.as_mut() {
-                    while let Some(p) = pending.pop_front() {
-                        settle(c, p, &mut out)?;
-                    }
-                }
-                Ok(())
-            })();
-            if res.is_err() {
-                self.stats.write_errors.fetch_add(1, Relaxed);
-                for &i in &idx {
-                    if matches!(out[i], WriteOutcome::Cancelled) && still_wanted(&items[i].key) {
-                        out[i] = WriteOutcome::Failed;
-                    }
-                }
             }
-            if conn.is_some() || res.is_err() {
-                self.done(&peer, conn, res);
+        };
+        let push = |peer: &Arc<Peer>, idx: &[usize]| {
+            self.push_to(peer, idx, &shared, still_wanted, deadline)
+        };
+        settle(&mut out, Self::fan_out(&groups, push));
+        // Round two: a block no owner took (owner down, timed out, full) goes to the next
+        // member in rendezvous order, where reads look next; when that is this node, or it is
+        // down too, the block is busy (the pusher tries the owners again later).
+        let mut spare = Vec::new();
+        for (i, (owners, next)) in targets.iter().enumerate() {
+            let taken = matches!(
+                out[i],
+                WriteOutcome::Written | WriteOutcome::Present | WriteOutcome::Corrupt
+            );
+            if owners.is_empty() || taken || !still_wanted(&items[i].key) {
+                continue;
+            }
+            match next {
+                Some(peer) if remaining(deadline).is_ok() => spare.push((peer, i)),
+                _ => out[i] = WriteOutcome::Busy,
+            }
+        }
+        let groups = group_by(spare.into_iter());
+        settle(&mut out, Self::fan_out(&groups, push));
+        for (i, (owners, _)) in targets.iter().enumerate() {
+            if !owners.is_empty()
+                && out[i] == WriteOutcome::Cancelled
+                && still_wanted(&items[i].key)
+            {
+                out[i] = WriteOutcome::Failed;
             }
         }
         self.stats.writes.fetch_add(1, Relaxed);
@@ -774,6 +993,7 @@ impl LowerTier for RemoteTier {
             .lock()
             .1
             .record((started.elapsed().as_micros() as u64).max(1));
+        drop(items);
         out
     }
 

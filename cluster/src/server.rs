@@ -2,6 +2,16 @@
 //! asking further: a peer asks the owner, the owner answers for itself). GET payloads are
 //! written straight from the pinned arena slots; PUT payloads are read straight into reserved
 //! arena slots and committed only when the whole block arrived and its checksum matched.
+//!
+//! Every peer is untrusted until it authenticates, and fallible after: at most
+//! [`MAX_UNAUTHENTICATED`] connections may be setting up at once, [`MAX_UNAUTHENTICATED_PER_IP`]
+//! from one address (more are closed at accept and counted: a flood from one host leaves room
+//! for the members), a connection holds no buffer until it authenticated, a frame before
+//! `Auth` is at most [`wire::MAX_AUTH_HEADER`] bytes, every read
+//! and write past the first byte of a request has a deadline (`cluster.timeout_ms`), and TCP
+//! keepalive notices a peer that vanished from an idle connection. A PUT whose payload stops
+//! coming frees its reservation when its deadline passes; a GET to a peer that stopped
+//! reading unpins its blocks when its deadline passes.
 
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -11,13 +21,52 @@ use std::time::{Duration, Instant};
 use kvstore::{BlockKey, NsId, Reserve, Store};
 use kvtier_proto::cluster::{request::Op, Auth, AuthReply, Block, Hello, Reply, Request};
 use kvtier_proto::CLUSTER_VERSION;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::wire::{self, PutOutcome};
 
 /// Bytes read (and hashed) at a time.
 const PIECE: usize = 256 << 10;
+/// Connections accepted but not yet authenticated, at most (more are closed at once).
+pub const MAX_UNAUTHENTICATED: usize = 256;
+/// The same, from one IP address.
+pub const MAX_UNAUTHENTICATED_PER_IP: usize = 16;
+
+/// Connections setting up, by source address.
+#[derive(Default)]
+struct SettingUp(parking_lot::Mutex<(usize, std::collections::HashMap<std::net::IpAddr, usize>)>);
+
+/// One connection's place among those setting up; given back when dropped.
+struct Permit(Arc<SettingUp>, std::net::IpAddr);
+
+impl SettingUp {
+    fn enter(self: &Arc<Self>, ip: std::net::IpAddr) -> Option<Permit> {
+        let mut g = self.0.lock();
+        let (total, by_ip) = &mut *g;
+        let n = by_ip.entry(ip).or_default();
+        if *total >= MAX_UNAUTHENTICATED || *n >= MAX_UNAUTHENTICATED_PER_IP {
+            return None;
+        }
+        *n += 1;
+        *total += 1;
+        Some(Permit(self.clone(), ip))
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        let mut g = self.0 .0.lock();
+        let (total, by_ip) = &mut *g;
+        *total -= 1;
+        if let Some(n) = by_ip.get_mut(&self.1) {
+            *n -= 1;
+            if *n == 0 {
+                by_ip.remove(&self.1);
+            }
+        }
+    }
+}
 
 /// What the server needs to know.
 #[derive(Clone, Debug)]
@@ -39,6 +88,13 @@ pub struct ServerStats {
     pub connections: AtomicU64,
     /// Connections refused at set-up (wrong secret or version).
     pub auth_failures: AtomicU64,
+    /// Connections closed before authenticating: no `Auth` within the timeout.
+    pub auth_timeouts: AtomicU64,
+    /// Connections closed before authenticating: an oversized or undecodable frame.
+    pub auth_bad_frames: AtomicU64,
+    /// Connections closed at accept: [`MAX_UNAUTHENTICATED`] (or as many from its address)
+    /// were setting up already.
+    pub refused: AtomicU64,
     /// Requests served.
     pub requests: AtomicU64,
     /// Payload bytes sent to peers (GET).
@@ -58,6 +114,7 @@ where
     S: std::ops::Deref<Target = Store> + Clone + Send + Sync + 'static,
 {
     let cfg = Arc::new(cfg);
+    let setting_up = Arc::new(SettingUp::default());
     // Connections live in the set: when this task is dropped (the daemon stops serving),
     // they end with it.
     let mut conns = tokio::task::JoinSet::new();
@@ -71,9 +128,18 @@ where
                 continue;
             }
         };
+        let Some(permit) = setting_up.enter(peer.ip()) else {
+            // A flood of connections that never authenticate: the newest are closed at once
+            // (peers retry; a pooled authenticated connection is not affected).
+            if stats.refused.fetch_add(1, Relaxed) % 1000 == 0 {
+                tracing::warn!(%peer, "cluster: too many connections setting up: refused");
+            }
+            drop(sock);
+            continue;
+        };
         let (cfg, stats, store) = (cfg.clone(), stats.clone(), store.clone());
         conns.spawn(async move {
-            if let Err(e) = connection(sock, &store, &cfg, &stats).await {
+            if let Err(e) = connection(sock, &store, &cfg, &stats, permit).await {
                 if !matches!(
                     e.kind(),
                     io::ErrorKind::UnexpectedEof
@@ -87,31 +153,67 @@ where
     }
 }
 
+/// `f`, or `TimedOut` once `deadline` passed.
+async fn by<T>(
+    deadline: tokio::time::Instant,
+    what: &str,
+    f: impl std::future::Future<Output = io::Result<T>>,
+) -> io::Result<T> {
+    tokio::time::timeout_at(deadline, f)
+        .await
+        .unwrap_or_else(|_| {
+            Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("{what}: cluster.timeout_ms passed"),
+            ))
+        })
+}
+
+fn soon(cfg: &ServerConfig) -> tokio::time::Instant {
+    tokio::time::Instant::now() + cfg.timeout
+}
+
 async fn connection(
     sock: TcpStream,
     store: &Store,
     cfg: &ServerConfig,
     stats: &ServerStats,
+    permit: Permit,
 ) -> io::Result<()> {
     sock.set_nodelay(true)?;
-    let (rd, wr) = sock.into_split();
-    let mut rd = BufReader::with_capacity(64 << 10, rd);
-    let mut wr = BufWriter::with_capacity(64 << 10, wr);
+    wire::keepalive(&sock)?;
+    // No buffers until the peer authenticated: set-up frames are small and few.
+    let (mut rd, mut wr) = sock.into_split();
     let nonce: [u8; 32] = rand::random();
-    wire::write_header_async(
-        &mut wr,
-        &Hello {
+    let setup = soon(cfg);
+    by(setup, "Hello", async {
+        let hello = Hello {
             version: CLUSTER_VERSION,
             nonce: nonce.to_vec(),
             node: cfg.node.clone(),
             capacity: cfg.capacity,
-        },
-    )
+        };
+        wire::write_header_async(&mut wr, &hello).await
+    })
     .await?;
-    wr.flush().await?;
-    let auth: Auth = tokio::time::timeout(cfg.timeout, wire::read_header_async(&mut rd))
-        .await
-        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no Auth in time"))??;
+    let auth: Auth = match by(
+        setup,
+        "Auth",
+        wire::read_header_async(&mut rd, wire::MAX_AUTH_HEADER),
+    )
+    .await
+    {
+        Ok(a) => a,
+        Err(e) => {
+            match e.kind() {
+                io::ErrorKind::TimedOut => &stats.auth_timeouts,
+                io::ErrorKind::InvalidData => &stats.auth_bad_frames,
+                _ => return Err(e),
+            }
+            .fetch_add(1, Relaxed);
+            return Err(e);
+        }
+    };
     let refuse = if auth.version != CLUSTER_VERSION {
         Some(format!(
             "cluster protocol version {} (this node speaks {CLUSTER_VERSION})",
@@ -125,20 +227,40 @@ async fn connection(
     if let Some(error) = refuse {
         stats.auth_failures.fetch_add(1, Relaxed);
         tracing::warn!(peer = %auth.node, %error, "cluster: peer refused");
-        wire::write_header_async(&mut wr, &AuthReply { error }).await?;
-        wr.flush().await?;
+        let reply = AuthReply { error };
+        by(
+            setup,
+            "AuthReply",
+            wire::write_header_async(&mut wr, &reply),
+        )
+        .await?;
         return Ok(());
     }
-    wire::write_header_async(&mut wr, &AuthReply::default()).await?;
-    wr.flush().await?;
+    let reply = AuthReply::default();
+    by(
+        setup,
+        "AuthReply",
+        wire::write_header_async(&mut wr, &reply),
+    )
+    .await?;
+    drop(permit);
+    let mut rd = BufReader::with_capacity(64 << 10, rd);
+    let mut wr = BufWriter::with_capacity(64 << 10, wr);
     stats.connections.fetch_add(1, Relaxed);
     let mut scratch = vec![0u8; 256 << 10];
     loop {
-        let req: Request = match wire::read_header_async(&mut rd).await {
-            Ok(r) => r,
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
-            Err(e) => return Err(e),
-        };
+        // An authenticated connection may idle between requests (peers pool them; keepalive
+        // notices a vanished one); once a request starts, all of it has a deadline.
+        if rd.fill_buf().await?.is_empty() {
+            return Ok(());
+        }
+        let deadline = soon(cfg);
+        let req: Request = by(
+            deadline,
+            "request",
+            wire::read_header_async(&mut rd, wire::MAX_HEADER),
+        )
+        .await?;
         stats.requests.fetch_add(1, Relaxed);
         match Op::try_from(req.op) {
             Ok(Op::Exists) => {
@@ -150,21 +272,23 @@ async fn connection(
                     },
                     None => bad(req.id, "keys are not a whole number of 16-byte keys"),
                 };
-                wire::write_header_async(&mut wr, &reply).await?;
+                by(deadline, "reply", wire::write_header_async(&mut wr, &reply)).await?;
             }
             Ok(Op::Get) => {
                 let Some(keys) = wire::unpack_keys(&req.keys) else {
-                    wire::write_header_async(&mut wr, &bad(req.id, "bad keys")).await?;
-                    wr.flush().await?;
+                    let reply = bad(req.id, "bad keys");
+                    by(deadline, "reply", wire::write_header_async(&mut wr, &reply)).await?;
+                    by(deadline, "reply", wr.flush()).await?;
                     continue;
                 };
-                let deadline = Instant::now() + cfg.timeout;
-                let loaded = tokio::task::block_in_place(|| store.load_local(&keys, deadline));
+                let load_by = Instant::now() + cfg.timeout;
+                let loaded = tokio::task::block_in_place(|| store.load_local(&keys, load_by));
                 let loaded = match loaded {
                     Ok(l) => l,
                     Err(e) => {
-                        wire::write_header_async(&mut wr, &bad(req.id, &e.to_string())).await?;
-                        wr.flush().await?;
+                        let reply = bad(req.id, &e.to_string());
+                        by(deadline, "reply", wire::write_header_async(&mut wr, &reply)).await?;
+                        by(deadline, "reply", wr.flush()).await?;
                         continue;
                     }
                 };
@@ -193,16 +317,23 @@ async fn connection(
                     blocks,
                     ..Default::default()
                 };
-                wire::write_header_async(&mut wr, &reply).await?;
-                wr.flush().await?;
-                // Straight from the pinned slots: the kernel copies out of the arena (engines
-                // map it writable: never a Rust reference into it, and no copy of ours; the
-                // peer checks what it received against the checksum above).
-                for i in 0..n {
-                    let b = loaded.arena_block(i);
-                    send_arena(wr.get_ref().as_ref(), b).await?;
-                    stats.bytes_out.fetch_add(b.len() as u64, Relaxed);
-                }
+                // The blocks stay pinned while they are sent: to a peer that stopped reading,
+                // until the deadline (then the connection ends and the pins go).
+                let send_by = soon(cfg);
+                by(send_by, "GET reply", async {
+                    wire::write_header_async(&mut wr, &reply).await?;
+                    wr.flush().await?;
+                    // Straight from the pinned slots: the kernel copies out of the arena
+                    // (engines map it writable: never a Rust reference into it, and no copy of
+                    // ours; the peer checks what it received against the checksum above).
+                    for i in 0..n {
+                        let b = loaded.arena_block(i);
+                        send_arena(wr.get_ref().as_ref(), b).await?;
+                        stats.bytes_out.fetch_add(b.len() as u64, Relaxed);
+                    }
+                    Ok(())
+                })
+                .await?;
                 drop(loaded);
             }
             Ok(Op::Put) => {
@@ -211,10 +342,17 @@ async fn connection(
                     if b.len == 0 || b.len > wire::MAX_BLOCK {
                         // The stream cannot be resynchronised past a length we refuse.
                         let error = format!("block of {} bytes", b.len);
-                        wire::write_header_async(&mut wr, &bad(req.id, &error)).await?;
-                        wr.flush().await?;
+                        let reply = bad(req.id, &error);
+                        by(deadline, "reply", async {
+                            wire::write_header_async(&mut wr, &reply).await?;
+                            wr.flush().await
+                        })
+                        .await?;
                         return Err(io::Error::new(io::ErrorKind::InvalidData, error));
                     }
+                    // The payload follows its header at once: all of it within a deadline
+                    // (else the reservation is dropped, its slot freed, and the connection
+                    // ends).
                     let o = put_one(store, cfg, stats, b, &mut rd, &mut scratch).await?;
                     outcomes.push(o as u32);
                 }
@@ -223,13 +361,19 @@ async fn connection(
                     outcomes,
                     ..Default::default()
                 };
-                wire::write_header_async(&mut wr, &reply).await?;
+                by(
+                    soon(cfg),
+                    "reply",
+                    wire::write_header_async(&mut wr, &reply),
+                )
+                .await?;
             }
             _ => {
-                wire::write_header_async(&mut wr, &bad(req.id, "unknown operation")).await?;
+                let reply = bad(req.id, "unknown operation");
+                by(deadline, "reply", wire::write_header_async(&mut wr, &reply)).await?;
             }
         }
-        wr.flush().await?;
+        by(soon(cfg), "reply", wr.flush()).await?;
     }
 }
 
@@ -255,6 +399,8 @@ async fn put_one(
         }
         None => Err(PutOutcome::Failed),
     };
+    // (Waiting for room took up to a timeout of its own: the payload gets a fresh one.)
+    let deadline = soon(cfg);
     match reserved {
         Ok(mut r) => {
             // Each piece arrives in private memory, is hashed there, then copied into the
@@ -267,7 +413,7 @@ async fn put_one(
             let mut off = 0;
             while off < len {
                 let n = (len - off).min(PIECE);
-                rd.read_exact(&mut piece[..n]).await?;
+                by(deadline, "PUT payload", rd.read_exact(&mut piece[..n])).await?;
                 h.update(&piece[..n]);
                 // SAFETY: within the reserved slot, which is ours to fill.
                 unsafe { slot.write(off, &piece[..n]) };
@@ -293,7 +439,7 @@ async fn put_one(
             let mut left = len;
             while left > 0 {
                 let n = left.min(scratch.len());
-                rd.read_exact(&mut scratch[..n]).await?;
+                by(deadline, "PUT payload", rd.read_exact(&mut scratch[..n])).await?;
                 left -= n;
             }
             stats.bytes_in.fetch_add(len as u64, Relaxed);

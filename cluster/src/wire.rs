@@ -12,6 +12,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Largest header accepted (a GET of 2^16 keys is ~6 MiB of header).
 pub const MAX_HEADER: usize = 16 << 20;
+/// Largest header accepted before a peer authenticated (an `Auth` is ~100 bytes).
+pub const MAX_AUTH_HEADER: usize = 4 << 10;
 /// Largest block accepted over the wire.
 pub const MAX_BLOCK: u32 = 1 << 30;
 /// Most keys in one request.
@@ -43,11 +45,21 @@ impl PutOutcome {
     }
 }
 
-fn too_big(n: usize) -> io::Error {
+fn too_big(n: usize, max: usize) -> io::Error {
     io::Error::new(
         io::ErrorKind::InvalidData,
-        format!("header of {n} bytes (most {MAX_HEADER})"),
+        format!("header of {n} bytes (most {max})"),
     )
+}
+
+/// TCP keepalive on `sock`: a peer that vanished without a reset (power loss, partition) is
+/// noticed within ~25 s even on an idle pooled connection.
+pub fn keepalive<S: std::os::fd::AsFd>(sock: &S) -> io::Result<()> {
+    let ka = socket2::TcpKeepalive::new()
+        .with_time(std::time::Duration::from_secs(10))
+        .with_interval(std::time::Duration::from_secs(5))
+        .with_retries(3);
+    socket2::SockRef::from(sock).set_tcp_keepalive(&ka)
 }
 
 /// Writes one header frame.
@@ -65,7 +77,7 @@ pub fn read_header<M: Message + Default>(r: &mut impl Read) -> io::Result<M> {
     r.read_exact(&mut len)?;
     let n = u32::from_le_bytes(len) as usize;
     if n > MAX_HEADER {
-        return Err(too_big(n));
+        return Err(too_big(n, MAX_HEADER));
     }
     let mut buf = vec![0u8; n];
     r.read_exact(&mut buf)?;
@@ -81,13 +93,14 @@ pub fn encode_header(m: &impl Message) -> Vec<u8> {
     buf
 }
 
-/// Reads one header frame (async).
+/// Reads one header frame of at most `max` bytes (async).
 pub async fn read_header_async<M: Message + Default>(
     r: &mut (impl AsyncReadExt + Unpin),
+    max: usize,
 ) -> io::Result<M> {
     let n = r.read_u32_le().await? as usize;
-    if n > MAX_HEADER {
-        return Err(too_big(n));
+    if n > max {
+        return Err(too_big(n, max));
     }
     let mut buf = vec![0u8; n];
     r.read_exact(&mut buf).await?;

@@ -1,142 +1,15 @@
 //! Three stores in one process, each with its data-plane server on a real loopback socket and
 //! the remote tier in its chain: blocks saved on one node are found and loaded on another.
 
+mod common;
+
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvstore::{BlockKey, Namespace, NsId, Store, StoreConfig, Tier, TpShard};
-use kvtier_cluster::{serve, Member, RemoteConfig, RemoteTier, ServerConfig, ServerStats};
-
-/// Runs `f` on a thread of its own and waits for its answer: a test that would hang fails
-/// instead once `limit` passed (many times any deadline under test: a hang, not a slow machine).
-fn answered<T: Send + 'static>(
-    what: &str,
-    limit: Duration,
-    f: impl FnOnce() -> T + Send + 'static,
-) -> T {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    rx.recv_timeout(limit)
-        .unwrap_or_else(|_| panic!("{what}: no answer within {limit:?}"))
-}
-
-struct Node {
-    addr: String,
-    store: &'static Store,
-    remote: Arc<RemoteTier>,
-    stats: Arc<ServerStats>,
-    server: tokio::task::JoinHandle<()>,
-}
-
-fn ns() -> Namespace {
-    Namespace {
-        model: "cluster-test".into(),
-        dtype: "bfloat16".into(),
-        layout: "nhd".into(),
-        block_tokens: 16,
-        tp: TpShard::Rank { size: 1, rank: 0 },
-        tenant: String::new(),
-        lora: String::new(),
-    }
-}
-
-async fn cluster(n: usize, secrets: &[&str]) -> Vec<Node> {
-    let mut listeners = Vec::new();
-    for _ in 0..n {
-        listeners.push(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap());
-    }
-    let addrs: Vec<String> = listeners
-        .iter()
-        .map(|l| l.local_addr().unwrap().to_string())
-        .collect();
-    let members: Vec<Member> = addrs.iter().map(|a| Member::new(a.clone(), 1.0)).collect();
-    let mut nodes = Vec::new();
-    for (i, l) in listeners.into_iter().enumerate() {
-        let secret = secrets[i.min(secrets.len() - 1)].to_string();
-        let remote = Arc::new(
-            RemoteTier::new(RemoteConfig {
-                me: addrs[i].clone(),
-                members: members.clone(),
-                secret: secret.clone(),
-                timeout: Duration::from_millis(1500),
-                replicas: 1,
-            })
-            .unwrap(),
-        );
-        let store: &'static Store = Box::leak(Box::new(
-            StoreConfig {
-                capacity_bytes: 64 << 20,
-                segment_bytes: 16 << 20,
-                remote: Some(kvstore::SharedTier(remote.clone())),
-                ..Default::default()
-            }
-            .build()
-            .unwrap(),
-        ));
-        let stats = Arc::new(ServerStats::default());
-        let server = tokio::spawn(serve(
-            l,
-            store,
-            ServerConfig {
-                node: addrs[i].clone(),
-                secret,
-                capacity: store.capacity_bytes(),
-                timeout: Duration::from_millis(1500),
-            },
-            stats.clone(),
-        ));
-        nodes.push(Node {
-            addr: addrs[i].clone(),
-            store,
-            remote,
-            stats,
-            server,
-        });
-    }
-    nodes
-}
-
-fn blocks(n: usize, seed: u8) -> (Vec<BlockKey>, Vec<Vec<u8>>) {
-    let keys = ns().token_keys(&vec![u32::from(seed) + 1; 16 * n], &[]);
-    let data = (0..n)
-        .map(|i| {
-            (0..100_000 + i * 4096)
-                .map(|j| (j as u8) ^ (i as u8) ^ seed)
-                .collect()
-        })
-        .collect();
-    (keys, data)
-}
-
-fn register(nodes: &[Node]) -> NsId {
-    let mut id = None;
-    for n in nodes {
-        id = Some(n.store.register_namespace(&ns()).unwrap());
-    }
-    id.unwrap()
-}
-
-/// Waits until every key is held by its owner.
-fn wait_placed(nodes: &[Node], keys: &[BlockKey]) {
-    // (A push that timed out is tried again 1, 4 and 16 s later.)
-    let until = Instant::now() + Duration::from_secs(60);
-    let p = nodes[0].remote.placement();
-    loop {
-        let placed = keys.iter().all(|k| {
-            let owner = p.owner(k).unwrap();
-            let n = nodes.iter().find(|n| n.addr == owner).unwrap();
-            n.store.probe_local(std::slice::from_ref(k))[0].is_some()
-        });
-        if placed {
-            return;
-        }
-        assert!(Instant::now() < until, "blocks did not reach their owners");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
+use common::*;
+use kvstore::{BlockKey, StoreConfig, Tier};
+use kvtier_cluster::{serve, Member, RemoteConfig, RemoteTier, ServerConfig};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefix_saved_on_one_node_loads_byte_exact_on_another() {
@@ -398,6 +271,7 @@ fn a_damaged_block_from_a_peer_is_a_miss() {
             secret: String::new(),
             timeout: Duration::from_secs(2),
             replicas: 1,
+            handoff: Duration::from_secs(600),
         })
         .unwrap(),
     );

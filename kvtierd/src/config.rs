@@ -110,8 +110,11 @@ pub struct ClusterSection {
     /// Deadline of every request to a peer (connect, ask, transfer), milliseconds: a dead or
     /// slow peer costs a miss within it.
     pub timeout_ms: u64,
-    /// Owners per block (pushes go to all; loads ask the first reachable).
+    /// Owners per block (pushes go to all; loads ask the first reachable, then the next).
     pub replicas: u32,
+    /// After a membership change (a join, a leave), how long lookups and loads also ask the
+    /// owners under the previous membership, milliseconds (0: not at all).
+    pub handoff_ms: u64,
     /// Most bytes of saved blocks queued for pushing to their owners; past it a block is not
     /// pushed (counted), so a slow network never holds up an engine.
     pub push_queue_bytes: Size,
@@ -137,6 +140,7 @@ impl Default for ClusterSection {
             secret: String::new(),
             timeout_ms: 2_000,
             replicas: 1,
+            handoff_ms: 600_000,
             push_queue_bytes: Size(256 << 20),
             redis: String::new(),
             redis_cluster: false,
@@ -1252,6 +1256,7 @@ mod tests {
             "secret",
             "timeout_ms",
             "replicas",
+            "handoff_ms",
             "push_queue_bytes",
             "etcd_prefix",
             "lease_ttl_ms",

@@ -373,6 +373,7 @@ fn cluster_tier(cfg: &config::Config) -> Result<Option<ClusterTier>> {
         secret: c.secret.clone(),
         timeout: Duration::from_millis(c.timeout_ms),
         replicas: c.replicas as usize,
+        handoff: Duration::from_millis(c.handoff_ms),
     })
     .context("cluster")?;
     Ok(Some((Arc::new(t), etcd)))

@@ -275,6 +275,17 @@ fn collect(d: &Daemon, o: &mut Out) -> fmt::Result {
             "Peer connections refused at set-up (wrong cluster secret or protocol version).",
             &one(c.server.auth_failures.load(Relaxed)),
         )?;
+        let sv = &c.server;
+        o.counter(
+            "cluster_auth_failures",
+            "Data-plane connections that never authenticated, by reason: secret (wrong secret or protocol version), timeout (no Auth within cluster.timeout_ms), frame (an oversized or undecodable set-up frame), refused (closed at accept: too many connections setting up, in all or from its address).",
+            &[
+                (label("reason", "secret"), sv.auth_failures.load(Relaxed)),
+                (label("reason", "timeout"), sv.auth_timeouts.load(Relaxed)),
+                (label("reason", "frame"), sv.auth_bad_frames.load(Relaxed)),
+                (label("reason", "refused"), sv.refused.load(Relaxed)),
+            ],
+        )?;
     }
     o.counter(
         "promotions",

@@ -1,0 +1,123 @@
+//! A fault-injecting TCP proxy for tests between real processes (toxiproxy's idea, in-tree):
+//! each connection is forwarded byte for byte until the proxy is told to stall it, cut it now
+//! or cut it a number of bytes later. A member named by the proxy's address is reached only
+//! through it, so the fault sits on the link, not in the code under test.
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::{Arc, Condvar, Mutex};
+
+/// What the proxy does to its links.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// Forward everything.
+    None,
+    /// Accept connections and hold every link: nothing is forwarded either way, nothing is
+    /// closed (a stalled peer, a black hole, a partition).
+    Stall,
+    /// Close every link now, and new ones at once (a dead peer, a broken link).
+    Cut,
+    /// Forward this many more bytes toward the upstream (over all links), then close the link
+    /// that crossed it (a peer that dies mid-frame).
+    CutAfter(u64),
+}
+
+struct Shared {
+    fault: Mutex<(Fault, Vec<TcpStream>)>,
+    changed: Condvar,
+}
+
+/// The proxy: listening on `addr`, forwarding to its upstream.
+pub struct Proxy {
+    /// Where peers connect.
+    pub addr: String,
+    shared: Arc<Shared>,
+}
+
+impl Proxy {
+    /// A proxy on a fresh loopback port in front of `upstream`.
+    pub fn start(upstream: String) -> Self {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        Self::on(l, upstream)
+    }
+
+    /// A proxy on `l` in front of `upstream`.
+    pub fn on(l: TcpListener, upstream: String) -> Self {
+        let addr = l.local_addr().unwrap().to_string();
+        let shared = Arc::new(Shared {
+            fault: Mutex::new((Fault::None, Vec::new())),
+            changed: Condvar::new(),
+        });
+        let sh = shared.clone();
+        std::thread::spawn(move || {
+            for down in l.incoming() {
+                let Ok(down) = down else { continue };
+                if sh.fault.lock().unwrap().0 == Fault::Cut {
+                    continue;
+                }
+                let Ok(up) = TcpStream::connect(&upstream) else {
+                    continue;
+                };
+                {
+                    let mut g = sh.fault.lock().unwrap();
+                    g.1.push(down.try_clone().unwrap());
+                    g.1.push(up.try_clone().unwrap());
+                }
+                let (d2, u2) = (down.try_clone().unwrap(), up.try_clone().unwrap());
+                let (s1, s2) = (sh.clone(), sh.clone());
+                std::thread::spawn(move || pump(down, up, &s1, true));
+                std::thread::spawn(move || pump(u2, d2, &s2, false));
+            }
+        });
+        Self { addr, shared }
+    }
+
+    /// Applies `f` from now on (to open links too).
+    pub fn set(&self, f: Fault) {
+        let mut g = self.shared.fault.lock().unwrap();
+        g.0 = f;
+        if f == Fault::Cut {
+            for s in g.1.drain(..) {
+                let _ = s.shutdown(Shutdown::Both);
+            }
+        }
+        self.shared.changed.notify_all();
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.set(Fault::Cut);
+    }
+}
+
+/// Forwards `from` to `to` under the proxy's fault; `upstream`: toward the proxied server.
+fn pump(mut from: TcpStream, mut to: TcpStream, sh: &Shared, upstream: bool) {
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        let allow = {
+            let mut g = sh.fault.lock().unwrap();
+            while g.0 == Fault::Stall {
+                g = sh.changed.wait(g).unwrap();
+            }
+            match g.0 {
+                Fault::Cut => 0,
+                Fault::CutAfter(left) if upstream => {
+                    let k = left.min(n as u64);
+                    g.0 = Fault::CutAfter(left - k);
+                    k as usize
+                }
+                _ => n,
+            }
+        };
+        if to.write_all(&buf[..allow]).is_err() || allow < n {
+            break;
+        }
+    }
+    let _ = to.shutdown(Shutdown::Both);
+    let _ = from.shutdown(Shutdown::Both);
+}

@@ -1,0 +1,291 @@
+//! The cluster under faults, between real sockets: a peer that stalls behind a proxy, a peer
+//! that dies in the middle of a PUT, a flood of connections that never authenticate, a node
+//! that joins. Every wait has a deadline; no assertion is about wall-clock time.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::{Duration, Instant};
+
+use common::proxy::{Fault, Proxy};
+use common::*;
+use kvstore::{BlockKey, LowerTier};
+use kvtier_cluster::wire;
+use kvtier_proto::cluster::{request::Op, Auth, AuthReply, Block, Hello, Reply, Request};
+
+fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let until = Instant::now() + Duration::from_secs(secs);
+    while !f() {
+        assert!(Instant::now() < until, "{what}: not within {secs} s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Four nodes, the last reached only through a proxy (its name among the members is the
+/// proxy's address).
+async fn four_with_a_proxy() -> (Vec<Node>, Proxy) {
+    let mut ls = Vec::new();
+    for _ in 0..4 {
+        ls.push(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap());
+    }
+    let real: Vec<String> = ls
+        .iter()
+        .map(|l| l.local_addr().unwrap().to_string())
+        .collect();
+    let proxy = Proxy::start(real[3].clone());
+    let mut names = real.clone();
+    names[3] = proxy.addr.clone();
+    let nodes = ls
+        .into_iter()
+        .enumerate()
+        .map(|(i, l)| node(l, &names[i], &names, "s"))
+        .collect();
+    (nodes, proxy)
+}
+
+fn owner_of<'a>(nodes: &'a [Node], k: &BlockKey) -> &'a Node {
+    let p = nodes[0].remote.placement();
+    let o = p.owner(k).unwrap();
+    nodes.iter().find(|n| n.addr == o).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_peer_costs_its_own_keys_and_strikes_never_the_healthy_peers() {
+    let (nodes, proxy) = four_with_a_proxy().await;
+    let id = register(&nodes);
+    let (keys, data) = blocks(24, 9);
+    for (k, d) in keys.iter().zip(&data) {
+        nodes[0].store.put(id, *k, d).unwrap();
+    }
+    tokio::task::block_in_place(|| wait_placed(&nodes, &keys));
+    let stalled = &nodes[3].addr;
+    assert!(keys.iter().any(|k| &owner_of(&nodes, k).addr == stalled));
+    // D stops answering: its links stay open, nothing comes back (a black hole).
+    proxy.set(Fault::Stall);
+    let b = nodes[1].store;
+    tokio::task::block_in_place(|| {
+        // Lookups that need every peer at once: the stalled one costs its own keys only.
+        for _ in 0..5 {
+            let ks = keys.clone();
+            let remote = nodes[1].remote.clone();
+            let found = answered("a lookup past a stalled peer", Duration::from_secs(30), {
+                move || remote.lookup_batch(&ks)
+            });
+            for (k, f) in keys.iter().zip(&found) {
+                let o = owner_of(&nodes, k);
+                if &o.addr != stalled && o.addr != nodes[1].addr {
+                    assert!(f.is_some(), "a block of healthy {} was not found", o.addr);
+                }
+            }
+        }
+        // Loads one key at a time, as engines ask: every block a healthy node owns hits.
+        for (i, k) in keys.iter().enumerate() {
+            let o = owner_of(&nodes, k);
+            let l = answered("a load past a stalled peer", Duration::from_secs(30), {
+                let k = *k;
+                move || b.load(&[k]).unwrap()
+            });
+            if &o.addr != stalled {
+                assert_eq!(l.len(), 1, "block {i} of healthy {} missed", o.addr);
+                assert_eq!(l.block(0), &data[i][..]);
+            }
+        }
+    });
+    // Strikes only against the stalled peer: the healthy ones never failed.
+    for p in nodes[1].remote.peers() {
+        if &p.addr == stalled {
+            assert!(p.failures > 0, "{p:?}");
+        } else if p.state != "self" {
+            assert_eq!(p.failures, 0, "{p:?}");
+            assert_eq!(p.state, "up", "{p:?}");
+        }
+    }
+    // Healed: D answers again (after its breaker's pause).
+    proxy.set(Fault::None);
+    let d_keys: Vec<BlockKey> = keys
+        .iter()
+        .copied()
+        .filter(|k| &owner_of(&nodes, k).addr == stalled)
+        .collect();
+    tokio::task::block_in_place(|| {
+        wait_until("the healed peer serves again", 60, || {
+            b.load(&d_keys[..1]).unwrap().len() == 1
+        })
+    });
+}
+
+/// A raw peer: connected and authenticated to `addr` with `secret`.
+fn raw_peer(addr: &str, secret: &str) -> TcpStream {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let hello: Hello = wire::read_header(&mut s).unwrap();
+    let auth = Auth {
+        version: hello.version,
+        mac: wire::mac(secret, &hello.nonce),
+        node: "raw".into(),
+    };
+    wire::write_header(&mut s, &auth).unwrap();
+    let r: AuthReply = wire::read_header(&mut s).unwrap();
+    assert!(r.error.is_empty(), "{}", r.error);
+    s
+}
+
+fn put_header(id: u64, key: BlockKey, payload: &[u8], fp: kvstore::Fingerprint) -> Request {
+    Request {
+        id,
+        op: Op::Put as i32,
+        keys: Vec::new(),
+        blocks: vec![Block {
+            key: key.0.to_be_bytes().to_vec(),
+            present: true,
+            len: payload.len() as u32,
+            checksum: kvstore::checksum(payload),
+            fingerprint: wire::fp_bytes(fp),
+            tier: 0,
+        }],
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_dies_mid_put_leaks_no_slot() {
+    let nodes = cluster(1, &["s"]).await;
+    let id = register(&nodes);
+    let fp = nodes[0].store.fingerprint(id).unwrap();
+    let key = BlockKey(0xdead_beef);
+    let payload: Vec<u8> = (0..1 << 20).map(|i| (i * 7) as u8).collect();
+    let addr = nodes[0].addr.clone();
+    tokio::task::block_in_place(|| {
+        // Half a block, then silence (no FIN, no reset: a peer that lost power).
+        let mut dying = raw_peer(&addr, "s");
+        dying
+            .write_all(&wire::encode_header(&put_header(1, key, &payload, fp)))
+            .unwrap();
+        dying.write_all(&payload[..100_000]).unwrap();
+        // The reservation is freed at the deadline: the same block can be stored again (while
+        // the half-PUT held it, another writer was told "present").
+        wait_until("the half-written block's slot is freed", 30, || {
+            let mut s = raw_peer(&addr, "s");
+            s.write_all(&wire::encode_header(&put_header(2, key, &payload, fp)))
+                .unwrap();
+            s.write_all(&payload).unwrap();
+            let r: Reply = wire::read_header(&mut s).unwrap();
+            r.outcomes == [wire::PutOutcome::Stored as u32]
+        });
+        // And the dying connection was closed by the server.
+        let mut b = [0u8; 1];
+        assert!(matches!(dying.read(&mut b), Ok(0) | Err(_)));
+        let l = nodes[0].store.load(&[key]).unwrap();
+        assert_eq!(l.block(0), &payload[..]);
+    });
+}
+
+/// A connection from `ip` (another loopback address: a host that is not a member).
+fn connect_from(ip: &str, to: &str) -> TcpStream {
+    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    s.bind(
+        &format!("{ip}:0")
+            .parse::<std::net::SocketAddr>()
+            .unwrap()
+            .into(),
+    )
+    .unwrap();
+    s.connect(&to.parse::<std::net::SocketAddr>().unwrap().into())
+        .unwrap();
+    s.into()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_unauthenticated_connections_is_capped_while_peers_keep_loading() {
+    let nodes = cluster(2, &["s"]).await;
+    let id = register(&nodes);
+    let (keys, data) = blocks(20, 11);
+    for (k, d) in keys.iter().zip(&data) {
+        nodes[0].store.put(id, *k, d).unwrap();
+    }
+    tokio::task::block_in_place(|| wait_placed(&nodes, &keys));
+    let a = &nodes[0];
+    let b = nodes[1].store;
+    tokio::task::block_in_place(|| {
+        // Frames bigger than any Auth: closed at once, never allocated.
+        for _ in 0..20 {
+            let mut s = connect_from("127.0.0.2", &a.addr);
+            s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+            let _: Hello = wire::read_header(&mut s).unwrap();
+            s.write_all(&(16u32 << 20).to_le_bytes()).unwrap();
+            let mut rest = Vec::new();
+            assert!(s.read_to_end(&mut rest).is_ok() || rest.is_empty());
+        }
+        assert_eq!(a.stats.auth_bad_frames.load(Relaxed), 20);
+        // Hundreds of connections that never authenticate, held open.
+        let flood: Vec<TcpStream> = (0..300)
+            .map(|_| connect_from("127.0.0.2", &a.addr))
+            .collect();
+        wait_until("connections past the cap are refused", 30, || {
+            a.stats.refused.load(Relaxed) >= 300 - 16
+        });
+        // Meanwhile B (another address) loads A's blocks on fresh connections.
+        for p in nodes[1].remote.peers() {
+            assert_ne!(p.state, "down", "{p:?}");
+        }
+        for (i, k) in keys.iter().enumerate() {
+            if owner_of(&nodes, k).addr == a.addr {
+                let l = b.load(&[*k]).unwrap();
+                assert_eq!(l.len(), 1, "block {i}");
+                assert_eq!(l.block(0), &data[i][..]);
+            }
+        }
+        drop(flood);
+    });
+    assert_eq!(a.stats.auth_failures.load(Relaxed), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_joins_costs_no_hits() {
+    let mut ls = Vec::new();
+    for _ in 0..4 {
+        ls.push(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap());
+    }
+    let addrs: Vec<String> = ls
+        .iter()
+        .map(|l| l.local_addr().unwrap().to_string())
+        .collect();
+    let fourth = ls.pop().unwrap();
+    let mut nodes: Vec<Node> = ls
+        .into_iter()
+        .enumerate()
+        .map(|(i, l)| node(l, &addrs[i], &addrs[..3], "s"))
+        .collect();
+    let id = register(&nodes);
+    let (keys, data) = blocks(24, 13);
+    for (k, d) in keys.iter().zip(&data) {
+        nodes[0].store.put(id, *k, d).unwrap();
+    }
+    tokio::task::block_in_place(|| wait_placed(&nodes, &keys));
+    // D joins: it owns a share of blocks it has never seen.
+    nodes.push(node(fourth, &addrs[3], &addrs, "s"));
+    nodes[3].store.register_namespace(&ns()).unwrap();
+    let members: Vec<kvtier_cluster::Member> = addrs
+        .iter()
+        .map(|a| kvtier_cluster::Member::new(a.clone(), 1.0))
+        .collect();
+    for n in &nodes[..3] {
+        n.remote.set_members(members.clone());
+    }
+    let moved = keys
+        .iter()
+        .filter(|k| owner_of(&nodes, k).addr == addrs[3])
+        .count();
+    assert!(moved > 0);
+    // Every node, D included, still loads the whole prefix: from the previous owners.
+    tokio::task::block_in_place(|| {
+        for n in &nodes {
+            let l = n.store.load(&keys).unwrap();
+            assert_eq!(l.len(), keys.len(), "through {}", n.addr);
+            for (i, d) in data.iter().enumerate() {
+                assert_eq!(l.block(i), &d[..]);
+            }
+        }
+    });
+}
