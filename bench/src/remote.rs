@@ -141,10 +141,23 @@ fn kvtier_round(
     sums: &[u64],
     dst: &mut AlignedBuf,
 ) -> Result<(f64, f64)> {
+    // Batches as the store's pusher sends them (max_batch_bytes, 256 MiB).
+    batched_round(tier, round, size, 256 << 20, src, sums, dst)
+}
+
+/// [`kvtier_round`] in calls of `batch` bytes.
+fn batched_round(
+    tier: &dyn LowerTier,
+    round: usize,
+    size: u64,
+    batch: u64,
+    src: &AlignedBuf,
+    sums: &[u64],
+    dst: &mut AlignedBuf,
+) -> Result<(f64, f64)> {
     let count = sums.len() as u64;
     let ks = keys(round, count);
-    // Batches as the store's pusher sends them (max_batch_bytes, 256 MiB).
-    let per = ((256u64 << 20) / size).max(1) as usize;
+    let per = (batch / size).max(1) as usize;
     let t = Instant::now();
     for chunk in (0..count as usize).collect::<Vec<_>>().chunks(per) {
         let items = chunk
@@ -434,6 +447,7 @@ pub fn run(args: RemoteArgs) -> Result<()> {
         "2 x loopback RTT p99 + 30 us",
         &[(l99, 2.0 * r99 + 30.0)],
     ));
+    rows.extend(stalled_peer(&args)?);
     if !args.no_replay {
         rows.extend(replay(&args)?);
     }
@@ -442,6 +456,123 @@ pub fn run(args: RemoteArgs) -> Result<()> {
         results: rows,
     };
     report.print(args.json)
+}
+
+/// Node A's remote tier over three owners on loopback (A owns nothing); with `stalled`, the
+/// third is a black hole: a listener that never accepts (connections complete in its backlog,
+/// nothing is ever answered).
+struct Owners {
+    _rt: tokio::runtime::Runtime,
+    _hole: Option<TcpListener>,
+    remote: RemoteTier,
+}
+
+fn owners(stalled: bool, capacity: u64, seg: u64, timeout: Duration) -> Result<Owners> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let a = "127.0.0.1:1".to_string();
+    let mut members = vec![Member::new(a.clone(), 1e-12)];
+    let mut hole = None;
+    for i in 0..3 {
+        if stalled && i == 2 {
+            let l = TcpListener::bind("127.0.0.1:0")?;
+            members.push(Member::new(l.local_addr()?.to_string(), 1.0));
+            hole = Some(l);
+            continue;
+        }
+        let l = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+        let addr = l.local_addr()?.to_string();
+        let store = Arc::new(
+            StoreConfig {
+                capacity_bytes: capacity,
+                segment_bytes: seg,
+                populate: kvstore::Populate::Now,
+                ..Default::default()
+            }
+            .build()?,
+        );
+        rt.spawn(kvtier_cluster::serve(
+            l,
+            store,
+            ServerConfig {
+                node: addr.clone(),
+                secret: "bench".into(),
+                capacity,
+                timeout,
+            },
+            Arc::new(ServerStats::default()),
+        ));
+        members.push(Member::new(addr, 1.0));
+    }
+    let remote = RemoteTier::new(RemoteConfig {
+        me: a,
+        members,
+        secret: "bench".into(),
+        timeout,
+        replicas: 1,
+        handoff: Duration::from_secs(600),
+    })?;
+    remote.note_namespace(0, fingerprint())?;
+    Ok(Owners {
+        _rt: rt,
+        _hole: hole,
+        remote,
+    })
+}
+
+/// `get 2MiB with a stalled peer`: 2 MiB blocks put and got through A's remote tier, eight
+/// blocks a call (a request's prefix), with one of the three owners black-holed, against the
+/// same with all three healthy, rounds interleaved; `cluster.timeout_ms`' default (2 s). A
+/// warm-up round lets the black hole's breaker open (the calls that strike it wait their
+/// budget: that is the price of finding out); after it, its blocks go to the next member.
+fn stalled_peer(args: &RemoteArgs) -> Result<Vec<Row>> {
+    let size = 2u64 << 20;
+    let seg = 64u64 << 20;
+    let bytes = args.bytes.min(64 << 20);
+    let count = (bytes / size).max(8);
+    // Each owner may hold half of every round's blocks (the black hole's go to the others).
+    let capacity = (count * size * (args.rounds as u64 + 1)).div_ceil(2 * seg) * seg + 2 * seg;
+    let timeout = Duration::from_secs(2);
+    let healthy = owners(false, capacity, seg, timeout)?;
+    let stalled = owners(true, capacity, seg, timeout)?;
+    let mut src = AlignedBuf::new((count * size) as usize)?;
+    src.fill_pattern(size);
+    let sums: Vec<u64> = src.chunks(size as usize).map(kvstore::checksum).collect();
+    let mut dst = AlignedBuf::new((count * size) as usize)?;
+    dst.fill(1);
+    let (mut put, mut get) = (Vec::new(), Vec::new());
+    for round in 0..=args.rounds {
+        let per = 8 * size;
+        let (hp, hg) = batched_round(
+            &healthy.remote,
+            1000 + round,
+            size,
+            per,
+            &src,
+            &sums,
+            &mut dst,
+        )?;
+        let (sp, sg) = batched_round(
+            &stalled.remote,
+            1000 + round,
+            size,
+            per,
+            &src,
+            &sums,
+            &mut dst,
+        )?;
+        if round > 0 {
+            put.push((sp, hp));
+            get.push((sg, hg));
+        }
+    }
+    let is = "the same cluster with all owners healthy";
+    Ok(vec![
+        row("put 2MiB with a stalled peer".into(), "GB/s", is, &put),
+        row("get 2MiB with a stalled peer".into(), "GB/s", is, &get),
+    ])
 }
 
 /// `nodes` stores on loopback; with `pooled`, each has the remote tier over all of them.

@@ -1,7 +1,9 @@
 //! The remote tier: a [`LowerTier`] whose blocks live on the other members of the cluster.
 //! Blocking sockets (the store's tiering worker and the engine threads call it from their own
 //! threads), a small pool of authenticated connections per peer, one deadline
-//! (`cluster.timeout_ms`) per call, and a circuit breaker per peer.
+//! (`cluster.timeout_ms`) per call, and a circuit breaker per peer: three failures in a row
+//! open it (0.5 s, doubling to 30 s); when the pause ends a background probe, not an engine's
+//! call, finds out whether the peer answers again.
 //!
 //! A call asks every peer it needs at once, each on a thread of its own with its own budget
 //! inside the call's deadline: a peer that stalls costs its own keys and its own breaker
@@ -95,6 +97,8 @@ struct Breaker {
     open_until: Option<Instant>,
     pause: Duration,
     ever_ok: bool,
+    /// A background probe of the peer is under way (see [`RemoteTier::usable`]).
+    probing: bool,
 }
 
 struct Peer {
@@ -118,12 +122,6 @@ impl Peer {
             failures: AtomicU64::new(0),
             requests: AtomicU64::new(0),
         }
-    }
-
-    /// Whether the breaker lets a request through now.
-    fn allowed(&self) -> bool {
-        let b = self.breaker.lock();
-        b.open_until.is_none_or(|t| Instant::now() >= t)
     }
 
     fn ok(&self) {
@@ -357,7 +355,7 @@ impl RemoteTier {
             if a == self.cfg.me || out.iter().any(|p| p.addr == a) {
                 continue;
             }
-            if let Some(peer) = peers.get(a).filter(|p| p.allowed()) {
+            if let Some(peer) = peers.get(a).filter(|p| self.usable(p)) {
                 out.push(peer.clone());
             }
         }
@@ -376,7 +374,7 @@ impl RemoteTier {
         let peers = self.peers.read();
         let pick = |i: usize| -> Option<Option<Arc<Peer>>> {
             let a = &p.members()[i].addr;
-            (*a != self.cfg.me).then(|| peers.get(a).filter(|q| q.allowed()).cloned())
+            (*a != self.cfg.me).then(|| peers.get(a).filter(|q| self.usable(q)).cloned())
         };
         let all = p.owners(key, r + 1);
         let owners = all.iter().take(r).filter_map(|&i| pick(i)).collect();
@@ -388,38 +386,41 @@ impl RemoteTier {
         if let Some(c) = peer.pool.lock().pop() {
             return Ok(c);
         }
-        let left = remaining(deadline)?;
-        let addr: SocketAddr = peer
-            .addr
-            .to_socket_addrs()?
-            .next()
-            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no address"))?;
-        let mut s = TcpStream::connect_timeout(&addr, left)?;
-        s.set_nodelay(true)?;
-        wire::keepalive(&s)?;
-        s.set_read_timeout(Some(remaining(deadline)?))?;
-        s.set_write_timeout(Some(remaining(deadline)?))?;
-        let hello: Hello = wire::read_header(&mut s)?;
-        if hello.version != CLUSTER_VERSION {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("peer speaks cluster protocol {}", hello.version),
-            ));
+        connect_to(&peer.addr, &self.cfg.secret, &self.cfg.me, deadline)
+    }
+
+    /// Whether `peer` may be asked now. A peer whose breaker is open is not; once its pause
+    /// ended, one probe in the background (a connection set up and authenticated) decides:
+    /// answered, the breaker closes (the connection goes to the pool); not, the pause doubles.
+    /// Only the strikes that opened the breaker ever cost a caller a wait.
+    fn usable(&self, peer: &Arc<Peer>) -> bool {
+        let mut b = peer.breaker.lock();
+        let Some(until) = b.open_until else {
+            return true;
+        };
+        if b.probing || Instant::now() < until {
+            return false;
         }
-        wire::write_header(
-            &mut s,
-            &Auth {
-                version: CLUSTER_VERSION,
-                mac: wire::mac(&self.cfg.secret, &hello.nonce),
-                node: self.cfg.me.clone(),
-            },
-        )?;
-        let r: AuthReply = wire::read_header(&mut s)?;
-        if !r.error.is_empty() {
-            tracing::error!(peer = %peer.addr, error = %r.error, "cluster: the peer refused this node");
-            return Err(io::Error::new(io::ErrorKind::PermissionDenied, r.error));
+        b.probing = true;
+        drop(b);
+        let (p, secret, me) = (peer.clone(), self.cfg.secret.clone(), self.cfg.me.clone());
+        let timeout = self.cfg.timeout;
+        let spawned = std::thread::Builder::new()
+            .name("kvtier-probe".into())
+            .spawn(move || {
+                match connect_to(&p.addr, &secret, &me, Instant::now() + timeout) {
+                    Ok(c) => {
+                        p.ok();
+                        p.pool.lock().push(c);
+                    }
+                    Err(e) => p.failed(&e),
+                }
+                p.breaker.lock().probing = false;
+            });
+        if spawned.is_err() {
+            peer.breaker.lock().probing = false;
         }
-        Ok(s)
+        false
     }
 
     /// Sends one request of `op` for `keys` (no payload) to `peer` on a fresh or pooled
@@ -570,7 +571,7 @@ impl RemoteTier {
             p.members()
                 .iter()
                 .filter_map(|m| peers.get(&m.addr).cloned())
-                .partition(|peer| peer.allowed())
+                .partition(|peer| self.usable(peer))
         };
         let mut out: Vec<NodePrefix> = paused
             .iter()
@@ -774,6 +775,41 @@ impl RemoteTier {
     }
 }
 
+/// A new connection to `addr`, set up and authenticated as `me` by `deadline`.
+fn connect_to(addr: &str, secret: &str, me: &str, deadline: Instant) -> io::Result<TcpStream> {
+    let left = remaining(deadline)?;
+    let sock: SocketAddr = addr
+        .to_socket_addrs()?
+        .next()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no address"))?;
+    let mut s = TcpStream::connect_timeout(&sock, left)?;
+    s.set_nodelay(true)?;
+    wire::keepalive(&s)?;
+    s.set_read_timeout(Some(remaining(deadline)?))?;
+    s.set_write_timeout(Some(remaining(deadline)?))?;
+    let hello: Hello = wire::read_header(&mut s)?;
+    if hello.version != CLUSTER_VERSION {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("peer speaks cluster protocol {}", hello.version),
+        ));
+    }
+    wire::write_header(
+        &mut s,
+        &Auth {
+            version: CLUSTER_VERSION,
+            mac: wire::mac(secret, &hello.nonce),
+            node: me.to_string(),
+        },
+    )?;
+    let r: AuthReply = wire::read_header(&mut s)?;
+    if !r.error.is_empty() {
+        tracing::error!(peer = %addr, error = %r.error, "cluster: the peer refused this node");
+        return Err(io::Error::new(io::ErrorKind::PermissionDenied, r.error));
+    }
+    Ok(s)
+}
+
 /// Positions grouped by the peer they go to (first-seen order).
 fn group_by<'a>(it: impl Iterator<Item = (&'a Arc<Peer>, usize)>) -> Groups {
     let mut groups: Groups = Vec::new();
@@ -956,10 +992,17 @@ impl LowerTier for RemoteTier {
                 }
             }
         };
-        let push = |peer: &Arc<Peer>, idx: &[usize]| {
-            self.push_to(peer, idx, &shared, still_wanted, deadline)
+        // Round one gets half the deadline where a block has somewhere else to go.
+        let first_by = if targets.iter().any(|(_, next)| next.is_some()) {
+            started + self.cfg.timeout / 2
+        } else {
+            deadline
         };
-        settle(&mut out, Self::fan_out(&groups, push));
+        let shared = &shared;
+        let push = |by: Instant| {
+            move |peer: &Arc<Peer>, idx: &[usize]| self.push_to(peer, idx, shared, still_wanted, by)
+        };
+        settle(&mut out, Self::fan_out(&groups, push(first_by)));
         // Round two: a block no owner took (owner down, timed out, full) goes to the next
         // member in rendezvous order, where reads look next; when that is this node, or it is
         // down too, the block is busy (the pusher tries the owners again later).
@@ -978,7 +1021,7 @@ impl LowerTier for RemoteTier {
             }
         }
         let groups = group_by(spare.into_iter());
-        settle(&mut out, Self::fan_out(&groups, push));
+        settle(&mut out, Self::fan_out(&groups, push(deadline)));
         for (i, (owners, _)) in targets.iter().enumerate() {
             if !owners.is_empty()
                 && out[i] == WriteOutcome::Cancelled

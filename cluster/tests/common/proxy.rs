@@ -72,6 +72,27 @@ impl Proxy {
         Self { addr, shared }
     }
 
+    /// A member that accepts connections and never answers (nor closes them): no upstream.
+    pub fn black_hole() -> Self {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let shared = Arc::new(Shared {
+            fault: Mutex::new((Fault::Stall, Vec::new())),
+            changed: Condvar::new(),
+        });
+        let sh = shared.clone();
+        std::thread::spawn(move || {
+            for s in l.incoming().flatten() {
+                let mut g = sh.fault.lock().unwrap();
+                if g.0 == Fault::Cut {
+                    return;
+                }
+                g.1.push(s);
+            }
+        });
+        Self { addr, shared }
+    }
+
     /// Applies `f` from now on (to open links too).
     pub fn set(&self, f: Fault) {
         let mut g = self.shared.fault.lock().unwrap();
