@@ -5,6 +5,7 @@
 //! wrong secret is refused.
 
 mod common;
+#[allow(dead_code)]
 #[path = "../../cluster/tests/common/proxy.rs"]
 mod proxy;
 
