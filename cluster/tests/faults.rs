@@ -23,20 +23,20 @@ fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
     }
 }
 
-/// Four nodes, the last reached only through a proxy (its name among the members is the
+/// `n` nodes, the last reached only through a proxy (its name among the members is the
 /// proxy's address).
-async fn four_with_a_proxy() -> (Vec<Node>, Proxy) {
+async fn with_a_proxy(n: usize) -> (Vec<Node>, Proxy) {
     let mut ls = Vec::new();
-    for _ in 0..4 {
+    for _ in 0..n {
         ls.push(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap());
     }
     let real: Vec<String> = ls
         .iter()
         .map(|l| l.local_addr().unwrap().to_string())
         .collect();
-    let proxy = Proxy::start(real[3].clone());
+    let proxy = Proxy::start(real[n - 1].clone());
     let mut names = real.clone();
-    names[3] = proxy.addr.clone();
+    names[n - 1] = proxy.addr.clone();
     let nodes = ls
         .into_iter()
         .enumerate()
@@ -53,7 +53,7 @@ fn owner_of<'a>(nodes: &'a [Node], k: &BlockKey) -> &'a Node {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_peer_costs_its_own_keys_and_strikes_never_the_healthy_peers() {
-    let (nodes, proxy) = four_with_a_proxy().await;
+    let (nodes, proxy) = with_a_proxy(4).await;
     let id = register(&nodes);
     let (keys, data) = blocks(24, 9);
     for (k, d) in keys.iter().zip(&data) {
@@ -114,6 +114,38 @@ async fn a_stalled_peer_costs_its_own_keys_and_strikes_never_the_healthy_peers()
             b.load(&d_keys[..1]).unwrap().len() == 1
         })
     });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pushes_cut_mid_frame_store_nothing_partial_and_arrive_once_the_link_heals() {
+    let (nodes, proxy) = with_a_proxy(2).await;
+    let id = register(&nodes);
+    let (keys, data) = blocks(16, 17);
+    let to_b: Vec<usize> = (0..keys.len())
+        .filter(|&i| owner_of(&nodes, &keys[i]).addr == nodes[1].addr)
+        .collect();
+    assert!(!to_b.is_empty());
+    // The link to B dies 150 KB into the pushes: in the middle of a block's payload.
+    proxy.set(Fault::CutAfter(150_000));
+    for (k, d) in keys.iter().zip(&data) {
+        nodes[0].store.put(id, *k, d).unwrap();
+    }
+    let a = nodes[0].store;
+    tokio::task::block_in_place(|| {
+        wait_until("a push fails", 30, || a.stats().push_retries > 0)
+    });
+    // Healed: the retries deliver every block B owns, whole (a cut block was never stored,
+    // its reservation freed: the same key stores again).
+    proxy.set(Fault::None);
+    tokio::task::block_in_place(|| {
+        wait_placed(&nodes, &keys);
+        for &i in &to_b {
+            let l = nodes[1].store.load(&keys[i..i + 1]).unwrap();
+            assert_eq!(l.block(0), &data[i][..], "block {i}");
+        }
+    });
+    assert_eq!(nodes[1].stats.corrupt.load(Relaxed), 0);
+    assert_eq!(nodes[1].store.stats().blocks as usize, to_b.len());
 }
 
 /// A raw peer: connected and authenticated to `addr` with `secret`.
