@@ -131,9 +131,7 @@ async fn pushes_cut_mid_frame_store_nothing_partial_and_arrive_once_the_link_hea
         nodes[0].store.put(id, *k, d).unwrap();
     }
     let a = nodes[0].store;
-    tokio::task::block_in_place(|| {
-        wait_until("a push fails", 30, || a.stats().push_retries > 0)
-    });
+    tokio::task::block_in_place(|| wait_until("a push fails", 30, || a.stats().push_retries > 0));
     // Healed: the retries deliver every block B owns, whole (a cut block was never stored,
     // its reservation freed: the same key stores again).
     proxy.set(Fault::None);

@@ -67,6 +67,23 @@ pub struct EventStats {
     pub dropped_batches: AtomicU64,
     /// Replay requests served.
     pub replays: AtomicU64,
+    /// Replays given up: the requester stopped reading (a send waited past
+    /// [`REPLAY_SEND_DEADLINE`]), or asked again while marked stalled.
+    pub replays_abandoned: AtomicU64,
+}
+
+/// Longest a replay waits for room in its requester's queue (the socket library's queue per
+/// peer, bounded) before the requester loses the rest of it.
+pub const REPLAY_SEND_DEADLINE: Duration = Duration::from_secs(1);
+/// How long a requester that stopped reading is not answered.
+const STALLED_REQUESTER: Duration = Duration::from_secs(30);
+
+/// Batches kept for replay, newest last; shared by the publishing loop (which appends) and
+/// the replay task (which copies references out).
+#[derive(Default)]
+struct Ring {
+    batches: VecDeque<(u64, bytes::Bytes)>,
+    bytes: usize,
 }
 
 /// Tokens per block of each namespace id, per store, as engines registered them.
@@ -503,82 +520,124 @@ pub async fn start(
     }
     drop(tx);
     let buffer_steps = cfg.buffer_steps;
-    let (mut router_tx, mut router_rx) = match router {
+    let (router_tx, router_rx) = match router {
         Some((tx, rx)) => (Some(tx), Some(rx)),
         None => (None, None),
     };
-    tokio::spawn(async move {
-        let mut seq: u64 = 0;
-        let mut ring: VecDeque<(u64, bytes::Bytes)> = VecDeque::new();
-        let mut ring_bytes = 0usize;
-        loop {
-            let replay = async {
-                match router_rx.as_mut() {
-                    Some(r) => r.recv().await,
-                    None => std::future::pending().await,
-                }
-            };
-            tokio::select! {
-                m = rx.recv() => {
-                    let Some(payload) = m else { break };
-                    queued.fetch_sub(payload.len() as u64, Relaxed);
-                    let payload = bytes::Bytes::from(payload);
-                    let mut msg = ZmqMessage::from(topic.clone());
-                    msg.push_back(bytes::Bytes::copy_from_slice(&seq.to_be_bytes()));
-                    msg.push_back(payload.clone());
-                    if let Err(e) = publ.send(msg).await {
-                        tracing::warn!(error = %e, "events: publishing a batch failed");
+    let ring = Arc::new(Mutex::new(Ring::default()));
+    // Publishing: the live stream never waits on a replay.
+    {
+        let (ring, topic, stats) = (ring.clone(), topic.clone(), stats.clone());
+        let mut stop = stop.clone();
+        tokio::spawn(async move {
+            let mut seq: u64 = 0;
+            loop {
+                tokio::select! {
+                    m = rx.recv() => {
+                        let Some(payload) = m else { break };
+                        queued.fetch_sub(payload.len() as u64, Relaxed);
+                        let payload = bytes::Bytes::from(payload);
+                        let mut msg = ZmqMessage::from(topic.clone());
+                        msg.push_back(bytes::Bytes::copy_from_slice(&seq.to_be_bytes()));
+                        msg.push_back(payload.clone());
+                        if let Err(e) = publ.send(msg).await {
+                            tracing::warn!(error = %e, "events: publishing a batch failed");
+                        }
+                        stats.batches.fetch_add(1, Relaxed);
+                        let mut r = ring.lock();
+                        r.bytes += payload.len();
+                        r.batches.push_back((seq, payload));
+                        while r.batches.len() > buffer_steps || r.bytes > MAX_RING_BYTES {
+                            match r.batches.pop_front() {
+                                Some((_, p)) => r.bytes -= p.len(),
+                                None => break,
+                            }
+                        }
+                        drop(r);
+                        seq += 1;
                     }
-                    stats.batches.fetch_add(1, Relaxed);
-                    ring_bytes += payload.len();
-                    ring.push_back((seq, payload));
-                    while ring.len() > buffer_steps || ring_bytes > MAX_RING_BYTES {
-                        match ring.pop_front() {
-                            Some((_, p)) => ring_bytes -= p.len(),
-                            None => break,
-                        }
-                    }
-                    seq += 1;
+                    _ = stop.changed() => break,
                 }
-                r = replay => {
-                    let Ok(req) = r else { continue };
-                    let frames = req.into_vec();
-                    // [identity, empty delimiter, start sequence] from a REQ socket.
-                    let start = match frames.as_slice() {
-                        [_, _, s] if s.len() == 8 => {
-                            let mut b = [0u8; 8];
-                            b.copy_from_slice(s);
-                            u64::from_be_bytes(b)
+            }
+        });
+    }
+    // Replays, apart: one requester at a time, each send bounded by REPLAY_SEND_DEADLINE; a
+    // requester that stopped reading loses its replay and is not answered for a while, so
+    // however many replays it asks for it holds at most its queue in the socket library
+    // (references to batches of the ring).
+    if let (Some(mut router), Some(mut requests)) = (router_tx, router_rx) {
+        tokio::spawn(async move {
+            let mut stalled: HashMap<bytes::Bytes, std::time::Instant> = HashMap::new();
+            loop {
+                let req = tokio::select! {
+                    r = requests.recv() => r,
+                    _ = stop.changed() => break,
+                };
+                let Ok(req) = req else { continue };
+                let frames = req.into_vec();
+                // [identity, empty delimiter, start sequence] from a REQ socket.
+                let start = match frames.as_slice() {
+                    [_, _, s] if s.len() == 8 => {
+                        let mut b = [0u8; 8];
+                        b.copy_from_slice(s);
+                        u64::from_be_bytes(b)
+                    }
+                    _ => {
+                        tracing::warn!(
+                            frames = frames.len(),
+                            "events: a replay request that is not [start sequence]: ignored"
+                        );
+                        continue;
+                    }
+                };
+                let id = frames[0].clone();
+                let now = std::time::Instant::now();
+                stalled.retain(|_, until| *until > now);
+                if stalled.contains_key(&id) {
+                    stats.replays_abandoned.fetch_add(1, Relaxed);
+                    continue;
+                }
+                stats.replays.fetch_add(1, Relaxed);
+                let batches: Vec<(u64, bytes::Bytes)> = ring
+                    .lock()
+                    .batches
+                    .iter()
+                    .filter(|(s, _)| *s >= start)
+                    .cloned()
+                    .collect();
+                let mut whole = true;
+                for (s, payload) in batches {
+                    let mut m = ZmqMessage::from(id.clone());
+                    m.push_back(bytes::Bytes::new());
+                    m.push_back(topic.clone());
+                    m.push_back(bytes::Bytes::copy_from_slice(&s.to_be_bytes()));
+                    m.push_back(payload);
+                    match tokio::time::timeout(REPLAY_SEND_DEADLINE, router.send(m)).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(_)) => {
+                            whole = false;
+                            break;
                         }
-                        _ => {
-                            tracing::warn!(frames = frames.len(), "events: a replay request that is not [start sequence]: ignored");
-                            continue;
-                        }
-                    };
-                    let id = frames[0].clone();
-                    stats.replays.fetch_add(1, Relaxed);
-                    let Some(router) = router_tx.as_mut() else { continue };
-                    for (s, payload) in ring.iter().filter(|(s, _)| *s >= start) {
-                        let mut m = ZmqMessage::from(id.clone());
-                        m.push_back(bytes::Bytes::new());
-                        m.push_back(topic.clone());
-                        m.push_back(bytes::Bytes::copy_from_slice(&s.to_be_bytes()));
-                        m.push_back(payload.clone());
-                        if router.send(m).await.is_err() {
+                        Err(_) => {
+                            whole = false;
+                            stats.replays_abandoned.fetch_add(1, Relaxed);
+                            stalled.insert(id.clone(), now + STALLED_REQUESTER);
+                            tracing::warn!("events: a replay requester stopped reading: its replay is given up");
                             break;
                         }
                     }
+                }
+                if whole {
                     let mut end = ZmqMessage::from(id);
                     end.push_back(bytes::Bytes::new());
                     end.push_back(bytes::Bytes::new());
                     end.push_back(bytes::Bytes::copy_from_slice(&(-1i64).to_be_bytes()));
                     end.push_back(bytes::Bytes::new());
-                    let _ = router.send(end).await;
+                    let _ = tokio::time::timeout(REPLAY_SEND_DEADLINE, router.send(end)).await;
                 }
-                _ = stop.changed() => break,
             }
-        }
-    });
+        });
+    }
     Ok(Publisher {
         endpoint: ep.to_string(),
         replay_endpoint,

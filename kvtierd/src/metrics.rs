@@ -423,6 +423,11 @@ fn collect(d: &Daemon, o: &mut Out) -> fmt::Result {
             "KV event replay requests served.",
             &d.events.replays,
         ),
+        (
+            "event_replays_abandoned",
+            "KV event replays given up: the requester stopped reading (or asked again within 30 s of that); the live stream never waits on a replay.",
+            &d.events.replays_abandoned,
+        ),
     ] {
         o.counter(name, help, &one(v.load(Relaxed)))?;
     }

@@ -32,7 +32,7 @@ class Daemon:
             stdout=subprocess.PIPE, text=True)
         line = self.p.stdout.readline()
         f = dict(w.split("=", 1) for w in line.split() if "=" in w)
-        self.socket, self.grpc = f["socket"], f["grpc"]
+        self.socket, self.grpc, self.metrics = f["socket"], f["grpc"], f["metrics"]
         self.events, self.replay = f["events"], f["events_replay"]
 
     def cli(self, *args):
@@ -234,6 +234,75 @@ def test_array_encoding_with_int_hashes(tmp_path):
                    for _, p in msgs for e in dec.decode(p).events)
         first = dec.decode(replay(d.replay, 0)[0][1])
         assert [type(e) for e in first.events] == [OldAllBlocksCleared]
+        del side
+    finally:
+        d.stop()
+
+
+def metric(d, name):
+    import urllib.request
+    req = urllib.request.Request(f"http://{d.metrics}/metrics",
+                                 headers={"Authorization": "Bearer events-token"})
+    text = urllib.request.urlopen(req, timeout=10).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def rss_bytes(pid):
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_replay_requester_that_never_reads_loses_its_replay_never_the_live_stream(tmp_path):
+    """A router that asks for replays and never reads them: its replays are given up (the
+    replay's sends wait at most 1 s on its full queue) and later requests from it are not
+    answered; the live stream goes on, a well-behaved requester still gets a whole replay,
+    and the daemon's memory does not grow with the number of replays asked for."""
+    d = Daemon(tmp_path / "d")
+    try:
+        side = Sidecar(d.socket, "events-test")
+        sub = subscriber(d.events, side)
+        ns, fp = setup_ns(side, "events-stalled-replay")
+        for i in range(400):
+            assert side.put(ns, engine_key(fp, i.to_bytes(32, "little")), b"r" * 1024)
+        ctx = zmq.Context.instance()
+        bad = ctx.socket(zmq.DEALER)
+        bad.setsockopt(zmq.RCVHWM, 1)
+        bad.setsockopt(zmq.RCVBUF, 4096)
+        bad.setsockopt(zmq.SNDHWM, 0)
+        bad.connect(d.replay)
+
+        def flood(n):
+            for _ in range(n):
+                bad.send_multipart([b"", (0).to_bytes(8, "big")])
+
+        end = time.monotonic() + 120
+        while metric(d, "kvtier_event_replays_abandoned_total") == 0:
+            assert time.monotonic() < end, "the stalled requester's replays were never given up"
+            flood(200)
+            time.sleep(0.2)
+        before = rss_bytes(d.p.pid)
+        # As many requests again: ignored (not queued), so no more memory.
+        flood(5000)
+        end = time.monotonic() + 60
+        while metric(d, "kvtier_event_replays_abandoned_total") < 1000:
+            assert time.monotonic() < end, "later requests of the stalled requester were answered"
+            time.sleep(0.2)
+        grown = rss_bytes(d.p.pid) - before
+        assert grown < 32 << 20, f"the daemon grew {grown >> 20} MiB for ignored replays"
+        # The live stream goes on.
+        k = engine_key(fp, b"after" * 6 + b"!!")
+        assert side.put(ns, k, b"a" * 1024)
+        receive(sub, lambda m: any(k in event_hashes(p) for _, p in m))
+        # A requester that reads gets a whole replay (it may wait behind the stalled one's
+        # last send, 1 s at most).
+        everything = replay(d.replay, 0)
+        assert [s for s, _ in everything] == list(range(len(everything)))
+        bad.close(linger=0)
         del side
     finally:
         d.stop()
