@@ -6,10 +6,12 @@
 //! - [`server`]: answers peers from this node's own tiers (tokio).
 //! - [`remote`]: [`RemoteTier`], the store's `LowerTier` that asks the owners (blocking
 //!   sockets, deadlines, circuit breakers).
+//! - [`handoff`]: a clean stop hands the node's host blocks to their next owners.
 //!
 //! The daemon wires them: the store gets the remote tier last in its chain
 //! (`StoreConfig::remote`), and the server runs beside the engine socket.
 
+pub mod handoff;
 pub mod membership;
 mod nsmap;
 pub mod placement;
@@ -18,6 +20,7 @@ pub mod remote;
 pub mod server;
 pub mod wire;
 
+pub use handoff::{hand_over, HandOver};
 pub use membership::{leave, run_etcd, EtcdConfig, MembershipState};
 pub use placement::{Member, Placement};
 pub use redis_tier::{RedisConfig, RedisTier};

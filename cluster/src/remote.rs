@@ -529,6 +529,16 @@ impl RemoteTier {
         keys: &[BlockKey],
         ask: impl Fn(&Arc<Peer>, &[usize], Instant) -> Vec<usize> + Sync,
     ) -> bool {
+        self.rounds(keys, 2, ask)
+    }
+
+    /// [`RemoteTier::two_rounds`] with at most `rounds` rounds.
+    fn rounds(
+        &self,
+        keys: &[BlockKey],
+        rounds: usize,
+        ask: impl Fn(&Arc<Peer>, &[usize], Instant) -> Vec<usize> + Sync,
+    ) -> bool {
         let (now, prev) = self.view();
         let cands: Vec<Vec<Arc<Peer>>> = keys
             .iter()
@@ -538,12 +548,12 @@ impl RemoteTier {
         let deadline = started + self.cfg.timeout;
         let mut todo: Vec<usize> = (0..keys.len()).filter(|&i| !cands[i].is_empty()).collect();
         let mut answered = vec![false; keys.len()];
-        for round in 0..2 {
+        for round in 0..rounds {
             let groups = group_by(todo.iter().filter_map(|&i| Some((cands[i].get(round)?, i))));
             if groups.is_empty() {
                 return round > 0;
             }
-            let more = round == 0 && todo.iter().any(|&i| cands[i].len() > 1);
+            let more = round + 1 < rounds && todo.iter().any(|&i| cands[i].len() > 1);
             let budget = if more {
                 started + self.cfg.timeout / 2
             } else {
@@ -757,6 +767,42 @@ impl RemoteTier {
         out
     }
 
+    /// What the first reachable owner of each of `keys` holds (one round: no other candidate
+    /// is asked), for a node handing its blocks over.
+    pub fn held_by_owners(&self, keys: &[BlockKey]) -> Vec<Option<BlockInfo>> {
+        self.lookup_rounds(keys, 1)
+    }
+
+    /// What the candidates of `keys` hold, asking at most `rounds` of them per key.
+    fn lookup_rounds(&self, keys: &[BlockKey], rounds: usize) -> Vec<Option<BlockInfo>> {
+        let out = Mutex::new(vec![None; keys.len()]);
+        let asked = self.rounds(keys, rounds, |peer, idx, deadline| {
+            let ask: Vec<BlockKey> = idx.iter().map(|&i| keys[i]).collect();
+            match self.ask(peer, Op::Exists, &ask, deadline) {
+                Ok((c, r)) => {
+                    self.done(peer, Some(c), &Ok(()));
+                    let mut o = out.lock();
+                    idx.iter()
+                        .zip(&r.blocks)
+                        .filter(|(&i, b)| wire::key16(&b.key) == Some(keys[i]))
+                        .filter_map(|(&i, b)| {
+                            o[i] = Some(info_of(b, self.local_ns(&b.fingerprint))?);
+                            Some(i)
+                        })
+                        .collect()
+                }
+                Err(e) => {
+                    self.done(peer, None, &Err(e));
+                    Vec::new()
+                }
+            }
+        });
+        if asked {
+            self.stats.lookups.fetch_add(1, Relaxed);
+        }
+        out.into_inner()
+    }
+
     /// This node's data-plane address.
     pub fn me(&self) -> &str {
         &self.cfg.me
@@ -876,32 +922,7 @@ impl LowerTier for RemoteTier {
     }
 
     fn lookup_batch(&self, keys: &[BlockKey]) -> Vec<Option<BlockInfo>> {
-        let out = Mutex::new(vec![None; keys.len()]);
-        let asked = self.two_rounds(keys, |peer, idx, deadline| {
-            let ask: Vec<BlockKey> = idx.iter().map(|&i| keys[i]).collect();
-            match self.ask(peer, Op::Exists, &ask, deadline) {
-                Ok((c, r)) => {
-                    self.done(peer, Some(c), &Ok(()));
-                    let mut o = out.lock();
-                    idx.iter()
-                        .zip(&r.blocks)
-                        .filter(|(&i, b)| wire::key16(&b.key) == Some(keys[i]))
-                        .filter_map(|(&i, b)| {
-                            o[i] = Some(info_of(b, self.local_ns(&b.fingerprint))?);
-                            Some(i)
-                        })
-                        .collect()
-                }
-                Err(e) => {
-                    self.done(peer, None, &Err(e));
-                    Vec::new()
-                }
-            }
-        });
-        if asked {
-            self.stats.lookups.fetch_add(1, Relaxed);
-        }
-        out.into_inner()
+        self.lookup_rounds(keys, 2)
     }
 
     fn pin(&self, _key: &BlockKey) -> bool {

@@ -319,3 +319,57 @@ async fn a_node_that_joins_costs_no_hits() {
         }
     });
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_stops_cleanly_hands_its_blocks_over() {
+    let nodes = cluster(3, &["s"]).await;
+    let id = register(&nodes);
+    let (keys, data) = blocks(24, 19);
+    for (k, d) in keys.iter().zip(&data) {
+        nodes[0].store.put(id, *k, d).unwrap();
+    }
+    tokio::task::block_in_place(|| wait_placed(&nodes, &keys));
+    let c = &nodes[2];
+    let its = keys
+        .iter()
+        .filter(|k| owner_of(&nodes, k).addr == c.addr)
+        .count();
+    assert!(its > 0);
+    // C stops cleanly: its host blocks go to their next owners, then it stops answering.
+    let r = tokio::task::block_in_place(|| {
+        kvtier_cluster::hand_over(
+            c.store,
+            &c.remote,
+            64 << 20,
+            Instant::now() + Duration::from_secs(30),
+        )
+    });
+    // Each of C's blocks is at its next owner now: sent, or there already (A saved them).
+    assert_eq!(r.left, 0, "{r:?}");
+    assert_eq!(r.blocks as usize, its, "{r:?}");
+    c.server.abort();
+    // A's copies of blocks it does not own (after C) go (evicted, say): what C owned is found
+    // only where C handed it.
+    let after = kvtier_cluster::Placement::new(
+        nodes[..2]
+            .iter()
+            .map(|n| kvtier_cluster::Member::new(n.addr.clone(), 1.0))
+            .collect(),
+    );
+    for k in &keys {
+        if after.owner(k) != Some(nodes[0].addr.as_str()) {
+            nodes[0].store.remove(k);
+        }
+    }
+    // The prefix still loads through A and B (whose members still name C: C refuses, its
+    // blocks' next member answers).
+    tokio::task::block_in_place(|| {
+        for n in &nodes[..2] {
+            let l = n.store.load(&keys).unwrap();
+            assert_eq!(l.len(), keys.len(), "through {}", n.addr);
+            for (i, d) in data.iter().enumerate() {
+                assert_eq!(l.block(i), &d[..]);
+            }
+        }
+    });
+}

@@ -115,6 +115,11 @@ pub struct ClusterSection {
     /// After a membership change (a join, a leave), how long lookups and loads also ask the
     /// owners under the previous membership, milliseconds (0: not at all).
     pub handoff_ms: u64,
+    /// On a clean stop (SIGTERM), how long this node hands its host blocks over to their next
+    /// owners before it exits, milliseconds (0: it does not); fits the manifests' grace period.
+    pub handoff_stop_ms: u64,
+    /// Bandwidth of that hand-over, bytes per second (0: unbounded).
+    pub handoff_bytes_per_s: Size,
     /// Most bytes of saved blocks queued for pushing to their owners; past it a block is not
     /// pushed (counted), so a slow network never holds up an engine.
     pub push_queue_bytes: Size,
@@ -141,6 +146,8 @@ impl Default for ClusterSection {
             timeout_ms: 2_000,
             replicas: 1,
             handoff_ms: 600_000,
+            handoff_stop_ms: 60_000,
+            handoff_bytes_per_s: Size(512 << 20),
             push_queue_bytes: Size(256 << 20),
             redis: String::new(),
             redis_cluster: false,
@@ -1257,6 +1264,8 @@ mod tests {
             "timeout_ms",
             "replicas",
             "handoff_ms",
+            "handoff_stop_ms",
+            "handoff_bytes_per_s",
             "push_queue_bytes",
             "etcd_prefix",
             "lease_ttl_ms",

@@ -678,6 +678,21 @@ fn run() -> Result<()> {
             // A clean stop leaves the placement at once (peers stop asking this node).
             kvtier_cluster::leave(e, m).await;
         }
+        if let Some(c) = d.cluster.as_ref().filter(|_| cfg.cluster.handoff_stop_ms > 0) {
+            // Then hands its host blocks to their next owners (still serving peers meanwhile).
+            let remote = c.remote.clone();
+            let (rate, by) = (
+                cfg.cluster.handoff_bytes_per_s.0,
+                Instant::now() + Duration::from_millis(cfg.cluster.handoff_stop_ms),
+            );
+            let r = tokio::task::spawn_blocking(move || {
+                kvtier_cluster::hand_over(store, &remote, rate, by)
+            })
+            .await;
+            if let Err(e) = r {
+                tracing::warn!(error = %e, "cluster: the hand-over failed");
+            }
+        }
         if let Some(t) = cluster_task {
             t.abort();
         }

@@ -491,6 +491,92 @@ fn etcd_membership_follows_leases_and_survives_etcd_going_away() {
     assert!(metric(&metrics(&a), "kvtier_cluster_degraded") == 0.0);
 }
 
+/// Membership changes cost no hits (etcd). S saves a prefix into a 3-node cluster (S, B, C)
+/// and dies (SIGKILL: its own blocks go with it); the rest live only at their owners, B and
+/// C. D joins (it owns a share of blocks it never saw): every one of them is still found
+/// through D (the previous owners are asked) and loads through C. C stops cleanly (SIGTERM: it
+/// leaves etcd, then hands its host blocks to their next owners): every one still loads
+/// through E, a node that joins after, though C, the only node that held C's blocks, is
+/// gone.
+#[test]
+fn a_join_and_a_clean_stop_cost_no_hits() {
+    let Some(etcd) = Etcd::start() else {
+        return;
+    };
+    let m = format!("cluster.etcd=[\"{}\"]", etcd.url);
+    let p = free_ports(5);
+    let addr = |i: usize| format!("127.0.0.1:{}", p[i]);
+    let mut s = node_with("mv-s", p[0], &m, "s3cret", true);
+    let b = node_with("mv-b", p[1], &m, "s3cret", true);
+    let c = node_with("mv-c", p[2], &m, "s3cret", true);
+    for x in [&s, &b, &c] {
+        wait_until("every node sees three members", 20, || members(x) == 3);
+    }
+    let n = 40u64;
+    let first = kvtier_cluster::Placement::new(
+        (0..3)
+            .map(|i| kvtier_cluster::Member::new(addr(i), 1.0))
+            .collect(),
+    );
+    let owner = |i: u64| first.owner(&key(i)).unwrap().to_string();
+    let kept: Vec<u64> = (0..n).filter(|&i| owner(i) != addr(0)).collect();
+    assert!(kept.iter().any(|&i| owner(i) == addr(2)), "C owns none");
+    let mut cs = s.client();
+    let ns = cs.register_namespace(&namespace()).unwrap();
+    put_all(&mut cs, ns, 0..n);
+    wait_until("S's pushes land", 90, || {
+        cli(&s, &["cluster"])["pushes"].as_u64().unwrap() >= kept.len() as u64
+    });
+    s.child.kill().unwrap();
+    s.child.wait().unwrap();
+    for x in [&b, &c] {
+        wait_until("S leaves the placement", 30, || members(x) == 2);
+    }
+    // D joins.
+    let d = node_with("mv-d", p[3], &m, "s3cret", true);
+    for x in [&b, &c, &d] {
+        wait_until("every node sees B, C, D", 30, || members(x) == 3);
+    }
+    let mut cd = d.client();
+    cd.register_namespace(&namespace()).unwrap();
+    cd.set_timeout(Duration::from_secs(20)).unwrap();
+    for &i in &kept {
+        // (A lookup: found, not loaded, so D holds no copy afterwards.)
+        assert_eq!(
+            cd.lookup(&[key(i)], None).unwrap().n,
+            1,
+            "block {i} through D"
+        );
+    }
+    let mut cc = c.client();
+    cc.register_namespace(&namespace()).unwrap();
+    cc.set_timeout(Duration::from_secs(20)).unwrap();
+    for &i in &kept {
+        assert_eq!(get_all(&mut cc, i..i + 1), 1, "block {i} through C");
+    }
+    drop(cc);
+    // C stops cleanly.
+    assert!(c.term().success());
+    for x in [&b, &d] {
+        wait_until("C leaves the placement", 30, || members(x) == 2);
+    }
+    let e = node_with("mv-e", p[4], &m, "s3cret", true);
+    for x in [&b, &d, &e] {
+        wait_until("every node sees B, D, E", 30, || members(x) == 3);
+    }
+    let mut ce = e.client();
+    ce.register_namespace(&namespace()).unwrap();
+    ce.set_timeout(Duration::from_secs(20)).unwrap();
+    for &i in &kept {
+        assert_eq!(
+            get_all(&mut ce, i..i + 1),
+            1,
+            "block {i} through E after C stopped"
+        );
+    }
+    drop(etcd);
+}
+
 #[test]
 fn two_daemons_share_blocks_through_redis() {
     if Command::new("redis-server")

@@ -570,6 +570,23 @@ impl Store {
         self.inner.events.dropped()
     }
 
+    /// Every committed block in host memory: its key and namespace. Scans the index one shard
+    /// at a time (for a node handing its blocks over as it leaves, not the hot path); a block
+    /// evicted since may be gone when it is loaded.
+    pub fn host_keys(&self) -> Vec<(BlockKey, NsId)> {
+        let mut out = Vec::new();
+        for s in self.inner.shards.iter() {
+            out.extend(
+                s.lock()
+                    .map
+                    .iter()
+                    .filter(|(_, e)| e.ready())
+                    .map(|(k, e)| (BlockKey::from(*k), NsId(u32::from(e.ns)))),
+            );
+        }
+        out
+    }
+
     /// Blocks and bytes per namespace and tier. Scans the index: for admin use, not the hot
     /// path.
     pub fn namespace_stats(&self) -> Vec<NamespaceStats> {
