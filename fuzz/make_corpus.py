@@ -130,7 +130,46 @@ def ipc_seeds():
         (ROOT / "ipc-requests" / name).write_bytes(b)
 
 
+def cluster_seeds():
+    """Data-plane input after Auth: pieces `[kind][u16 length][body]`, an even kind a frame
+    (u32 length first), an odd one raw bytes (payloads)."""
+    def frame(b):
+        return bytes([0]) + struct.pack("<H", len(b)) + b
+
+    def raw(b):
+        return bytes([1]) + struct.pack("<H", len(b)) + b
+
+    fp = key(99)
+
+    def block(k, n, payload):
+        return (field(1, 2, k) + field(2, 0, 1) + field(3, 0, n)
+                + bytes([(4 << 3) | 1]) + struct.pack("<Q", h64(payload)) + field(5, 2, fp))
+
+    def req(rid, op, keys=b"", blocks=()):
+        b = field(1, 0, rid) + field(2, 0, op)
+        if keys:
+            b += field(3, 2, keys)
+        return b + b"".join(field(4, 2, x) for x in blocks)
+
+    payload = bytes(range(256)) * 20
+    seeds = {
+        "exists": frame(req(1, 1, key(1) + key(2))),
+        "put-then-get": frame(req(2, 3, blocks=[block(key(1), len(payload), payload)]))
+        + raw(payload) + frame(req(3, 2, key(1) + key(2))) + frame(req(4, 1, key(1))),
+        "put-cut-short": frame(req(2, 3, blocks=[block(key(3), len(payload), payload)]))
+        + raw(payload[:100]),
+        "put-wrong-checksum": frame(req(2, 3, blocks=[block(key(4), len(payload), b"x")]))
+        + raw(payload),
+        "oversized-header": raw(struct.pack("<I", (16 << 20) + 1)),
+        "unknown-op": frame(req(5, 9, key(1))),
+    }
+    (ROOT / "cluster-frames").mkdir(exist_ok=True)
+    for name, b in seeds.items():
+        (ROOT / "cluster-frames" / name).write_bytes(b)
+
+
 if __name__ == "__main__":
     main()
     ipc_seeds()
+    cluster_seeds()
     sys.exit(0)

@@ -11,6 +11,8 @@
 //! The daemon wires them: the store gets the remote tier last in its chain
 //! (`StoreConfig::remote`), and the server runs beside the engine socket.
 
+#[cfg(test)]
+mod fuzz_tests;
 pub mod handoff;
 pub mod membership;
 mod nsmap;

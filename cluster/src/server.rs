@@ -35,13 +35,15 @@ pub const MAX_UNAUTHENTICATED_PER_IP: usize = 16;
 
 /// Connections setting up, by source address.
 #[derive(Default)]
-struct SettingUp(parking_lot::Mutex<(usize, std::collections::HashMap<std::net::IpAddr, usize>)>);
+pub(crate) struct SettingUp(
+    parking_lot::Mutex<(usize, std::collections::HashMap<std::net::IpAddr, usize>)>,
+);
 
 /// One connection's place among those setting up; given back when dropped.
-struct Permit(Arc<SettingUp>, std::net::IpAddr);
+pub(crate) struct Permit(Arc<SettingUp>, std::net::IpAddr);
 
 impl SettingUp {
-    fn enter(self: &Arc<Self>, ip: std::net::IpAddr) -> Option<Permit> {
+    pub(crate) fn enter(self: &Arc<Self>, ip: std::net::IpAddr) -> Option<Permit> {
         let mut g = self.0.lock();
         let (total, by_ip) = &mut *g;
         let n = by_ip.entry(ip).or_default();
@@ -173,7 +175,7 @@ fn soon(cfg: &ServerConfig) -> tokio::time::Instant {
     tokio::time::Instant::now() + cfg.timeout
 }
 
-async fn connection(
+pub(crate) async fn connection(
     sock: TcpStream,
     store: &Store,
     cfg: &ServerConfig,
