@@ -3,6 +3,7 @@
 //! `{"bench": NAME, "results": [{"case", "unit", "value", "baseline", "ratio"}, ...]}`.
 
 mod alloc_count;
+mod cluster_sim;
 mod connector;
 mod disk;
 mod events;
@@ -53,6 +54,9 @@ enum Cmd {
     Ipc(ipc::IpcArgs),
     /// The remote tier between two nodes on loopback vs iperf3 and Redis; lookup latency vs RTT.
     Remote(remote::RemoteArgs),
+    /// The remote tier's placement at 8 to 512 nodes, simulated: hits under churn, load skew,
+    /// keys and bytes moved per membership change.
+    ClusterSim(cluster_sim::ClusterSimArgs),
     /// Save/load of a long prefix through the connector's CPU path vs memcpy, embedded and kvtierd.
     Connector(connector::ConnectorArgs),
     /// Engine processes against kvtierd for minutes, the daemon killed and restarted at random:
@@ -88,6 +92,7 @@ fn main() -> Result<()> {
         Cmd::Replay(a) => replay::run(*a),
         Cmd::Peers(a) => peers::run(a),
         Cmd::Remote(a) => remote::run(a),
+        Cmd::ClusterSim(a) => cluster_sim::run(a),
         Cmd::Ipc(a) => ipc::run(a),
         Cmd::Events(a) => events::run(a),
         Cmd::Connector(a) => connector::run(a),
