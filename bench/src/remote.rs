@@ -575,39 +575,47 @@ fn stalled_peer(args: &RemoteArgs) -> Result<Vec<Row>> {
     ])
 }
 
-/// `nodes` stores on loopback; with `pooled`, each has the remote tier over all of them.
-fn nodes(
-    n: usize,
-    capacity: u64,
-    seg: u64,
-    pooled: bool,
-) -> Result<(tokio::runtime::Runtime, Vec<Arc<kvstore::Store>>)> {
+/// `n` stores on loopback (then `standby` more, to join later); with `pooled`, each has the
+/// remote tier over the first `n` (a standby node's over all of them).
+struct Nodes {
+    rt: tokio::runtime::Runtime,
+    stores: Vec<Arc<kvstore::Store>>,
+    remotes: Vec<Arc<RemoteTier>>,
+    all: Vec<Member>,
+}
+
+fn nodes(n: usize, standby: usize, capacity: u64, seg: u64, pooled: bool) -> Result<Nodes> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
     let mut ls = Vec::new();
-    for _ in 0..n {
+    for _ in 0..n + standby {
         ls.push(rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?);
     }
     let addrs: Vec<String> = ls
         .iter()
         .map(|l| l.local_addr().map(|a| a.to_string()))
         .collect::<std::io::Result<_>>()?;
-    let members: Vec<Member> = addrs.iter().map(|a| Member::new(a.clone(), 1.0)).collect();
+    let all: Vec<Member> = addrs.iter().map(|a| Member::new(a.clone(), 1.0)).collect();
     let mut stores = Vec::new();
-    for (l, a) in ls.into_iter().zip(&addrs) {
+    let mut remotes = Vec::new();
+    for (i, (l, a)) in ls.into_iter().zip(&addrs).enumerate() {
         let remote = if pooled {
-            Some(kvstore::SharedTier(Arc::new(RemoteTier::new(
-                RemoteConfig {
-                    me: a.clone(),
-                    members: members.clone(),
-                    secret: "bench".into(),
-                    timeout: Duration::from_secs(5),
-                    replicas: 1,
-                    handoff: Duration::from_secs(600),
+            let r = Arc::new(RemoteTier::new(RemoteConfig {
+                me: a.clone(),
+                members: if i < n {
+                    all[..n].to_vec()
+                } else {
+                    all.clone()
                 },
-            )?)))
+                secret: "bench".into(),
+                timeout: Duration::from_secs(5),
+                replicas: 1,
+                handoff: Duration::from_secs(600),
+            })?);
+            remotes.push(r.clone());
+            Some(kvstore::SharedTier(r))
         } else {
             None
         };
@@ -633,7 +641,12 @@ fn nodes(
         ));
         stores.push(store);
     }
-    Ok((rt, stores))
+    Ok(Nodes {
+        rt,
+        stores,
+        remotes,
+        all,
+    })
 }
 
 /// The trace's requests round-robin over `--nodes` nodes: block hits per tier, pooled (remote
@@ -656,15 +669,27 @@ fn replay(args: &RemoteArgs) -> Result<Vec<Row>> {
         lora: String::new(),
     };
     let data = vec![5u8; bb as usize];
-    let run = |pooled: bool| -> Result<(u64, u64, u64)> {
-        let (rt, stores) = nodes(args.nodes, capacity, seg, pooled)?;
+    // (hits, remote hits, blocks; the same over the second half of the trace). With `join`,
+    // one more node joins halfway and takes its turn at the requests from then on.
+    let run = |pooled: bool, join: bool| -> Result<[u64; 5]> {
+        let c = nodes(args.nodes, usize::from(join), capacity, seg, pooled)?;
+        let stores = &c.stores;
         let ids: Vec<kvstore::NsId> = stores
             .iter()
             .map(|s| s.register_namespace(&ns))
             .collect::<Result<_, _>>()?;
-        let (mut hits, mut remote, mut blocks) = (0u64, 0u64, 0u64);
+        let [mut hits, mut remote, mut blocks, mut late_hits, mut late_blocks] = [0u64; 5];
+        let mut serving = args.nodes;
+        let half = reqs.len() / 2;
         for (i, r) in reqs.iter().enumerate() {
-            let s = &stores[i % stores.len()];
+            if join && i == half {
+                for t in &c.remotes[..args.nodes] {
+                    t.set_members(c.all.clone());
+                }
+                serving += 1;
+            }
+            let at = i % serving;
+            let s = &stores[at];
             let keys: Vec<BlockKey> = r
                 .hash_ids
                 .iter()
@@ -678,6 +703,10 @@ fn replay(args: &RemoteArgs) -> Result<Vec<Row>> {
             let m = s.match_prefix(&keys);
             let l = s.load(&keys[..m.n])?;
             hits += l.len() as u64;
+            if i >= half {
+                late_hits += l.len() as u64;
+                late_blocks += keys.len() as u64;
+            }
             remote += m.tiers[..l.len()]
                 .iter()
                 .filter(|t| **t == kvstore::Tier::Remote)
@@ -685,7 +714,7 @@ fn replay(args: &RemoteArgs) -> Result<Vec<Row>> {
             let n = l.len();
             drop(l);
             for k in &keys[n..] {
-                s.put(ids[i % stores.len()], *k, &data)?;
+                s.put(ids[at], *k, &data)?;
             }
             // Pushes go in the background: let them reach their owners before the next
             // request, so that the pooled figure does not hang on how fast this machine is.
@@ -695,12 +724,14 @@ fn replay(args: &RemoteArgs) -> Result<Vec<Row>> {
             }
         }
         // The servers (and their store handles) go with the runtime, then the stores.
+        let Nodes { rt, stores, .. } = c;
         drop(rt);
         drop(stores);
-        Ok((hits, remote, blocks))
+        Ok([hits, remote, blocks, late_hits, late_blocks])
     };
-    let (alone_hits, _, blocks) = run(false)?;
-    let (hits, remote, _) = run(true)?;
+    let [alone_hits, _, blocks, _, _] = run(false, false)?;
+    let [hits, remote, _, late, late_blocks] = run(true, false)?;
+    let [_, _, _, joined, joined_blocks] = run(true, true)?;
     let name = crate::replay::trace_name(&args.trace);
     let n = args.nodes;
     let ratio = |x: u64| x as f64 / blocks.max(1) as f64;
@@ -710,6 +741,15 @@ fn replay(args: &RemoteArgs) -> Result<Vec<Row>> {
             "hit ratio",
             "the same nodes without the remote tier",
             &[(ratio(hits), ratio(alone_hits))],
+        ),
+        row(
+            "hits after a join".into(),
+            "hit ratio",
+            "the same replay with no join (second half of the trace)",
+            &[(
+                joined as f64 / joined_blocks.max(1) as f64,
+                late as f64 / late_blocks.max(1) as f64,
+            )],
         ),
         row(
             format!("replay {name} {n} nodes remote share of hits"),
