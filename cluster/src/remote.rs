@@ -713,13 +713,6 @@ impl RemoteTier {
                 // SAFETY: the block's slot is pinned by the caller for this call, `len` <= cap;
                 // engines map it writable: read through copies, never referenced.
                 let shared = unsafe { kvstore::ArenaSlice::new(buf.ptr, len as usize) };
-                // Checked against the commit checksum before it leaves: a slot an engine wrote
-                // into after its commit is not pushed (one written between this check and the
-                // send is refused by the owner, which checks what it received).
-                if shared.checksum() != checksum {
-                    out.push((i, WriteOutcome::Corrupt));
-                    continue;
-                }
                 let id = self.id();
                 let req = Request {
                     id,
@@ -740,7 +733,12 @@ impl RemoteTier {
                 };
                 c.set_write_timeout(Some(remaining(deadline)?))?;
                 c.write_all(&wire::encode_header(&req))?;
-                wire::send_arena(c, shared)?;
+                // Hashed as it leaves (the slot read once): a slot an engine wrote into after
+                // its commit does not match its commit checksum, sent with it, so the owner
+                // refuses it, and here it counts as damaged.
+                if wire::send_arena_hashed(c, shared)? != checksum {
+                    out.push((i, WriteOutcome::Corrupt));
+                }
                 peer.bytes_out.fetch_add(u64::from(len), Relaxed);
                 self.stats.bytes_written.fetch_add(u64::from(len), Relaxed);
                 pending.push_back((i, id));

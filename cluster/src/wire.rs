@@ -212,22 +212,34 @@ pub fn send_arena_once(
     }
 }
 
-/// Sends `b` on a blocking socket (its write timeout applies: past it, `TimedOut`).
-pub fn send_arena(sock: &std::net::TcpStream, b: kvstore::ArenaSlice<'_>) -> io::Result<()> {
-    use std::os::fd::AsRawFd;
+/// Sends `b` on a blocking socket through 1 MiB private pieces (half the L2 here; with 128 KiB
+/// pieces 16 MiB pushes reached 0.71–0.80 of iperf3, with 1 MiB 0.83–0.91): each is copied
+/// out of the slot
+/// once, hashed while in cache, then sent from there, so the slot is read once and what is
+/// hashed is exactly what is sent (the socket's write timeout applies: past it, `TimedOut`).
+/// Returns the checksum of the bytes sent.
+pub fn send_arena_hashed(
+    sock: &mut std::net::TcpStream,
+    b: kvstore::ArenaSlice<'_>,
+) -> io::Result<u64> {
+    const PIECE: usize = 1 << 20;
+    let mut piece = vec![0u8; PIECE.min(b.len())];
+    let mut h = kvstore::Checksummer::new();
     let mut at = 0;
     while at < b.len() {
-        match send_arena_once(sock.as_raw_fd(), b, at) {
-            Ok(n) => at += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            // SO_SNDTIMEO passed (the socket's write timeout).
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                return Err(io::ErrorKind::TimedOut.into())
+        let n = PIECE.min(b.len() - at);
+        b.copy_to(at, &mut piece[..n]);
+        h.update(&piece[..n]);
+        sock.write_all(&piece[..n]).map_err(|e| {
+            if e.kind() == io::ErrorKind::WouldBlock {
+                io::ErrorKind::TimedOut.into()
+            } else {
+                e
             }
-            Err(e) => return Err(e),
-        }
+        })?;
+        at += n;
     }
-    Ok(())
+    Ok(h.finish())
 }
 
 #[cfg(test)]

@@ -373,3 +373,31 @@ async fn a_node_that_stops_cleanly_hands_its_blocks_over() {
         }
     });
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_whose_slot_changed_after_its_commit_is_refused_and_counted_damaged() {
+    let nodes = cluster(2, &["s"]).await;
+    let id = register(&nodes);
+    let (keys, data) = blocks(8, 21);
+    let i = (0..keys.len())
+        .find(|&i| owner_of(&nodes, &keys[i]).addr == nodes[1].addr)
+        .unwrap();
+    let mut bytes = data[i].clone();
+    // Committed with these bytes' checksum; then an engine wrote into the slot.
+    let committed = kvstore::checksum(&bytes);
+    bytes[1000] ^= 0xff;
+    let out = tokio::task::block_in_place(|| {
+        let item = kvstore::WriteItem {
+            key: keys[i],
+            ns: id.0 as u16,
+            // SAFETY: `bytes` outlives the call and nobody else touches it.
+            buf: unsafe { kvstore::io::IoBuf::from_raw(bytes.as_mut_ptr(), bytes.len()) },
+            len: bytes.len() as u32,
+            checksum: committed,
+        };
+        nodes[0].remote.write(vec![item], &|_| true)
+    });
+    assert_eq!(out, vec![kvstore::WriteOutcome::Corrupt]);
+    assert_eq!(nodes[1].stats.corrupt.load(Relaxed), 1);
+    assert!(nodes[1].store.probe_local(&keys[i..i + 1])[0].is_none());
+}
