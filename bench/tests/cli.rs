@@ -299,7 +299,10 @@ fn remote_bench_against_iperf3_and_redis() {
             "get 1MiB vs kvtier-redis",
             "lookup 64 keys p50 vs 2xRTT+30us",
             "lookup 64 keys p99 vs 2xRTT+30us",
+            "put 2MiB with a stalled peer",
+            "get 2MiB with a stalled peer",
             "replay chat 3 nodes hit ratio pooled vs alone",
+            "hits after a join",
             "replay chat 3 nodes remote share of hits"
         ]
     );
@@ -307,7 +310,53 @@ fn remote_bench_against_iperf3_and_redis() {
         .iter()
         .all(|r| r["value"].as_f64().unwrap() > 0.0 && r["baseline"].as_f64().unwrap() > 0.0));
     // Pooling three nodes' memory never loses hits against the same nodes alone.
-    assert!(rows[8]["ratio"].as_f64().unwrap() >= 1.0, "{}", rows[8]);
+    let pooled = rows
+        .iter()
+        .find(|r| r["case"] == "replay chat 3 nodes hit ratio pooled vs alone")
+        .unwrap();
+    assert!(pooled["ratio"].as_f64().unwrap() >= 1.0, "{pooled}");
+}
+
+#[test]
+fn cluster_sim_reports_churn_moves_and_skew() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier-bench"))
+        .args([
+            "cluster-sim",
+            "--nodes",
+            "4,16",
+            "--trace",
+            "gen:chat",
+            "--trace-requests",
+            "300",
+            "--skew-keys",
+            "20000",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    let v = last_json(&out);
+    let rows = v["results"].as_array().unwrap();
+    let cases: Vec<&str> = rows.iter().map(|r| r["case"].as_str().unwrap()).collect();
+    let mut want = Vec::new();
+    for n in [4, 16] {
+        want.extend([
+            format!("hit ratio with churn, {n} nodes"),
+            format!("keys moved per change, {n} nodes"),
+            format!("bytes moved per leave, {n} nodes"),
+            format!("load skew, {n} nodes, gen:chat blocks"),
+            format!("owner of a key, {n} nodes"),
+            format!("load skew, {n} nodes, 20000 blocks"),
+        ]);
+    }
+    assert_eq!(cases, want);
+    for r in rows {
+        let case = r["case"].as_str().unwrap();
+        if case.starts_with("keys moved") {
+            // Rendezvous hashing moves exactly the changed node's share.
+            let ratio = r["ratio"].as_f64().unwrap();
+            assert!((ratio - 1.0).abs() < 1e-9, "{r}");
+        }
+    }
 }
 
 #[test]
