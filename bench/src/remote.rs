@@ -67,13 +67,24 @@ struct Pair {
     remote: RemoteTier,
 }
 
-fn pair(capacity: u64, segment: u64) -> Result<Pair> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
+/// The bench's runtime for data-plane servers.
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
-        .build()?;
+        .build()?)
+}
+
+/// A store (populated up front) behind its data-plane server on a loopback port of `rt`: an
+/// owner of blocks. Its address.
+fn owner(
+    rt: &tokio::runtime::Runtime,
+    capacity: u64,
+    segment: u64,
+    timeout: Duration,
+) -> Result<String> {
     let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
-    let b = listener.local_addr()?.to_string();
+    let addr = listener.local_addr()?.to_string();
     let store = Arc::new(
         StoreConfig {
             capacity_bytes: capacity,
@@ -87,13 +98,19 @@ fn pair(capacity: u64, segment: u64) -> Result<Pair> {
         listener,
         store,
         ServerConfig {
-            node: b.clone(),
+            node: addr.clone(),
             secret: "bench".into(),
             capacity,
-            timeout: Duration::from_secs(30),
+            timeout,
         },
         Arc::new(ServerStats::default()),
     ));
+    Ok(addr)
+}
+
+fn pair(capacity: u64, segment: u64) -> Result<Pair> {
+    let rt = runtime()?;
+    let b = owner(&rt, capacity, segment, Duration::from_secs(30))?;
     let a = "127.0.0.1:1".to_string();
     // B owns every block: A's weight is negligible.
     let remote = RemoteTier::new(RemoteConfig {
@@ -468,10 +485,7 @@ struct Owners {
 }
 
 fn owners(stalled: bool, capacity: u64, seg: u64, timeout: Duration) -> Result<Owners> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
+    let rt = runtime()?;
     let a = "127.0.0.1:1".to_string();
     let mut members = vec![Member::new(a.clone(), 1e-12)];
     let mut hole = None;
@@ -480,31 +494,9 @@ fn owners(stalled: bool, capacity: u64, seg: u64, timeout: Duration) -> Result<O
             let l = TcpListener::bind("127.0.0.1:0")?;
             members.push(Member::new(l.local_addr()?.to_string(), 1.0));
             hole = Some(l);
-            continue;
+        } else {
+            members.push(Member::new(owner(&rt, capacity, seg, timeout)?, 1.0));
         }
-        let l = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
-        let addr = l.local_addr()?.to_string();
-        let store = Arc::new(
-            StoreConfig {
-                capacity_bytes: capacity,
-                segment_bytes: seg,
-                populate: kvstore::Populate::Now,
-                ..Default::default()
-            }
-            .build()?,
-        );
-        rt.spawn(kvtier_cluster::serve(
-            l,
-            store,
-            ServerConfig {
-                node: addr.clone(),
-                secret: "bench".into(),
-                capacity,
-                timeout,
-            },
-            Arc::new(ServerStats::default()),
-        ));
-        members.push(Member::new(addr, 1.0));
     }
     let remote = RemoteTier::new(RemoteConfig {
         me: a,
@@ -585,10 +577,7 @@ struct Nodes {
 }
 
 fn nodes(n: usize, standby: usize, capacity: u64, seg: u64, pooled: bool) -> Result<Nodes> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
+    let rt = runtime()?;
     let mut ls = Vec::new();
     for _ in 0..n + standby {
         ls.push(rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?);

@@ -104,7 +104,9 @@ pub fn hand_over(
             }
         }
         if bytes_per_s > 0 {
-            // Paced: never ahead of the rate.
+            // Paced: never ahead of the rate. A sleep is the pacing itself (the rate is a
+            // promise to the network, not a condition anything signals), never past the
+            // deadline; the node keeps serving peers meanwhile from other threads.
             let due = started + Duration::from_secs_f64(r.bytes as f64 / bytes_per_s as f64);
             let now = Instant::now();
             if due > now {

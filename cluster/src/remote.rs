@@ -349,16 +349,17 @@ impl RemoteTier {
             );
         }
         addrs.extend(spare.iter().map(|&i| now.members()[i].addr.as_str()));
-        let peers = self.peers.read();
         let mut out: Vec<Arc<Peer>> = Vec::new();
-        for a in addrs {
-            if a == self.cfg.me || out.iter().any(|p| p.addr == a) {
-                continue;
-            }
-            if let Some(peer) = peers.get(a).filter(|p| self.usable(p)) {
-                out.push(peer.clone());
+        {
+            let peers = self.peers.read();
+            for a in addrs {
+                if a != self.cfg.me && !out.iter().any(|p| p.addr == a) {
+                    out.extend(peers.get(a).cloned());
+                }
             }
         }
+        // (Outside the peers' lock: an open breaker may start its probe here.)
+        out.retain(|p| self.usable(p));
         out
     }
 
@@ -371,14 +372,23 @@ impl RemoteTier {
         key: &BlockKey,
     ) -> (Vec<Option<Arc<Peer>>>, Option<Arc<Peer>>) {
         let r = self.cfg.replicas.max(1);
-        let peers = self.peers.read();
-        let pick = |i: usize| -> Option<Option<Arc<Peer>>> {
-            let a = &p.members()[i].addr;
-            (*a != self.cfg.me).then(|| peers.get(a).filter(|q| self.usable(q)).cloned())
-        };
         let all = p.owners(key, r + 1);
-        let owners = all.iter().take(r).filter_map(|&i| pick(i)).collect();
-        let spare = all.get(r).and_then(|&i| pick(i)).flatten();
+        // Each member other than this node, if known (under the peers' lock), and usable
+        // (outside it: an open breaker may start its probe).
+        let known: Vec<Option<Option<Arc<Peer>>>> = {
+            let peers = self.peers.read();
+            all.iter()
+                .map(|&i| {
+                    let a = &p.members()[i].addr;
+                    (*a != self.cfg.me).then(|| peers.get(a).cloned())
+                })
+                .collect()
+        };
+        let mut picked = known
+            .into_iter()
+            .map(|k| k.map(|peer| peer.filter(|q| self.usable(q))));
+        let owners = picked.by_ref().take(r).flatten().collect();
+        let spare = picked.next().flatten().flatten();
         (owners, spare)
     }
 
@@ -575,14 +585,16 @@ impl RemoteTier {
     /// (one round trip, bounded by the deadline). A member that fails answers with its error.
     pub fn node_prefixes(&self, keys: &[BlockKey]) -> Vec<NodePrefix> {
         let deadline = Instant::now() + self.cfg.timeout;
-        let (asked, paused): (Vec<Arc<Peer>>, Vec<Arc<Peer>>) = {
+        let all: Vec<Arc<Peer>> = {
             let p = self.placement();
             let peers = self.peers.read();
             p.members()
                 .iter()
                 .filter_map(|m| peers.get(&m.addr).cloned())
-                .partition(|peer| self.usable(peer))
+                .collect()
         };
+        let (asked, paused): (Vec<Arc<Peer>>, Vec<Arc<Peer>>) =
+            all.into_iter().partition(|peer| self.usable(peer));
         let mut out: Vec<NodePrefix> = paused
             .iter()
             .map(|peer| NodePrefix {

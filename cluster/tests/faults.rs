@@ -15,14 +15,6 @@ use kvstore::{BlockKey, LowerTier};
 use kvtier_cluster::wire;
 use kvtier_proto::cluster::{request::Op, Auth, AuthReply, Block, Hello, Reply, Request};
 
-fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let until = Instant::now() + Duration::from_secs(secs);
-    while !f() {
-        assert!(Instant::now() < until, "{what}: not within {secs} s");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// `n` nodes, the last reached only through a proxy (its name among the members is the
 /// proxy's address).
 async fn with_a_proxy(n: usize) -> (Vec<Node>, Proxy) {

@@ -132,35 +132,46 @@ pub fn register(nodes: &[Node]) -> NsId {
     id.unwrap()
 }
 
-/// Waits until every key is held by its owner.
-pub fn wait_placed(nodes: &[Node], keys: &[BlockKey]) {
-    // (A push that timed out is tried again 1, 4 and 16 s later.)
-    let until = Instant::now() + Duration::from_secs(60);
-    let p = nodes[0].remote.placement();
+/// Whether `f` held within `secs` seconds, asked every 20 ms. The conditions tests wait for
+/// here are other stores' contents, counters and sockets, with no event to wait on: this is
+/// the one place they are polled, always against a deadline.
+pub fn poll_until(secs: u64, mut f: impl FnMut() -> bool) -> bool {
+    let until = Instant::now() + Duration::from_secs(secs);
     loop {
-        let placed = keys.iter().all(|k| {
-            let owner = p.owner(k).unwrap();
-            let n = nodes.iter().find(|n| n.addr == owner).unwrap();
-            n.store.probe_local(std::slice::from_ref(k))[0].is_some()
-        });
-        if placed {
-            return;
+        if f() {
+            return true;
         }
         if Instant::now() >= until {
-            let missing: Vec<_> = keys
-                .iter()
-                .filter(|k| {
-                    let owner = p.owner(k).unwrap();
-                    let n = nodes.iter().find(|n| n.addr == owner).unwrap();
-                    n.store.probe_local(std::slice::from_ref(k))[0].is_none()
-                })
-                .map(|k| (k, p.owner(k).unwrap()))
-                .collect();
-            panic!(
-                "blocks did not reach their owners: {missing:?}; saver: {:?}",
-                nodes[0].store.stats()
-            );
+            return false;
         }
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits until `f` holds; fails the test naming `what` past `secs` seconds.
+pub fn wait_until(what: &str, secs: u64, f: impl FnMut() -> bool) {
+    assert!(poll_until(secs, f), "{what}: not within {secs} s");
+}
+
+/// Waits until every key is held by its owner.
+pub fn wait_placed(nodes: &[Node], keys: &[BlockKey]) {
+    let p = nodes[0].remote.placement();
+    let missing = || -> Vec<(BlockKey, String)> {
+        keys.iter()
+            .filter(|k| {
+                let owner = p.owner(k).unwrap();
+                let n = nodes.iter().find(|n| n.addr == owner).unwrap();
+                n.store.probe_local(std::slice::from_ref(k))[0].is_none()
+            })
+            .map(|k| (*k, p.owner(k).unwrap().to_string()))
+            .collect()
+    };
+    // (A push that timed out is tried again 1, 4 and 16 s later.)
+    if !poll_until(60, || missing().is_empty()) {
+        panic!(
+            "blocks did not reach their owners: {:?}; saver: {:?}",
+            missing(),
+            nodes[0].store.stats()
+        );
     }
 }

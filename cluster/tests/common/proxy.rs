@@ -38,11 +38,6 @@ impl Proxy {
     /// A proxy on a fresh loopback port in front of `upstream`.
     pub fn start(upstream: String) -> Self {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        Self::on(l, upstream)
-    }
-
-    /// A proxy on `l` in front of `upstream`.
-    pub fn on(l: TcpListener, upstream: String) -> Self {
         let addr = l.local_addr().unwrap().to_string();
         let shared = Arc::new(Shared {
             fault: Mutex::new((Fault::None, Vec::new())),
