@@ -111,6 +111,10 @@ pub struct ReplayArgs {
     /// path (case `load time hidden by hints`).
     #[arg(long)]
     pub hints: bool,
+    /// With `--hints`: the most hints may hold in host memory or have in flight, a percentage
+    /// of the host tier ("25%"; default: the store's own bound). Embedded mode only.
+    #[arg(long)]
+    pub preload_held: Option<String>,
     /// Spread the requests over this many nodes (each its own store, host tier `--host` of
     /// the trace's distinct blocks, no disk) and compare routings in the same run.
     #[arg(long, default_value_t = 1)]
@@ -177,6 +181,9 @@ pub struct ReplayOutcome {
     /// Per request: seconds its load took (on the engine's critical path), whether its lookup
     /// found blocks below host memory, and how many blocks it loaded.
     pub req_load: Vec<(f64, bool, usize)>,
+    /// Per request: seconds its load waited for blocks to come up from disk, as the store
+    /// measured it (embedded store only; empty otherwise).
+    pub req_wait: Vec<f64>,
     /// Per request: seconds from its arrival (when its hint is sent) to the start of its load
     /// (it waited in the engine's queue meanwhile); 0 without pacing.
     pub req_queue: Vec<f64>,
@@ -269,6 +276,9 @@ pub struct RunCfg {
     /// Send each request's preload hint at its arrival (from a thread of its own), so blocks
     /// found only on disk are read while it waits in the queue.
     pub hints: bool,
+    /// The store's bound on bytes hints hold or have in flight, a fraction of the host tier
+    /// (None: the store's default).
+    pub preload_held: Option<f64>,
 }
 
 /// Replays `reqs` against a fresh embedded store.
@@ -291,6 +301,9 @@ pub fn run_embedded(
         segment_bytes: seg,
         size_classes: vec![cfg.block_bytes as usize],
         policy: cfg.host_policy,
+        prefetch_max_held_bytes: cfg
+            .preload_held
+            .map_or(0, |f| ((host_bytes as f64 * f) as u64).max(1)),
         disk: (cfg.disk_blocks > 0).then(|| DiskConfig {
             dir: cfg.dir.clone(),
             capacity_bytes: cfg.disk_blocks * block + (1 << 20),
@@ -308,7 +321,10 @@ pub fn run_embedded(
     let mut out = replay_through(&backend, reqs, cfg, progress)?;
     if cfg.hints {
         if let Some(st) = backend.store().map(|s| s.stats()) {
-            eprintln!("hints: {:?}", st.prefetch);
+            eprintln!(
+                "hints: {:?}; blocks the loads read from disk themselves: {}",
+                st.prefetch, st.disk_hits
+            );
         }
     }
     if let Some(d) = backend
@@ -357,34 +373,75 @@ fn replay_through(
     let start = Instant::now();
     let ttl = Duration::from_secs(60);
     let stop = std::sync::atomic::AtomicBool::new(false);
+    // The next request whose hint is to be sent: whoever gets there first (the hint thread at
+    // its arrival, or the replay loop when it reaches a request whose hint was not sent yet)
+    // sends it, under this lock, so a request's hint always precedes its load and its cancel.
+    // Beside it, what each hint found: (blocks present, keys left waiting for room).
+    let next_hint = std::sync::Mutex::new((0usize, Vec::<(usize, usize)>::new()));
+    let send_hints = |upto: usize| {
+        let Ok(mut next) = next_hint.lock() else {
+            return;
+        };
+        while next.0 <= upto && next.0 < reqs.len() {
+            let mut found = (0, 0);
+            if let Ok(keys) = request_keys(&fp, &reqs[next.0]) {
+                if let Ok(p) = backend.prefetch(&keys, 0, Duration::from_secs(60), next.0 as u64) {
+                    found = (p.present, p.waiting);
+                }
+            }
+            next.1.push(found);
+            next.0 += 1;
+        }
+    };
+    // Blocks still below host memory at a hinted request's load: within the prefix its hint
+    // found, past it (stored after the hint), past it with the hint cut for room.
+    let mut below = [0u64; 3];
     std::thread::scope(|sc| -> Result<()> {
         if cfg.hints {
             // The scheduler's side: each request's hint as it arrives, whether or not the engine
             // is busy with earlier ones.
-            let (stop, fp) = (&stop, &fp);
+            let (stop, send_hints) = (&stop, &send_hints);
             sc.spawn(move || {
                 for (i, r) in reqs.iter().enumerate() {
                     cfg.wait_for(r, start);
                     if stop.load(std::sync::atomic::Ordering::Relaxed) {
                         return;
                     }
-                    if let Ok(keys) = request_keys(fp, r) {
-                        let _ = backend.prefetch(&keys, 0, Duration::from_secs(60), i as u64);
-                    }
+                    send_hints(i);
                 }
             });
         }
         let stopper = StopOnDrop(&stop);
-        for r in reqs {
+        for (i, r) in reqs.iter().enumerate() {
             cfg.wait_for(r, start);
             out.req_queue.push(
                 cfg.arrival(r, start)
                     .map_or(0.0, |a| a.elapsed().as_secs_f64()),
             );
+            if cfg.hints {
+                send_hints(i);
+            }
             let keys = request_keys(&fp, r)?;
             let m = backend.lookup(&keys)?;
+            if cfg.hints {
+                let (present, waiting) = next_hint
+                    .lock()
+                    .ok()
+                    .and_then(|h| h.1.get(i).copied())
+                    .unwrap_or((0, 0));
+                for (j, _) in m
+                    .tiers
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, t)| **t != Tier::Host)
+                {
+                    below[usize::from(j >= present) + usize::from(j >= present && waiting > 0)] +=
+                        1;
+                }
+            }
             let mut n = 0;
             let mut load_secs = 0.0;
+            let waited_before = backend.store().map(|s| s.stats().load_wait_ns);
             if m.n > 0 {
                 let t = Instant::now();
                 let mut pages: Vec<Vec<&mut [u8]>> =
@@ -398,8 +455,17 @@ fn replay_through(
                 out.load_secs += load_secs;
                 let _ = hist.record((t.elapsed().as_micros() as u64).max(1));
             }
+            if cfg.hints {
+                // Its load is done: the hint ends (as the vLLM connector's does), so what it
+                // still holds or has waiting no longer takes the room of the requests behind.
+                let _ = backend.cancel_prefetch(i as u64);
+            }
             out.req_load
                 .push((load_secs, m.tiers.iter().any(|t| *t != Tier::Host), n));
+            let waited_after = backend.store().map(|s| s.stats().load_wait_ns);
+            if let (Some(a), Some(b)) = (waited_before, waited_after) {
+                out.req_wait.push(b.saturating_sub(a) as f64 / 1e9);
+            }
             out.count_hits(r, &m.tiers, m.n, n);
             let hit_tokens: u64 = (0..n).map(|i| tokens_in_block(r, i)).sum();
             let rest = &keys[n..];
@@ -428,6 +494,12 @@ fn replay_through(
         drop(stopper);
         Ok(())
     })?;
+    if cfg.hints {
+        eprintln!(
+            "hints: blocks still below host memory at their load: {} within the prefix the hint found, {} stored after it, {} past a hint cut for room",
+            below[0], below[1], below[2]
+        );
+    }
     out.load_us = (hist.value_at_quantile(0.5), hist.value_at_quantile(0.99));
     out.host_bytes_in = out.saves * cfg.block_bytes;
     Ok(out)
@@ -753,6 +825,19 @@ pub fn run(args: ReplayArgs) -> Result<()> {
         dir: args.dir.clone(),
         engine: args.hints.then_some(args.prefill_rate),
         hints: false,
+        preload_held: match &args.preload_held {
+            None => None,
+            Some(p) => {
+                let pct: f64 = p
+                    .strip_suffix('%')
+                    .and_then(|x| x.parse().ok())
+                    .filter(|x: &f64| *x > 0.0 && *x <= 100.0)
+                    .with_context(|| {
+                        format!("--preload-held {p:?}: expected a percentage, such as \"25%\"")
+                    })?;
+                Some(pct / 100.0)
+            }
+        },
     };
     ensure!(
         !args.hints || pace.is_some(),
@@ -880,10 +965,11 @@ pub fn run(args: ReplayArgs) -> Result<()> {
         ),
     ];
     if let Some(h) = &hinted {
-        // A load's time is its copies out of host memory plus its reads from disk. The copy
-        // rate comes from the loads that found everything in host memory (no-hint run); for
-        // the requests whose lookup found blocks on disk (no-hint run), the rest of their load
-        // time is disk time on the critical path, with and without hints.
+        // A load's time is its copies out of host memory plus its waits for disk reads. The
+        // store measures the waits (embedded store); else the copy rate comes from the loads
+        // that found everything in host memory (no-hint run), and for the requests whose lookup
+        // found blocks on disk (no-hint run), the rest of their load time is disk time on the
+        // critical path, with and without hints.
         let (mut hb, mut hs) = (0u64, 0.0f64);
         for a in o.req_load.iter().filter(|a| !a.1 && a.2 > 0) {
             hb += a.2 as u64 * args.block_bytes;
@@ -895,14 +981,19 @@ pub fn run(args: ReplayArgs) -> Result<()> {
             f64::INFINITY
         };
         let copy = |n: usize| (n as u64 * args.block_bytes) as f64 / host_rate;
+        let measured = o.req_wait.len() == o.req_load.len() && h.req_wait.len() == h.req_load.len();
+        let disk_time = |out: &ReplayOutcome, i: usize| match measured {
+            true => out.req_wait[i],
+            false => (out.req_load[i].0 - copy(out.req_load[i].2)).max(0.0),
+        };
         let (mut without, mut with, mut hideable) = (0.0, 0.0, 0.0);
-        for ((a, b), queued) in o.req_load.iter().zip(&h.req_load).zip(&h.req_queue) {
-            if a.1 {
+        for (i, (a, queued)) in o.req_load.iter().zip(&h.req_queue).enumerate() {
+            if a.1 && i < h.req_load.len() {
                 // Its disk reads alone (no hints), and what of them fits in the time it
                 // waited in the queue with hints on (from its hint to its load).
-                let alone = (a.0 - copy(a.2)).max(0.0);
+                let alone = disk_time(&o, i);
                 without += alone;
-                with += (b.0 - copy(b.2)).max(0.0);
+                with += disk_time(h, i);
                 hideable += alone.min(*queued);
             }
         }
@@ -912,8 +1003,12 @@ pub fn run(args: ReplayArgs) -> Result<()> {
             0.0
         };
         eprintln!(
-            "hints: disk time on the critical path {without:.3} s without hints, {with:.3} s with, {hideable:.3} s hideable (host copies at {:.2} GB/s taken out); hit ratio {:.3} with hints",
-            host_rate / 1e9,
+            "hints: disk time on the critical path {without:.3} s without hints, {with:.3} s with, {hideable:.3} s hideable ({}); hit ratio {:.3} with hints",
+            if measured {
+                "the loads' waits for disk, as the store measured them".to_string()
+            } else {
+                format!("host copies at {:.2} GB/s taken out", host_rate / 1e9)
+            },
             (h.host_hits + h.disk_hits) as f64 / h.blocks.max(1) as f64
         );
         rows.push(Row {
@@ -1238,6 +1333,7 @@ mod tests {
                 dir: dir.clone(),
                 engine: None,
                 hints: false,
+                preload_held: None,
             },
             &ProgressBar::hidden(),
         )
@@ -1270,6 +1366,7 @@ mod tests {
                 dir,
                 engine: None,
                 hints: false,
+                preload_held: None,
             },
             &ProgressBar::hidden(),
         )

@@ -14,6 +14,14 @@
 //! - `docqa`: document question answering (the long-context RAG workloads of CacheBlend and
 //!   LMCache's docs): one system prompt, a document from a catalogue with Zipf(1.1) popularity
 //!   (a few hot documents, a long tail seen once), and a one-block question.
+//!
+//! Each takes parameters after its name, to write out workloads far from the defaults
+//! (`chat:gap=200,think=5000,turns=12,prefixes=64,burst=8`): `gap`, the mean milliseconds
+//! between new conversations / tasks / questions; `think`, the mean milliseconds between a
+//! conversation's turns or a task's steps; `turns`, the mean turns or steps per conversation or
+//! task; `prefixes`, how many shared prefixes (system prompts, tool sets, documents); `burst`,
+//! how many conversations start at once (the mean gap between bursts grows as much, so the
+//! rate stays).
 
 use anyhow::{bail, Result};
 
@@ -59,13 +67,88 @@ impl Ids {
     }
 }
 
-/// `requests` requests of the named workload.
-pub fn generate(kind: &str, seed: u64, requests: usize) -> Result<Vec<Request>> {
+/// A generator's parameters (see the module's doc); `None`: the generator's default.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Params {
+    pub gap_ms: Option<f64>,
+    pub think_ms: Option<f64>,
+    pub turns: Option<f64>,
+    pub prefixes: Option<usize>,
+    pub burst: Option<u64>,
+}
+
+impl Params {
+    /// Parses `key=value,...` (empty: all defaults); an unknown key or a value that is not a
+    /// positive number is an error naming it.
+    pub fn parse(s: &str) -> Result<Self> {
+        let mut p = Params::default();
+        for kv in s.split(',').filter(|kv| !kv.is_empty()) {
+            let Some((k, v)) = kv.split_once('=') else {
+                bail!("synthetic trace parameter {kv:?}: expected key=value");
+            };
+            let x: f64 = match v.parse() {
+                Ok(x) if x > 0.0 && f64::is_finite(x) => x,
+                _ => bail!("synthetic trace parameter {k}: {v:?} is not a positive number"),
+            };
+            let whole = || -> Result<u64> {
+                if x.fract() != 0.0 || x > 1e9 {
+                    bail!("synthetic trace parameter {k}: {v:?} is not a whole number");
+                }
+                Ok(x as u64)
+            };
+            match k {
+                "gap" => p.gap_ms = Some(x),
+                "think" => p.think_ms = Some(x),
+                "turns" => p.turns = Some(x.max(1.0)),
+                "prefixes" => p.prefixes = Some(whole()? as usize),
+                "burst" => p.burst = Some(whole()?),
+                other => bail!(
+                    "no synthetic trace parameter {other:?}: use gap, think, turns, prefixes or burst"
+                ),
+            }
+        }
+        Ok(p)
+    }
+}
+
+/// Arrival times of new conversations: bursts of `burst` at once, `gap × burst` apart on
+/// average (the rate stays one per `gap`).
+struct Arrivals {
+    t: f64,
+    left: u64,
+    gap: f64,
+    burst: u64,
+}
+
+impl Arrivals {
+    fn new(gap: f64, burst: u64) -> Self {
+        Self {
+            t: 0.0,
+            left: 0,
+            gap,
+            burst: burst.max(1),
+        }
+    }
+
+    fn next(&mut self, rng: &mut Rng) -> f64 {
+        if self.left == 0 {
+            self.t += rng.exp(self.gap * self.burst as f64);
+            self.left = self.burst;
+        }
+        self.left -= 1;
+        self.t
+    }
+}
+
+/// `requests` requests of the named workload: `KIND` or `KIND:key=value,...` (see [`Params`]).
+pub fn generate(spec: &str, seed: u64, requests: usize) -> Result<Vec<Request>> {
     let mut rng = Rng(seed ^ 0x6B76_7469_6572);
+    let (kind, params) = spec.split_once(':').unwrap_or((spec, ""));
+    let p = Params::parse(params)?;
     let mut out = match kind {
-        "chat" => chat(&mut rng, requests),
-        "agent" => agent(&mut rng, requests),
-        "docqa" => docqa(&mut rng, requests),
+        "chat" => chat(&mut rng, requests, &p),
+        "agent" => agent(&mut rng, requests, &p),
+        "docqa" => docqa(&mut rng, requests, &p),
         other => bail!("no synthetic trace {other:?}: use one of {KINDS:?}"),
     };
     out.sort_by_key(|r| r.0);
@@ -83,24 +166,30 @@ pub fn generate(kind: &str, seed: u64, requests: usize) -> Result<Vec<Request>> 
 
 type Raw = (u64, Vec<u64>, u64);
 
-fn chat(rng: &mut Rng, requests: usize) -> Vec<Raw> {
+fn chat(rng: &mut Rng, requests: usize, p: &Params) -> Vec<Raw> {
     let mut ids = Ids(0);
-    let systems: Vec<Vec<u64>> = (0..8).map(|_| ids.take(rng.range(1, 6))).collect();
+    let systems: Vec<Vec<u64>> = (0..p.prefixes.unwrap_or(8))
+        .map(|_| ids.take(rng.range(1, 6)))
+        .collect();
     let pick = Zipf::new(systems.len(), 1.0);
     let mut out = Vec::new();
-    let mut t = 0.0;
+    // A new conversation every 1.5 s on average.
+    let mut arrivals = Arrivals::new(p.gap_ms.unwrap_or(1500.0), p.burst.unwrap_or(1));
+    // Turns: geometric, mean 3.5 (0.71 odds of one more), at most 24 (7 times the mean).
+    let (more, most) = match p.turns {
+        None => (0.71, 24),
+        Some(mean) => (1.0 - 1.0 / mean, (7.0 * mean).ceil() as usize),
+    };
+    let think = p.think_ms.unwrap_or(60_000.0);
     while out.len() < requests * 2 {
-        // A new conversation every 1.5 s on average.
-        t += rng.exp(1500.0);
+        let mut at = arrivals.next(rng);
         let mut ctx = systems[pick.sample(rng)].clone();
-        let mut at = t;
-        // Turns: geometric, mean 3.5, at most 24.
-        let turns = 1 + (0..23).take_while(|_| rng.unit() < 0.71).count();
+        let turns = 1 + (1..most).take_while(|_| rng.unit() < more).count();
         for _ in 0..turns {
             ctx.extend(ids.take(rng.range(1, 3))); // the user's message
             out.push((at as u64, ctx.clone(), rng.range(100, 600)));
             ctx.extend(ids.take(rng.range(1, 2))); // the answer
-            at += rng.exp(60_000.0); // the user reads and types
+            at += rng.exp(think); // the user reads and types
             if ctx.len() > 120 {
                 break;
             }
@@ -109,20 +198,30 @@ fn chat(rng: &mut Rng, requests: usize) -> Vec<Raw> {
     out
 }
 
-fn agent(rng: &mut Rng, requests: usize) -> Vec<Raw> {
+fn agent(rng: &mut Rng, requests: usize, p: &Params) -> Vec<Raw> {
     let mut ids = Ids(0);
-    let tools: Vec<Vec<u64>> = (0..4).map(|_| ids.take(rng.range(10, 30))).collect();
+    let tools: Vec<Vec<u64>> = (0..p.prefixes.unwrap_or(4))
+        .map(|_| ids.take(rng.range(10, 30)))
+        .collect();
     let pick = Zipf::new(tools.len(), 0.8);
     let mut out = Vec::new();
-    let mut t = 0.0;
+    // A new task every 4 s on average.
+    let mut arrivals = Arrivals::new(p.gap_ms.unwrap_or(4000.0), p.burst.unwrap_or(1));
+    // Steps: uniform, 3 to 25 (mean 14); with `turns`, from half the mean to one and a half.
+    let (lo, hi) = match p.turns {
+        None => (3, 25),
+        Some(mean) => {
+            let lo = (mean / 2.0).round().max(1.0) as u64;
+            (lo, ((2.0 * mean).round() as u64).saturating_sub(lo).max(lo))
+        }
+    };
+    let think = p.think_ms.unwrap_or(3000.0);
     while out.len() < requests * 2 {
-        // A new task every 4 s on average.
-        t += rng.exp(4000.0);
+        let mut at = arrivals.next(rng);
         let mut ctx = tools[pick.sample(rng)].clone();
         ctx.extend(ids.take(rng.range(2, 4))); // the task
         let mut marks = vec![ctx.len()];
-        let mut at = t;
-        let steps = rng.range(3, 25);
+        let steps = rng.range(lo, hi);
         for _ in 0..steps {
             out.push((at as u64, ctx.clone(), rng.range(30, 200)));
             if rng.unit() < 0.1 && marks.len() > 1 {
@@ -133,7 +232,7 @@ fn agent(rng: &mut Rng, requests: usize) -> Vec<Raw> {
             }
             ctx.extend(ids.take(rng.range(1, 6))); // the tool call and its output
             marks.push(ctx.len());
-            at += rng.exp(3000.0); // the tool runs
+            at += rng.exp(think); // the tool runs
             if ctx.len() > 160 {
                 break;
             }
@@ -142,15 +241,18 @@ fn agent(rng: &mut Rng, requests: usize) -> Vec<Raw> {
     out
 }
 
-fn docqa(rng: &mut Rng, requests: usize) -> Vec<Raw> {
+fn docqa(rng: &mut Rng, requests: usize, p: &Params) -> Vec<Raw> {
     let mut ids = Ids(0);
     let system = ids.take(2);
-    let docs: Vec<Vec<u64>> = (0..3000).map(|_| ids.take(rng.range(8, 64))).collect();
+    let docs: Vec<Vec<u64>> = (0..p.prefixes.unwrap_or(3000))
+        .map(|_| ids.take(rng.range(8, 64)))
+        .collect();
     let pick = Zipf::new(docs.len(), 1.1);
-    let mut t = 0.0;
+    // A question every 0.5 s on average (one-turn: `think` and `turns` do not apply).
+    let mut arrivals = Arrivals::new(p.gap_ms.unwrap_or(500.0), p.burst.unwrap_or(1));
     (0..requests)
         .map(|_| {
-            t += rng.exp(500.0);
+            let t = arrivals.next(rng);
             let mut ctx = system.clone();
             ctx.extend(&docs[pick.sample(rng)]);
             ctx.extend(ids.take(1)); // the question
@@ -189,5 +291,57 @@ mod tests {
             assert!(distinct.len() * 10 < shared * 9, "{kind}: no reuse");
         }
         assert!(generate("nope", 1, 1).is_err());
+    }
+
+    #[test]
+    fn parameters_change_the_workload_and_bad_ones_are_named() {
+        // No parameters: the default workload, exactly.
+        assert_eq!(
+            generate("chat:", 4, 300).unwrap(),
+            generate("chat", 4, 300).unwrap()
+        );
+        let mean_len = |t: &[Request]| {
+            t.iter().map(|r| r.hash_ids.len()).sum::<usize>() as f64 / t.len() as f64
+        };
+        // Longer conversations: longer prompts (each turn carries the ones before).
+        let long = generate("chat:turns=12,think=2000", 4, 2000).unwrap();
+        let short = generate("chat", 4, 2000).unwrap();
+        assert!(mean_len(&long) > 1.5 * mean_len(&short));
+        // Bursts: requests arriving at the same millisecond.
+        let same = |t: &[Request]| {
+            t.windows(2)
+                .filter(|w| w[0].timestamp == w[1].timestamp)
+                .count()
+        };
+        let bursty = generate("docqa:burst=8", 4, 2000).unwrap();
+        assert!(same(&bursty) > 1500, "{}", same(&bursty));
+        assert!(same(&generate("docqa", 4, 2000).unwrap()) < 200);
+        // A faster arrival rate: a shorter trace.
+        let span = |t: &[Request]| t.last().map_or(0, |r| r.timestamp);
+        assert!(
+            span(&generate("agent:gap=400", 4, 2000).unwrap()) * 3
+                < span(&generate("agent", 4, 2000).unwrap())
+        );
+        // More shared prefixes: more distinct blocks.
+        let distinct = |t: &[Request]| {
+            t.iter()
+                .flat_map(|r| r.hash_ids.clone())
+                .collect::<HashSet<u64>>()
+                .len()
+        };
+        assert!(
+            distinct(&generate("agent:prefixes=200", 4, 2000).unwrap())
+                > distinct(&generate("agent", 4, 2000).unwrap())
+        );
+        for (spec, named) in [
+            ("chat:nope=1", "nope"),
+            ("chat:gap=-1", "gap"),
+            ("chat:gap", "gap"),
+            ("agent:prefixes=1.5", "prefixes"),
+            ("docqa:burst=0", "burst"),
+        ] {
+            let e = generate(spec, 1, 10).unwrap_err().to_string();
+            assert!(e.contains(named), "{spec}: {e}");
+        }
     }
 }

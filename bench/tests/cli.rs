@@ -232,6 +232,68 @@ fn replay_bench_on_a_small_trace_with_report() {
 }
 
 #[test]
+fn replay_with_hints_reports_hidden_and_hideable_disk_time() {
+    let tmp = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("bench-replay-hints-{}", std::process::id()));
+    // A synthetic trace with parameters far from the defaults, sped up so requests queue.
+    let args = |extra: &[&str]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_kvtier-bench"));
+        c.args([
+            "replay",
+            "--trace",
+            "gen:chat:think=2000,turns=6,burst=4",
+            "--synthetic-requests",
+            "400",
+            "--pace",
+            "timestamps",
+            "--speedup",
+            "3000",
+            "--hints",
+            "--no-sweep",
+            "--json",
+        ])
+        .args(extra)
+        .arg("--dir")
+        .arg(tmp.join("data"));
+        c
+    };
+    let out = args(&["--preload-held", "25%"]).output().unwrap();
+    let v = last_json(&out);
+    let rows = v["results"].as_array().unwrap();
+    let case = |name: &str| {
+        rows.iter()
+            .find(|r| r["case"] == name)
+            .unwrap_or_else(|| panic!("no case {name}: {v}"))
+    };
+    let with = case("disk load time on the critical path with hints");
+    let hideable = case("load time hideable");
+    let vs = case("load time hidden by hints vs hideable");
+    // Without hints, disk time on the critical path is what the hideable share is of.
+    assert_eq!(hideable["baseline"], with["baseline"]);
+    assert!(hideable["value"].as_f64().unwrap() <= with["baseline"].as_f64().unwrap() + 1e-9);
+    assert_eq!(vs["baseline"], hideable["value"]);
+    for r in [with, hideable, vs] {
+        assert!(r["value"].as_f64().unwrap() >= 0.0, "{r}");
+    }
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("the loads' waits for disk, as the store measured them"),
+        "{stderr}"
+    );
+    // Bad values are named.
+    let out = args(&["--preload-held", "0.25"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--preload-held"));
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier-bench"))
+        .args(["replay", "--trace", "gen:chat:think=soon", "--no-sweep"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("think"));
+    let _ = std::fs::remove_dir_all(&tmp);
+}
+
+#[test]
 fn peers_bench_against_redis() {
     let out = Command::new(env!("CARGO_BIN_EXE_kvtier-bench"))
         .args([

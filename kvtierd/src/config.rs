@@ -203,7 +203,7 @@ pub struct PreloadSection {
     /// 0: an eighth of the host tier). A hint past it is cut short (counted).
     pub max_inflight_bytes: Size,
     /// Most bytes of preloaded blocks held in host memory until the request that hinted them
-    /// loads them (or the hint's deadline passes), those in flight included (0: three eighths
+    /// loads them (or the hint's deadline passes), those in flight included (0: an eighth
     /// of the host tier). A hint past it is cut short (counted).
     pub max_held_bytes: Size,
     /// Deadline of a hint that names none: a preload not started by then is dropped.

@@ -50,6 +50,16 @@ impl Out<'_> {
         Ok(())
     }
 
+    /// A counter of seconds (`<name>_seconds_total`).
+    fn counter_secs(&mut self, name: &str, help: &str, secs: f64) -> fmt::Result {
+        let mut m =
+            self.0
+                .encode_descriptor(name, help, Some(&Unit::Seconds), MetricType::Counter)?;
+        m.encode_family(&no_labels())?
+            .encode_counter::<NoLabelSet, f64, u64>(&secs, None)?;
+        Ok(())
+    }
+
     fn gauge(&mut self, name: &str, help: &str, samples: &[(Labels, f64)]) -> fmt::Result {
         let mut m = self
             .0
@@ -307,7 +317,7 @@ fn collect(d: &Daemon, o: &mut Out) -> fmt::Result {
     )?;
     o.counter(
         "prefetch_wasted_bytes",
-        "Bytes of preloaded blocks no load used before their hint's deadline.",
+        "Bytes of preloaded blocks no load used before their hint ended (deadline or cancel).",
         &one(p.wasted_bytes),
     )?;
     o.gauge(
@@ -470,6 +480,11 @@ fn collect(d: &Daemon, o: &mut Out) -> fmt::Result {
         "waits",
         "Requests that waited for room or for another request's promotion.",
         &one(s.waits),
+    )?;
+    o.counter_secs(
+        "load_wait",
+        "Seconds loads spent waiting for blocks to come up from a lower tier (disk, remote): the lower tiers' time on the engines' critical path.",
+        s.load_wait_ns as f64 / 1e9,
     )?;
     o.gauge(
         "demote_queue_bytes",

@@ -603,6 +603,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._block_ids: dict[str, list[int]] = {}
         self._loading: dict[str, tuple[int, list[int]]] = {}  # first block index, engine blocks
         self._hinted: dict[str, float] = {}  # request → when its preload hint was sent
+        # Synchronous loads: the requests the last step built loads.
+        self._sync_loading: list[str] = []
         self._tiers: dict[str, list[str]] = {}  # request → tier of each block at its lookup
         self._hint_failed = False
         # BlockStored events for the blocks this connector saves, for vLLM's KV event
@@ -758,11 +760,22 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                 CacheHitSource.EXTERNAL_UNSPECIFIED, 0) + left
         return out
 
+    def _end_hint(self, rid: str) -> None:
+        """The request no longer needs its hint (its load is done, it loads nothing, or it
+        finished): what the hint still holds or has waiting is let go now, so it no longer
+        takes the preload room of the requests behind it."""
+        if self._hinted.pop(rid, None) is not None:
+            try:
+                self._store.cancel_prefetch(self._tag(rid))
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         rid = request.request_id
         self._reqs[rid] = request
         start = self._lookup_start.pop(rid, None)
         if num_external_tokens <= 0 or start is None:
+            self._end_hint(rid)  # scheduled with nothing to load
             return
         bs = self._block_size
         first, last = start // bs, -(-(start + num_external_tokens) // bs)  # whole blocks
@@ -786,6 +799,12 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                               step_tokens=int(getattr(scheduler_output,
                                                       "total_num_scheduled_tokens", 0) or 0))
         self._loads = []
+        if not self._async:
+            # The workers loaded the previous step's synchronously before it ran: those
+            # requests' hints end (this step's end at the next).
+            for rid in self._sync_loading:
+                self._end_hint(rid)
+            self._sync_loading = [t.req_id for t in meta.loads]
         # A preempted request's blocks are freed now: its queued saves are flushed by the
         # workers (handle_preemptions), so it no longer needs delay_free for them.
         self._saving.difference_update(meta.preempted)
@@ -871,6 +890,10 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         wm = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(wm, KvtierWorkerMetadata):
             self._measured.note(wm.tokens, wm.seconds)
+        # Asynchronous loads done (or failed): their requests' hints end.
+        for rid in (*(getattr(connector_output, "finished_recving", None) or ()),
+                    *(getattr(connector_output, "failed_recving", None) or ())):
+            self._end_hint(rid)
         # A hybrid model's failed load fails its request: vLLM recomputes all of it, so all of
         # it is saved again.
         for rid in getattr(connector_output, "failed_recving", None) or ():
@@ -891,12 +914,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request, block_ids):
         rid = request.request_id
-        if self._hinted.pop(rid, None) is not None:
-            # Finished or aborted: its preloads not started yet are dropped.
-            try:
-                self._store.cancel_prefetch(self._tag(rid))
-            except Exception:  # noqa: BLE001 - best effort
-                pass
+        # Finished or aborted: its preloads not started yet are dropped.
+        self._end_hint(rid)
         for d in (self._reqs, self._saved, self._block_ids, self._lookup_start, self._loading,
                   self._tiers):
             d.pop(rid, None)

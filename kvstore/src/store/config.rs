@@ -56,7 +56,7 @@ pub struct StoreConfig {
     pub prefetch_max_inflight_bytes: u64,
     /// Most bytes of preloaded blocks held in host memory for the requests that hinted them
     /// (until a load uses them or the hint's deadline passes), preloads in flight included; a
-    /// hint past it is cut short (counted). 0: three eighths of the host tier. Never below
+    /// hint past it is cut short (counted). 0: an eighth of the host tier. Never below
     /// `prefetch_max_inflight_bytes`.
     pub prefetch_max_held_bytes: u64,
     /// Longest a request waits for room (the tiering worker writing dirty blocks back) or for

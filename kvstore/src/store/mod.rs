@@ -122,6 +122,10 @@ pub struct StoreStats {
     pub checksum_failures: u64,
     /// Times a request waited for room or for another request's promotion.
     pub waits: u64,
+    /// Nanoseconds loads spent waiting for blocks to come up from a lower tier (their own
+    /// promotions, or preloads and other loads' promotions they joined): the lower tiers' time
+    /// on the engines' critical path.
+    pub load_wait_ns: u64,
     /// Blocks queued for the tiering worker to write, and their bytes.
     pub demote_queue_blocks: u64,
     /// See `demote_queue_blocks`.
@@ -197,6 +201,7 @@ pub(crate) struct Counters {
     pub admission_rejects: AtomicU64,
     pub checksum_failures: AtomicU64,
     pub waits: AtomicU64,
+    pub load_wait_ns: AtomicU64,
     pub prefetch_hinted: AtomicU64,
     pub prefetch_in_time: AtomicU64,
     pub prefetch_late: AtomicU64,
@@ -382,9 +387,10 @@ impl Store {
             b => b,
         };
         let prefetch_max_held = match cfg.prefetch_max_held_bytes {
-            // Three eighths: tuned on the Mooncake trace and the three synthetic traces at a
-            // queueing arrival rate (bench/RESULTS.md, "held bound").
-            0 => n_segments * cfg.segment_bytes / 8 * 3,
+            // An eighth (as much as may be in flight): tuned on the Mooncake trace and the
+            // synthetic traces at queueing arrival rates (bench/RESULTS.md, issue 30). Holding
+            // more for requests far back in the queue starves those at its head.
+            0 => n_segments * cfg.segment_bytes / 8,
             b => b,
         }
         .max(prefetch_max_inflight);
@@ -746,6 +752,7 @@ impl Store {
         // (Read before the literal: a guard taken inside it would live to its end.)
         let free_segments = inner.segments.lock().len() as u64;
         let waiting_keys = inner.work.reads.waiting_keys() as u64;
+        let watching_keys = inner.work.reads.watching_keys() as u64;
         let policy_lru_leading_classes = inner
             .classes
             .iter()
@@ -774,6 +781,7 @@ impl Store {
             admission_rejects: s.admission_rejects.load(Relaxed),
             checksum_failures: s.checksum_failures.load(Relaxed),
             waits: s.waits.load(Relaxed),
+            load_wait_ns: s.load_wait_ns.load(Relaxed),
             demote_queue_blocks: q.demote_blocks,
             demote_queue_bytes: q.demote_bytes,
             promote_queue: q.promote_jobs,
@@ -786,6 +794,7 @@ impl Store {
                 dropped: s.prefetch_dropped.load(Relaxed),
                 waited: s.prefetch_waited.load(Relaxed),
                 waiting_keys,
+                watching_keys,
                 wasted_bytes: s.prefetch_wasted_bytes.load(Relaxed),
                 inflight_bytes: q.prefetch_bytes,
                 held_bytes: inner.held_bytes.load(Relaxed),

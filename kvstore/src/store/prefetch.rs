@@ -14,7 +14,9 @@
 //!   engine's queue get their blocks first however long the queue is. Once a hint waits, later
 //!   hints wait behind it.
 //! - Real loads go first: the reader takes every load's promotion before any preload, and a
-//!   load that waits for a block a queued preload holds moves that job to the front.
+//!   load that waits for a block a queued preload holds moves that job to the front. A hint's
+//!   blocks are read in jobs of at most `PRELOAD_JOB_BYTES` (1 MiB), so a load that arrives
+//!   while a preload is read waits for one such job, not for a whole request's blocks.
 //! - A preload whose deadline passed before the reader reached it is dropped unread; `cancel`
 //!   drops the queued preloads of a tag (an aborted or finished request) and ends the holds it
 //!   made; an engine's disconnect cancels all its hints.
@@ -22,8 +24,16 @@
 //!   until a load uses it or its hint's deadline passes; then it is an ordinary clean block.
 //!   One hold per block, however many hints name it: the first load ends it.
 //!   Held bytes and those in flight together are bounded too (`prefetch_max_held_bytes`, by
-//!   default three eighths of the host tier), so hints can never take more host memory than
-//!   that. Bytes held until their deadline unused are counted as wasted.
+//!   default an eighth of the host tier), so hints can never take more host memory than
+//!   that. Bytes a preload read and no load used before its hint ended (deadline or cancel)
+//!   are counted as wasted. An engine ends a hint once its request's load is done (the vLLM
+//!   connector: its load finished, or it was scheduled with nothing to load), so what the hint
+//!   still holds or has waiting does not take the room of the requests behind it.
+//! - A tagged hint whose prefix ends at a block not stored yet (absent, or being written) keeps
+//!   its rest until that block is committed (bounded like the waiting list): a request further
+//!   back in the queue often shares blocks that an earlier one is computing, and once saved
+//!   they are held for it as they arrive, so they do not go down to disk before its load
+//!   (issue 30: most disk reads left on the critical path were of such blocks).
 //! - A hint whose prefix is cached (partly) tells the store which blocks continue it: the
 //!   first 4 blocks (`CONTINUATION`) after the present prefix count as seen once (seen-twice
 //!   admission's doorkeeper), so they go to disk once the engine has saved them and they leave
@@ -65,7 +75,11 @@ pub struct PrefetchStats {
     pub waited: u64,
     /// Keys of hints waiting for room now.
     pub waiting_keys: u64,
-    /// Bytes of preloaded blocks no load used before their hint's deadline.
+    /// Keys of hints whose prefix ended at a block not stored yet, until it is (then they
+    /// wait for room like the others).
+    pub watching_keys: u64,
+    /// Bytes of preloaded blocks no load used before their hint ended (its deadline passed,
+    /// or it was cancelled).
     pub wasted_bytes: u64,
     /// Bytes of preloads queued or being read now.
     pub inflight_bytes: u64,
@@ -200,6 +214,11 @@ impl Store {
         self.inner.cancel_prefetch_where(|_, o| o == owner)
     }
 }
+
+/// Most bytes of one preload job (a hint's blocks of one tier are read in jobs of this size,
+/// in prefix order; a block larger than this is a job of its own): what a real load waits for
+/// at most when it arrives while its tier's reader reads a preload.
+pub const PRELOAD_JOB_BYTES: u64 = 1 << 20;
 
 /// Most keys of hints waiting for room, all together (16 bytes each).
 pub const PREFETCH_WAITING_KEYS_MAX: usize = 1 << 18;
@@ -451,6 +470,8 @@ impl Inner {
         let mut batches: Vec<(usize, Vec<Promote>, u64)> = Vec::new();
         let mut seen = FoldMap::default();
         let mut far = None;
+        // Where the prefix ended at a block not stored yet (absent, or being written).
+        let mut ended: Option<usize> = None;
         for (i, k) in keys.iter().enumerate() {
             let mk = MapKey::from(*k);
             if seen.insert(mk, ()).is_some() {
@@ -486,11 +507,15 @@ impl Inner {
                     continue;
                 }
                 // Being written or removed: the prefix ends here for now.
-                Some((Life::Filling | Life::Cancelled, _)) => break,
+                Some((Life::Filling | Life::Cancelled, _)) => {
+                    ended = Some(i);
+                    break;
+                }
                 None => {}
             }
             // The local tiers, then the remote tier: remote blocks are preloaded too.
             let Some((ti, info)) = self.find_below_or_far(keys, i, true, &mut far) else {
+                ended = Some(i);
                 break;
             };
             out.present += 1;
@@ -531,7 +556,14 @@ impl Inner {
                 len: info.len,
             };
             planned += len;
-            match batches.iter_mut().find(|(t, _, _)| *t == ti) {
+            // Jobs of at most PRELOAD_JOB_BYTES (or one block): a real load that arrives while
+            // the reader reads a preload waits for one small job, not a whole request's.
+            match batches
+                .iter_mut()
+                .rev()
+                .find(|(t, _, _)| *t == ti)
+                .filter(|(_, _, b)| *b + len <= PRELOAD_JOB_BYTES)
+            {
                 Some(b) => {
                     b.1.push(item);
                     b.2 += len;
@@ -578,6 +610,12 @@ impl Inner {
             } else {
                 out.dropped += out.present.saturating_sub(i);
             }
+        } else if let Some(i) = ended.filter(|_| tag != 0) {
+            // The prefix ends at a block not stored yet: an earlier request may be computing
+            // it. The rest waits for that block's commit (see `Reads::watch`). Only a hint
+            // with a tag, which its engine ends once its request has loaded: an untagged one
+            // would hold the blocks its own request computes and saves, until its deadline.
+            self.watch_rest(keys, i, priority, deadline, tag, quota);
         }
         self.stats
             .prefetch_hinted
@@ -586,6 +624,41 @@ impl Inner {
             .prefetch_dropped
             .fetch_add(out.dropped as u64, Relaxed);
         (out, quota_cut)
+    }
+
+    /// Keeps `keys[i..]` until `keys[i]` is committed, then it resumes like a hint waiting
+    /// for room. (Committed meanwhile: resumed now; a commit after the watch was recorded
+    /// finds it itself.)
+    fn watch_rest(
+        &self,
+        keys: &[BlockKey],
+        i: usize,
+        priority: u8,
+        deadline: Instant,
+        tag: u64,
+        quota: PrefetchQuota,
+    ) {
+        let at = keys[i];
+        let w = Waiting {
+            keys: keys[i..].to_vec(),
+            priority,
+            deadline,
+            tag,
+            quota,
+            owner_full_at: None,
+        };
+        if !self.work.reads.watch(at, w, WAITING_KEYS_MAX) {
+            return;
+        }
+        let stored = self
+            .shard(at)
+            .lock()
+            .map
+            .get(&MapKey::from(at))
+            .is_some_and(|e| e.life() == Life::Ready);
+        if stored {
+            self.work.reads.arrived(at);
+        }
     }
 
     /// Gives back the slots of preload items that were never queued.

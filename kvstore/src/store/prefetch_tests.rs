@@ -316,7 +316,8 @@ fn cancel_and_disconnect_end_the_holds_of_their_hints() {
     // Owner 7's engine went away: every hold its hints made ends.
     assert_eq!(s.cancel_prefetch_of_owner(7), 2);
     let st = s.stats().prefetch;
-    assert_eq!((st.held_bytes, st.wasted_bytes), (0, 0), "{st:?}");
+    // The four blocks were read from disk for loads that never came: wasted.
+    assert_eq!((st.held_bytes, st.wasted_bytes), (0, 4 * 60_000), "{st:?}");
     assert_eq!(s.cancel_prefetch_of_owner(0), 0, "owner 0 is nobody");
     // The blocks stay cached, as ordinary blocks now: loads find them, eviction may take
     // them.
@@ -456,6 +457,81 @@ fn the_staging_bound_holds_and_cancel_and_deadlines_drop_queued_preloads() {
     });
     assert_eq!(s.stats().prefetch.held_bytes, 2 * 60_000);
     assert!(s.in_host(&keys[6]), "let go, not removed");
+    drop(s);
+    let _ = std::fs::remove_dir_all(d);
+}
+
+#[test]
+fn a_load_overtakes_a_long_hint_after_one_preload_job() {
+    // A slow disk (20 ms a block, one after the other): a hint of 40 blocks (2.4 MB) is read
+    // in jobs of at most 1 MiB (17, 17 and 6 blocks), so a load that arrives while the first
+    // is read waits for that one job (340 ms), not for the whole hint.
+    let n = 41;
+    let (mut s, d) = on_disk_with("overtake", n, 8 << 20, 8 << 20);
+    slow_disk(&mut s, 20);
+    let far = Instant::now() + Duration::from_secs(60);
+    let keys: Vec<BlockKey> = (0..n).map(key).collect();
+    assert_eq!(s.prefetch(&keys[..40], 0, far, 1).queued, 40);
+    wait_for(&s, "the reader starts the first job", 10, || {
+        s.stats().prefetch.queued_jobs == 2
+    });
+    // A real load of another block: read before the two preload jobs still queued.
+    let l = s.load(&keys[40..]).unwrap();
+    assert_eq!(l.len(), 1);
+    drop(l);
+    assert!(
+        s.stats().prefetch.queued_jobs >= 1,
+        "the load waited for the whole hint: {:?}",
+        s.stats().prefetch
+    );
+    wait_in_host(&s, &keys[..40]);
+    drop(s);
+    let _ = std::fs::remove_dir_all(d);
+}
+
+#[test]
+fn a_hint_holds_the_blocks_an_earlier_request_saves_after_it() {
+    // Key 0 is on disk; keys 1 and 2 do not exist yet: an earlier request in the engine's
+    // queue is computing them. The hint of a request further back names all three.
+    let (s, d) = on_disk_with("watch", 1, 4 << 20, 4 << 20);
+    let id = ns(&s);
+    let far = Instant::now() + Duration::from_secs(60);
+    let keys: Vec<BlockKey> = (0..3).map(key).collect();
+    let p = s.prefetch(&keys, 0, far, 5);
+    assert_eq!((p.present, p.queued), (1, 1));
+    assert_eq!(
+        s.stats().prefetch.watching_keys,
+        2,
+        "its rest waits for key 1"
+    );
+    // An untagged hint cannot be ended by its engine: it watches nothing (it would hold the
+    // blocks its own request saves next).
+    s.prefetch(&[key(0), key(3)], 0, far, 0);
+    assert_eq!(s.stats().prefetch.watching_keys, 2);
+    // Another hint whose request went away before the blocks came: it holds nothing.
+    s.prefetch(&[key(0), key(3)], 0, far, 6);
+    assert_eq!(s.stats().prefetch.watching_keys, 3);
+    s.cancel_prefetch(6);
+    assert_eq!(s.stats().prefetch.watching_keys, 2);
+    // The earlier request saves keys 1 and 2 (and key 3): the hint holds 1 and 2 as they are
+    // committed, beside key 0 it preloaded.
+    for i in 1..4 {
+        s.put(id, key(i), &data(i)).unwrap();
+    }
+    wait_for(&s, "the saved blocks are held for the hint", 10, || {
+        s.stats().prefetch.held_bytes == 3 * 60_000
+    });
+    assert_eq!(s.stats().prefetch.watching_keys, 0);
+    // Many other blocks come and go: the held ones stay in host memory for their load.
+    for i in 100..300 {
+        s.put(id, key(i), &data(i)).unwrap();
+    }
+    assert!(keys.iter().all(|k| s.in_host(k)));
+    let l = s.load(&keys).unwrap();
+    assert_eq!(l.len(), 3);
+    drop(l);
+    let st = s.stats().prefetch;
+    assert_eq!((st.held_bytes, st.in_time), (0, 1), "{st:?}");
     drop(s);
     let _ = std::fs::remove_dir_all(d);
 }

@@ -560,9 +560,11 @@ impl Inner {
             .into_iter()
             .map(|(ti, items)| (items.clone(), self.enqueue_promotions(ti, items)))
             .collect();
-        if !promoted.is_empty() || steps.iter().any(|s| matches!(s, Step::Wait(_))) {
+        let waits = !promoted.is_empty() || steps.iter().any(|s| matches!(s, Step::Wait(_)));
+        if waits {
             self.stats.waits.fetch_add(1, Relaxed);
         }
+        let waiting_since = waits.then(Instant::now);
         let outcomes: Vec<Option<Vec<bool>>> =
             promoted.iter().map(|(_, t)| t.wait(deadline)).collect();
         let mut out = Vec::with_capacity(steps.len());
@@ -610,6 +612,10 @@ impl Inner {
             }
         }
         promoted.clear();
+        if let Some(t) = waiting_since {
+            let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            self.stats.load_wait_ns.fetch_add(ns, Relaxed);
+        }
         // Host blocks are checked against their commit checksum before anyone copies them.
         if self.verify_reads {
             if let Some(bad) = out.iter().position(|p| !self.verify(p)) {

@@ -218,6 +218,8 @@ impl Inner {
         if let Some(d) = push {
             self.enqueue_push(d);
         }
+        // Hints whose prefix ended here resume.
+        self.work.reads.arrived(key);
         self.progress.bump();
         true
     }

@@ -97,6 +97,21 @@ impl Inner {
                     .into_iter()
                     .partition(|w| cancel(w.tag, w.quota.owner));
             q.waiting = waiting;
+            let mut unwatched = Vec::new();
+            for ws in q.watching.values_mut() {
+                let (gone, keep): (Vec<_>, Vec<_>) = std::mem::take(ws)
+                    .into_iter()
+                    .partition(|w| cancel(w.tag, w.quota.owner));
+                *ws = keep;
+                unwatched.extend(gone);
+            }
+            if !unwatched.is_empty() {
+                q.watching.retain(|_, ws| !ws.is_empty());
+                for w in &unwatched {
+                    q.watching_keys -= w.keys.len();
+                    q.watching_by_owner.sub(w.quota.owner, w.keys.len() as u64);
+                }
+            }
             for r in q.reading.iter_mut().filter(|r| cancel(r.1 .0, r.1 .1)) {
                 r.2 = true;
             }
@@ -116,7 +131,8 @@ impl Inner {
             self.finish_promotions(&j.items, &[], None);
             n += j.items.len();
         }
-        n += self.end_holds_where(|h| cancel(h.tag, h.owner), false);
+        // Blocks a preload read and no load used: wasted.
+        n += self.end_holds_where(|h| cancel(h.tag, h.owner), true);
         self.stats.prefetch_cancelled.fetch_add(n as u64, Relaxed);
         self.work.reads.room_changed();
         self.progress.bump();

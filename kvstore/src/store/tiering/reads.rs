@@ -11,8 +11,11 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
+use std::time::Instant;
+
 use crate::key::BlockKey;
 use crate::sync::MutexGuard;
+use crate::types::MapKey;
 
 use super::super::prefetch::{PerOwner, Waiting};
 use super::ticket::Ticket;
@@ -43,6 +46,13 @@ pub(crate) struct State {
     pub inflight_by_owner: PerOwner,
     pub waiting_by_owner: PerOwner,
     pub held_by_owner: PerOwner,
+    /// Hints whose prefix ended at a block not stored yet (absent everywhere, or being
+    /// written), by that block: once it is committed the hint's rest goes on the waiting list
+    /// (a request further back in the queue shares blocks an earlier one is computing: they
+    /// are held for it as they arrive, so they cannot go down to disk before its load).
+    pub watching: std::collections::HashMap<MapKey, Vec<Waiting>>,
+    pub watching_keys: usize,
+    pub watching_by_owner: PerOwner,
     /// The first waiting hint made no progress when last resumed: not again until room
     /// changes.
     pub resume_stalled: bool,
@@ -169,6 +179,71 @@ impl Reads {
         true
     }
 
+    /// Keeps a hint's rest (from `at`, a block not stored yet) until `at` is committed; false
+    /// if the watched keys are at their bound (those of hints past their deadline are let go
+    /// first) or the readers stopped.
+    pub(crate) fn watch(&self, at: BlockKey, w: Waiting, max_keys: usize) -> bool {
+        let mut q = self.0.q.lock();
+        let n = w.keys.len();
+        if q.stop {
+            return false;
+        }
+        if q.watching_keys + n > max_keys {
+            let now = Instant::now();
+            let gone: Vec<Waiting> = q
+                .watching
+                .values_mut()
+                .flat_map(|ws| {
+                    let (gone, keep) = std::mem::take(ws)
+                        .into_iter()
+                        .partition(|w| w.deadline <= now);
+                    *ws = keep;
+                    gone
+                })
+                .collect();
+            q.watching.retain(|_, ws| !ws.is_empty());
+            for g in &gone {
+                q.watching_keys -= g.keys.len();
+                q.watching_by_owner.sub(g.quota.owner, g.keys.len() as u64);
+            }
+        }
+        let mine = q.watching_by_owner.get(w.quota.owner) as usize;
+        if q.watching_keys + n > max_keys || mine + n > w.quota.max_waiting_keys {
+            return false;
+        }
+        q.watching_keys += n;
+        q.watching_by_owner.add(w.quota.owner, n as u64);
+        q.watching.entry(MapKey::from(at)).or_default().push(w);
+        true
+    }
+
+    /// `key` was committed: the hints watching it go on the waiting list (the first reader
+    /// resumes them as room allows).
+    pub(crate) fn arrived(&self, key: BlockKey) {
+        let mut q = self.0.q.lock();
+        if q.watching.is_empty() {
+            return;
+        }
+        let Some(ws) = q.watching.remove(&MapKey::from(key)) else {
+            return;
+        };
+        for w in ws {
+            let n = w.keys.len();
+            q.watching_keys -= n;
+            q.watching_by_owner.sub(w.quota.owner, n as u64);
+            q.waiting_keys += n;
+            q.waiting_by_owner.add(w.quota.owner, n as u64);
+            q.waiting.push_back(w);
+        }
+        q.resume_stalled = false;
+        self.0.cv.notify_all();
+    }
+
+    /// Keys of hints watching blocks not stored yet.
+    pub(crate) fn watching_keys(&self) -> usize {
+        self.0.q.lock().watching_keys
+    }
+
     /// Preload room may have come back: the first reader tries the waiting hints again.
     pub(crate) fn room_changed(&self) {
         let mut q = self.0.q.lock();
@@ -180,7 +255,12 @@ impl Reads {
 
     /// The readers end (each drops what it has queued).
     pub(super) fn stop(&self) {
-        self.0.q.lock().stop = true;
+        let mut q = self.0.q.lock();
+        q.stop = true;
+        q.watching.clear();
+        q.watching_keys = 0;
+        q.watching_by_owner.clear();
+        drop(q);
         self.0.cv.notify_all();
     }
 
