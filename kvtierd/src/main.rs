@@ -145,7 +145,14 @@ impl Daemon {
 
     /// The store-wide tag of preload hint `tag` from client scope `scope` (an engine
     /// connection's serial, or 0 for the admin API): one client cannot cancel another's.
+    /// Tag 0 stays 0: an untagged hint (SGLang's, whose engine never ends its hints) stays
+    /// untagged in the store, so it does not wait for blocks not stored yet (it would hold its
+    /// own request's saves until its deadline); a client's cancel of tag 0 ends only its own
+    /// untagged hints (the store matches the owner too).
     pub fn preload_tag(scope: u64, tag: u64) -> u64 {
+        if tag == 0 {
+            return 0;
+        }
         let mut x = scope
             .wrapping_mul(0x9E37_79B9_7F4A_7C15)
             .wrapping_add(tag)

@@ -634,3 +634,40 @@ fn a_layerwise_save_past_half_the_reservation_ttl_is_redone_whole() {
     let into: Vec<Vec<usize>> = (0..4).map(|i| vec![7 - i]).collect();
     loads_back(&b, &ps, &pd, &keys, &ids, &into);
 }
+
+/// Over the socket, a tagged hint whose prefix ends at a block not stored yet (an earlier
+/// request is computing it) holds the blocks saved after it, until its engine cancels it; an
+/// untagged hint (SGLang's, never cancelled) takes only what is stored when it arrives, so it
+/// cannot hold its own request's saves in host memory until its deadline.
+#[test]
+fn a_tagged_hint_holds_the_blocks_saved_after_it_an_untagged_one_does_not() {
+    let d = Kvtierd::start("hint-watch", &[], true);
+    let mut c = d.client();
+    let ns = c.register_namespace(&namespace()).unwrap();
+    let keys = |r: std::ops::Range<u64>| r.map(key).collect::<Vec<_>>();
+    let bytes = |r: std::ops::Range<u64>| r.map(|i| data(i).len() as f64).sum::<f64>();
+    put_all(&mut c, ns, 10..11);
+    put_all(&mut c, ns, 20..21);
+    let long = Duration::from_secs(600);
+    let untagged = c.prefetch(&keys(10..14), 0, long, 0).unwrap();
+    let tagged = c.prefetch(&keys(20..24), 0, long, 7).unwrap();
+    assert_eq!((untagged.present, untagged.held), (1, 1));
+    assert_eq!((tagged.present, tagged.held), (1, 1));
+    put_all(&mut c, ns, 11..14);
+    put_all(&mut c, ns, 21..24);
+    // The tagged hint takes its blocks as they arrive (its reader resumes it); the untagged
+    // one keeps its first block only. Polled with a deadline: the hold is taken by a reader.
+    let held = "kvtier_prefetch_held_bytes";
+    let want = bytes(10..11) + bytes(20..24);
+    let until = Instant::now() + Duration::from_secs(30);
+    let mut now = metric(&d.metrics, held);
+    while now < want {
+        assert!(Instant::now() < until, "held {now} bytes, want {want}");
+        std::thread::yield_now();
+        now = metric(&d.metrics, held);
+    }
+    assert_eq!(now, want, "the untagged hint held blocks saved after it");
+    // Cancelled: the tagged hint's holds end; the untagged one's stays to its deadline.
+    assert_eq!(c.cancel_prefetch(7).unwrap(), 4);
+    assert_eq!(metric(&d.metrics, held), bytes(10..11));
+}

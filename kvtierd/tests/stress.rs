@@ -8,8 +8,6 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -35,19 +33,6 @@ fn connect(socket: &Path, name: &str) -> IpcClient {
     let c = IpcClient::connect(socket, name).expect("connect");
     c.set_timeout(REQUEST_DEADLINE).expect("timeout");
     c
-}
-
-/// A GET of /metrics with deadlines on every socket operation.
-fn metrics(addr: &str) -> String {
-    let mut s = TcpStream::connect(addr).expect("metrics connect");
-    s.set_read_timeout(Some(REQUEST_DEADLINE)).unwrap();
-    s.set_write_timeout(Some(REQUEST_DEADLINE)).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
-        .expect("metrics write");
-    let mut out = String::new();
-    s.read_to_string(&mut out)
-        .expect("metrics answered in time");
-    out
 }
 
 #[test]

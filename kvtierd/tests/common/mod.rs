@@ -220,3 +220,26 @@ pub fn raw_call(
     s.read_exact(&mut body).unwrap();
     kvtier_proto::ipc::Response::decode(&body[..]).unwrap()
 }
+
+/// A GET of /metrics with deadlines on every socket operation.
+pub fn metrics(addr: &str) -> String {
+    let deadline = Some(Duration::from_secs(30));
+    let mut s = std::net::TcpStream::connect(addr).expect("metrics connect");
+    s.set_read_timeout(deadline).unwrap();
+    s.set_write_timeout(deadline).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        .expect("metrics write");
+    let mut out = String::new();
+    s.read_to_string(&mut out)
+        .expect("metrics answered in time");
+    out
+}
+
+/// The value of the sample named exactly `sample` (with its labels) in /metrics.
+pub fn metric(addr: &str, sample: &str) -> f64 {
+    let m = metrics(addr);
+    m.lines()
+        .find_map(|l| l.strip_prefix(sample)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no sample {sample} in /metrics:\n{m}"))
+}

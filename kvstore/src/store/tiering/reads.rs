@@ -1,5 +1,6 @@
 //! The read queue, owned by the readers: promotion jobs of real loads, preload jobs of hints,
-//! the rest of hints waiting for room, the hints a reader has in hand, and the per-owner
+//! the rest of hints waiting for room, hints watching blocks not stored yet (tagged hints
+//! whose prefix ends where an earlier request is still computing), the hints a reader has in hand, and the per-owner
 //! bytes of preloads (queued, being read, and held). All preload bookkeeping that a reader or
 //! a hint needs together lives behind this one lock, so no thread takes a second lock to
 //! answer "how much does this owner have" (issue 35: a hint held the per-owner holds' lock
@@ -10,7 +11,6 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-
 use std::time::Instant;
 
 use crate::key::BlockKey;
