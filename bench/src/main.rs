@@ -62,6 +62,8 @@ enum Cmd {
     /// Engine processes against kvtierd for minutes, the daemon killed and restarted at random:
     /// wrong bytes served, lost acknowledged durable blocks, RSS drift.
     Soak(soak::SoakArgs),
+    /// Writes a synthetic trace (chat, agent, docqa) in the Mooncake format.
+    Tracegen(tracegen::TracegenArgs),
     /// One engine process of `soak` (started by it).
     #[command(hide = true)]
     SoakEngine(soak::EngineArgs),
@@ -98,6 +100,7 @@ fn main() -> Result<()> {
         Cmd::Connector(a) => connector::run(a),
         Cmd::Soak(a) => soak::run(a),
         Cmd::SoakEngine(a) => soak::run_engine(a),
+        Cmd::Tracegen(a) => tracegen::run(a),
     }
 }
 

@@ -2,10 +2,10 @@
 //! `output_length` and `hash_ids` (the prompt's blocks; equal leading runs are shared prefixes).
 
 use anyhow::{bail, Context, Result};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// One request of a trace.
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
 pub struct Request {
     /// Arrival time, milliseconds from the start of the trace.
     pub timestamp: u64,

@@ -23,7 +23,10 @@
 //! how many conversations start at once (the mean gap between bursts grows as much, so the
 //! rate stays).
 
-use anyhow::{bail, Result};
+use std::io::Write;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
 
 use crate::rng::Rng;
 use crate::trace::Request;
@@ -344,4 +347,81 @@ mod tests {
             assert!(e.contains(named), "{spec}: {e}");
         }
     }
+}
+
+/// The formats `kvtier-bench tracegen` writes.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum Format {
+    /// One JSON object per line: `timestamp` (ms), `input_length`, `output_length`,
+    /// `hash_ids` (what `replay --trace` and `vllm bench serve --dataset-name timed_trace`
+    /// read).
+    Mooncake,
+}
+
+/// `kvtier-bench tracegen`: writes a synthetic trace out, for other tools (vLLM's benchmark
+/// client through `bench/serving/run.py`) to replay.
+#[derive(Args, Debug)]
+pub struct TracegenArgs {
+    /// The generator and its parameters (`chat`, `agent`, `docqa`, e.g.
+    /// `chat:gap=200,think=5000`; see the module's doc).
+    #[arg(long)]
+    pub kind: String,
+    /// Requests to write.
+    #[arg(long, default_value_t = 2000)]
+    pub requests: usize,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    #[arg(long, value_enum, default_value_t = Format::Mooncake)]
+    pub format: Format,
+    /// The file to write (default: standard output, and no summary).
+    #[arg(long)]
+    pub out: Option<std::path::PathBuf>,
+    /// Print the trace's summary as one JSON object on the last line.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Writes the trace; with `--out`, a summary (requests, blocks, distinct blocks, span).
+pub fn run(a: TracegenArgs) -> Result<()> {
+    let reqs = generate(&a.kind, a.seed, a.requests)?;
+    let mut text = String::new();
+    for r in &reqs {
+        text.push_str(&serde_json::to_string(r)?);
+        text.push('\n');
+    }
+    let Some(out) = &a.out else {
+        std::io::stdout().write_all(text.as_bytes())?;
+        return Ok(());
+    };
+    std::fs::write(out, text).with_context(|| format!("writing {}", out.display()))?;
+    let blocks: usize = reqs.iter().map(|r| r.hash_ids.len()).sum();
+    let distinct = reqs
+        .iter()
+        .flat_map(|r| r.hash_ids.iter())
+        .collect::<std::collections::HashSet<_>>()
+        .len();
+    let span_s = reqs.last().map_or(0, |r| r.timestamp) as f64 / 1000.0;
+    println!(
+        "tracegen: {} requests of {}, {blocks} blocks ({distinct} distinct) over {span_s:.0} s \
+         to {}",
+        reqs.len(),
+        a.kind,
+        out.display()
+    );
+    if a.json {
+        let counts: std::collections::BTreeMap<String, f64> = [
+            ("requests", reqs.len() as f64),
+            ("blocks", blocks as f64),
+            ("distinct_blocks", distinct as f64),
+            ("span_s", span_s),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        println!(
+            "{}",
+            serde_json::json!({"bench": "tracegen", "results": [], "counts": counts})
+        );
+    }
+    Ok(())
 }

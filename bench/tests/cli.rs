@@ -619,3 +619,58 @@ fn events_bench_counts_every_stored_block_through_a_subscriber() {
         assert!(r["value"].as_f64().unwrap() > 0.0, "{r}");
     }
 }
+
+#[test]
+fn tracegen_writes_a_mooncake_trace() {
+    let dir = std::env::temp_dir().join(format!("kvtier-tracegen-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("chat.jsonl");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier-bench"))
+        .args([
+            "tracegen",
+            "--kind",
+            "chat:turns=6",
+            "--requests",
+            "80",
+            "--json",
+        ])
+        .arg("--out")
+        .arg(&path)
+        .output()
+        .unwrap();
+    let v = last_json(&out);
+    assert_eq!(v["bench"], "tracegen");
+    assert_eq!(v["counts"]["requests"], 80.0);
+    let text = std::fs::read_to_string(&path).unwrap();
+    let rows: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 80);
+    let blocks: usize = rows
+        .iter()
+        .map(|r| r["hash_ids"].as_array().unwrap().len())
+        .sum();
+    assert_eq!(v["counts"]["blocks"], blocks as f64);
+    // Multi-turn: later turns repeat earlier block ids (shared prefixes).
+    assert!(v["counts"]["distinct_blocks"].as_f64().unwrap() < blocks as f64);
+    for r in &rows {
+        for k in ["timestamp", "input_length", "output_length"] {
+            assert!(r[k].is_u64(), "{k} in {r}");
+        }
+    }
+    // The same seed writes the same trace; an unknown generator is named.
+    let again = Command::new(env!("CARGO_BIN_EXE_kvtier-bench"))
+        .args(["tracegen", "--kind", "chat:turns=6", "--requests", "80"])
+        .output()
+        .unwrap();
+    assert!(again.status.success());
+    assert_eq!(String::from_utf8(again.stdout).unwrap(), text);
+    let bad = Command::new(env!("CARGO_BIN_EXE_kvtier-bench"))
+        .args(["tracegen", "--kind", "chats"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("\"chats\""));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -71,6 +71,21 @@ def make(extra, **kw):
     return b
 
 
+def test_batch_exists_counts_repeated_keys_as_sent(extra, request):
+    """SGLang counts consecutive existing keys from the first, as it sent them: a page asked
+    twice counts twice (the store walks distinct keys, and used to stop at the repeat)."""
+    b = make(extra, model=f"m/{request.node.name}")
+    k0, k1, k2 = (f"{i:064x}" for i in (0xA0, 0xA1, 0xA2))
+    assert b.batch_set([k0, k1], [page(1), page(2)])
+    assert b.batch_exists([k0, k0, k1, k1]) == 4
+    assert b.batch_exists([k0] * 200) == 200
+    assert b.batch_exists([k0, k2, k0]) == 1
+    assert b.batch_exists([k0, k1, k0, k2, k1]) == 3
+    held = HiCacheStorageExtraInfo(prefix_keys=[k0])
+    assert b.batch_exists([k1, k1], held) == 2
+    assert b.batch_exists([k0, k1], held) == 2
+
+
 def test_set_get_exists(extra, request):
     b = make(extra, model=f"m/{request.node.name}")
     keys = [f"{i:064x}" for i in range(1, 6)]

@@ -87,3 +87,47 @@ def test_a_synchronous_load_ends_its_hint_once_its_step_ran():
     c.build_connector_meta(no_steps())
     assert c._sync_loading == []
     assert not alive(c, "sync", s)
+
+
+def test_a_request_whose_disk_blocks_cannot_be_preloaded_loads_them_at_once(tmp_path):
+    """Issue 31 (agent trace, small host tier): held blocks of the requests ahead took all the
+    preload room, so a request's disk blocks were never preloaded; it waited out the load
+    deadline in the queue and then recomputed them. With none of its blocks moving up it now
+    loads them at once (its load reads the disk), under the default policy; `wait_complete`
+    still waits."""
+    import time
+
+    enc, fp = kvtier.namespace_fingerprint(model="tiny/llama", dtype="float32", layout="cpu",
+                                           block_tokens=32, tp_size=1, tp_rank=0, tenant="",
+                                           lora="")
+    s = kvtier.Store(16 << 20, segment_bytes=4 << 20, disk_dir=str(tmp_path),
+                     disk_bytes=128 << 20, admission="always")
+    ns = s.register_namespace(enc)
+    block = bytes(1 << 20)
+    hashes = [bytes([i + 1]) * 32 for i in range(4)]
+    keys = [kvtier.engine_key(fp, h) for h in hashes]
+    for k in keys:
+        assert s.put(ns, k, block)
+    # Twice the host tier of other blocks: the request's four go down to disk.
+    filler = [kvtier.engine_key(fp, bytes([200, i]) * 16) for i in range(32)]
+    for k in filler:
+        assert s.put(ns, k, block)
+    assert s.lookup(keys)[2] == ["disk"] * 4
+    # Another request's hint holds host blocks up to the preload bound (an eighth of the
+    # host tier: two blocks): no room is left for this one's preloads.
+    ahead = s.prefetch(filler[-2:], 0, 30_000, 99)
+    assert ahead["held"] == 2, ahead
+
+    bs = 32
+    for policy, expect in (("timeout", (4 * bs, True)), ("wait_complete", (None, False))):
+        c = scheduler(s)
+        c.__dict__.update(_fp=fp, _may_load=True, _block_size=bs, _policy=policy,
+                          _deadline_s=30.0, _hint_ttl_s=60.0)
+        rid = f"r-{policy}"
+        req = SimpleNamespace(request_id=rid, block_hashes=hashes,
+                              prompt_token_ids=list(range(4 * bs + 1)))
+        c._hinted[rid] = time.monotonic()
+        r = c._hint(rid, keys, 60.0)
+        assert r["present"] == 4 and r["queued"] + r["joined"] == 0, r
+        assert c.get_num_new_matched_tokens(req, 0) == expect, policy
+        c._end_hint(rid)

@@ -80,6 +80,17 @@ def _keys(keys) -> list[str]:
     return list(keys)
 
 
+def _leading(sent: list, first: dict, n: int) -> int:
+    """How many leading keys of `sent` are among the first `n` distinct ones (`first`: each
+    key's index among the distinct keys, in order of first occurrence)."""
+    count = 0
+    for k in sent:
+        if first[k] >= n:
+            break
+        count += 1
+    return count
+
+
 def _regions(pool) -> list[tuple[int, int]]:
     """The host pool's memory, `(address, bytes)` of each buffer's whole allocation: the only
     memory the v1 calls may copy into or out of."""
@@ -239,22 +250,31 @@ class KvtierHiCache(HiCacheStorage):
         hit found only on disk start moving into host memory now (preload), so the batch_get
         that follows reads host memory."""
         try:
-            ks = [self._key(k) for k in _keys(keys)]
-            if not ks:
+            sent = [self._key(k) for k in _keys(keys)]
+            if not sent:
                 return 0
+            # The store walks a prefix of distinct keys (it stops at a repeated one); SGLang
+            # counts the keys as sent: ask for each key once, then count the leading keys sent
+            # whose first occurrence is within what the store found.
+            first = {}
+            for k in sent:
+                first.setdefault(k, len(first))
+            ks = list(first)
             if not self._preload:
-                return self._store.match_prefix(ks)
+                return _leading(sent, first, self._store.match_prefix(ks))
             prefix = getattr(extra_info, "prefix_keys", None)
             if prefix:
                 # SGLang holds the pages before `keys` (it asks only beyond its own hit): hint
                 # from the last of them, so a continuation of a prefix kvtier holds too is
                 # learned as one (the store's hint rule: a present prefix, then new blocks).
-                n = int(self._store.prefetch([self._key(prefix[-1])] + ks, 0,
-                                             self._preload_ms, 0)["present"])
-                if n > 0:
-                    return n - 1
-                # That page is not in kvtier: ask for `keys` alone.
-            return int(self._store.prefetch(ks, 0, self._preload_ms, 0)["present"])
+                p = self._key(prefix[-1])
+                if p not in first:
+                    n = int(self._store.prefetch([p] + ks, 0, self._preload_ms, 0)["present"])
+                    if n > 0:
+                        return _leading(sent, first, n - 1)
+                # That page is not in kvtier (or is one of `keys`): ask for `keys` alone.
+            n = int(self._store.prefetch(ks, 0, self._preload_ms, 0)["present"])
+            return _leading(sent, first, n)
         except Exception:  # noqa: BLE001 - the controller's prefetch thread must not die
             log.exception("kvtier: batch_exists failed: counted as a miss")
             return 0

@@ -26,9 +26,11 @@ Extra config keys:
         on disk are promoted into host memory while it waits in the queue (and held there for
         it until it is served or finishes, at least 30 s)
   load_policy: what ``get_num_new_matched_tokens`` does while a request's preloads are still
-        arriving: "timeout" (default: the request waits in the queue until they are in host
-        memory or ``load_deadline_ms`` passed since its arrival, then loads what has arrived and
-        computes the rest), "wait_complete" (waits until all have arrived, at most 60 s),
+        arriving: "timeout" (default: the request waits in the queue while its preloads move
+        into host memory, at most ``load_deadline_ms`` since its arrival, then loads what has
+        arrived and computes the rest; when none of its blocks is being preloaded (no preload
+        room) it does not wait: it loads them all, reading what is on disk itself),
+        "wait_complete" (waits until all have arrived, at most 60 s),
         "best_effort" (never waits: loads what is in host memory now)
   load_deadline_ms: see load_policy (default 2000)
   layerwise: saves and (with ``async_load`` false) loads move layer by layer (default false:
@@ -681,13 +683,16 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def _tag(req_id: str) -> int:
         return int.from_bytes(hashlib.blake2b(req_id.encode(), digest_size=8).digest(), "little")
 
-    def _hint(self, req_id: str, keys: list[bytes], deadline_s: float) -> None:
+    def _hint(self, req_id: str, keys: list[bytes], deadline_s: float) -> dict | None:
+        """Sends the hint; the store's reply (what it found and did), or None if it failed."""
         try:
-            self._store.prefetch(keys, 0, max(1, int(deadline_s * 1000)), self._tag(req_id))
+            return self._store.prefetch(keys, 0, max(1, int(deadline_s * 1000)),
+                                        self._tag(req_id))
         except Exception:  # noqa: BLE001 - a hint is an optimisation: never fail the request
             if not self._hint_failed:
                 self._hint_failed = True
                 log.exception("kvtier: preload hint failed (hints are off until it works)")
+            return None
 
     def on_new_request(self, request) -> None:
         """The request's block hashes are known on arrival: hint them, so the blocks found only
@@ -716,10 +721,20 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                 elif waited < (60.0 if self._policy == "wait_complete" else self._deadline_s):
                     # Still arriving: hint again (what was cut for room gets queued now) and
                     # let the scheduler ask again later; the request waits in the queue.
-                    self._hint(rid, keys[:n], max(self._hint_ttl_s - waited, 1.0))
-                    return None, False
+                    r = self._hint(rid, keys[:n], max(self._hint_ttl_s - waited, 1.0))
+                    moving = r is not None and int(r["queued"]) + int(r["joined"]) > 0
+                    if moving or self._policy == "wait_complete":
+                        return None, False
+                    # None of its blocks is moving up (no preload room: held blocks of the
+                    # requests ahead take it; or the preloads were dropped): waiting would only
+                    # delay it, and computing what is on disk would waste the hit. It loads
+                    # now, its load reading the disk blocks itself (issue 31: on the agent
+                    # trace with a small host tier, requests waited out the deadline and then
+                    # recomputed 90% of their disk hits).
                 else:
-                    n = host  # past the deadline: what has arrived; vLLM computes the rest
+                    # Past the deadline with its preloads still moving: the disk is slower or
+                    # busier than the deadline allows. What has arrived; vLLM computes the rest.
+                    n = host
         prompt = len(request.prompt_token_ids or [])
         if self._hybrid:
             # Whole blocks only (the engine's hybrid allocator aligns hits to blocks).
