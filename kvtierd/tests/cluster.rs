@@ -18,11 +18,27 @@ use std::time::{Duration, Instant};
 use common::*;
 use kvstore::{BlockKey, Tier};
 
+/// Ports for `cluster.listen`, which must be known before the node starts (the members'
+/// addresses are derived from them). Taken below the kernel's ephemeral range (32768 and up
+/// here), which bind(0) and outgoing connections draw from: a port handed out by bind(0) and
+/// released could be taken by any other test's socket before its node binds it (seen: "Address
+/// already in use" for a node started seconds later). Each is checked free when handed out.
 fn free_ports(n: usize) -> Vec<u16> {
-    let ls: Vec<std::net::TcpListener> = (0..n)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect();
-    ls.iter().map(|l| l.local_addr().unwrap().port()).collect()
+    use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    const LOW: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    let base = std::process::id().wrapping_mul(7919) % SPAN;
+    let mut out = Vec::new();
+    while out.len() < n {
+        let i = NEXT.fetch_add(1, Relaxed);
+        assert!(i < SPAN, "no free port left below the ephemeral range");
+        let port = (LOW + (base + i) % SPAN) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            out.push(port);
+        }
+    }
+    out
 }
 
 fn node(name: &str, me: u16, members: &[u16], secret: &str, fresh: bool) -> Kvtierd {
