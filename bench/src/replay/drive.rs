@@ -69,7 +69,6 @@ pub(super) fn request_keys(fp: &kvstore::Fingerprint, r: &Request) -> Result<Vec
 }
 
 impl RunCfg {
-    /// With pacing, sleeps until the request's (scaled) arrival time.
     /// When `r` arrives, after `start` (`None` without pacing).
     fn arrival(&self, r: &Request, start: Instant) -> Option<Instant> {
         let speedup = self.pace?;
@@ -77,13 +76,15 @@ impl RunCfg {
         start.checked_add(due)
     }
 
+    /// With pacing, sleeps until the request's (scaled) arrival time: the replay plays the
+    /// trace's clock, so a sleep to the next arrival is what it measures against, not a wait
+    /// for a condition.
     fn wait_for(&self, r: &Request, start: Instant) {
-        if let Some(speedup) = self.pace {
-            let due = Duration::try_from_secs_f64(r.timestamp as f64 / 1000.0 / speedup)
-                .unwrap_or(Duration::MAX);
-            if let Some(wait) = due.checked_sub(start.elapsed()) {
-                std::thread::sleep(wait);
-            }
+        if let Some(wait) = self
+            .arrival(r, start)
+            .and_then(|at| at.checked_duration_since(Instant::now()))
+        {
+            std::thread::sleep(wait);
         }
     }
 }
@@ -330,7 +331,8 @@ pub(super) fn replay_through(
                 }
             }
             if let (Some(rate), Some(speedup)) = (cfg.engine, cfg.pace) {
-                // The engine computes what it did not load; later requests queue meanwhile.
+                // The engine computes what it did not load; later requests queue meanwhile
+                // (a sleep models that compute time: the replay has no engine).
                 let secs = r.input_length.saturating_sub(hit_tokens) as f64 / rate / speedup;
                 std::thread::sleep(Duration::from_secs_f64(secs));
             }
