@@ -174,6 +174,9 @@ pub struct EventsSection {
     pub encoding: String,
     /// Block hashes as the low 64 bits of the key, an integer, instead of its 16 bytes.
     pub int_hashes: bool,
+    /// A copy pushed to another node announced with `medium` "REMOTE" (kvtier before vLLM 0.32
+    /// gave events a `locality`) instead of `medium` "CPU" and `locality` "REMOTE".
+    pub remote_medium: bool,
     /// Batches kept for replay (at most 64 MiB of them).
     pub buffer_steps: usize,
     /// Batches queued for publishing (at most 64 MiB); past it new batches are dropped
@@ -189,6 +192,7 @@ impl Default for EventsSection {
             topic: String::new(),
             encoding: "map".into(),
             int_hashes: false,
+            remote_medium: false,
             buffer_steps: 10_000,
             hwm: 100_000,
         }
@@ -1251,6 +1255,7 @@ mod tests {
             "topic",
             "encoding",
             "int_hashes",
+            "remote_medium",
             "buffer_steps",
             "hwm",
             "deadline_ms",

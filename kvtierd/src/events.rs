@@ -14,9 +14,14 @@
 //! node from an earlier run of the daemon forgets it (host memory starts empty; the engine
 //! hashes of the blocks the disk tier kept are not kept across restarts). Later events come
 //! from the store's event channel: `BlockStored` / `BlockRemoved` with `medium`
-//! `CPU` (host tier) or `STORAGE` (disk tier), and `BlockStored` with `medium` `REMOTE` once a
-//! block's push to the remote tier (its owner node, or Redis) was acknowledged: this node can
-//! load it from there too. No `BlockRemoved` follows for `REMOTE`: the copy is the owner's,
+//! `CPU` (host tier) or `STORAGE` (disk tier) and `locality` `LOCAL`, and `BlockStored` with
+//! `medium` `CPU` and `locality` `REMOTE` once a block's push to the remote tier (its owner
+//! node, or Redis) was acknowledged: this node can load it from there too (vLLM 0.32's form for
+//! a copy in another instance's tier; `events.remote_medium = true` sends kvtier's earlier
+//! `medium` `REMOTE` instead, for consumers built on it). Every event (map encoding) carries
+//! `ownership` `kvtier`, as vLLM's secondary offloading tiers name themselves (its KVCR tier:
+//! "kvcr"); the array encoding keeps older vLLM's eight fields. No `BlockRemoved` follows for a
+//! remote copy: the copy is the owner's,
 //! which publishes it, and its removal, as its own `CPU`/`STORAGE` (a Redis copy's TTL expiry
 //! is seen by no one); a router that finds it gone counts a miss, never wrong bytes. A block
 //! committed with the engine's own hash (the vLLM connector sends vLLM's block hashes with its
@@ -96,7 +101,14 @@ pub struct Encoding {
     pub array: bool,
     /// Hashes as the key's low 64 bits (an integer) instead of its 16 bytes.
     pub int_hashes: bool,
+    /// A pushed copy announced with `medium` "REMOTE" (kvtier's earlier form) instead of the
+    /// medium it lives in with `locality` "REMOTE" (vLLM 0.32's).
+    pub remote_medium: bool,
 }
+
+/// `ownership` of every event kvtierd publishes: vLLM's "secondary offloading tier
+/// identifier" (its KVCR tier says "kvcr").
+pub const OWNERSHIP: &str = "kvtier";
 
 /// Longest engine hash kept (vLLM's SHA-256 block hashes are 32 bytes).
 pub const MAX_ENGINE_HASH: usize = 32;
@@ -256,11 +268,22 @@ pub struct Run {
     pub keys: Vec<Hash>,
 }
 
-/// vLLM's `medium` of a tier: `CPU`, `STORAGE`, and `REMOTE` for another node's.
-fn medium(t: Tier) -> &'static str {
+/// vLLM's `medium` of a tier: `CPU`, `STORAGE`; a copy pushed to another node (or Redis)
+/// lives in its memory: `CPU` (the owner's own events say when it moves to its disk), or
+/// `REMOTE` with `events.remote_medium`.
+fn medium(t: Tier, enc: Encoding) -> &'static str {
     match t {
         Tier::Host => "CPU",
         Tier::Disk => "STORAGE",
+        _ if enc.remote_medium => "REMOTE",
+        _ => "CPU",
+    }
+}
+
+/// vLLM's `locality` (relative to the publisher): "REMOTE" for a pushed copy, else "LOCAL".
+fn locality(t: Tier) -> &'static str {
+    match t {
+        Tier::Host | Tier::Disk => "LOCAL",
         _ => "REMOTE",
     }
 }
@@ -321,7 +344,7 @@ fn hashes(b: &mut Vec<u8>, keys: &[Hash], enc: Encoding) {
 fn event(b: &mut Vec<u8>, r: &Run, enc: Encoding) {
     match (r.kind, enc.array) {
         (EventKind::Stored, false) => {
-            let _ = rmp::encode::write_map_len(b, 8);
+            let _ = rmp::encode::write_map_len(b, 10);
             str_(b, "type");
             str_(b, "BlockStored");
             str_(b, "block_hashes");
@@ -335,9 +358,13 @@ fn event(b: &mut Vec<u8>, r: &Run, enc: Encoding) {
             str_(b, "lora_id");
             nil(b);
             str_(b, "medium");
-            str_(b, medium(r.tier));
+            str_(b, medium(r.tier, enc));
             str_(b, "lora_name");
             nil(b);
+            str_(b, "locality");
+            str_(b, locality(r.tier));
+            str_(b, "ownership");
+            str_(b, OWNERSHIP);
         }
         (EventKind::Stored, true) => {
             let _ = rmp::encode::write_array_len(b, 8);
@@ -347,23 +374,27 @@ fn event(b: &mut Vec<u8>, r: &Run, enc: Encoding) {
             let _ = rmp::encode::write_array_len(b, 0);
             let _ = rmp::encode::write_uint(b, u64::from(r.block_size));
             nil(b);
-            str_(b, medium(r.tier));
+            str_(b, medium(r.tier, enc));
             nil(b);
         }
         (EventKind::Removed, false) => {
-            let _ = rmp::encode::write_map_len(b, 3);
+            let _ = rmp::encode::write_map_len(b, 5);
             str_(b, "type");
             str_(b, "BlockRemoved");
             str_(b, "block_hashes");
             hashes(b, &r.keys, enc);
             str_(b, "medium");
-            str_(b, medium(r.tier));
+            str_(b, medium(r.tier, enc));
+            str_(b, "locality");
+            str_(b, locality(r.tier));
+            str_(b, "ownership");
+            str_(b, OWNERSHIP);
         }
         (EventKind::Removed, true) => {
             let _ = rmp::encode::write_array_len(b, 3);
             str_(b, "BlockRemoved");
             hashes(b, &r.keys, enc);
-            str_(b, medium(r.tier));
+            str_(b, medium(r.tier, enc));
         }
     }
 }
@@ -450,6 +481,7 @@ pub async fn start(
     let enc = Encoding {
         array: cfg.encoding == "array",
         int_hashes: cfg.int_hashes,
+        remote_medium: cfg.remote_medium,
     };
     let topic = bytes::Bytes::from(cfg.topic.clone().into_bytes());
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<u8>>(cfg.hwm);
@@ -696,27 +728,56 @@ mod tests {
             keys: vec![Hash::Key(u128::MAX - 1)],
         };
         for (array, int_hashes) in [(false, false), (true, true)] {
-            let enc = Encoding { array, int_hashes };
+            let enc = Encoding {
+                array,
+                int_hashes,
+                remote_medium: false,
+            };
             let b = batch(1.5, std::slice::from_ref(&r), enc);
             let mut rd = b.as_slice();
             assert_eq!(rmp::decode::read_array_len(&mut rd).unwrap(), 3);
             assert_eq!(rmp::decode::read_f64(&mut rd).unwrap(), 1.5);
             assert_eq!(rmp::decode::read_array_len(&mut rd).unwrap(), 1);
             if array {
+                // Older vLLM's eight positional fields: a longer array would not decode there.
                 assert_eq!(rmp::decode::read_array_len(&mut rd).unwrap(), 8);
             } else {
-                assert_eq!(rmp::decode::read_map_len(&mut rd).unwrap(), 8);
+                // vLLM 0.32's fields kvtierd fills: its 8 and `locality`, `ownership`.
+                assert_eq!(rmp::decode::read_map_len(&mut rd).unwrap(), 10);
             }
         }
         // The bytes form: the key's 16 bytes, big-endian.
         let enc = Encoding {
             array: false,
             int_hashes: false,
+            remote_medium: false,
         };
         let b = batch(0.0, &[r], enc);
         let key = (u128::MAX - 1).to_be_bytes();
         assert!(b.windows(16).any(|w| w == key));
         assert!(b.windows(7).any(|w| w == b"STORAGE"));
+        assert!(b.windows(5).any(|w| w == b"LOCAL"));
+        assert!(b.windows(6).any(|w| w == b"kvtier"));
+    }
+
+    #[test]
+    fn a_pushed_copy_is_cpu_and_remote_or_medium_remote_when_asked() {
+        let r = Run {
+            kind: EventKind::Stored,
+            tier: Tier::Remote,
+            block_size: 16,
+            keys: vec![Hash::Key(5)],
+        };
+        let has = |b: &[u8], s: &str| b.windows(s.len()).any(|w| w == s.as_bytes());
+        let mut enc = Encoding::default();
+        let b = batch(0.0, std::slice::from_ref(&r), enc);
+        assert!(has(&b, "CPU") && has(&b, "REMOTE") && !has(&b, "LOCAL"));
+        enc.remote_medium = true;
+        let b = batch(0.0, std::slice::from_ref(&r), enc);
+        assert!(!has(&b, "CPU") && has(&b, "REMOTE"));
+        assert_eq!(medium(Tier::Remote, enc), "REMOTE");
+        assert_eq!(locality(Tier::Remote), "REMOTE");
+        assert_eq!(locality(Tier::Disk), "LOCAL");
     }
 
     #[test]
@@ -765,6 +826,7 @@ mod tests {
             Encoding {
                 array: true,
                 int_hashes: true,
+                remote_medium: false,
             },
         );
         let low = u64::from_be_bytes(vllm[24..].try_into().unwrap());

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import pytest
 import zmq
 
 from kvtier import Sidecar, engine_key, namespace_fingerprint
@@ -123,6 +124,47 @@ def setup_ns(side, model):
     return side.register_namespace(enc), fp
 
 
+def vllm_offloading_events(hashes, medium, locality, removed):
+    """What vLLM 0.32's own offloading event path (the OffloadingConnector's
+    OffloadingEventsTracker) publishes for blocks of a secondary tier named "kvtier" in
+    `medium` with `locality`: its BlockStored / BlockRemoved for the same hashes."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import \
+        OffloadingEventsTracker
+    from vllm.v1.kv_offload.base import (Locality, Medium, OffloadingEvent,
+                                         OffloadingKVEventsConfig, make_offload_key)
+
+    tracker = OffloadingEventsTracker(OffloadingKVEventsConfig(
+        enable_kv_cache_events=True, self_describing_kv_events=False))
+    return list(tracker.take_events([OffloadingEvent(
+        keys=[make_offload_key(h, 0) for h in hashes], medium=Medium(medium), removed=removed,
+        locality=Locality(locality), ownership="kvtier")]))
+
+
+def as_int(h):
+    """A block hash in vLLM's integer form (the low 64 bits, big-endian)."""
+    return h if isinstance(h, int) else int.from_bytes(bytes(h)[-8:], "big")
+
+
+# Fields of vLLM's events kvtierd fills differently from vLLM's offloading path, and why:
+# block_size: vLLM's tracker knows it only for blocks its scheduler recorded (else 0); kvtierd
+# sends the namespace's. group_idx: vLLM's offloading key carries the KV-cache group; kvtierd's
+# IPC does not yet (None). block_hashes: compared in vLLM's integer form.
+NOT_COMPARED = {"block_hashes", "block_size", "group_idx"}
+
+
+def assert_like_vllm(ours, theirs):
+    """`ours`, one event, against what vLLM publishes for its blocks (`theirs`: one event per
+    block for stores it has no scheduler record of, one per group for removals): the same
+    hashes in order, and field by field, every field of vLLM's struct."""
+    assert [as_int(h) for h in ours.block_hashes] == \
+        [as_int(h) for t in theirs for h in t.block_hashes]
+    for t in theirs:
+        assert type(ours) is type(t)
+        for f in type(t).__struct_fields__:
+            if f not in NOT_COMPARED:
+                assert getattr(ours, f) == getattr(t, f), (f, ours, t)
+
+
 def test_events_decode_with_vllms_classes_and_replay(tmp_path):
     from vllm.distributed.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored,
                                             KVEventBatch)
@@ -157,6 +199,9 @@ def test_events_decode_with_vllms_classes_and_replay(tmp_path):
                 assert isinstance(e, BlockStored)
                 assert e.medium == "CPU" and e.block_size == BLOCK_TOKENS
                 assert e.parent_block_hash is None and e.token_ids == []
+                assert e.locality == "LOCAL" and e.ownership == "kvtier"
+                theirs = vllm_offloading_events(e.block_hashes, "CPU", "LOCAL", False)
+                assert_like_vllm(e, theirs)
         seqs = [s for s, _ in msgs]
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs
 
@@ -172,6 +217,9 @@ def test_events_decode_with_vllms_classes_and_replay(tmp_path):
                                        for h in e.block_hashes} >= set(keys))
         removed = removed_events(more)
         assert all(e.medium in ("CPU", "STORAGE") for e in removed)
+        for e in removed:
+            theirs = vllm_offloading_events(e.block_hashes, e.medium, "LOCAL", True)
+            assert_like_vllm(e, theirs)
 
         # A subscriber that missed everything asks for a replay from sequence 0.
         everything = replay(d.replay, 0)
@@ -357,18 +405,24 @@ def test_a_burst_of_100k_saves_arrives_in_order_without_gaps(tmp_path):
         d.stop()
 
 
-def test_a_pushed_block_is_announced_remote_and_its_owner_announces_it_cpu(tmp_path):
+@pytest.mark.parametrize("remote_medium", [False, True])
+def test_a_pushed_block_is_announced_remote_and_its_owner_announces_it_cpu(tmp_path,
+                                                                          remote_medium):
     """Two nodes: a block saved on A and owned by B is pushed to B. A announces it with medium
-    REMOTE once B acknowledged it (A's engines can load it from there); B announces its own
-    copy as CPU. The same blocks on both sides: every pushed block, and no other."""
+    CPU and locality REMOTE once B acknowledged it (A's engines can load it from there), as
+    vLLM 0.32's offloading path announces a copy in another instance's memory (medium REMOTE
+    with `events.remote_medium`); B announces its own copy as LOCAL CPU. The same blocks on
+    both sides: every pushed block, and no other."""
     from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
     ports = free_ports(2)
     members = "[" + ",".join(f'"127.0.0.1:{p}"' for p in ports) + "]"
     a, b = [Daemon(tmp_path / f"n{i}", "--set", f"cluster.listen=127.0.0.1:{p}",
                    "--set", f"cluster.members={members}", "--set", "cluster.secret=ev",
-                   "--set", "cluster.timeout_ms=10000")
+                   "--set", "cluster.timeout_ms=10000",
+                   "--set", f"events.remote_medium={str(remote_medium).lower()}")
             for i, p in enumerate(ports)]
+    there = ("REMOTE", "REMOTE") if remote_medium else ("CPU", "REMOTE")
     try:
         side_a, side_b = Sidecar(a.socket, "events-test"), Sidecar(b.socket, "events-test")
         sub_a, sub_b = subscriber(a.events, side_a), subscriber(b.events, side_b)
@@ -380,11 +434,16 @@ def test_a_pushed_block_is_announced_remote_and_its_owner_announces_it_cpu(tmp_p
         dec = msgspec.msgpack.Decoder(type=KVEventBatch)
 
         def stored(sub, into):
-            """The test's blocks stored, by medium."""
+            """The test's blocks stored, by (medium, locality)."""
             while sub.poll(100):
                 for e in dec.decode(sub.recv_multipart()[2]).events:
                     if isinstance(e, BlockStored):
-                        into.setdefault(e.medium, set()).update(
+                        assert e.ownership == "kvtier"
+                        if (e.medium, e.locality) == ("CPU", "REMOTE"):
+                            theirs = vllm_offloading_events(e.block_hashes, "CPU", "REMOTE",
+                                                              False)
+                            assert_like_vllm(e, theirs)
+                        into.setdefault((e.medium, e.locality), set()).update(
                             h for h in e.block_hashes if h in keys)
 
         on_a, on_b = {}, {}
@@ -392,8 +451,8 @@ def test_a_pushed_block_is_announced_remote_and_its_owner_announces_it_cpu(tmp_p
         while True:
             stored(sub_a, on_a)
             stored(sub_b, on_b)
-            remote, cpu_a = on_a.get("REMOTE", set()), on_a.get("CPU", set())
-            if remote and remote == on_b.get("CPU") and len(cpu_a) == len(keys):
+            remote, cpu_a = on_a.get(there, set()), on_a.get(("CPU", "LOCAL"), set())
+            if remote and remote == on_b.get(("CPU", "LOCAL")) and len(cpu_a) == len(keys):
                 break
             assert time.monotonic() < end, (on_a, on_b)
         # Every block is in A's host memory; the pushed ones also with B.
