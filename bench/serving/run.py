@@ -27,11 +27,16 @@ PYTHONHASHSEED, a KV pool of `--pool-pct` of the working set, `--kv-cache-memory
   kvtier-host  + kvtierd sidecar, host tier twice the working set, no disk tier;
   kvtier-disk  + kvtierd sidecar, host tier `--host-pct` of the working set, a disk tier of twice
                the working set, preloading on (the daemon's and connector's defaults).
-Each configuration also runs on a no-reuse copy of the trace (every block id made unique:
+  prefix-routed, round-robin (configuration 4, only when named in --configs): two servers, each
+               computing on a core of its own with a kvtierd of its own (kvtier-disk's sizes),
+               the two kvtierds in one cluster, behind bench/serving/router.py: by prefix (where
+               `kvtier.router.score` says the prompt's prefix is cheapest, plus the blocks
+               already queued on each server) or round-robin. The trace's arrivals come twice
+               as often (two servers' worth of load).
+vllm and kvtier-disk also run on a no-reuse copy of the trace (every block id made unique:
 same lengths, same arrivals) as a control, unless `--no-control`.
-Not run here, reported with the reason: two servers behind kvtier's prefix router (needs two
-engines' worth of cores), and vLLM's OffloadingConnector and LMCache (both assert CUDA tensors:
-`vllm/v1/kv_offload/cpu/gpu_worker.py`).
+Not run here, reported with the reason: vLLM's OffloadingConnector and LMCache (both assert
+CUDA tensors: `vllm/v1/kv_offload/cpu/gpu_worker.py`).
 
 Figures: TTFT p50/p99 and request throughput from vLLM's result JSON (`--save-result
 --save-detailed`), prompt tokens computed / taken from vLLM's prefix cache / from the connector
@@ -78,10 +83,9 @@ ENV = dict(os.environ, PYTHONHASHSEED="0", VLLM_LOGGING_LEVEL="WARNING",
            TOKENIZERS_PARALLELISM="false", VLLM_CPU_NUM_OF_RESERVED_CPU="1")
 ENV.pop("VLLM_CPU_KVCACHE_SPACE", None)
 CONFIGS = ("vllm", "kvtier-host", "kvtier-disk")
+# Configuration 4, asked for by name (`--configs prefix-routed,round-robin`): two servers.
+PAIR_CONFIGS = ("prefix-routed", "round-robin")
 NOT_RUN = {
-    "prefix routing vs round-robin": "two vLLM servers with a kvtierd each need two engines' "
-    "worth of cores; this machine has 2 in all (run it with --configs on a larger host: not "
-    "built yet)",
     "vllm OffloadingConnector": "asserts CUDA tensors in the CPU build "
     "(vllm/v1/kv_offload/cpu/gpu_worker.py): needs a GPU",
     "lmcache": "LMCacheConnectorV1 moves KV with CUDA kernels: needs a GPU",
@@ -204,18 +208,21 @@ def working_set(reqs: list[dict]) -> int:
 # ---- processes ------------------------------------------------------------------------------
 
 class Kvtierd:
-    def __init__(self, binary: Path, data_dir: Path, host: int, disk: int | None):
+    def __init__(self, binary: Path, data_dir: Path, host: int, disk: int | None,
+                 extra: list[str] = ()):
         shutil.rmtree(data_dir, ignore_errors=True)
+        self.data_dir = data_dir
         cmd = [str(binary), "--data-dir", str(data_dir), "--host-capacity", str(host),
                "--grpc", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--set", "log=warn"]
         cmd += ["--disk-capacity", str(disk)] if disk else ["--set", "disk.enabled=false"]
+        cmd += list(extra)
         self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         line = self.p.stdout.readline()
         if not line.startswith("kvtierd ready:"):
             self.p.kill()
             raise RuntimeError(f"kvtierd did not start: {line!r}")
         kv = dict(w.split("=", 1) for w in line.split() if "=" in w)
-        self.socket, self.metrics = kv["socket"], kv["metrics"]
+        self.socket, self.metrics, self.grpc = kv["socket"], kv["metrics"], kv["grpc"]
 
     def scrape(self) -> dict[str, float]:
         return samples(http_get(f"http://{self.metrics}/metrics"))
@@ -227,13 +234,17 @@ class Kvtierd:
         except subprocess.TimeoutExpired:
             self.p.kill()
             self.p.wait()
+        # A disk tier of twice the working set per daemon: gone with its run (the next run's
+        # preallocation needs the room).
+        shutil.rmtree(self.data_dir, ignore_errors=True)
 
 
 class Server:
     """`vllm serve` of the model, with or without the kvtier connector."""
 
     def __init__(self, model: Path, max_len: int, pool_bytes: int, log: Path,
-                 connector: dict | None, batch_tokens: int):
+                 connector: dict | None, batch_tokens: int, cpus: str | None = None,
+                 wait: bool = True):
         self.port = free_port()
         cmd = [*VLLM, "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port),
                "--dtype", "float32", "--block-size", str(BT), "--max-model-len", str(max_len),
@@ -245,21 +256,28 @@ class Server:
                 "kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.vllm",
                 "kv_role": "kv_both", "kv_connector_extra_config": connector,
                 "kv_load_failure_policy": "recompute"})]
+        self.log_path = log
         self.log = open(log, "w")
-        self.p = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=ENV,
+        env = ENV if cpus is None else dict(ENV, VLLM_CPU_OMP_THREADS_BIND=cpus)
+        self.p = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                   start_new_session=True)
         self.url = f"http://127.0.0.1:{self.port}"
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
         deadline = time.monotonic() + 600
         while True:
             if self.p.poll() is not None:
-                raise RuntimeError(f"vllm serve exited ({self.p.returncode}): see {log}")
+                raise RuntimeError(f"vllm serve exited ({self.p.returncode}): see "
+                                   f"{self.log_path}")
             try:
                 http_get(self.url + "/health", timeout=2)
-                break
+                return
             except OSError:
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"vllm serve not ready in 600 s: see {log}")
+                    raise RuntimeError(f"vllm serve not ready in 600 s: see {self.log_path}")
                 time.sleep(0.5)  # polling a starting server, deadline above
 
     def complete(self, ids: list[int], max_tokens: int = 1) -> float:
@@ -292,31 +310,98 @@ def warm_prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(1000) for _ in range(n)]
 
 
-# ---- one run --------------------------------------------------------------------------------
+class RouterProc:
+    """bench/serving/router.py in front of the pair of servers."""
+
+    def __init__(self, policy: str, servers: list[Server], daemons: list[Kvtierd],
+                 cluster: list[str], model: Path, log: Path):
+        cmd = [str(PY), str(Path(__file__).resolve().parent / "router.py"), "--policy", policy,
+               "--backends", ",".join(s.url for s in servers), "--cluster", ",".join(cluster),
+               "--via", daemons[0].grpc, "--model", str(model), "--block-size", str(BT)]
+        self.log = open(log, "w")
+        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                  env=ENV)
+        line = self.p.stdout.readline()
+        if not line.startswith("router ready:"):
+            self.stop()
+            raise RuntimeError(f"the router did not start: {line!r}: see {log}")
+        self.url = line.split("url=", 1)[1].strip()
+
+    def stats(self) -> dict:
+        return json.loads(http_get(self.url + "/router/stats"))
+
+    def stop(self) -> None:
+        self.p.terminate()
+        try:
+            self.p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+        self.log.close()
+
+
+PAIR = {"prefix-routed": "prefix", "round-robin": "round-robin"}
+
+
+def start_daemons(cfg: str, plan: dict, tmp: Path, tag: str) -> tuple[list[Kvtierd], list[str]]:
+    """kvtier-host / kvtier-disk: one kvtierd; a pair configuration: two, in one cluster (the
+    kvtier-disk sizes each)."""
+    ws = plan["working_set_blocks"] * BLOCK_BYTES
+    if cfg == "vllm":
+        return [], []
+    if cfg == "kvtier-host":
+        return [Kvtierd(plan["kvtierd"], tmp / f"kvtierd-{tag}", max(2 * ws, 64 << 20),
+                        None)], []
+    host = max(int(ws * plan["host_pct"] / 100), 64 << 20)
+    disk = max(2 * ws, 256 << 20)
+    if cfg == "kvtier-disk":
+        return [Kvtierd(plan["kvtierd"], tmp / f"kvtierd-{tag}", host, disk)], []
+    ports = [free_port() for _ in range(2)]
+    listen = [f"127.0.0.1:{p}" for p in ports]
+    members = "[" + ",".join(f'"{a}"' for a in listen) + "]"
+    out: list[Kvtierd] = []
+    try:
+        for i, addr in enumerate(listen):
+            out.append(Kvtierd(plan["kvtierd"], tmp / f"kvtierd-{tag}-{i}", host, disk,
+                               ["--set", f"cluster.listen={addr}",
+                                "--set", f"cluster.members={members}"]))
+    except BaseException:
+        for d in out:
+            d.stop()
+        raise
+    return out, listen
+
 
 def run_one(cfg: str, trace: Path, n: int, plan: dict, tmp: Path, tag: str) -> dict:
-    d = None
-    connector = None
-    ws = plan["working_set_blocks"] * BLOCK_BYTES
-    if cfg == "kvtier-host":
-        d = Kvtierd(plan["kvtierd"], tmp / f"kvtierd-{tag}", max(2 * ws, 64 << 20), None)
-    elif cfg == "kvtier-disk":
-        host = max(int(ws * plan["host_pct"] / 100), 64 << 20)
-        d = Kvtierd(plan["kvtierd"], tmp / f"kvtierd-{tag}", host, max(2 * ws, 256 << 20))
-    if d is not None:
-        connector = dict(plan["connector"], mode="sidecar", socket=d.socket)
-    log = tmp / f"vllm-{tag}.log"
-    s = None
+    servers: list[Server] = []
+    router = None
+    daemons, listen = start_daemons(cfg, plan, tmp, tag)
     try:
-        s = Server(plan["model"], plan["max_len"], plan["pool_bytes"], log, connector,
-                   plan["batch_tokens"])
-        # Kernels and first-step costs out of the figures: a prompt of its own, twice.
-        for i in range(2):
-            s.complete(warm_prompt(i, 2 * BT + 5))
-        before = s.scrape()
-        kv_before = d.scrape() if d else {}
+        pair = cfg in PAIR
+        for i in range(2 if pair else 1):
+            connector = None
+            if daemons:
+                connector = dict(plan["connector"], mode="sidecar", socket=daemons[i].socket)
+            # A pair: each server computes on a core of its own (the scheduler processes,
+            # kvtierd, the router and the client share both); one server: vLLM's default
+            # binding under the reservation above (one core).
+            servers.append(Server(plan["model"], plan["max_len"], plan["pool_bytes"],
+                                  tmp / f"vllm-{tag}-{i}.log", connector, plan["batch_tokens"],
+                                  cpus=str(i) if pair else None, wait=False))
+        for s in servers:
+            s.wait_ready()
+            # Kernels and first-step costs out of the figures: a prompt of its own, twice.
+            for i in range(2):
+                s.complete(warm_prompt(i, 2 * BT + 5))
+        url = servers[0].url
+        if pair:
+            router = RouterProc(PAIR[cfg], servers, daemons, listen, plan["model"],
+                                tmp / f"router-{tag}.log")
+            url = router.url
+        before = [s.scrape() for s in servers]
+        kv_before = [d.scrape() for d in daemons]
         out = tmp / f"result-{tag}.json"
-        cmd = [*VLLM, "bench", "serve", "--backend", "vllm", "--base-url", s.url,
+        cmd = [*VLLM, "bench", "serve", "--backend", "vllm", "--base-url", url,
                "--model", "tiny", "--tokenizer", str(plan["model"]),
                "--dataset-name", "timed_trace", "--dataset-path", str(trace),
                "--timed-trace-chunk-hash-size", str(BT), "--num-prompts", str(n),
@@ -329,25 +414,32 @@ def run_one(cfg: str, trace: Path, n: int, plan: dict, tmp: Path, tag: str) -> d
             raise RuntimeError(f"vllm bench serve failed ({p.returncode}):\n"
                                f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
         res = json.loads(out.read_text())
-        text = http_get(s.url + "/metrics")
-        (tmp / f"metrics-vllm-{tag}.txt").write_text(text)
-        after = samples(text)
-        kv_after = {}
-        if d is not None:
+        after = []
+        for i, s in enumerate(servers):
+            text = http_get(s.url + "/metrics")
+            (tmp / f"metrics-vllm-{tag}-{i}.txt").write_text(text)
+            after.append(samples(text))
+        kv_after = []
+        for i, d in enumerate(daemons):
             text = http_get(f"http://{d.metrics}/metrics")
-            (tmp / f"metrics-kvtierd-{tag}.txt").write_text(text)
-            kv_after = samples(text)
+            (tmp / f"metrics-kvtierd-{tag}-{i}.txt").write_text(text)
+            kv_after.append(samples(text))
+        routed = router.stats() if router is not None else None
     finally:
-        if s is not None:
+        if router is not None:
+            router.stop()
+        for s in servers:
             s.stop()
-        if d is not None:
+        for d in daemons:
             d.stop()
 
     def delta(name, **labels):
-        return pick(after, name, **labels) - pick(before, name, **labels)
+        return sum(pick(a, name, **labels) - pick(b, name, **labels)
+                   for a, b in zip(after, before))
 
     def kdelta(name, **labels):
-        return pick(kv_after, name, **labels) - pick(kv_before, name, **labels)
+        return sum(pick(a, name, **labels) - pick(b, name, **labels)
+                   for a, b in zip(kv_after, kv_before))
 
     ok = [t for t, e in zip(res["ttfts"], res["errors"]) if not e]
     r = {
@@ -366,18 +458,21 @@ def run_one(cfg: str, trace: Path, n: int, plan: dict, tmp: Path, tag: str) -> d
         "connector_tokens": delta("vllm:prompt_tokens_by_source_total",
                                   source="external_kv_transfer"),
     }
-    if d is not None:
+    if daemons:
         r["kvtier"] = {
             "hits": kdelta("kvtier_hits_total"),
             "misses": kdelta("kvtier_misses_total"),
             "hits_host": kdelta("kvtier_tier_hits_total", tier="host"),
             "hits_disk": kdelta("kvtier_tier_hits_total", tier="disk"),
+            "hits_remote": kdelta("kvtier_tier_hits_total", tier="remote"),
             "read_bytes_host": kdelta("kvtier_read_bytes_total", tier="host"),
             "read_bytes_disk": kdelta("kvtier_read_bytes_total", tier="disk"),
             "written_bytes_host": kdelta("kvtier_written_bytes_total", tier="host"),
             "written_bytes_disk": kdelta("kvtier_written_bytes_total", tier="disk"),
             "preloaded_in_time": kdelta("kvtier_prefetch_blocks_total", outcome="in_time"),
         }
+    if routed is not None:
+        r["router"] = routed
     return r
 
 
@@ -410,7 +505,9 @@ def main() -> None:
                          "for the default speedup")
     ap.add_argument("--minutes", type=float, default=30,
                     help="budget of the whole run, for the default --limit")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help=f"some of {', '.join(CONFIGS + PAIR_CONFIGS)} (the last two: two "
+                         "servers, a kvtierd each in one cluster, behind the harness's router)")
     ap.add_argument("--no-control", action="store_true",
                     help="skip the no-reuse control")
     ap.add_argument("--rounds", type=int, default=1)
@@ -439,8 +536,9 @@ def main() -> None:
     a = ap.parse_args()
     configs = [c.strip() for c in a.configs.split(",") if c.strip()]
     for c in configs:
-        if c not in CONFIGS:
-            sys.exit(f"serving: no configuration {c!r}: use some of {', '.join(CONFIGS)}")
+        if c not in CONFIGS + PAIR_CONFIGS:
+            sys.exit(f"serving: no configuration {c!r}: use some of "
+                     f"{', '.join(CONFIGS + PAIR_CONFIGS)}")
     if not a.no_build:
         # The connector's native code (copies and checksums of every save and load) must be the
         # release build: `maturin develop` without --release (the test command's) is many times
@@ -466,7 +564,9 @@ def main() -> None:
     rate = a.prefill_rate or measure_prefill(model, max_len, cal_pool, tmp, a.batch_tokens)
     traces = ["reuse"] + ([] if a.no_control else ["no-reuse"])
     control_cfgs = [c for c in configs if c in ("vllm", "kvtier-disk")]
-    runs = a.rounds * (len(configs) + (len(control_cfgs) if not a.no_control else 0))
+    # A pair run costs two servers' start-up.
+    runs = a.rounds * (len(configs) + sum(c in PAIR_CONFIGS for c in configs)
+                       + (len(control_cfgs) if not a.no_control else 0))
     # Per run: ~60 s of server start and warm-up; the rest replays.
     per_run = max(30.0, (a.minutes * 60 - 60) / max(runs, 1) - 60)
     if a.limit:
@@ -491,8 +591,12 @@ def main() -> None:
         "batch_tokens": a.batch_tokens, "connector": a.connector,
         "run_timeout_s": max(600.0, 20 * (span_ms / 1000 / speedup + tokens / rate)),
     }
-    files = {"reuse": tmp / "trace.jsonl", "no-reuse": tmp / "trace-no-reuse.jsonl"}
+    files = {"reuse": tmp / "trace.jsonl", "no-reuse": tmp / "trace-no-reuse.jsonl",
+             "pair": tmp / "trace-pair.jsonl"}
     write_trace(reqs, speedup, files["reuse"])
+    # Two servers compute twice as fast: the pair configurations get the requests twice as
+    # often, so each server sees the load one server sees in configurations 1-3.
+    write_trace(reqs, 2 * speedup, files["pair"])
     write_trace(no_reuse(reqs), speedup, files["no-reuse"])
     print(f"serving: prefill {rate:,.0f} prompt tokens/s here (vLLM alone, {BT}-token blocks of "
           f"{BLOCK_BYTES >> 20} MiB: kvtier must move {rate / BT:,.0f} blocks/s, "
@@ -510,7 +614,10 @@ def main() -> None:
             for c in order:
                 if t == "no-reuse" and c not in control_cfgs:
                     continue
-                r = run_one(c, files[t], n, plan, tmp, f"{t}-{c}-{rnd}")
+                if t == "no-reuse" and c in PAIR_CONFIGS:
+                    continue
+                path = files["pair"] if c in PAIR_CONFIGS else files[t]
+                r = run_one(c, path, n, plan, tmp, f"{t}-{c}-{rnd}")
                 results.setdefault((t, c), []).append(r)
                 print(f"serving: round {rnd + 1} {t} {c}: {r['completed']} done, "
                       f"{r['failed']} failed, TTFT p50 {r['ttft_p50_s']:.3f} s p99 "
@@ -518,7 +625,8 @@ def main() -> None:
                       f"computed {r['computed_tokens']:,.0f} of {r['prompt_tokens']:,.0f} "
                       f"prompt tokens (vLLM cache {r['vllm_cache_tokens']:,.0f}, connector "
                       f"{r['connector_tokens']:,.0f})"
-                      + (f", kvtier {r['kvtier']}" if "kvtier" in r else ""),
+                      + (f", kvtier {r['kvtier']}" if "kvtier" in r else "")
+                      + (f", router {r['router']}" if "router" in r else ""),
                       file=sys.stderr, flush=True)
 
     def med(t, c, k):
@@ -546,6 +654,14 @@ def main() -> None:
          "request_throughput", "req/s", True)
     case("ttft p50 kvtier disk vs kvtier host", "reuse", "kvtier-disk", "kvtier-host",
          "ttft_p50_s", "s")
+    case("ttft p50 prefix routing vs round-robin", "reuse", "prefix-routed", "round-robin",
+         "ttft_p50_s", "s")
+    case("ttft p99 prefix routing vs round-robin", "reuse", "prefix-routed", "round-robin",
+         "ttft_p99_s", "s")
+    case("throughput prefix routing vs round-robin", "reuse", "prefix-routed", "round-robin",
+         "request_throughput", "req/s", True)
+    case("prefill tokens prefix routing vs round-robin", "reuse", "prefix-routed",
+         "round-robin", "computed_tokens", "tokens")
     case("ttft p50 kvtier vs vllm no-reuse", "no-reuse", "kvtier-disk", "vllm", "ttft_p50_s",
          "s")
     case("throughput kvtier vs vllm no-reuse", "no-reuse", "kvtier-disk", "vllm",
@@ -593,7 +709,8 @@ def write_report(out: Path, summary: dict, results: dict) -> None:
     lines += ["", "| case | value | baseline | ratio |", "|---|---|---|---|"]
     lines += [f"| {r['case']} | {r['value']:.4f} {r['unit']} | {r['baseline']:.4f} | "
               f"{r['ratio']:.3f} |" for r in summary["results"]]
-    colors = {"vllm": "#444444", "kvtier-host": "#1f77b4", "kvtier-disk": "#d62728"}
+    colors = {"vllm": "#444444", "kvtier-host": "#1f77b4", "kvtier-disk": "#d62728",
+              "prefix-routed": "#9467bd", "round-robin": "#8c564b"}
     for t in ("reuse", "no-reuse"):
         curves = {c: sorted(x for r in rs for x in r["ttfts"])
                   for (tt, c), rs in results.items() if tt == t}

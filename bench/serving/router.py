@@ -1,0 +1,179 @@
+"""The harness's router for two (or more) vLLM servers: an OpenAI-compatible reverse proxy that
+sends each completion to one server, by policy:
+
+  prefix       where kvtier says the prompt's prefix is cheapest (`kvtier.router.score`, one
+               cluster Lookup through the first node), plus the prefill work already waiting
+               on each server (the cost of each request sent there whose first token has not
+               come back yet): cost = blocks to compute here + queued blocks. Ties go to the
+               server with fewer requests in flight, then round-robin. The same trade as
+               Dynamo's KV router (prefix overlap against load), in kvtier's cost units.
+  round-robin  one server after the other.
+
+    python router.py --policy prefix --backends URL,URL --cluster ADDR,ADDR --via GRPC \\
+        --model PATH --block-size 32
+
+Prints `router ready: url=http://127.0.0.1:PORT` once it listens; GET /router/stats answers
+how many requests went where and how long the lookups took. A lookup that fails or takes more
+than `--lookup-timeout` counts as nothing held anywhere (the request is still served: the
+router never stops traffic because kvtier did not answer)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import sys
+import time
+
+import aiohttp
+from aiohttp import web
+
+
+class Router:
+    def __init__(self, a):
+        self.backends = a.backends.split(",")
+        self.cluster = a.cluster.split(",") if a.cluster else []
+        self.policy = a.policy
+        self.via = a.via
+        self.model = a.model
+        self.bs = a.block_size
+        self.timeout = a.lookup_timeout
+        self.rr = itertools.cycle(range(len(self.backends)))
+        self.inflight = [0] * len(self.backends)
+        self.queued_blocks = [0.0] * len(self.backends)
+        self.stats = {"sent": [0] * len(self.backends), "lookups": 0, "lookup_errors": 0,
+                      "lookup_s": 0.0, "prompt_blocks": 0, "chosen_cost_blocks": 0.0}
+        self.session: aiohttp.ClientSession | None = None
+
+    def _costs(self, ids: list[int]) -> list[float]:
+        """Blocks to compute on each server (kvtier's cost) for this prompt; blocking."""
+        from kvtier import router
+        from kvtier.vllm import prompt_keys
+
+        keys = prompt_keys(ids, model=self.model, block_size=self.bs)
+        if not keys:
+            return [0.0] * len(self.backends)
+        engines = {str(i): c for i, c in enumerate(self.cluster)}
+        got = router.score(engines, keys=keys, via=self.via, timeout=self.timeout)
+        self.stats["prompt_blocks"] += len(keys)
+        return [got[str(i)] for i in range(len(self.backends))]
+
+    async def choose(self, body: dict) -> tuple[int, float]:
+        if self.policy == "round-robin":
+            return next(self.rr), 0.0
+        ids = body.get("prompt")
+        if not (isinstance(ids, list) and all(isinstance(t, int) for t in ids)):
+            return next(self.rr), 0.0
+        t = time.monotonic()
+        self.stats["lookups"] += 1
+        try:
+            costs = await asyncio.wait_for(asyncio.to_thread(self._costs, ids),
+                                           self.timeout + 1)
+        except Exception as e:  # noqa: BLE001 - kvtier not answering never stops traffic
+            self.stats["lookup_errors"] += 1
+            print(f"router: lookup failed ({e!r}): round-robin", file=sys.stderr)
+            return next(self.rr), 0.0
+        finally:
+            self.stats["lookup_s"] += time.monotonic() - t
+        total = [c + q for c, q in zip(costs, self.queued_blocks)]
+        best = min(total)
+        tied = [i for i, c in enumerate(total) if c <= best + 1e-9]
+        if len(tied) > 1:
+            fewest = min(self.inflight[i] for i in tied)
+            tied = [i for i in tied if self.inflight[i] == fewest]
+            if len(tied) > 1:
+                while (i := next(self.rr)) not in tied:
+                    pass
+                return i, costs[i]
+        return tied[0], costs[tied[0]]
+
+    async def completions(self, req: web.Request) -> web.StreamResponse:
+        raw = await req.read()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return web.Response(status=400, text="router: the body is not JSON")
+        i, work = await self.choose(body)
+        self.stats["sent"][i] += 1
+        self.stats["chosen_cost_blocks"] += work
+        self.inflight[i] += 1
+        self.queued_blocks[i] += work
+        queued = [work]
+
+        def prefilled():
+            # The first token is out: this request's prefill no longer waits on server i.
+            self.queued_blocks[i] -= queued[0]
+            queued[0] = 0.0
+
+        try:
+            return await self._forward(req, self.backends[i], raw, prefilled)
+        finally:
+            self.inflight[i] -= 1
+            prefilled()
+
+    async def _forward(self, req: web.Request, base: str, raw: bytes,
+                       first=lambda: None) -> web.StreamResponse:
+        assert self.session is not None
+        headers = {k: v for k, v in req.headers.items()
+                   if k.lower() in ("content-type", "authorization", "accept")}
+        async with self.session.request(req.method, base + req.path_qs, data=raw,
+                                        headers=headers) as r:
+            out = web.StreamResponse(status=r.status, headers={
+                "Content-Type": r.headers.get("Content-Type", "application/json")})
+            await out.prepare(req)
+            async for chunk in r.content.iter_any():
+                first()
+                await out.write(chunk)
+            await out.write_eof()
+            return out
+
+    async def other(self, req: web.Request) -> web.StreamResponse:
+        """Anything else (/v1/models, /health): the first server answers."""
+        return await self._forward(req, self.backends[0], await req.read())
+
+    async def stats_handler(self, _req: web.Request) -> web.Response:
+        return web.json_response(self.stats)
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--policy", choices=("prefix", "round-robin"), required=True)
+    ap.add_argument("--backends", required=True, help="the servers' base URLs, comma-separated")
+    ap.add_argument("--cluster", default="",
+                    help="each server's kvtierd cluster.listen address, in --backends' order")
+    ap.add_argument("--via", default="", help="a kvtierd admin gRPC address (prefix policy)")
+    ap.add_argument("--model", default="", help="the model as the servers name it (its path)")
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--lookup-timeout", type=float, default=2.0)
+    a = ap.parse_args()
+    if a.policy == "prefix" and not (a.via and a.model and
+                                     len(a.cluster.split(",")) == len(a.backends.split(","))):
+        sys.exit("router: --policy prefix needs --via, --model and one --cluster address per "
+                 "backend")
+    r = Router(a)
+    if a.policy == "prefix":
+        # vLLM's hashing (prompt_keys) imports much of vLLM: once, before taking traffic.
+        r._costs([0] * a.block_size)
+        r.stats["prompt_blocks"] = 0
+    r.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None,
+                                                                    sock_connect=30))
+    app = web.Application(client_max_size=1 << 28)
+    app.router.add_get("/router/stats", r.stats_handler)
+    app.router.add_post("/v1/completions", r.completions)
+    app.router.add_route("*", "/{tail:.*}", r.other)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - aiohttp has no getter
+    print(f"router ready: url=http://127.0.0.1:{port}", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await r.session.close()
+        await runner.cleanup()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,117 @@
+"""bench/serving/router.py, the harness's router for configuration 4 of the served-traffic
+benchmark, against two real kvtierd nodes in one cluster: a prompt whose prefix one node holds
+goes to the server of that node; prompts no node holds alternate; a kvtierd that does not answer
+never stops traffic. The two "servers" are HTTP endpoints that say who they are (the router
+only forwards; what vLLM does with a request is test_serving_smoke's)."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from kvtier import Sidecar
+from kvtier.vllm import namespace, prompt_keys
+from test_vllm_e2e import free_ports
+
+REPO = Path(__file__).resolve().parents[2]
+BS = 32
+
+
+def backend(name, seen):
+    class H(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append((name, body["prompt"]))
+            out = json.dumps({"backend": name}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}"
+
+
+def kvtierd(data_dir, listen, members):
+    p = subprocess.Popen(
+        [str(REPO / "target" / "debug" / "kvtierd"), "--data-dir", str(data_dir),
+         "--host-capacity", "256M", "--set", "disk.enabled=false", "--grpc", "127.0.0.1:0",
+         "--metrics", "127.0.0.1:0", "--set", "host.segment=16M", "--set", "log=warn",
+         "--set", f"cluster.listen={listen}", "--set", f"cluster.members={members}"],
+        stdout=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    assert line.startswith("kvtierd ready:"), line
+    return p, dict(w.split("=", 1) for w in line.split() if "=" in w)
+
+
+def post(url, prompt):
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(
+        {"model": "tiny", "prompt": prompt, "max_tokens": 1}).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())["backend"]
+
+
+def test_the_router_sends_a_prompt_where_its_prefix_is(tmp_path):
+    ports = free_ports(2)
+    listen = [f"127.0.0.1:{p}" for p in ports]
+    members = "[" + ",".join(f'"{a}"' for a in listen) + "]"
+    nodes = [kvtierd(tmp_path / f"n{i}", listen[i], members) for i in range(2)]
+    seen = []
+    servers = [backend(n, seen) for n in "ab"]
+    router = None
+    try:
+        # Node b holds a 4-block prompt under the keys the vLLM connector would use.
+        held = list(range(1000, 1000 + 4 * BS)) + [7]
+        enc, _ = namespace("m", None, "auto", BS)
+        side = Sidecar(nodes[1][1]["socket"], "router-test")
+        ns = side.register_namespace(enc)
+        for k in prompt_keys(held, model="m", block_size=BS, hash_seed="0"):
+            assert side.put(ns, k, b"k" * 4096)
+        router = subprocess.Popen(
+            [sys.executable, str(REPO / "bench" / "serving" / "router.py"), "--policy",
+             "prefix", "--backends", ",".join(u for _, u in servers), "--cluster",
+             ",".join(listen), "--via", nodes[0][1]["grpc"], "--model", "m", "--block-size",
+             str(BS)],
+            stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONHASHSEED="0"))
+        line = router.stdout.readline()
+        assert line.startswith("router ready:"), line
+        url = line.split("url=", 1)[1].strip()
+
+        # Wherever the request arrives first, the prompt goes to b, every time.
+        assert [post(url, held) for _ in range(3)] == ["b"] * 3
+        # Held nowhere: no server is cheaper, none is busier: one each.
+        fresh = [post(url, list(range(5000 + 200 * i, 5000 + 200 * i + 3 * BS)))
+                 for i in range(2)]
+        assert sorted(fresh) == ["a", "b"], fresh
+        # The body reached the server unchanged.
+        assert seen[0] == ("b", held)
+        stats = json.loads(urllib.request.urlopen(url + "/router/stats", timeout=10).read())
+        assert stats["sent"] == [1, 4] and stats["lookup_errors"] == 0, stats
+
+        # kvtierd gone: the router still serves, round-robin, and counts it.
+        for p, _ in nodes:
+            p.kill()
+            p.wait()
+        assert sorted(post(url, held) for _ in range(2)) == ["a", "b"]
+        stats = json.loads(urllib.request.urlopen(url + "/router/stats", timeout=10).read())
+        assert stats["lookup_errors"] == 2, stats
+    finally:
+        if router is not None:
+            router.kill()
+            router.wait()
+        for s, _ in servers:
+            s.shutdown()
+        for p, _ in nodes:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(timeout=60)
