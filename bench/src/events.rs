@@ -144,9 +144,12 @@ fn hashes_in(payload: &[u8]) -> Result<(u64, u64)> {
                 "block_size" => {
                     let _: u64 = rmp::decode::read_int(&mut rd)?;
                 }
-                "medium" => {
+                "medium" | "locality" | "ownership" | "kv_cache_spec_kind" => {
                     let mut v = [0u8; 32];
                     rmp::decode::read_str(&mut rd, &mut v).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+                }
+                "group_idx" | "kv_cache_spec_sliding_window" => {
+                    let _: u64 = rmp::decode::read_int(&mut rd)?;
                 }
                 other => bail!("unexpected field {other:?}"),
             }
