@@ -13,7 +13,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use kvstore::{Namespace, NsId};
-use kvtier_ipc::{IpcClient, IpcError};
+use kvtier_ipc::{IpcClient, IpcError, KvGroup};
 
 use crate::transfer::TransferError;
 
@@ -36,8 +36,9 @@ struct State {
     /// Which connection `conn` is (counted from 1; 0: none made yet): reservations belong to
     /// one connection and die with it.
     conn_id: u64,
-    /// Registered through this handle; the local id is the index.
-    namespaces: Vec<Namespace>,
+    /// Registered through this handle, each with the engine's KV-cache group it keys (if
+    /// said); the local id is the index.
+    namespaces: Vec<(Namespace, Option<KvGroup>)>,
     /// The daemon's id of each on the current connection.
     remote: Vec<Option<NsId>>,
     retry_at: Instant,
@@ -135,7 +136,7 @@ pub struct Sidecar {
 
 /// The daemon's ids of this handle's namespaces on the live connection (registered lazily).
 pub struct NsMap<'a> {
-    namespaces: &'a [Namespace],
+    namespaces: &'a [(Namespace, Option<KvGroup>)],
     remote: &'a mut Vec<Option<NsId>>,
     conn_id: u64,
 }
@@ -149,13 +150,13 @@ impl NsMap<'_> {
     /// The daemon's id of local namespace `local`, registering it on this connection first.
     pub fn get(&mut self, c: &mut IpcClient, local: NsId) -> Result<NsId, IpcError> {
         let i = local.0 as usize;
-        let ns = self.namespaces.get(i).ok_or_else(|| {
+        let (ns, group) = self.namespaces.get(i).ok_or_else(|| {
             IpcError::Remote(format!("namespace id {} was never registered", local.0))
         })?;
         if let Some(id) = self.remote[i] {
             return Ok(id);
         }
-        let id = c.register_namespace(ns)?;
+        let id = c.register_namespace_in(ns, group.as_ref())?;
         self.remote[i] = Some(id);
         Ok(id)
     }
@@ -254,13 +255,31 @@ impl Sidecar {
 
     /// Registers a namespace; returns its local id (valid across reconnections).
     pub fn register_namespace(&self, ns: &Namespace) -> Result<NsId, TransferError> {
+        self.register_namespace_in(ns, None)
+    }
+
+    /// Registers a namespace that keys the blocks of the engine's KV-cache group `group`
+    /// (sent with every registration, on every connection, for the daemon's KV events);
+    /// returns its local id (valid across reconnections).
+    pub fn register_namespace_in(
+        &self,
+        ns: &Namespace,
+        group: Option<KvGroup>,
+    ) -> Result<NsId, TransferError> {
         ns.validate()?;
         let mut st = self.st.lock().map_err(|_| TransferError::Poisoned)?;
         let fp = ns.fingerprint();
-        let i = match st.namespaces.iter().position(|n| n.fingerprint() == fp) {
-            Some(i) => i,
+        let i = match st.namespaces.iter().position(|(n, _)| n.fingerprint() == fp) {
+            Some(i) => {
+                if group.is_some() && st.namespaces[i].1 != group {
+                    // Said now: registered again, so the daemon hears it.
+                    st.namespaces[i].1 = group;
+                    st.remote[i] = None;
+                }
+                i
+            }
             None => {
-                st.namespaces.push(ns.clone());
+                st.namespaces.push((ns.clone(), group));
                 st.remote.push(None);
                 st.namespaces.len() - 1
             }

@@ -326,9 +326,20 @@ impl Backend {
     /// Registers a namespace; returns its id (the store's, or this handle's in sidecar mode,
     /// stable across daemon restarts).
     pub fn register_namespace(&self, ns: &Namespace) -> Result<NsId, TransferError> {
+        self.register_namespace_in(ns, None)
+    }
+
+    /// [`Backend::register_namespace`] for a namespace that keys the blocks of the engine's
+    /// KV-cache group `group`: kvtierd publishes it with the namespace's KV events (an
+    /// embedded store publishes none: it is not told).
+    pub fn register_namespace_in(
+        &self,
+        ns: &Namespace,
+        group: Option<kvtier_ipc::KvGroup>,
+    ) -> Result<NsId, TransferError> {
         match &self.kind {
             Kind::Embedded(s) => Ok(s.register_namespace(ns)?),
-            Kind::Sidecar(c) => c.register_namespace(ns),
+            Kind::Sidecar(c) => c.register_namespace_in(ns, group),
         }
     }
 

@@ -14,6 +14,30 @@ use std::time::Duration;
 
 use kvtier_proto::ipc::{self as pb, request, response};
 use kvtier_proto::IPC_VERSION;
+/// A KV-cache group of an engine, as registered with a namespace (published with KV events).
+pub use kvtier_proto::ipc::KvGroup;
+
+/// Most bytes of a [`KvGroup`]'s `spec_kind`.
+pub const MAX_SPEC_KIND: usize = 32;
+
+/// Whether a [`KvGroup`] from an engine can be published: its `spec_kind` is empty or at most
+/// [`MAX_SPEC_KIND`] lowercase ASCII letters, digits and '_' (vLLM's `KVCacheSpecKind`
+/// values); else an error naming the problem.
+pub fn check_kv_group(g: &KvGroup) -> Result<(), String> {
+    let k = g.spec_kind.as_str();
+    if k.len() > MAX_SPEC_KIND
+        || !k
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+    {
+        return Err(format!(
+            "KV-cache group {}: spec_kind {:?} is not a vLLM KVCacheSpecKind value (lowercase letters, digits and '_', at most {MAX_SPEC_KIND})",
+            g.idx,
+            k.chars().take(40).collect::<String>()
+        ));
+    }
+    Ok(())
+}
 use memmap2::MmapRaw;
 use prost::Message;
 
@@ -479,8 +503,19 @@ impl IpcClient {
 
     /// Registers a namespace; the id is the daemon's.
     pub fn register_namespace(&mut self, ns: &Namespace) -> Result<NsId, IpcError> {
+        self.register_namespace_in(ns, None)
+    }
+
+    /// Registers a namespace that keys the blocks of an engine's KV-cache group (published with
+    /// its KV events); the id is the daemon's.
+    pub fn register_namespace_in(
+        &mut self,
+        ns: &Namespace,
+        group: Option<&pb::KvGroup>,
+    ) -> Result<NsId, IpcError> {
         match self.call(request::Body::RegisterNamespace(pb::RegisterNamespace {
             encoded: ns.encode(),
+            group: group.cloned(),
         }))? {
             response::Body::Namespace(r) => Ok(NsId(r.id)),
             _ => Err(IpcError::Protocol("expected a namespace reply".into())),

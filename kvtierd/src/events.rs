@@ -32,7 +32,10 @@
 //! under its 16-byte kvtier key. With `events.int_hashes` a hash goes as vLLM's integer form (its
 //! low 64 bits, big-endian). `parent_block_hash` is nil and `token_ids` empty; `block_size` is
 //! the tokens per block of the block's namespace as its engine registered it (0 if none has
-//! since the daemon started). Consecutive events of one kind and tier become one event with
+//! since the daemon started), and `group_idx` (`BlockStored` also `kv_cache_spec_kind` and
+//! `kv_cache_spec_sliding_window`) the engine's KV-cache group the namespace keys, when the
+//! engine registered it with one (the vLLM connector does, for every group; absent otherwise,
+//! as vLLM's msgspec structs omit a None). Consecutive events of one kind and tier become one event with
 //! several hashes.
 
 use std::collections::{HashMap, VecDeque};
@@ -91,8 +94,28 @@ struct Ring {
     bytes: usize,
 }
 
-/// Tokens per block of each namespace id, per store, as engines registered them.
-pub type BlockTokens = Arc<Mutex<HashMap<(usize, u16), u32>>>;
+/// What the events say of a namespace's blocks, as its engine registered it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NsInfo {
+    /// Tokens per block.
+    pub block_tokens: u32,
+    /// The engine's KV-cache group the namespace keys, if it said (vLLM's connector does).
+    pub group: Option<KvGroup>,
+}
+
+/// An engine's KV-cache group, as vLLM's events name it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvGroup {
+    /// `group_idx`.
+    pub idx: u32,
+    /// `kv_cache_spec_kind` (checked: `kvtier_ipc::check_kv_group`); empty: not said.
+    pub spec_kind: String,
+    /// `kv_cache_spec_sliding_window` in tokens; 0: none.
+    pub sliding_window: u32,
+}
+
+/// [`NsInfo`] of each namespace id, per store.
+pub type NsInfos = Arc<Mutex<HashMap<(usize, u16), NsInfo>>>;
 
 /// How events are encoded.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -264,6 +287,8 @@ pub struct Run {
     pub tier: Tier,
     /// Tokens per block (BlockStored).
     pub block_size: u32,
+    /// The KV-cache group of the blocks' namespace, if its engine said.
+    pub group: Option<KvGroup>,
     /// The blocks' hashes.
     pub keys: Vec<Hash>,
 }
@@ -288,27 +313,67 @@ fn locality(t: Tier) -> &'static str {
     }
 }
 
-/// Groups events into runs of one kind, tier and block size, each block under `hash(event)`.
-pub fn runs(
+/// Groups events into runs of one kind, tier, block size and KV-cache group (from `info` of
+/// the block's namespace; none known: 0 tokens, no group), each block under `hash(event)`.
+pub fn runs<'a>(
     events: &[BlockEvent],
-    block_size: impl Fn(u16) -> u32,
+    info: impl Fn(u16) -> Option<&'a NsInfo>,
     mut hash: impl FnMut(&BlockEvent) -> Hash,
 ) -> Vec<Run> {
     let mut out: Vec<Run> = Vec::new();
     for e in events {
-        let bs = block_size(e.ns);
+        let i = info(e.ns);
+        let bs = i.map_or(0, |i| i.block_tokens);
+        let group = i.and_then(|i| i.group.as_ref());
         let h = hash(e);
         match out.last_mut() {
-            Some(r) if r.kind == e.kind && r.tier == e.tier && r.block_size == bs => r.keys.push(h),
+            Some(r)
+                if r.kind == e.kind
+                    && r.tier == e.tier
+                    && r.block_size == bs
+                    && r.group.as_ref() == group =>
+            {
+                r.keys.push(h)
+            }
             _ => out.push(Run {
                 kind: e.kind,
                 tier: e.tier,
                 block_size: bs,
+                group: group.cloned(),
                 keys: vec![h],
             }),
         }
     }
     out
+}
+
+/// vLLM 0.32's group fields of a BlockStored (`removed`: BlockRemoved's, `group_idx` only):
+/// how many map entries, and writing them. vLLM's msgspec structs omit a None field.
+fn group_fields(g: Option<&KvGroup>, removed: bool) -> u32 {
+    match g {
+        None => 0,
+        Some(_) if removed => 1,
+        Some(g) => 1 + u32::from(!g.spec_kind.is_empty()) + u32::from(g.sliding_window > 0),
+    }
+}
+
+fn write_group(b: &mut Vec<u8>, g: Option<&KvGroup>, removed: bool) {
+    let Some(g) = g else {
+        return;
+    };
+    str_(b, "group_idx");
+    let _ = rmp::encode::write_uint(b, u64::from(g.idx));
+    if removed {
+        return;
+    }
+    if !g.spec_kind.is_empty() {
+        str_(b, "kv_cache_spec_kind");
+        str_(b, &g.spec_kind);
+    }
+    if g.sliding_window > 0 {
+        str_(b, "kv_cache_spec_sliding_window");
+        let _ = rmp::encode::write_uint(b, u64::from(g.sliding_window));
+    }
 }
 
 // msgpack writes into a Vec cannot fail: the results of rmp's writers are ignored below.
@@ -344,7 +409,7 @@ fn hashes(b: &mut Vec<u8>, keys: &[Hash], enc: Encoding) {
 fn event(b: &mut Vec<u8>, r: &Run, enc: Encoding) {
     match (r.kind, enc.array) {
         (EventKind::Stored, false) => {
-            let _ = rmp::encode::write_map_len(b, 10);
+            let _ = rmp::encode::write_map_len(b, 10 + group_fields(r.group.as_ref(), false));
             str_(b, "type");
             str_(b, "BlockStored");
             str_(b, "block_hashes");
@@ -361,6 +426,7 @@ fn event(b: &mut Vec<u8>, r: &Run, enc: Encoding) {
             str_(b, medium(r.tier, enc));
             str_(b, "lora_name");
             nil(b);
+            write_group(b, r.group.as_ref(), false);
             str_(b, "locality");
             str_(b, locality(r.tier));
             str_(b, "ownership");
@@ -378,13 +444,14 @@ fn event(b: &mut Vec<u8>, r: &Run, enc: Encoding) {
             nil(b);
         }
         (EventKind::Removed, false) => {
-            let _ = rmp::encode::write_map_len(b, 5);
+            let _ = rmp::encode::write_map_len(b, 5 + group_fields(r.group.as_ref(), true));
             str_(b, "type");
             str_(b, "BlockRemoved");
             str_(b, "block_hashes");
             hashes(b, &r.keys, enc);
             str_(b, "medium");
             str_(b, medium(r.tier, enc));
+            write_group(b, r.group.as_ref(), true);
             str_(b, "locality");
             str_(b, locality(r.tier));
             str_(b, "ownership");
@@ -457,7 +524,7 @@ pub struct Publisher {
 pub async fn start(
     cfg: &EventsSection,
     stores: Vec<(usize, &'static Store)>,
-    block_tokens: BlockTokens,
+    ns_info: NsInfos,
     engine_hashes: Arc<EngineHashes>,
     stats: Arc<EventStats>,
     mut stop: tokio::sync::watch::Receiver<bool>,
@@ -495,7 +562,7 @@ pub async fn start(
     // One thread per store turns its events into encoded batches.
     for (t, store) in stores {
         let rx_events = store.subscribe(1 << 16);
-        let (tx, tokens, stats) = (tx.clone(), block_tokens.clone(), stats.clone());
+        let (tx, infos, stats) = (tx.clone(), ns_info.clone(), stats.clone());
         let engine = engine_hashes.clone();
         let queued = queued.clone();
         std::thread::Builder::new()
@@ -521,11 +588,11 @@ pub async fn start(
                     backlog = buf.len() == MAX_EVENTS_PER_BATCH;
                     let hashes = engine.resolve_all(t, &buf);
                     let rs = {
-                        let m = tokens.lock();
+                        let m = infos.lock();
                         let mut next = hashes.into_iter();
                         runs(
                             &buf,
-                            |ns| m.get(&(t, ns)).copied().unwrap_or(0),
+                            |ns| m.get(&(t, ns)),
                             |e| next.next().unwrap_or(Hash::Key(e.key.0)),
                         )
                     };
@@ -690,33 +757,89 @@ mod tests {
         }
     }
 
+    fn group(idx: u32, kind: &str, window: u32) -> Option<KvGroup> {
+        Some(KvGroup {
+            idx,
+            spec_kind: kind.into(),
+            sliding_window: window,
+        })
+    }
+
     #[test]
-    fn runs_group_consecutive_events_of_one_kind_tier_and_block_size() {
+    fn runs_group_consecutive_events_of_one_kind_tier_block_size_and_group() {
         let evs = [
             ev(EventKind::Stored, 1, Tier::Host, 0),
             ev(EventKind::Stored, 2, Tier::Host, 0),
             ev(EventKind::Stored, 3, Tier::Disk, 0),
             ev(EventKind::Removed, 1, Tier::Host, 0),
             ev(EventKind::Stored, 4, Tier::Host, 1),
+            // Same block size, another KV-cache group; then a namespace nobody described.
+            ev(EventKind::Stored, 5, Tier::Host, 2),
+            ev(EventKind::Stored, 6, Tier::Host, 9),
         ];
-        let rs = runs(
-            &evs,
-            |ns| if ns == 0 { 16 } else { 32 },
-            |e| Hash::Key(e.key.0),
-        );
-        let shape: Vec<(EventKind, Tier, u32, usize)> = rs
+        let infos = [
+            NsInfo {
+                block_tokens: 16,
+                group: None,
+            },
+            NsInfo {
+                block_tokens: 32,
+                group: group(0, "full_attention", 0),
+            },
+            NsInfo {
+                block_tokens: 32,
+                group: group(1, "sliding_window", 128),
+            },
+        ];
+        let rs = runs(&evs, |ns| infos.get(ns as usize), |e| Hash::Key(e.key.0));
+        let shape: Vec<(EventKind, Tier, u32, Option<u32>, usize)> = rs
             .iter()
-            .map(|r| (r.kind, r.tier, r.block_size, r.keys.len()))
+            .map(|r| {
+                let g = r.group.as_ref().map(|g| g.idx);
+                (r.kind, r.tier, r.block_size, g, r.keys.len())
+            })
             .collect();
         assert_eq!(
             shape,
             vec![
-                (EventKind::Stored, Tier::Host, 16, 2),
-                (EventKind::Stored, Tier::Disk, 16, 1),
-                (EventKind::Removed, Tier::Host, 16, 1),
-                (EventKind::Stored, Tier::Host, 32, 1),
+                (EventKind::Stored, Tier::Host, 16, None, 2),
+                (EventKind::Stored, Tier::Disk, 16, None, 1),
+                (EventKind::Removed, Tier::Host, 16, None, 1),
+                (EventKind::Stored, Tier::Host, 32, Some(0), 1),
+                (EventKind::Stored, Tier::Host, 32, Some(1), 1),
+                (EventKind::Stored, Tier::Host, 0, None, 1),
             ]
         );
+    }
+
+    #[test]
+    fn a_group_is_published_as_vllm_names_it_and_counted_in_the_map() {
+        let mut r = Run {
+            kind: EventKind::Stored,
+            tier: Tier::Host,
+            block_size: 32,
+            group: group(1, "sliding_window", 128),
+            keys: vec![Hash::Key(3)],
+        };
+        let has = |b: &[u8], s: &str| b.windows(s.len()).any(|w| w == s.as_bytes());
+        for (kind, entries) in [(EventKind::Stored, 13), (EventKind::Removed, 6)] {
+            r.kind = kind;
+            let b = batch(0.0, std::slice::from_ref(&r), Encoding::default());
+            let mut rd = b.as_slice();
+            rmp::decode::read_array_len(&mut rd).unwrap();
+            rmp::decode::read_f64(&mut rd).unwrap();
+            rmp::decode::read_array_len(&mut rd).unwrap();
+            assert_eq!(rmp::decode::read_map_len(&mut rd).unwrap(), entries);
+            assert!(has(&b, "group_idx"));
+            let spec = kind == EventKind::Stored;
+            assert_eq!(has(&b, "kv_cache_spec_kind") && has(&b, "sliding_window"), spec);
+            assert_eq!(has(&b, "kv_cache_spec_sliding_window"), spec);
+        }
+        // A group with no kind or window said: group_idx only.
+        r.kind = EventKind::Stored;
+        r.group = group(0, "", 0);
+        let b = batch(0.0, std::slice::from_ref(&r), Encoding::default());
+        assert!(has(&b, "group_idx") && !has(&b, "kv_cache_spec"));
     }
 
     #[test]
@@ -725,6 +848,7 @@ mod tests {
             kind: EventKind::Stored,
             tier: Tier::Disk,
             block_size: 16,
+            group: None,
             keys: vec![Hash::Key(u128::MAX - 1)],
         };
         for (array, int_hashes) in [(false, false), (true, true)] {
@@ -766,6 +890,7 @@ mod tests {
             kind: EventKind::Stored,
             tier: Tier::Remote,
             block_size: 16,
+            group: None,
             keys: vec![Hash::Key(5)],
         };
         let has = |b: &[u8], s: &str| b.windows(s.len()).any(|w| w == s.as_bytes());
@@ -812,6 +937,7 @@ mod tests {
             kind: EventKind::Removed,
             tier: Tier::Host,
             block_size: 16,
+            group: None,
             keys: vec![engine],
         };
         let b = batch(0.0, std::slice::from_ref(&r), Encoding::default());

@@ -402,8 +402,19 @@ impl<'d> Conn<'d> {
             }
             request::Body::RegisterNamespace(r) => {
                 let ns = Namespace::decode(&r.encoded).map_err(|e| e.to_string())?;
+                let group = match r.group {
+                    Some(g) => {
+                        kvtier_ipc::check_kv_group(&g)?;
+                        Some(crate::events::KvGroup {
+                            idx: g.idx,
+                            spec_kind: g.spec_kind,
+                            sliding_window: g.sliding_window,
+                        })
+                    }
+                    None => None,
+                };
                 let max = self.d.cfg.server.max_namespaces_per_connection as usize;
-                let id = self.d.register_namespace(self.t, &ns, |id| {
+                let id = self.d.register_namespace(self.t, &ns, group, |id| {
                     if self.namespaces.contains(&id.0) || self.namespaces.len() < max {
                         Ok(())
                     } else {

@@ -104,8 +104,9 @@ pub struct Daemon {
     latency: Mutex<HashMap<&'static str, Histogram<u64>>>,
     /// Serial numbers of engine connections (preload tags are scoped by them).
     conn_serial: AtomicU64,
-    /// Tokens per block of each registered namespace, per store (for KV events).
-    pub block_tokens: events::BlockTokens,
+    /// Tokens per block and KV-cache group of each registered namespace, per store (for KV
+    /// events).
+    pub ns_info: events::NsInfos,
     /// KV event publisher counters.
     pub events: Arc<events::EventStats>,
     /// Engine hashes of stored blocks, for KV events (only while `[events]` is on).
@@ -198,31 +199,35 @@ impl Daemon {
             log,
             latency: Mutex::new(HashMap::new()),
             conn_serial: AtomicU64::new(0),
-            block_tokens: Arc::default(),
+            ns_info: Arc::default(),
             events: Arc::default(),
             cluster: None,
         }
     }
 
-    /// Registers a namespace for a connection (`check` may refuse a new one); when the table
-    /// is full, ids of namespaces with no blocks that no live connection holds are reclaimed
-    /// first.
+    /// Registers a namespace for a connection (`check` may refuse a new one), with the
+    /// engine's KV-cache group it keys if the engine said (the last registration's word
+    /// stands); when the table is full, ids of namespaces with no blocks that no live
+    /// connection holds are reclaimed first.
     pub fn register_namespace(
         &self,
         t: usize,
         ns: &kvstore::Namespace,
+        group: Option<events::KvGroup>,
         check: impl Fn(kvstore::NsId) -> Result<(), String>,
     ) -> Result<kvstore::NsId, String> {
         let store = self.store_at(t);
         let fp = ns.fingerprint();
+        let info = events::NsInfo {
+            block_tokens: ns.block_tokens,
+            group,
+        };
         if let Some(i) = store.namespaces().iter().position(|f| *f == fp) {
             let id = kvstore::NsId(i as u32);
             check(id)?;
             // Known already (registered before, or recovered from the disk tier after a
-            // restart): its tokens per block still have to reach the KV events.
-            self.block_tokens
-                .lock()
-                .insert((t, id.0 as u16), ns.block_tokens);
+            // restart): its tokens per block and group still have to reach the KV events.
+            self.ns_info.lock().insert((t, id.0 as u16), info);
             return Ok(id);
         }
         check(kvstore::NsId(u32::MAX))?;
@@ -234,9 +239,7 @@ impl Daemon {
             }
             r => r.map_err(|e| e.to_string()),
         }?;
-        self.block_tokens
-            .lock()
-            .insert((t, id.0 as u16), ns.block_tokens);
+        self.ns_info.lock().insert((t, id.0 as u16), info);
         Ok(id)
     }
 
@@ -607,7 +610,7 @@ fn run() -> Result<()> {
             let p = events::start(
                 &cfg.events,
                 stores,
-                d.block_tokens.clone(),
+                d.ns_info.clone(),
                 d.engine_hashes.clone().unwrap_or_default(),
                 d.events.clone(),
                 stop_rx.clone(),

@@ -124,7 +124,7 @@ def setup_ns(side, model):
     return side.register_namespace(enc), fp
 
 
-def vllm_offloading_events(hashes, medium, locality, removed):
+def vllm_offloading_events(hashes, medium, locality, removed, group=0):
     """What vLLM 0.32's own offloading event path (the OffloadingConnector's
     OffloadingEventsTracker) publishes for blocks of a secondary tier named "kvtier" in
     `medium` with `locality`: its BlockStored / BlockRemoved for the same hashes."""
@@ -136,7 +136,7 @@ def vllm_offloading_events(hashes, medium, locality, removed):
     tracker = OffloadingEventsTracker(OffloadingKVEventsConfig(
         enable_kv_cache_events=True, self_describing_kv_events=False))
     return list(tracker.take_events([OffloadingEvent(
-        keys=[make_offload_key(h, 0) for h in hashes], medium=Medium(medium), removed=removed,
+        keys=[make_offload_key(h, group) for h in hashes], medium=Medium(medium), removed=removed,
         locality=Locality(locality), ownership="kvtier")]))
 
 
@@ -147,12 +147,13 @@ def as_int(h):
 
 # Fields of vLLM's events kvtierd fills differently from vLLM's offloading path, and why:
 # block_size: vLLM's tracker knows it only for blocks its scheduler recorded (else 0); kvtierd
-# sends the namespace's. group_idx: vLLM's offloading key carries the KV-cache group; kvtierd's
-# IPC does not yet (None). block_hashes: compared in vLLM's integer form.
+# sends the namespace's. group_idx: vLLM's offloading key carries the KV-cache group; kvtierd
+# knows it when the engine registered the namespace with its group (the vLLM connector does;
+# these raw puts do not, unless a test says so). block_hashes: compared in vLLM's integer form.
 NOT_COMPARED = {"block_hashes", "block_size", "group_idx"}
 
 
-def assert_like_vllm(ours, theirs):
+def assert_like_vllm(ours, theirs, skip=NOT_COMPARED):
     """`ours`, one event, against what vLLM publishes for its blocks (`theirs`: one event per
     block for stores it has no scheduler record of, one per group for removals): the same
     hashes in order, and field by field, every field of vLLM's struct."""
@@ -161,7 +162,7 @@ def assert_like_vllm(ours, theirs):
     for t in theirs:
         assert type(ours) is type(t)
         for f in type(t).__struct_fields__:
-            if f not in NOT_COMPARED:
+            if f not in skip:
                 assert getattr(ours, f) == getattr(t, f), (f, ours, t)
 
 
@@ -230,6 +231,65 @@ def test_events_decode_with_vllms_classes_and_replay(tmp_path):
         live = {s: p for s, p in everything}
         assert [live[s] for s, _ in msgs] == [p for _, p in msgs]
         assert len(replay(d.replay, len(everything))) == 0
+        del side
+    finally:
+        d.stop()
+
+
+# With the group known, group_idx is compared; vLLM's offloading path fills the spec's kind and
+# window only for full-attention chunks its scheduler recorded (a placeholder otherwise, as
+# here): those are asserted against vLLM's own functions instead.
+GROUP_SKIP = (NOT_COMPARED - {"group_idx"}) | {"kv_cache_spec_kind",
+                                               "kv_cache_spec_sliding_window"}
+
+
+def test_a_namespace_registered_with_its_kv_cache_group_publishes_it_as_vllm_does(tmp_path):
+    """An engine that registers a namespace with its KV-cache group (vLLM's connector does, for
+    each group of a hybrid model): kvtierd's events carry `group_idx` and the group's spec as
+    vLLM names them, stores and removals, and match vLLM's offloading events for that group;
+    a kind vLLM would never send is refused with an error naming it."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+    from vllm.v1.kv_cache_interface import (SlidingWindowSpec, get_kv_cache_spec_kind,
+                                            get_kv_cache_spec_sliding_window)
+
+    spec = SlidingWindowSpec(block_size=BLOCK_TOKENS, num_kv_heads=2, head_size=64,
+                             dtype=__import__("torch").float32, sliding_window=128)
+    kind, window = get_kv_cache_spec_kind(spec).value, get_kv_cache_spec_sliding_window(spec)
+    d = Daemon(tmp_path / "d")
+    try:
+        side = Sidecar(d.socket, "events-test")
+        sub = subscriber(d.events, side)
+        enc, fp = namespace_fingerprint(model="events-group", dtype="bf16", layout="group1",
+                                        block_tokens=BLOCK_TOKENS, tp_size=1, tp_rank=0)
+        with pytest.raises(ValueError, match="spec_kind"):
+            side.register_namespace(enc, group_idx=1, spec_kind="Sliding Window!")
+        with pytest.raises(ValueError, match="group_idx"):
+            side.register_namespace(enc, spec_kind=kind)
+        ns = side.register_namespace(enc, group_idx=1, spec_kind=kind, sliding_window=window)
+        keys = [engine_key(fp, bytes([i]) * 32) for i in range(4)]
+        for k in keys:
+            assert side.put(ns, k, b"g" * 4096)
+        dec = msgspec.msgpack.Decoder(type=KVEventBatch)
+
+        def of(msgs, cls):
+            return [e for _, p in msgs for e in dec.decode(p).events if isinstance(e, cls)
+                    and set(e.block_hashes) & set(keys)]
+
+        got = of(receive(sub, lambda m: sum(len(e.block_hashes)
+                                            for e in of(m, BlockStored)) >= 4), BlockStored)
+        assert [h for e in got for h in e.block_hashes] == keys
+        for e in got:
+            assert (e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) == \
+                (1, "sliding_window", 128)
+            assert_like_vllm(e, vllm_offloading_events(e.block_hashes, "CPU", "LOCAL", False,
+                                                       group=1), skip=GROUP_SKIP)
+        assert d.cli("clear", str(ns))["removed"] >= 4
+        gone = of(receive(sub, lambda m: {h for e in of(m, BlockRemoved)
+                                          for h in e.block_hashes} >= set(keys)), BlockRemoved)
+        for e in gone:
+            assert e.group_idx == 1
+            assert_like_vllm(e, vllm_offloading_events(e.block_hashes, e.medium, "LOCAL", True,
+                                                       group=1), skip=GROUP_SKIP)
         del side
     finally:
         d.stop()

@@ -502,6 +502,25 @@ def _groups_of(kv_cache_config, block_size: int) -> list[tuple[list[str], int, s
     return out
 
 
+def _event_group(kv_cache_config, g: int) -> dict:
+    """What kvtierd's KV events say of KV-cache group `g` (vLLM's `group_idx`,
+    `kv_cache_spec_kind`, `kv_cache_spec_sliding_window`, as vLLM's own offloading events fill
+    them): keyword arguments of `register_namespace`; none without the engine's KV-cache
+    config."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if g >= len(groups):
+        return {}
+    spec = groups[g].kv_cache_spec
+    try:
+        from vllm.v1.kv_cache_interface import (get_kv_cache_spec_kind,
+                                                get_kv_cache_spec_sliding_window)
+        kind = get_kv_cache_spec_kind(spec).value
+        window = get_kv_cache_spec_sliding_window(spec)
+    except (ImportError, AttributeError, TypeError):  # an older vLLM: the index only
+        kind, window = None, None
+    return dict(group_idx=g, spec_kind=kind, sliding_window=window)
+
+
 class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     """See the module documentation. ``SupportsHMA``: a model with several KV-cache groups
     (full attention and sliding window) keeps vLLM's hybrid allocator; each group's blocks are
@@ -592,9 +611,13 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         # they share a process, and lookups must not wait behind a background save).
         side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         self._store = open_store(extra, "embedded", f"vllm-{side}")
-        self._ns = self._store.register_namespace(self._ns_enc)
-        for grp in self._groups:
-            grp.ns = self._store.register_namespace(grp.ns_enc)
+        # Each namespace with its KV-cache group, for kvtierd's KV events (a hybrid model's
+        # primary namespace keys no group's blocks of its own).
+        self._ns = self._store.register_namespace(
+            self._ns_enc, **({} if self._hybrid else _event_group(kv_cache_config, 0)))
+        for g, grp in enumerate(self._groups):
+            grp.ns = self._store.register_namespace(grp.ns_enc,
+                                                    **_event_group(kv_cache_config, g))
         self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
         # Scheduler side.
         self._reqs: dict[str, Any] = {}

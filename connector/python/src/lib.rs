@@ -396,10 +396,39 @@ impl Backend {
         self.b.copy_threads()
     }
 
-    /// Registers a namespace from its canonical encoding; returns its id.
-    fn register_namespace(&self, py: Python<'_>, encoded: &[u8]) -> PyResult<u32> {
+    /// Registers a namespace from its canonical encoding; returns its id. With `group_idx`:
+    /// the namespace keys the blocks of the engine's KV-cache group of that index (its spec's
+    /// kind, e.g. "sliding_window", and window in tokens), which kvtierd publishes with the
+    /// namespace's KV events as vLLM does (`group_idx`, `kv_cache_spec_kind`,
+    /// `kv_cache_spec_sliding_window`).
+    #[pyo3(signature = (encoded, group_idx=None, spec_kind=None, sliding_window=None))]
+    fn register_namespace(
+        &self,
+        py: Python<'_>,
+        encoded: &[u8],
+        group_idx: Option<u32>,
+        spec_kind: Option<String>,
+        sliding_window: Option<u32>,
+    ) -> PyResult<u32> {
         let ns = namespace(encoded)?;
-        py.allow_threads(|| self.b.register_namespace(&ns))
+        let group = match group_idx {
+            Some(idx) => {
+                let g = kvtier_ipc::KvGroup {
+                    idx,
+                    spec_kind: spec_kind.unwrap_or_default(),
+                    sliding_window: sliding_window.unwrap_or(0),
+                };
+                kvtier_ipc::check_kv_group(&g).map_err(PyValueError::new_err)?;
+                Some(g)
+            }
+            None if spec_kind.is_some() || sliding_window.is_some() => {
+                return Err(PyValueError::new_err(
+                    "spec_kind and sliding_window describe a KV-cache group: give its group_idx",
+                ))
+            }
+            None => None,
+        };
+        py.allow_threads(|| self.b.register_namespace_in(&ns, group))
             .map(|i| i.0)
             .map_err(transfer_err)
     }
