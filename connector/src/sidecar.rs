@@ -269,7 +269,11 @@ impl Sidecar {
         ns.validate()?;
         let mut st = self.st.lock().map_err(|_| TransferError::Poisoned)?;
         let fp = ns.fingerprint();
-        let i = match st.namespaces.iter().position(|(n, _)| n.fingerprint() == fp) {
+        let i = match st
+            .namespaces
+            .iter()
+            .position(|(n, _)| n.fingerprint() == fp)
+        {
             Some(i) => {
                 if group.is_some() && st.namespaces[i].1 != group {
                     // Said now: registered again, so the daemon hears it.

@@ -12,10 +12,10 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
 
-use kvtier_proto::ipc::{self as pb, request, response};
-use kvtier_proto::IPC_VERSION;
 /// A KV-cache group of an engine, as registered with a namespace (published with KV events).
 pub use kvtier_proto::ipc::KvGroup;
+use kvtier_proto::ipc::{self as pb, request, response};
+use kvtier_proto::IPC_VERSION;
 
 /// Most bytes of a [`KvGroup`]'s `spec_kind`.
 pub const MAX_SPEC_KIND: usize = 32;

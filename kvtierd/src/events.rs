@@ -832,7 +832,10 @@ mod tests {
             assert_eq!(rmp::decode::read_map_len(&mut rd).unwrap(), entries);
             assert!(has(&b, "group_idx"));
             let spec = kind == EventKind::Stored;
-            assert_eq!(has(&b, "kv_cache_spec_kind") && has(&b, "sliding_window"), spec);
+            assert_eq!(
+                has(&b, "kv_cache_spec_kind") && has(&b, "sliding_window"),
+                spec
+            );
             assert_eq!(has(&b, "kv_cache_spec_sliding_window"), spec);
         }
         // A group with no kind or window said: group_idx only.

@@ -9,8 +9,11 @@ Every output is compared with an engine without a connector."""
 import subprocess
 import sys
 
+import msgspec
 import pytest
 
+from kvtier import Sidecar
+from test_kv_events import subscriber
 from test_vllm_e2e import BS, HERE, Daemon, engine, same, scramble_data_files
 
 H1 = list(range(1, 301))                          # 300 tokens: 9 full blocks + 12
@@ -27,9 +30,15 @@ def hybrid(tmp_path_factory):
 
 
 def test_a_hybrid_model_keeps_the_hybrid_allocator_and_loads_every_group(hybrid, tmp_path):
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
     ref = engine(hybrid, [H1, H2, H3])
-    d = Daemon(tmp_path / "kvtierd")
+    d = Daemon(tmp_path / "kvtierd", "--set", "events.endpoint=tcp://127.0.0.1:0")
     try:
+        sub = subscriber(d.events, Sidecar(d.socket, "hybrid-events"))
+        # The subscriber's probe blocks gone (only the engine's namespaces hold blocks next).
+        for n in d.cli("stats")["namespaces"]:
+            d.cli("clear", str(n["id"]))
         first = engine(hybrid, [H1, H3], d.conn())
         # The connector supports the hybrid allocator: vLLM kept it on.
         assert first["hybrid_allocator"], first
@@ -40,6 +49,21 @@ def test_a_hybrid_model_keeps_the_hybrid_allocator_and_loads_every_group(hybrid,
         held = [n for n in d.cli("stats")["namespaces"] if n["host_blocks"] > 0]
         assert len(held) == 2, held
         assert all(n["host_blocks"] == 9 + 2 for n in held), held
+        # kvtierd's KV events name each group's blocks as vLLM names the group: its index, its
+        # spec's kind and window (the connector registered each namespace with them). (The
+        # subscriber's probe blocks were 16-token ones.)
+        dec = msgspec.msgpack.Decoder(type=KVEventBatch)
+        groups = {}
+        while sub.poll(1000):
+            for e in dec.decode(sub.recv_multipart()[2]).events:
+                if isinstance(e, BlockStored) and e.block_size == BS:
+                    key = (e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window)
+                    groups[key] = groups.get(key, 0) + len(e.block_hashes)
+        sub.close(linger=0)
+        assert sorted(k[1:] for k in groups) == [("full_attention", None),
+                                                 ("sliding_window", 64)], groups
+        assert {k[0] for k in groups} == {0, 1}, groups
+        assert all(n == 9 + 2 for n in groups.values()), groups
 
         second = engine(hybrid, [H1, H2, H3], d.conn())["outputs"]
         # Whole blocks, one short of the prompt's end.

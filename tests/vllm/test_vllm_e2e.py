@@ -366,10 +366,14 @@ def test_vllm_engines_share_kv_through_kvtierd(model, ref, tmp_path):
         assert all(e.medium in ("CPU", "STORAGE") and e.block_size == BS for e in daemon), \
             [(e.medium, e.block_size) for e in daemon]
         # The KV-cache group as vLLM's own events name it (the connector registered it with
-        # the namespace): group 0, full attention, no window.
-        assert {e.group_idx for e in ours} == {0}
-        assert {(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window)
-                for e in daemon} == {(0, "full_attention", None)}
+        # the namespace): group 0, full attention, no window; the connector's own events and
+        # kvtierd's alike, a local tier named "kvtier".
+        def described(evs):
+            return {(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window,
+                     e.locality, e.ownership) for e in evs}
+
+        assert described(ours) == described(daemon) == \
+            {(0, "full_attention", None, "LOCAL", "kvtier")}
 
         # Data files corrupted on disk: the index says present, the checksum says no.
         d.stop()

@@ -618,6 +618,10 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         for g, grp in enumerate(self._groups):
             grp.ns = self._store.register_namespace(grp.ns_enc,
                                                     **_event_group(kv_cache_config, g))
+        # The group this connector's own BlockStored events name (the primary group's, which
+        # lookups follow, for a hybrid model).
+        self._stored_group = _event_group(
+            kv_cache_config, self._groups.index(self._primary()) if self._hybrid else 0)
         self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
         # Scheduler side.
         self._reqs: dict[str, Any] = {}
@@ -893,7 +897,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _stored_event(self, req, start, upto):
         """vLLM's BlockStored for the blocks [start, upto) of a request, saved to kvtier
-        (medium "CPU": kvtier's host tier takes them first), under the engine's own hashes."""
+        (medium "CPU": kvtier's host tier takes them first), under the engine's own hashes, as
+        vLLM 0.32's offloading tiers describe theirs (locality, ownership, the KV-cache group
+        and its spec)."""
         from vllm.distributed.kv_events import BlockStored
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
@@ -908,6 +914,11 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             lora_id=lora.adapter_id if lora else None,
             medium="CPU",
             lora_name=lora.name if lora else None,
+            group_idx=self._stored_group.get("group_idx"),
+            kv_cache_spec_kind=self._stored_group.get("spec_kind"),
+            kv_cache_spec_sliding_window=self._stored_group.get("sliding_window"),
+            locality="LOCAL",
+            ownership="kvtier",
         )
 
     def take_events(self):
