@@ -16,6 +16,11 @@ use std::time::Duration;
 pub use kvtier_proto::ipc::KvGroup;
 use kvtier_proto::ipc::{self as pb, request, response};
 use kvtier_proto::IPC_VERSION;
+use memmap2::MmapRaw;
+use prost::Message;
+
+use kvstore::{checksum, copy_hashed, ArenaSlice};
+use kvstore::{BlockKey, LeaseId, Namespace, NsId, Tier};
 
 /// Most bytes of a [`KvGroup`]'s `spec_kind`.
 pub const MAX_SPEC_KIND: usize = 32;
@@ -38,11 +43,6 @@ pub fn check_kv_group(g: &KvGroup) -> Result<(), String> {
     }
     Ok(())
 }
-use memmap2::MmapRaw;
-use prost::Message;
-
-use kvstore::{checksum, copy_hashed, ArenaSlice};
-use kvstore::{BlockKey, LeaseId, Namespace, NsId, Tier};
 
 /// Largest frame either side accepts.
 pub const MAX_FRAME: usize = 8 << 20;
