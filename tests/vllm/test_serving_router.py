@@ -9,11 +9,12 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from kvtier import Sidecar
+from kvtier import Sidecar, router as kvrouter
 from kvtier.vllm import namespace, prompt_keys
 from test_vllm_e2e import free_ports
 
@@ -75,8 +76,20 @@ def test_the_router_sends_a_prompt_where_its_prefix_is(tmp_path):
         enc, _ = namespace("m", None, "auto", BS)
         side = Sidecar(nodes[1][1]["socket"], "router-test")
         ns = side.register_namespace(enc)
-        for k in prompt_keys(held, model="m", block_size=BS, hash_seed="0"):
+        keys = prompt_keys(held, model="m", block_size=BS, hash_seed="0")
+        for k in keys:
             assert side.put(ns, k, b"k" * 4096)
+        # The cluster is formed: node a, asked for the cluster, hears b's answer (a node that
+        # started before its peer listened pauses asking it for a moment: b's blocks would be
+        # unknown, and the router would rightly see no difference).
+        end = time.monotonic() + 30
+        while True:
+            r = kvrouter.lookup(nodes[0][1]["grpc"], keys, cluster=True)
+            if any(n["node"] == listen[1] and n["n"] == 4 and not n["error"]
+                   for n in r["nodes"]):
+                break
+            assert time.monotonic() < end, r
+            time.sleep(0.1)  # polling the cluster's answer, deadline above
         router = subprocess.Popen(
             [sys.executable, str(REPO / "bench" / "serving" / "router.py"), "--policy",
              "prefix", "--backends", ",".join(u for _, u in servers), "--cluster",
