@@ -146,6 +146,8 @@ async def main() -> None:
     ap.add_argument("--model", default="", help="the model as the servers name it (its path)")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--lookup-timeout", type=float, default=2.0)
+    ap.add_argument("--read-timeout", type=float, default=600.0,
+                    help="seconds a server may stay silent within one response")
     a = ap.parse_args()
     if a.policy == "prefix" and not (a.via and a.model and
                                      len(a.cluster.split(",")) == len(a.backends.split(","))):
@@ -156,8 +158,11 @@ async def main() -> None:
         # vLLM's hashing (prompt_keys) imports much of vLLM: once, before taking traffic.
         r._costs([0] * a.block_size)
         r.stats["prompt_blocks"] = 0
-    r.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None,
-                                                                    sock_connect=30))
+    # No bound on a whole streamed completion (a queued request's first token may take
+    # minutes under overload), one on connecting and on each read: a server that stops
+    # answering fails its requests, it does not hold them forever.
+    r.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
+        total=None, sock_connect=30, sock_read=a.read_timeout))
     app = web.Application(client_max_size=1 << 28)
     app.router.add_get("/router/stats", r.stats_handler)
     app.router.add_post("/v1/completions", r.completions)

@@ -207,6 +207,16 @@ def working_set(reqs: list[dict]) -> int:
 
 # ---- processes ------------------------------------------------------------------------------
 
+def stop_process(p: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM, and SIGKILL if it has not exited within `timeout` seconds."""
+    p.terminate()
+    try:
+        p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+
+
 class Kvtierd:
     def __init__(self, binary: Path, data_dir: Path, host: int, disk: int | None,
                  extra: list[str] = ()):
@@ -228,12 +238,7 @@ class Kvtierd:
         return samples(http_get(f"http://{self.metrics}/metrics"))
 
     def stop(self) -> None:
-        self.p.terminate()
-        try:
-            self.p.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait()
+        stop_process(self.p, 120)
         # A disk tier of twice the working set per daemon: gone with its run (the next run's
         # preallocation needs the room).
         shutil.rmtree(self.data_dir, ignore_errors=True)
@@ -331,12 +336,7 @@ class RouterProc:
         return json.loads(http_get(self.url + "/router/stats"))
 
     def stop(self) -> None:
-        self.p.terminate()
-        try:
-            self.p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait()
+        stop_process(self.p, 30)
         self.log.close()
 
 

@@ -126,20 +126,25 @@ pub struct RunCfg {
     pub preload_held: Option<f64>,
 }
 
+/// The host tier of a replay: (bytes per block slot, segment bytes, host bytes). Segments of
+/// up to 16 blocks (and 64 MiB), so small host capacities stay exact.
+fn host_sizing(cfg: &RunCfg) -> (u64, u64, u64) {
+    let block = cfg.block_bytes.div_ceil(4096) * 4096;
+    let per_seg = cfg
+        .host_blocks
+        .clamp(1, 16)
+        .min(((64u64 << 20) / block).max(1));
+    let seg = block * per_seg;
+    (block, seg, cfg.host_blocks.max(1).div_ceil(per_seg) * seg)
+}
+
 /// Replays `reqs` against a fresh embedded store.
 pub fn run_embedded(
     reqs: &[Request],
     cfg: &RunCfg,
     progress: &ProgressBar,
 ) -> Result<ReplayOutcome> {
-    let block = cfg.block_bytes.div_ceil(4096) * 4096;
-    // Segments of up to 16 blocks (and 64 MiB), so small host capacities stay exact.
-    let per_seg = cfg
-        .host_blocks
-        .clamp(1, 16)
-        .min(((64u64 << 20) / block).max(1));
-    let seg = block * per_seg;
-    let host_bytes = cfg.host_blocks.max(1).div_ceil(per_seg) * seg;
+    let (block, seg, host_bytes) = host_sizing(cfg);
     let _ = std::fs::remove_dir_all(&cfg.dir);
     let store = StoreConfig {
         capacity_bytes: host_bytes,
@@ -384,13 +389,7 @@ pub fn run_sidecar(
     bin: &std::path::Path,
     progress: &ProgressBar,
 ) -> Result<ReplayOutcome> {
-    let block = cfg.block_bytes.div_ceil(4096) * 4096;
-    let per_seg = cfg
-        .host_blocks
-        .clamp(1, 16)
-        .min(((64u64 << 20) / block).max(1));
-    let seg = block * per_seg;
-    let host_bytes = cfg.host_blocks.max(1).div_ceil(per_seg) * seg;
+    let (block, seg, host_bytes) = host_sizing(cfg);
     let mut args: Vec<String> = vec![
         "--host-capacity".into(),
         host_bytes.to_string(),
