@@ -46,7 +46,13 @@ pub fn ns() -> Namespace {
     }
 }
 
+/// `n` nodes with 1.5 s deadlines.
 pub async fn cluster(n: usize, secrets: &[&str]) -> Vec<Node> {
+    cluster_timed(n, secrets, DEADLINE).await
+}
+
+/// `n` nodes with deadlines of `timeout` (set-up, requests, peers' requests).
+pub async fn cluster_timed(n: usize, secrets: &[&str], timeout: Duration) -> Vec<Node> {
     let mut listeners = Vec::new();
     for _ in 0..n {
         listeners.push(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap());
@@ -58,14 +64,28 @@ pub async fn cluster(n: usize, secrets: &[&str]) -> Vec<Node> {
     let mut nodes = Vec::new();
     for (i, l) in listeners.into_iter().enumerate() {
         let secret = secrets[i.min(secrets.len() - 1)];
-        nodes.push(node(l, &addrs[i], &addrs, secret));
+        nodes.push(node_timed(l, &addrs[i], &addrs, secret, timeout));
     }
     nodes
 }
 
+/// The tests' deadline per peer request and connection set-up.
+pub const DEADLINE: Duration = Duration::from_millis(1500);
+
 /// One node serving on `l`, named `me` among `members` (its data-plane address, or that of
 /// a proxy in front of it), with 1.5 s deadlines.
 pub fn node(l: tokio::net::TcpListener, me: &str, members: &[String], secret: &str) -> Node {
+    node_timed(l, me, members, secret, DEADLINE)
+}
+
+/// [`node`] with deadlines of `timeout`.
+pub fn node_timed(
+    l: tokio::net::TcpListener,
+    me: &str,
+    members: &[String],
+    secret: &str,
+    timeout: Duration,
+) -> Node {
     let members: Vec<Member> = members
         .iter()
         .map(|a| Member::new(a.clone(), 1.0))
@@ -75,7 +95,7 @@ pub fn node(l: tokio::net::TcpListener, me: &str, members: &[String], secret: &s
             me: me.to_string(),
             members,
             secret: secret.to_string(),
-            timeout: Duration::from_millis(1500),
+            timeout,
             replicas: 1,
             handoff: Duration::from_secs(600),
         })
@@ -99,7 +119,7 @@ pub fn node(l: tokio::net::TcpListener, me: &str, members: &[String], secret: &s
             node: me.to_string(),
             secret: secret.to_string(),
             capacity: store.capacity_bytes(),
-            timeout: Duration::from_millis(1500),
+            timeout,
         },
         stats.clone(),
     ));
