@@ -40,8 +40,9 @@ pub use events::{BlockEvent, EventKind, Events};
 pub use key::{BlockKey, Fingerprint, Namespace, TpShard};
 pub use policy::{EvictionPolicy, PolicyKind};
 pub use store::{
-    BlockLoc, BlockRef, Lease, Loaded, NamespaceStats, Populate, Prefetch, PrefetchQuota,
-    PrefetchStats, PrefixMatch, PutOutcome, Reservation, Reserve, Store, StoreConfig, StoreStats,
+    BlockLoc, BlockRef, Demoted, Lease, Loaded, NamespaceStats, Populate, Prefetch, PrefetchQuota,
+    PrefetchStats, PrefixMatch, PutOutcome, Reservation, Reserve, RetainBound, Retained,
+    RetentionStats, Store, StoreConfig, StoreStats, MAX_RETENTIONS, MAX_SESSION_BYTES,
     PREFETCH_WAITING_KEYS_MAX,
 };
 pub use tier::{

@@ -82,7 +82,8 @@ impl Inner {
                 self.segments.lock().push(seg);
                 continue;
             }
-            if self.reap_expired_leases_at(Instant::now()) > 0 {
+            let now = Instant::now();
+            if self.reap_expired_leases_at(now) + self.reap_retained(now) > 0 {
                 continue;
             }
             // Nothing can leave now. Room appears when the worker has written dirty blocks

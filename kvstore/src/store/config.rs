@@ -59,6 +59,12 @@ pub struct StoreConfig {
     /// hint past it is cut short (counted). 0: an eighth of the host tier. Never below
     /// `prefetch_max_inflight_bytes`.
     pub prefetch_max_held_bytes: u64,
+    /// Most bytes (in any tier) retained for sessions ([`crate::Store::retain`]) at once; a
+    /// retain past it ends lower-priority retentions, then is clipped. `None`: a quarter of the
+    /// host tier; `Some(0)`: retention off (every retain refused).
+    pub retain_max_bytes: Option<u64>,
+    /// Longest TTL a retain is granted (a longer one is shortened, and said so).
+    pub retain_max_ttl: Duration,
     /// Longest a request waits for room (the tiering worker writing dirty blocks back) or for
     /// a block being promoted by someone else, before it gives up (no space / a miss).
     pub wait: Duration,
@@ -88,6 +94,8 @@ impl Default for StoreConfig {
             verify_reads: false,
             prefetch_max_inflight_bytes: 0,
             prefetch_max_held_bytes: 0,
+            retain_max_bytes: None,
+            retain_max_ttl: Duration::from_secs(3600),
             wait: Duration::from_secs(5),
             disk: None,
             remote: None,

@@ -63,7 +63,7 @@ pub(crate) struct Entry {
     pub ns: u16,
     pub class: u8,
     /// Bits 0-1: life; 2-3: copy; 4: accessed (read while in host memory); 5: preloaded and not
-    /// used yet.
+    /// used yet; 6: demoted (leaves host memory once its write below is done).
     state: u8,
 }
 
@@ -125,6 +125,17 @@ impl Entry {
             self.state |= 32;
         } else {
             self.state &= !32;
+        }
+    }
+    /// Demoted by the application: once written below, the host copy goes.
+    pub(crate) fn drop_when_written(&self) -> bool {
+        self.state & 64 != 0
+    }
+    pub(crate) fn set_drop_when_written(&mut self, on: bool) {
+        if on {
+            self.state |= 64;
+        } else {
+            self.state &= !64;
         }
     }
     pub(crate) fn ready(&self) -> bool {

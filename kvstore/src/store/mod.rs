@@ -22,6 +22,7 @@ mod lease;
 mod prefetch;
 mod read;
 mod remove;
+mod retain;
 #[cfg(kvtier_shuttle)]
 #[cfg(test)]
 mod shuttle_tests;
@@ -53,6 +54,9 @@ use crate::types::{FoldHasher, NsId, Tier};
 pub use config::{Populate, StoreConfig};
 pub use prefetch::{Prefetch, PrefetchQuota, PrefetchStats, PREFETCH_WAITING_KEYS_MAX};
 pub use read::{BlockLoc, BlockRef, Lease, Loaded, PrefixMatch};
+pub use retain::{
+    Demoted, RetainBound, Retained, RetentionStats, MAX_RETENTIONS, MAX_SESSION_BYTES,
+};
 pub use write::{PutOutcome, Reservation, Reserve};
 
 use config::PAGE;
@@ -217,6 +221,13 @@ pub(crate) struct Counters {
     pub push_dropped: AtomicU64,
     pub push_retries: AtomicU64,
     pub push_failed: AtomicU64,
+    pub retains: AtomicU64,
+    pub retain_clipped: AtomicU64,
+    pub retain_displaced: AtomicU64,
+    pub retain_expired: AtomicU64,
+    pub demotes: AtomicU64,
+    pub demoted_freed: AtomicU64,
+    pub demoted_queued: AtomicU64,
 }
 
 /// A lower tier's measured read speed (promotion batches), exponentially weighted.
@@ -347,6 +358,10 @@ pub(crate) struct Inner {
     pub(crate) preloads: Mutex<prefetch::Holds>,
     /// Their bytes (part of the preload budget; per owner in the read queue).
     pub(crate) held_bytes: AtomicU64,
+    /// Retained blocks (sessions the application will come back to), and their bounds.
+    pub(crate) retained: Mutex<retain::Retentions>,
+    pub(crate) retain_max_bytes: u64,
+    pub(crate) retain_max_ttl: Duration,
     /// Measured read speed of each lower tier.
     pub(crate) speed: Vec<Mutex<Speed>>,
     pub(crate) wait: Duration,
@@ -501,6 +516,12 @@ impl Store {
                 .collect(),
             preloads: Mutex::new(level::HOLDS, "holds", prefetch::Holds::default()),
             held_bytes: AtomicU64::new(0),
+            retained: Mutex::new(level::LEAF, "retained", retain::Retentions::default()),
+            // A quarter of the host tier unless said.
+            retain_max_bytes: cfg
+                .retain_max_bytes
+                .unwrap_or(n_segments * cfg.segment_bytes / 4),
+            retain_max_ttl: cfg.retain_max_ttl,
             prefetch_max_inflight,
             prefetch_max_held,
             wait: cfg.wait,

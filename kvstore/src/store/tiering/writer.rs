@@ -181,6 +181,7 @@ impl Inner {
         }
         let mk = MapKey::from(d.key);
         let mut damaged = false;
+        let mut dropped = None;
         let freed = {
             let mut sh = self.shard(d.key).lock();
             if let Some(e) = sh.map.get_mut(&mk).filter(|e| e.slot() == d.slot) {
@@ -200,8 +201,29 @@ impl Inner {
                     }
                 }
             }
-            sh.unpin(mk, d.slot)
+            // Demoted by the application ([`Store::demote`]): written, and nobody else holds
+            // it, so the host copy goes now.
+            let drop_now = match sh.map.get_mut(&mk).filter(|e| e.slot() == d.slot) {
+                Some(e) if e.drop_when_written() => {
+                    e.set_drop_when_written(false);
+                    e.copy() == Copy::Clean && e.pins == 1 && e.ready()
+                }
+                _ => false,
+            };
+            if drop_now {
+                if let Some(e) = sh.map.remove(&mk) {
+                    dropped = Some((e.len, e.ns));
+                }
+                true
+            } else {
+                sh.unpin(mk, d.slot)
+            }
         };
+        if let Some((len, ns)) = dropped {
+            self.stats.blocks.fetch_sub(1, Relaxed);
+            self.stats.used_bytes.fetch_sub(u64::from(len), Relaxed);
+            self.events.emit(EventKind::Removed, d.key, Tier::Host, ns);
+        }
         if damaged {
             self.stats.checksum_failures.fetch_add(1, Relaxed);
             tracing::warn!(key = %d.key, "host block no longer matches its commit checksum (written after its commit?): dropped, never written below");
