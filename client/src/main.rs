@@ -1,6 +1,6 @@
 //! `kvtier`: the command line of a kvtierd. Human tables by default, `--json` for scripts.
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use clap::{Parser, Subcommand};
 use kvtier_client::{connect, explain, hex, parse_key, pb, tier_name, DEFAULT_ADDR};
 use serde_json::json;
@@ -60,6 +60,30 @@ enum Cmd {
         /// A tag of the caller's choice, to cancel the hint with `cancel-prefetch`.
         #[arg(long, default_value_t = 0)]
         tag: u64,
+    },
+    /// Retain: keep a session's blocks (the present prefix of the keys) out of eviction's reach
+    /// until the TTL; a later retain of the same session adds to it.
+    Retain {
+        /// Keys, in prefix order.
+        keys: Vec<String>,
+        /// The session's name (none: an anonymous retention, ended by its TTL or `demote`).
+        #[arg(long, default_value = "")]
+        session: String,
+        /// Seconds (0: the daemon's preload.max_retain_ms).
+        #[arg(long, default_value_t = 0)]
+        ttl: u64,
+        /// 0..255: a retain may end retentions of lower priority to make room.
+        #[arg(long, default_value_t = 0)]
+        priority: u32,
+    },
+    /// Demote: a session (and/or keys) is done for now: end its retention and move its blocks
+    /// from host memory to disk at once.
+    Demote {
+        /// Keys.
+        keys: Vec<String>,
+        /// The session's name.
+        #[arg(long, default_value = "")]
+        session: String,
     },
     /// End the admin API's hints of one tag: their queued preloads and the blocks they hold.
     CancelPrefetch {
@@ -141,7 +165,11 @@ fn gib(b: u64) -> String {
 async fn run() -> Result<()> {
     let cli = Cli::parse();
     // Bad input is reported before trying to reach the daemon.
-    if let Cmd::Lookup { keys, .. } | Cmd::Pin { keys, .. } | Cmd::Prefetch { keys, .. } = &cli.cmd
+    if let Cmd::Lookup { keys, .. }
+    | Cmd::Pin { keys, .. }
+    | Cmd::Prefetch { keys, .. }
+    | Cmd::Retain { keys, .. }
+    | Cmd::Demote { keys, .. } = &cli.cmd
     {
         for k in keys {
             parse_key(k)?;
@@ -260,6 +288,7 @@ async fn run() -> Result<()> {
                     })
                     .collect();
                 let p = s.prefetch.unwrap_or_default();
+                let r = s.retention.unwrap_or_default();
                 println!(
                     "{}",
                     json!({"tiers": tiers, "namespaces": ns, "hits": s.hits, "misses": s.misses,
@@ -270,6 +299,11 @@ async fn run() -> Result<()> {
                             "wasted_bytes": p.wasted_bytes, "inflight_bytes": p.inflight_bytes,
                             "held_bytes": p.held_bytes, "waited": p.waited,
                             "waiting_keys": p.waiting_keys},
+                        "retention": {"retentions": r.retentions, "blocks": r.blocks,
+                            "bytes": r.bytes, "max_bytes": r.max_bytes, "retains": r.retains,
+                            "clipped_blocks": r.clipped_blocks, "displaced": r.displaced,
+                            "expired": r.expired, "demotes": r.demotes,
+                            "demoted_freed": r.demoted_freed, "demoted_queued": r.demoted_queued},
                         "break_even_cuts": s.break_even_cuts,
                         "break_even_blocks_cut": s.break_even_blocks_cut,
                         "break_even_prefill_tokens_per_s": s.break_even_prefill_tokens_per_s})
@@ -316,6 +350,20 @@ async fn run() -> Result<()> {
                         s.break_even_prefill_tokens_per_s,
                         s.break_even_cuts,
                         s.break_even_blocks_cut
+                    );
+                }
+                if let Some(r) = s.retention.as_ref().filter(|r| r.retains + r.demotes > 0) {
+                    println!(
+                        "retention: {} sessions hold {} blocks ({} of {}); {} blocks clipped, {} retentions displaced, {} expired; demoted {} blocks at once, {} after writing",
+                        r.retentions,
+                        r.blocks,
+                        gib(r.bytes),
+                        gib(r.max_bytes),
+                        r.clipped_blocks,
+                        r.displaced,
+                        r.expired,
+                        r.demoted_freed,
+                        r.demoted_queued
                     );
                 }
                 if let Some(p) = &s.prefetch {
@@ -439,6 +487,83 @@ async fn run() -> Result<()> {
                 println!(
                     "{} leading keys present: {} in host memory ({} held for the load), {} being promoted, {} queued now, {} waiting for room, {} given up",
                     r.present, r.in_host, r.held, r.joined, r.queued, r.waiting, r.dropped
+                );
+            }
+        }
+        Cmd::Retain {
+            keys,
+            session,
+            ttl,
+            priority,
+        } => {
+            let keys = keys
+                .iter()
+                .map(|k| parse_key(k))
+                .collect::<Result<Vec<_>>>()?;
+            let r = c
+                .retain(pb::RetainRequest {
+                    keys,
+                    session,
+                    ttl_ms: ttl.saturating_mul(1000),
+                    priority,
+                    ..Default::default()
+                })
+                .await
+                .map_err(explain)?
+                .into_inner();
+            if cli.json {
+                println!(
+                    "{}",
+                    json!({"present": r.present, "retained": r.retained, "clipped": r.clipped,
+                        "clipped_by": r.clipped_by, "refused": r.refused, "ttl_ms": r.ttl_ms,
+                        "retained_bytes": r.retained_bytes, "displaced": r.displaced})
+                );
+            } else if !r.refused.is_empty() {
+                bail!("retain refused: {}", r.refused);
+            } else {
+                println!(
+                    "{} leading keys present: {} blocks ({}) retained for {} s, {} left out{}; {} blocks of lower-priority retentions ended",
+                    r.present,
+                    r.retained,
+                    gib(r.retained_bytes),
+                    r.ttl_ms / 1000,
+                    r.clipped,
+                    if r.clipped_by.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" (bounded by {})", r.clipped_by.join(", "))
+                    },
+                    r.displaced
+                );
+            }
+        }
+        Cmd::Demote { keys, session } => {
+            if keys.is_empty() && session.is_empty() {
+                bail!("demote: name a session (--session) or keys");
+            }
+            let keys = keys
+                .iter()
+                .map(|k| parse_key(k))
+                .collect::<Result<Vec<_>>>()?;
+            let r = c
+                .demote(pb::DemoteRequest {
+                    keys,
+                    session,
+                    ..Default::default()
+                })
+                .await
+                .map_err(explain)?
+                .into_inner();
+            if cli.json {
+                println!(
+                    "{}",
+                    json!({"released": r.released, "freed": r.freed, "queued": r.queued,
+                        "busy": r.busy, "not_in_host": r.not_in_host, "kept": r.kept})
+                );
+            } else {
+                println!(
+                    "{} retained blocks released; {} dropped from host memory now, {} being written to disk first, {} in use (left), {} not in host memory, {} with nowhere to go",
+                    r.released, r.freed, r.queued, r.busy, r.not_in_host, r.kept
                 );
             }
         }

@@ -125,6 +125,49 @@ fn status_stats_lookup_pin_and_clear() {
     let v: serde_json::Value =
         serde_json::from_str(ok(&kvtier(&d.grpc, &["stats", "--json"])).trim()).unwrap();
     assert_eq!(v["prefetch"]["hinted"], 0);
+    // Retain and demote: answered (nothing stored here: nothing retained or moved).
+    let v: serde_json::Value = serde_json::from_str(
+        ok(&kvtier(
+            &d.grpc,
+            &[
+                "retain",
+                key,
+                "--session",
+                "chat-1",
+                "--ttl",
+                "7200",
+                "--json",
+            ],
+        ))
+        .trim(),
+    )
+    .unwrap();
+    assert_eq!(
+        (v["present"].as_u64(), v["retained"].as_u64()),
+        (Some(0), Some(0))
+    );
+    assert_eq!(v["ttl_ms"], 3_600_000, "clipped to preload.max_retain_ms");
+    assert_eq!(v["clipped_by"][0], "preload.max_retain_ms");
+    let v: serde_json::Value = serde_json::from_str(
+        ok(&kvtier(
+            &d.grpc,
+            &["demote", "--session", "chat-1", "--json"],
+        ))
+        .trim(),
+    )
+    .unwrap();
+    assert_eq!(v["released"], 0);
+    let e = kvtier(&d.grpc, &["demote"]);
+    assert!(String::from_utf8_lossy(&e.stderr).contains("name a session"));
+    let v: serde_json::Value =
+        serde_json::from_str(ok(&kvtier(&d.grpc, &["stats", "--json"])).trim()).unwrap();
+    assert_eq!(v["retention"]["retains"], 1);
+    assert_eq!(v["retention"]["demotes"], 1);
+    assert_eq!(
+        v["retention"]["max_bytes"],
+        4 << 20,
+        "a quarter of the host tier"
+    );
     let e = kvtier(&d.grpc, &["clear", "7"]);
     assert!(!e.status.success());
     assert!(String::from_utf8_lossy(&e.stderr).contains("not registered"));

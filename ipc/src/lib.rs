@@ -589,6 +589,66 @@ impl IpcClient {
         }
     }
 
+    /// Retains the present prefix of `keys` for `session` (empty: anonymous) until `ttl` (zero:
+    /// the daemon's longest); the reply says what was retained, clipped (by which bound) or
+    /// refused.
+    pub fn retain(
+        &mut self,
+        keys: &[BlockKey],
+        session: &str,
+        ttl: Duration,
+        priority: u8,
+    ) -> Result<pb::RetainReply, IpcError> {
+        match self.call(request::Body::Retain(pb::Retain {
+            keys: pack_keys(keys),
+            session: session.to_string(),
+            ttl_ms: ttl.as_millis() as u64,
+            priority: u32::from(priority),
+        }))? {
+            response::Body::Retain(r) => Ok(r),
+            _ => Err(IpcError::Protocol("expected a retain reply".into())),
+        }
+    }
+
+    /// Ends the retention of `session` (if not empty) and of `keys`, and moves their host blocks
+    /// to disk now.
+    pub fn demote(
+        &mut self,
+        keys: &[BlockKey],
+        session: &str,
+    ) -> Result<pb::DemoteReply, IpcError> {
+        match self.call(request::Body::Demote(pb::Demote {
+            keys: pack_keys(keys),
+            session: session.to_string(),
+        }))? {
+            response::Body::Demote(r) => Ok(r),
+            _ => Err(IpcError::Protocol("expected a demote reply".into())),
+        }
+    }
+
+    /// Pins the leading present keys (any tier, not loaded) for `ttl` as a lease of this
+    /// connection ([`IpcClient::release`] ends it); the reply says what was pinned, clipped or
+    /// refused.
+    pub fn pin(&mut self, keys: &[BlockKey], ttl: Duration) -> Result<pb::PinReply, IpcError> {
+        match self.call(request::Body::Pin(pb::Pin {
+            keys: pack_keys(keys),
+            ttl_ms: ttl.as_millis() as u64,
+        }))? {
+            response::Body::Pin(r) => {
+                if r.n as usize > keys.len() || r.tiers.len() != r.n as usize {
+                    return Err(IpcError::Protocol(format!(
+                        "pin of {} keys answered {} ({} tiers)",
+                        keys.len(),
+                        r.n,
+                        r.tiers.len()
+                    )));
+                }
+                Ok(r)
+            }
+            _ => Err(IpcError::Protocol("expected a pin reply".into())),
+        }
+    }
+
     fn lookup_request(&mut self, req: pb::Lookup, asked: usize) -> Result<Lookup, IpcError> {
         match self.call(request::Body::Lookup(req))? {
             response::Body::Lookup(r) => {

@@ -272,6 +272,22 @@ impl Admin for AdminService {
             break_even_cuts: s.break_even_cuts,
             break_even_blocks_cut: s.break_even_blocks_cut,
             break_even_prefill_tokens_per_s: s.break_even_prefill_tokens_per_s,
+            retention: Some({
+                let r = store.retention_stats();
+                pb::RetentionStats {
+                    retentions: r.retentions,
+                    blocks: r.blocks,
+                    bytes: r.bytes,
+                    max_bytes: r.max_bytes,
+                    retains: r.retains,
+                    clipped_blocks: r.clipped_blocks,
+                    displaced: r.displaced,
+                    expired: r.expired,
+                    demotes: r.demotes,
+                    demoted_freed: r.demoted_freed,
+                    demoted_queued: r.demoted_queued,
+                }
+            }),
         }))
     }
 
@@ -423,6 +439,72 @@ impl Admin for AdminService {
             dropped: p.dropped as u32,
             held: p.held as u32,
             waiting: p.waiting as u32,
+        }))
+    }
+
+    async fn retain(
+        &self,
+        req: Request<pb::RetainRequest>,
+    ) -> Result<Response<pb::RetainReply>, Status> {
+        self.write_allowed()?;
+        let r = req.get_ref();
+        let max_keys = self.d.cfg.server.max_keys as usize;
+        if r.keys.len() > max_keys {
+            return Err(Status::invalid_argument(format!(
+                "{} keys in one request; the limit is {max_keys} (server.max_keys)",
+                r.keys.len()
+            )));
+        }
+        let priority = u8::try_from(r.priority).map_err(|_| {
+            Status::invalid_argument(format!("priority {} is not in 0..=255", r.priority))
+        })?;
+        let ks = keys(&r.keys)?;
+        let (_, store) = self.store(&r.tenant)?;
+        let out = store.retain(
+            (!r.session.is_empty()).then_some(r.session.as_str()),
+            &ks,
+            self.d.retain_ttl(r.ttl_ms),
+            priority,
+        );
+        let x = crate::retain_reply(&out);
+        Ok(Response::new(pb::RetainReply {
+            present: x.present,
+            retained: x.retained,
+            clipped: x.clipped,
+            clipped_by: x.clipped_by,
+            refused: x.refused,
+            ttl_ms: x.ttl_ms,
+            retained_bytes: x.retained_bytes,
+            displaced: x.displaced,
+        }))
+    }
+
+    async fn demote(
+        &self,
+        req: Request<pb::DemoteRequest>,
+    ) -> Result<Response<pb::DemoteReply>, Status> {
+        self.write_allowed()?;
+        let r = req.get_ref();
+        let max_keys = self.d.cfg.server.max_keys as usize;
+        if r.keys.len() > max_keys {
+            return Err(Status::invalid_argument(format!(
+                "{} keys in one request; the limit is {max_keys} (server.max_keys)",
+                r.keys.len()
+            )));
+        }
+        if r.keys.is_empty() && r.session.is_empty() {
+            return Err(Status::invalid_argument("name a session or keys"));
+        }
+        let ks = keys(&r.keys)?;
+        let (_, store) = self.store(&r.tenant)?;
+        let out = store.demote((!r.session.is_empty()).then_some(r.session.as_str()), &ks);
+        Ok(Response::new(pb::DemoteReply {
+            released: out.released as u32,
+            freed: out.freed as u32,
+            queued: out.queued as u32,
+            busy: out.busy as u32,
+            not_in_host: out.not_in_host as u32,
+            kept: out.kept as u32,
         }))
     }
 

@@ -212,6 +212,13 @@ pub struct PreloadSection {
     pub max_held_bytes: Size,
     /// Deadline of a hint that names none: a preload not started by then is dropped.
     pub deadline_ms: u64,
+    /// Most bytes (host and disk together) retained for sessions by Retain hints, per tenant
+    /// (0: a quarter of the host tier). A retain past it ends lower-priority retentions first,
+    /// then keeps what fits and says so.
+    pub max_retained_bytes: Size,
+    /// Longest TTL a Retain is granted (longer ones are shortened, and the reply says so); 0:
+    /// retention off (every Retain refused with the reason).
+    pub max_retain_ms: u64,
 }
 
 impl Default for PreloadSection {
@@ -220,6 +227,8 @@ impl Default for PreloadSection {
             max_inflight_bytes: Size(0),
             max_held_bytes: Size(0),
             deadline_ms: 10_000,
+            max_retained_bytes: Size(0),
+            max_retain_ms: 3_600_000,
         }
     }
 }
@@ -871,6 +880,15 @@ impl Config {
             verify_reads: self.host.verify_reads,
             prefetch_max_inflight_bytes: self.preload.max_inflight_bytes.0,
             prefetch_max_held_bytes: self.preload.max_held_bytes.0,
+            retain_max_bytes: match (
+                self.preload.max_retain_ms,
+                self.preload.max_retained_bytes.0,
+            ) {
+                (0, _) => Some(0),
+                (_, 0) => None,
+                (_, b) => Some(b),
+            },
+            retain_max_ttl: Duration::from_millis(self.preload.max_retain_ms),
             wait: self.load_wait(),
             disk,
             ..Default::default()
@@ -1259,6 +1277,8 @@ mod tests {
             "buffer_steps",
             "hwm",
             "deadline_ms",
+            "max_retained_bytes",
+            "max_retain_ms",
             "fault_delay_ms",
             "data_dir",
             "log",

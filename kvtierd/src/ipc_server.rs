@@ -21,6 +21,8 @@ use crate::Daemon;
 const MAX_RESERVATIONS: usize = 1 << 16;
 /// Most leases one connection may hold (the store's max_leases bounds all of them together).
 const MAX_CONN_LEASES: usize = 1 << 12;
+/// Longest lease or pin an engine may ask for (an hour).
+const MAX_PIN_TTL_MS: u64 = 3_600_000;
 /// Frames up to this size are not counted against server.max_inflight_frame_bytes.
 const SMALL_FRAME: usize = 64 << 10;
 /// Expired reservation tokens remembered per connection, to answer a late commit with an
@@ -664,6 +666,73 @@ impl<'d> Conn<'d> {
                     cancelled: n as u32,
                 })
             }
+            request::Body::Retain(r) => {
+                let ks = self.keys(&r.keys)?;
+                let priority = u8::try_from(r.priority)
+                    .map_err(|_| format!("priority {} is not in 0..=255", r.priority))?;
+                let out = store.retain(
+                    (!r.session.is_empty()).then_some(r.session.as_str()),
+                    &ks,
+                    self.d.retain_ttl(r.ttl_ms),
+                    priority,
+                );
+                response::Body::Retain(crate::retain_reply(&out))
+            }
+            request::Body::Demote(r) => {
+                let ks = self.keys(&r.keys)?;
+                let out = store.demote((!r.session.is_empty()).then_some(r.session.as_str()), &ks);
+                response::Body::Demote(pb::DemoteReply {
+                    released: out.released as u32,
+                    freed: out.freed as u32,
+                    queued: out.queued as u32,
+                    busy: out.busy as u32,
+                    not_in_host: out.not_in_host as u32,
+                    kept: out.kept as u32,
+                })
+            }
+            request::Body::Pin(p) => {
+                let mut ks = self.keys(&p.keys)?;
+                let mut reply = pb::PinReply::default();
+                if p.ttl_ms > MAX_PIN_TTL_MS {
+                    reply.clipped_by.push("ttl".into());
+                }
+                let ttl = self.ttl(p.ttl_ms);
+                reply.ttl_ms = ttl.as_millis() as u64;
+                // What the connection may still pin: the leading keys that fit.
+                let max_pinned = self.d.cfg.server.max_pinned_per_connection;
+                let room = max_pinned.saturating_sub(self.pinned) as usize;
+                if ks.len() > room {
+                    reply.clipped = (ks.len() - room) as u32;
+                    reply
+                        .clipped_by
+                        .push("server.max_pinned_per_connection".into());
+                    ks.truncate(room);
+                }
+                if ks.is_empty() {
+                    reply.refused = if reply.clipped > 0 {
+                        format!("this connection pins {} blocks, the most server.max_pinned_per_connection allows: release some first", self.pinned)
+                    } else {
+                        "no keys".into()
+                    };
+                    return Ok(Some(response::Body::Pin(reply)));
+                }
+                if let Err(why) = self.lease_room(ks.len()) {
+                    reply.refused = why;
+                    return Ok(Some(response::Body::Pin(reply)));
+                }
+                match store.lease(&ks, ttl) {
+                    Ok(lease) => {
+                        if let Some(id) = lease.id {
+                            self.hold(id.0, lease.n);
+                        }
+                        reply.n = lease.n as u32;
+                        reply.tiers = lease.tiers.iter().map(tier).collect();
+                        reply.lease_id = lease.id.map_or(0, |i| i.0);
+                    }
+                    Err(e) => reply.refused = e.to_string(),
+                }
+                response::Body::Pin(reply)
+            }
             request::Body::Stats(_) => {
                 let s = store.stats();
                 response::Body::Stats(pb::StatsReply {
@@ -737,7 +806,7 @@ impl<'d> Conn<'d> {
         if ms == 0 {
             self.d.cfg.lease_ttl()
         } else {
-            Duration::from_millis(ms.min(3_600_000))
+            Duration::from_millis(ms.min(MAX_PIN_TTL_MS))
         }
     }
 }
@@ -780,6 +849,9 @@ fn op_name(body: &Option<request::Body>) -> &'static str {
         Some(request::Body::Stats(_)) => "stats",
         Some(request::Body::Prefetch(_)) => "prefetch",
         Some(request::Body::CancelPrefetch(_)) => "cancel_prefetch",
+        Some(request::Body::Retain(_)) => "retain",
+        Some(request::Body::Demote(_)) => "demote",
+        Some(request::Body::Pin(_)) => "pin",
         None => "none",
     }
 }

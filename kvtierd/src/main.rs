@@ -163,6 +163,15 @@ impl Daemon {
         x ^ (x >> 31)
     }
 
+    /// The TTL a Retain asks for (0: `preload.max_retain_ms`; the store clips it to that).
+    pub fn retain_ttl(&self, ms: u64) -> Duration {
+        Duration::from_millis(if ms == 0 {
+            self.cfg.preload.max_retain_ms
+        } else {
+            ms
+        })
+    }
+
     /// The deadline of a hint that asks for `ms` (0: `preload.deadline_ms`).
     pub fn preload_deadline(&self, ms: u64) -> Instant {
         let ms = if ms == 0 {
@@ -345,6 +354,32 @@ type ClusterTier = (
 );
 
 /// The remote tier `[cluster]` asks for (static or etcd membership), if any.
+/// The configuration key of a retain bound (what a reply names).
+pub(crate) fn retain_bound(b: kvstore::RetainBound) -> &'static str {
+    match b {
+        kvstore::RetainBound::Bytes => "preload.max_retained_bytes",
+        kvstore::RetainBound::Ttl => "preload.max_retain_ms",
+    }
+}
+
+/// A retain's answer, as the engine protocol says it.
+pub(crate) fn retain_reply(out: &kvstore::Retained) -> kvtier_proto::ipc::RetainReply {
+    kvtier_proto::ipc::RetainReply {
+        present: out.present as u32,
+        retained: out.retained as u32,
+        clipped: out.clipped as u32,
+        clipped_by: out
+            .clipped_by
+            .iter()
+            .map(|b| retain_bound(*b).to_string())
+            .collect(),
+        refused: out.refused.clone(),
+        ttl_ms: out.ttl.as_millis() as u64,
+        retained_bytes: out.bytes,
+        displaced: out.displaced as u32,
+    }
+}
+
 fn cluster_tier(cfg: &config::Config) -> Result<Option<ClusterTier>> {
     let c = &cfg.cluster;
     if c.listen.is_empty() {

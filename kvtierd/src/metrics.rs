@@ -340,6 +340,34 @@ fn collect(d: &Daemon, o: &mut Out) -> fmt::Result {
         "Bytes of preloads queued or being read.",
         &one_f(p.inflight_bytes as f64),
     )?;
+    let r = d.store.retention_stats();
+    o.gauge(
+        "retained_bytes",
+        "Bytes (any tier) held by Retain hints for sessions that will come back.",
+        &one_f(r.bytes as f64),
+    )?;
+    o.gauge(
+        "retentions",
+        "Retentions (sessions and anonymous retains) live.",
+        &one_f(r.retentions as f64),
+    )?;
+    o.counter(
+        "retain_blocks",
+        "Retained blocks ended early or left out: by a higher-priority retain (displaced, retentions), by their TTL (expired, retentions), left out by a bound (clipped, blocks).",
+        &[
+            (label("outcome", "displaced"), r.displaced),
+            (label("outcome", "expired"), r.expired),
+            (label("outcome", "clipped"), r.clipped_blocks),
+        ],
+    )?;
+    o.counter(
+        "demoted_blocks",
+        "Host blocks Demote hints moved down: dropped at once (freed: a copy was below) or written first (queued).",
+        &[
+            (label("outcome", "freed"), r.demoted_freed),
+            (label("outcome", "queued"), r.demoted_queued),
+        ],
+    )?;
     o.gauge(
         "tier_policy_lru_leading",
         "1 while LRU chooses the victims of a lower tier's duel policy (0: S3-FIFO, or no duel).",

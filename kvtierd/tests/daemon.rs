@@ -671,3 +671,118 @@ fn a_tagged_hint_holds_the_blocks_saved_after_it_an_untagged_one_does_not() {
     assert_eq!(c.cancel_prefetch(7).unwrap(), 4);
     assert_eq!(metric(&d.metrics, held), bytes(10..11));
 }
+
+#[test]
+fn retain_demote_and_pin_over_the_engine_socket() {
+    let d = Kvtierd::start(
+        "retain",
+        &[
+            "--set",
+            "preload.max_retained_bytes=3M",
+            "--set",
+            "preload.max_retain_ms=600000",
+            "--set",
+            "server.max_pinned_per_connection=30",
+        ],
+        true,
+    );
+    let keys = |r: std::ops::Range<u64>| r.map(key).collect::<Vec<_>>();
+    let bytes = |r: std::ops::Range<u64>| r.map(|i| data(i).len() as u64).sum::<u64>();
+    let minute = Duration::from_secs(60);
+    {
+        // Engine A serves a session's turn, retains it, and goes away: the retention stays.
+        let mut a = d.client();
+        let ns = a.register_namespace(&namespace()).unwrap();
+        put_all(&mut a, ns, 0..20);
+        let r = a.retain(&keys(0..20), "chat-7", minute, 3).unwrap();
+        assert_eq!((r.present, r.retained, r.clipped), (20, 20, 0), "{r:?}");
+        assert_eq!(r.retained_bytes, bytes(0..20));
+        assert!(r.refused.is_empty() && r.clipped_by.is_empty(), "{r:?}");
+        assert_eq!(r.ttl_ms, 60_000);
+        // Past the bytes bound: the leading blocks that fit, and the bound named. A TTL past
+        // preload.max_retain_ms is shortened, and said so.
+        put_all(&mut a, ns, 100..140);
+        let big = a
+            .retain(&keys(100..140), "big", Duration::from_secs(7200), 0)
+            .unwrap();
+        assert!(big.retained > 0 && big.clipped > 0, "{big:?}");
+        assert_eq!(big.retained + big.clipped, 40);
+        assert_eq!(
+            big.clipped_by,
+            vec!["preload.max_retain_ms", "preload.max_retained_bytes"]
+        );
+        assert_eq!(big.ttl_ms, 600_000);
+        // A higher priority ends the lowest-priority retention to make room.
+        put_all(&mut a, ns, 200..205);
+        let vip = a.retain(&keys(200..205), "vip", minute, 9).unwrap();
+        assert_eq!((vip.retained, vip.clipped), (5, 0), "{vip:?}");
+        assert_eq!(vip.displaced, big.retained, "{vip:?}");
+        // Bad input: refused with the reason, nothing changed.
+        let bad = a.retain(&keys(0..1), &"x".repeat(300), minute, 1).unwrap();
+        assert!(bad.refused.contains("session name"), "{bad:?}");
+        assert_eq!(bad.retained, 0);
+        // A control set, not retained.
+        put_all(&mut a, ns, 300..320);
+    }
+    let retained = metric(&d.metrics, "kvtier_retained_bytes");
+    assert_eq!(retained, (bytes(0..20) + bytes(200..205)) as f64);
+    // Engine B's traffic: three times the host tier.
+    let mut b = d.client();
+    let ns = b.register_namespace(&namespace()).unwrap();
+    for i in 0..20 {
+        put_all(&mut b, ns, 1000 + i * 100..1100 + i * 100);
+    }
+    let host = |c: &mut IpcClient, r: std::ops::Range<u64>| {
+        let l = c.lookup(&keys(r), None).unwrap();
+        l.tiers.iter().take_while(|t| **t == Tier::Host).count()
+    };
+    assert_eq!(host(&mut b, 0..20), 20, "a retained session was evicted");
+    assert_eq!(host(&mut b, 200..205), 5);
+    assert!(
+        host(&mut b, 300..320) < 20,
+        "the control set was not evicted"
+    );
+    // Done with the session: it goes to disk at once, host memory is freed.
+    let r = b.demote(&[], "chat-7").unwrap();
+    assert_eq!(
+        (r.released, r.queued + r.freed, r.busy),
+        (20, 20, 0),
+        "{r:?}"
+    );
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let l = b.lookup(&keys(0..20), None).unwrap();
+        if l.n == 20 && l.tiers.iter().all(|t| *t == Tier::Disk) {
+            break;
+        }
+        assert!(Instant::now() < until, "demoted blocks: {:?}", l.tiers);
+        std::thread::yield_now();
+    }
+    assert_eq!(
+        metric(&d.metrics, "kvtier_retained_bytes"),
+        bytes(200..205) as f64
+    );
+    // And back, byte-exact.
+    assert_eq!(get_all(&mut b, 0..20), 20);
+    // Engine Pin: bounded per connection, answered.
+    let p = b.pin(&keys(0..40), Duration::from_secs(7200)).unwrap();
+    assert_eq!((p.n, p.clipped), (20, 10), "{p:?}");
+    assert_eq!(
+        p.clipped_by,
+        vec!["ttl", "server.max_pinned_per_connection"]
+    );
+    assert_eq!(p.ttl_ms, 3_600_000);
+    assert_ne!(p.lease_id, 0);
+    // 20 pinned: room for 10 more.
+    let mut ks = keys(200..205);
+    ks.extend(keys(0..10));
+    let q = b.pin(&ks, minute).unwrap();
+    assert_eq!((q.n, q.clipped), (10, 5), "{q:?}");
+    let q = b.pin(&keys(200..201), minute).unwrap();
+    assert_eq!(q.n, 0);
+    assert!(q.refused.contains("max_pinned_per_connection"), "{q:?}");
+    b.release(kvstore::LeaseId(p.lease_id)).unwrap();
+    let q = b.pin(&keys(200..205), minute).unwrap();
+    assert_eq!((q.n, q.clipped), (5, 0), "{q:?}");
+    assert!(q.refused.is_empty());
+}
