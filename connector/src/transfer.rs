@@ -53,6 +53,34 @@ pub enum TransferError {
     Cuda(#[from] crate::cuda::CudaCopyError),
 }
 
+/// An engine pin: see [`Backend::pin`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Pinned {
+    /// Blocks pinned, and their tiers.
+    pub n: usize,
+    /// See `n`.
+    pub tiers: Vec<kvstore::Tier>,
+    /// What ends it ([`Backend::unpin`]); `None`: nothing pinned.
+    pub lease: Option<PinHandle>,
+    /// Keys left out by a bound, and which (kvtierd's configuration keys, or "ttl").
+    pub clipped: usize,
+    /// See `clipped`.
+    pub clipped_by: Vec<String>,
+    /// Non-empty: nothing pinned, and why.
+    pub refused: String,
+    /// The TTL granted.
+    pub ttl: Duration,
+}
+
+/// A pin's lease, and the daemon connection it lives on (0: embedded).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PinHandle {
+    /// The connection (a pin dies with it).
+    pub conn: u64,
+    /// The lease.
+    pub id: kvstore::LeaseId,
+}
+
 /// Where blocks go: one API, two modes; copies of large transfers split across a small pool of
 /// copy threads.
 pub struct Backend {
@@ -430,6 +458,126 @@ impl Backend {
                     waiting: r.waiting as usize,
                 })
                 .unwrap_or_default()),
+        }
+    }
+
+    /// Retains the present prefix of `keys` for `session` (`None`: anonymous) until `ttl`
+    /// (zero: the longest allowed), out of eviction's reach: see [`kvstore::Store::retain`].
+    /// Through kvtierd, a daemon that is down answers nothing retained, refused with the reason.
+    pub fn retain(
+        &self,
+        keys: &[BlockKey],
+        session: Option<&str>,
+        ttl: Duration,
+        priority: u8,
+    ) -> Result<kvstore::Retained, TransferError> {
+        match &self.kind {
+            Kind::Embedded(s) => {
+                let ttl = if ttl.is_zero() { Duration::MAX } else { ttl };
+                Ok(s.retain(session, keys, ttl, priority))
+            }
+            Kind::Sidecar(c) => Ok(c
+                .call(|c, _| c.retain(keys, session.unwrap_or(""), ttl, priority))?
+                .map(|r| kvstore::Retained {
+                    present: r.present as usize,
+                    retained: r.retained as usize,
+                    clipped: r.clipped as usize,
+                    clipped_by: r
+                        .clipped_by
+                        .iter()
+                        .filter_map(|k| kvstore::RetainBound::from_key(k))
+                        .collect(),
+                    refused: r.refused,
+                    ttl: Duration::from_millis(r.ttl_ms),
+                    bytes: r.retained_bytes,
+                    displaced: r.displaced as usize,
+                })
+                .unwrap_or_else(|| kvstore::Retained {
+                    refused: "kvtierd is not reachable".into(),
+                    ..Default::default()
+                })),
+        }
+    }
+
+    /// Ends the retention of `session` (if given) and of `keys`, and moves their host blocks
+    /// to disk now: see [`kvstore::Store::demote`]. Through kvtierd, a daemon that is down
+    /// answers nothing done.
+    pub fn demote(
+        &self,
+        keys: &[BlockKey],
+        session: Option<&str>,
+    ) -> Result<kvstore::Demoted, TransferError> {
+        match &self.kind {
+            Kind::Embedded(s) => Ok(s.demote(session, keys)),
+            Kind::Sidecar(c) => Ok(c
+                .call(|c, _| c.demote(keys, session.unwrap_or("")))?
+                .map(|r| kvstore::Demoted {
+                    released: r.released as usize,
+                    freed: r.freed as usize,
+                    queued: r.queued as usize,
+                    busy: r.busy as usize,
+                    not_in_host: r.not_in_host as usize,
+                    kept: r.kept as usize,
+                })
+                .unwrap_or_default()),
+        }
+    }
+
+    /// Pins the leading present keys (any tier, not loaded) for `ttl` (at most an hour): the
+    /// engine's Pin hint, bounded per connection through kvtierd as its leases are. Ended by
+    /// [`Backend::unpin`], the TTL, or (through kvtierd) the connection's end.
+    pub fn pin(&self, keys: &[BlockKey], ttl: Duration) -> Result<Pinned, TransferError> {
+        const MAX: Duration = Duration::from_secs(3600);
+        match &self.kind {
+            Kind::Embedded(s) => {
+                let mut out = Pinned {
+                    ttl: ttl.min(MAX),
+                    ..Default::default()
+                };
+                if ttl > MAX {
+                    out.clipped_by.push("ttl".into());
+                }
+                let l = s.lease(keys, out.ttl)?;
+                out.n = l.n;
+                out.tiers = l.tiers;
+                out.lease = l.id.map(|id| PinHandle { conn: 0, id });
+                Ok(out)
+            }
+            Kind::Sidecar(c) => Ok(c
+                .call(|c, map| {
+                    let conn = map.connection();
+                    c.pin(keys, ttl).map(|r| Pinned {
+                        n: r.n as usize,
+                        tiers: r.tiers.iter().map(|t| kvtier_ipc::tier(*t)).collect(),
+                        lease: (r.lease_id != 0).then_some(PinHandle {
+                            conn,
+                            id: kvstore::LeaseId(r.lease_id),
+                        }),
+                        clipped: r.clipped as usize,
+                        clipped_by: r.clipped_by,
+                        refused: r.refused,
+                        ttl: Duration::from_millis(r.ttl_ms),
+                    })
+                })?
+                .unwrap_or_else(|| Pinned {
+                    refused: "kvtierd is not reachable".into(),
+                    ..Default::default()
+                })),
+        }
+    }
+
+    /// Ends a pin; false if it had ended already (its TTL, or the daemon connection it was
+    /// made on is gone).
+    pub fn unpin(&self, h: PinHandle) -> Result<bool, TransferError> {
+        match &self.kind {
+            Kind::Embedded(s) => Ok(s.release(h.id)),
+            Kind::Sidecar(c) => Ok(c
+                .call_on(h.conn, |c, _| match c.release(h.id) {
+                    Ok(()) => Ok(true),
+                    Err(kvtier_ipc::IpcError::Remote(_)) => Ok(false),
+                    Err(e) => Err(e),
+                })?
+                .unwrap_or(false)),
         }
     }
 

@@ -292,7 +292,8 @@ pub struct IpcClient {
     tenant: String,
 }
 
-fn tier(t: i32) -> Tier {
+/// The tier a reply's `Tier` value names (unknown values read as host).
+pub fn tier(t: i32) -> Tier {
     if t == pb::Tier::Disk as i32 {
         Tier::Disk
     } else if t == pb::Tier::Remote as i32 {

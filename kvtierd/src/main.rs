@@ -354,25 +354,13 @@ type ClusterTier = (
 );
 
 /// The remote tier `[cluster]` asks for (static or etcd membership), if any.
-/// The configuration key of a retain bound (what a reply names).
-pub(crate) fn retain_bound(b: kvstore::RetainBound) -> &'static str {
-    match b {
-        kvstore::RetainBound::Bytes => "preload.max_retained_bytes",
-        kvstore::RetainBound::Ttl => "preload.max_retain_ms",
-    }
-}
-
 /// A retain's answer, as the engine protocol says it.
 pub(crate) fn retain_reply(out: &kvstore::Retained) -> kvtier_proto::ipc::RetainReply {
     kvtier_proto::ipc::RetainReply {
         present: out.present as u32,
         retained: out.retained as u32,
         clipped: out.clipped as u32,
-        clipped_by: out
-            .clipped_by
-            .iter()
-            .map(|b| retain_bound(*b).to_string())
-            .collect(),
+        clipped_by: out.clipped_by.iter().map(|b| b.key().to_string()).collect(),
         refused: out.refused.clone(),
         ttl_ms: out.ttl.as_millis() as u64,
         retained_bytes: out.bytes,

@@ -5,7 +5,7 @@ reported). A fresh process per engine: nothing survives in vLLM's own prefix cac
 Arguments (one JSON object): model, prompts, connector (extra config; none = no connector),
 executor, policy (kv_load_failure_policy), batch (all prompts in one generate call),
 gpu_blocks (num_gpu_blocks_override, to force preemption), abort (prompts submitted, stepped
-once, then aborted before the rest run)."""
+once, then aborted before the rest run), hints (per prompt: its kv_transfer_params, or null)."""
 
 import json
 import sys
@@ -69,12 +69,17 @@ def main() -> None:
         return
     out = []
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in args["prompts"]]
+    # Per-prompt kv_transfer_params (None: none), as the OpenAI server passes them.
+    hints = args.get("hints") or [None] * len(prompts)
+    sps = [sp if h is None else SamplingParams(
+        temperature=0.0, max_tokens=args.get("max_tokens", 8), logprobs=0,
+        extra_args={"kv_transfer_params": h}) for h in hints]
     try:
         if args.get("batch"):
-            out = [result(r) for r in llm.generate(prompts, sp, use_tqdm=False)]
+            out = [result(r) for r in llm.generate(prompts, sps, use_tqdm=False)]
         else:
-            for p in prompts:
-                out.append(result(llm.generate([p], sp, use_tqdm=False)[0]))
+            for p, s in zip(prompts, sps):
+                out.append(result(llm.generate([p], s, use_tqdm=False)[0]))
     except Exception as e:  # noqa: BLE001 - reported to the test, which decides
         out.append({"error": f"{type(e).__name__}: {e}"})
     preemptions = 0

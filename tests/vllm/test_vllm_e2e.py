@@ -399,6 +399,43 @@ def test_vllm_engines_share_kv_through_kvtierd(model, ref, tmp_path):
         d.stop()
 
 
+def test_session_hints_retain_then_demote_through_kvtierd(model, ref, tmp_path):
+    """kv_transfer_params {"kvtier": {...}} on real requests: a turn that asks for retention
+    leaves its prompt's blocks retained under its session in kvtierd once its saves are written
+    (and past the engine's exit: a session outlives the engine); a malformed hint is ignored
+    (the request is served as without it); the next turn loads them and demotes the session:
+    the retention ends and the blocks leave host memory for disk."""
+    from kvtier import Sidecar
+    from kvtier.vllm import prompt_keys
+
+    d = Daemon(tmp_path / "kvtierd")
+    try:
+        turn = {"kvtier": {"session": "chat-1", "retain_s": 600, "priority": 3}}
+        first = engine(model, [A, F], d.conn(),
+                       hints=[turn, {"kvtier": {"retain_s": 600, "sesion": "typo"}}])["outputs"]
+        same(first[0], ref["A"])
+        same(first[1], ref["F"])
+        r = d.cli("stats")["retention"]
+        assert (r["retentions"], r["blocks"], r["retains"]) == (1, len(A) // BS, 1), r
+        again = engine(model, [A], d.conn(),
+                       hints=[{"kvtier": {"session": "chat-1", "demote": True}}])["outputs"]
+        assert again[0]["num_cached_tokens"] >= len(A) - BS
+        same(again[0], ref["A"])
+        r = d.cli("stats")["retention"]
+        assert (r["retentions"], r["demotes"]) == (0, 1), r
+        keys = prompt_keys(A, model=str(model), block_size=BS, hash_seed=ENV["PYTHONHASHSEED"])
+        side = Sidecar(d.socket, "e2e-test")
+        deadline = time.time() + 60
+        while True:
+            n, _, tiers = side.lookup(keys)
+            if n == len(keys) and all(t == "disk" for t in tiers):
+                break
+            assert time.time() < deadline, f"demoted blocks still at {tiers}"
+            time.sleep(0.1)
+    finally:
+        d.stop()
+
+
 def free_ports(n):
     import socket
     socks = [socket.socket() for _ in range(n)]

@@ -49,6 +49,21 @@ Extra config keys:
         exponentially weighted); until a step was measured, and on GPU engines (whose forward
         pass the host does not wait for), every hit loads. "off": never price, load every hit
 
+Per-request hints (``kv_transfer_params``, e.g. the OpenAI server's ``"kv_transfer_params"``
+field, or ``SamplingParams(extra_args={"kv_transfer_params": ...})``)::
+
+    {"kvtier": {"session": "chat-42", "retain_s": 600, "priority": 3}}
+    {"kvtier": {"session": "chat-42", "demote": true}}
+
+``retain_s`` > 0: once the request finished and its saves are written, its prompt's blocks
+are retained (kept out of eviction's reach in whatever tier holds them) for that long, under
+``session`` (each turn adds to it; without one, an anonymous retention) at ``priority``
+(0..255: a retain past kvtierd's bound ends lower-priority retentions first). ``demote``: the
+session is done for now: its retention ends and its blocks leave host memory for disk at once
+(without a session, the request's own blocks). Bounds: ``preload.max_retained_bytes`` and
+``preload.max_retain_ms`` (kvtierd). A malformed hint is logged, naming the field, and
+ignored: the request is served as without it.
+
 kvtierd may restart under a running engine (a rolling upgrade): while it is away every lookup,
 load and save is a miss (logged once, counted), and the connection is made again with backoff
 (100 ms doubling to 2 s); hits resume by themselves.
@@ -139,6 +154,39 @@ def prompt_keys(token_ids: list[int], *, model: str, block_size: int, revision: 
         parent = kcu.hash_block_tokens(fn, parent, token_ids[i * block_size:(i + 1) * block_size])
         keys.append(engine_key(fp, bytes(parent)))
     return keys
+
+
+HINT_FIELDS = ("session", "retain_s", "priority", "demote")
+
+
+def session_hints(params) -> dict | None:
+    """The kvtier hints of a request's ``kv_transfer_params`` (``{"kvtier": {...}}``), checked
+    and normalised to ``{"session": str | None, "retain_s": float, "priority": int, "demote":
+    bool}``; None when there are none. Raises ValueError naming a bad field."""
+    if not isinstance(params, dict) or params.get("kvtier") is None:
+        return None
+    h = params["kvtier"]
+    if not isinstance(h, dict):
+        raise ValueError(f"kv_transfer_params.kvtier must be an object, not {type(h).__name__}")
+    unknown = sorted(set(h) - set(HINT_FIELDS))
+    if unknown:
+        raise ValueError(f"kv_transfer_params.kvtier: unknown field(s) {unknown} "
+                         f"(known: {list(HINT_FIELDS)})")
+    session = h.get("session")
+    if session is not None and (not isinstance(session, str)
+                                or not 0 < len(session.encode()) <= 256):
+        raise ValueError("kv_transfer_params.kvtier.session must be a string of 1 to 256 bytes")
+    retain = h.get("retain_s", 0)
+    if isinstance(retain, bool) or not isinstance(retain, (int, float)) or not retain >= 0:
+        raise ValueError("kv_transfer_params.kvtier.retain_s must be a number of seconds >= 0")
+    priority = h.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 255:
+        raise ValueError("kv_transfer_params.kvtier.priority must be an integer in 0..255")
+    demote = h.get("demote", False)
+    if not isinstance(demote, bool):
+        raise ValueError("kv_transfer_params.kvtier.demote must be true or false")
+    return {"session": session, "retain_s": float(retain), "priority": priority,
+            "demote": demote}
 
 
 @dataclass
@@ -636,6 +684,11 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._sync_loading: list[str] = []
         self._tiers: dict[str, list[str]] = {}  # request → tier of each block at its lookup
         self._hint_failed = False
+        # Finished requests' session hints, sent once their saves are written.
+        self._after_save: dict[str, tuple[dict, list[list[bytes]]]] = {}
+        # What the session hints did (retains, demotes, blocks retained/demoted, refused).
+        self.session_stats = {"retains": 0, "retained": 0, "clipped": 0, "demotes": 0,
+                              "demoted": 0, "refused": 0, "bad": 0}
         # BlockStored events for the blocks this connector saves, for vLLM's KV event
         # publisher (`take_events`), when the engine publishes events at all.
         ev = getattr(vllm_config, "kv_events_config", None)
@@ -939,6 +992,11 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         wm = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(wm, KvtierWorkerMetadata):
             self._measured.note(wm.tokens, wm.seconds)
+        # Finished requests whose saves are written: their session hints go now.
+        for rid in getattr(connector_output, "finished_sending", None) or ():
+            pending = self._after_save.pop(rid, None)
+            if pending is not None:
+                self._session_hint(rid, *pending)
         # Asynchronous loads done (or failed): their requests' hints end.
         for rid in (*(getattr(connector_output, "finished_recving", None) or ()),
                     *(getattr(connector_output, "failed_recving", None) or ())):
@@ -961,10 +1019,65 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         group's blocks at once."""
         return self.request_finished(request, block_ids)
 
+    def _session_keys(self, request) -> list[list[bytes]]:
+        """The request's prompt blocks to retain or demote, per namespace: the primary one;
+        for a hybrid model also each other full-attention group's, and each sliding-window
+        group's window before the prompt's end (the blocks a later hit needs)."""
+        hashes = self._hashes(request)[:len(request.prompt_token_ids or []) // self._block_size]
+        if not self._hybrid:
+            return [[engine_key(self._fp, h) for h in hashes]]
+        out = []
+        for grp in self._groups:
+            hs = hashes if grp.window == 0 else hashes[max(0, len(hashes) - grp.window):]
+            out.append([engine_key(grp.fp, h) for h in hs])
+        return out
+
+    def _session_hint(self, rid: str, hint: dict, keys: list[list[bytes]]) -> None:
+        """Sends a finished request's session hint (its saves are written)."""
+        st = self.session_stats
+        try:
+            if hint["demote"]:
+                if hint["session"] is not None:
+                    r = self._store.demote(session=hint["session"])
+                    st["demoted"] += int(r["freed"]) + int(r["queued"])
+                for ks in keys if hint["session"] is None else ():
+                    r = self._store.demote(keys=ks)
+                    st["demoted"] += int(r["freed"]) + int(r["queued"])
+                st["demotes"] += 1
+            elif hint["retain_s"] > 0:
+                for ks in keys:
+                    r = self._store.retain(ks, session=hint["session"],
+                                           ttl_ms=max(1, int(hint["retain_s"] * 1000)),
+                                           priority=hint["priority"])
+                    if r["refused"]:
+                        st["refused"] += 1
+                        log.warning("kvtier: retain of request %s refused: %s", rid,
+                                    r["refused"])
+                        break
+                    st["retained"] += int(r["retained"])
+                    st["clipped"] += int(r["clipped"])
+                st["retains"] += 1
+        except Exception:  # noqa: BLE001 - a hint is an optimisation: never fail the engine
+            log.exception("kvtier: session hint of request %s failed", rid)
+
     def request_finished(self, request, block_ids):
         rid = request.request_id
         # Finished or aborted: its preloads not started yet are dropped.
         self._end_hint(rid)
+        hint = None
+        try:
+            hint = session_hints(getattr(request, "kv_transfer_params", None))
+        except ValueError as e:
+            self.session_stats["bad"] += 1
+            log.warning("kvtier: request %s: %s: hint ignored", rid, e)
+        if hint is not None and (hint["demote"] or hint["retain_s"] > 0):
+            keys = self._session_keys(request)
+            if rid in self._saving:
+                # After its saves are written (update_connector_output), so the blocks it
+                # computed are there to retain.
+                self._after_save[rid] = (hint, keys)
+            else:
+                self._session_hint(rid, hint, keys)
         for d in (self._reqs, self._saved, self._block_ids, self._lookup_start, self._loading,
                   self._tiers):
             d.pop(rid, None)

@@ -17,6 +17,14 @@ fn key(b: &[u8]) -> PyResult<BlockKey> {
     BlockKey::from_bytes(b).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
+fn tier_name(t: kvstore::Tier) -> &'static str {
+    match t {
+        kvstore::Tier::Host => "host",
+        kvstore::Tier::Disk => "disk",
+        _ => "remote",
+    }
+}
+
 fn keys(v: &[Vec<u8>]) -> PyResult<Vec<BlockKey>> {
     v.iter().map(|k| key(k)).collect()
 }
@@ -459,15 +467,7 @@ impl Backend {
                     .lookup_priced(&ks, tokens_per_block, prefill_tokens_per_s)
             })
             .map_err(transfer_err)?;
-        let tiers = m
-            .tiers
-            .iter()
-            .map(|t| match t {
-                kvstore::Tier::Host => "host",
-                kvstore::Tier::Disk => "disk",
-                _ => "remote",
-            })
-            .collect();
+        let tiers = m.tiers.iter().map(|t| tier_name(*t)).collect();
         Ok((m.n, present, tiers))
     }
 
@@ -506,6 +506,111 @@ impl Backend {
         d.set_item("held", p.held)?;
         d.set_item("waiting", p.waiting)?;
         Ok(d)
+    }
+
+    /// Retain hint: keeps the present prefix of `keys` out of eviction's reach until `ttl_ms`
+    /// (0: the daemon's longest, preload.max_retain_ms), under `session` (a later retain of the
+    /// same session adds to it; None: anonymous). Returns a dict: present, retained, clipped,
+    /// clipped_by (the bounds' configuration keys), refused (non-empty: nothing retained, and
+    /// why), ttl_ms, retained_bytes, displaced (blocks of lower-priority retentions ended).
+    #[pyo3(signature = (keys, session=None, ttl_ms=0, priority=0))]
+    fn retain<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<Vec<u8>>,
+        session: Option<String>,
+        ttl_ms: u64,
+        priority: u8,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let ks = self::keys(&keys)?;
+        let r = py
+            .allow_threads(|| {
+                self.b.retain(
+                    &ks,
+                    session.as_deref(),
+                    Duration::from_millis(ttl_ms),
+                    priority,
+                )
+            })
+            .map_err(transfer_err)?;
+        let d = PyDict::new(py);
+        d.set_item("present", r.present)?;
+        d.set_item("retained", r.retained)?;
+        d.set_item("clipped", r.clipped)?;
+        d.set_item(
+            "clipped_by",
+            r.clipped_by.iter().map(|b| b.key()).collect::<Vec<_>>(),
+        )?;
+        d.set_item("refused", r.refused)?;
+        d.set_item("ttl_ms", r.ttl.as_millis() as u64)?;
+        d.set_item("retained_bytes", r.bytes)?;
+        d.set_item("displaced", r.displaced)?;
+        Ok(d)
+    }
+
+    /// Demote hint: the session (and/or keys) is done for now: ends its retention and moves
+    /// its host blocks to disk at once. Returns a dict: released, freed (dropped from host
+    /// memory now), queued (written first), busy (in use: left), not_in_host, kept (nowhere to
+    /// go).
+    #[pyo3(signature = (keys=Vec::new(), session=None))]
+    fn demote<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<Vec<u8>>,
+        session: Option<String>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        if keys.is_empty() && session.is_none() {
+            return Err(PyValueError::new_err("demote: name a session or keys"));
+        }
+        let ks = self::keys(&keys)?;
+        let r = py
+            .allow_threads(|| self.b.demote(&ks, session.as_deref()))
+            .map_err(transfer_err)?;
+        let d = PyDict::new(py);
+        d.set_item("released", r.released)?;
+        d.set_item("freed", r.freed)?;
+        d.set_item("queued", r.queued)?;
+        d.set_item("busy", r.busy)?;
+        d.set_item("not_in_host", r.not_in_host)?;
+        d.set_item("kept", r.kept)?;
+        Ok(d)
+    }
+
+    /// Pin hint: pins the leading present keys (any tier, not loaded) for `ttl_ms` (at most an
+    /// hour), bounded per connection through kvtierd. Returns a dict: n, tiers, lease (pass it
+    /// to `unpin`; None: nothing pinned), clipped, clipped_by, refused, ttl_ms.
+    #[pyo3(signature = (keys, ttl_ms=30_000))]
+    fn pin<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<Vec<u8>>,
+        ttl_ms: u64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let ks = self::keys(&keys)?;
+        let p = py
+            .allow_threads(|| self.b.pin(&ks, Duration::from_millis(ttl_ms)))
+            .map_err(transfer_err)?;
+        let d = PyDict::new(py);
+        d.set_item("n", p.n)?;
+        d.set_item(
+            "tiers",
+            p.tiers.iter().map(|t| tier_name(*t)).collect::<Vec<_>>(),
+        )?;
+        d.set_item("lease", p.lease.map(|h| (h.conn, h.id.0)))?;
+        d.set_item("clipped", p.clipped)?;
+        d.set_item("clipped_by", p.clipped_by)?;
+        d.set_item("refused", p.refused)?;
+        d.set_item("ttl_ms", p.ttl.as_millis() as u64)?;
+        Ok(d)
+    }
+
+    /// Ends a pin (`pin(...)["lease"]`); False if it had ended already.
+    fn unpin(&self, py: Python<'_>, lease: (u64, u64)) -> PyResult<bool> {
+        let h = kvtier_connector::PinHandle {
+            conn: lease.0,
+            id: kvstore::LeaseId(lease.1),
+        };
+        py.allow_threads(|| self.b.unpin(h)).map_err(transfer_err)
     }
 
     /// Drops the queued preloads of hint `tag`; returns how many blocks they held.

@@ -48,6 +48,23 @@ pub enum RetainBound {
     Ttl,
 }
 
+impl RetainBound {
+    /// The bound's name as kvtierd's configuration spells it (what replies say).
+    pub fn key(self) -> &'static str {
+        match self {
+            RetainBound::Bytes => "preload.max_retained_bytes",
+            RetainBound::Ttl => "preload.max_retain_ms",
+        }
+    }
+
+    /// The bound a reply names ([`RetainBound::key`]).
+    pub fn from_key(k: &str) -> Option<Self> {
+        [RetainBound::Bytes, RetainBound::Ttl]
+            .into_iter()
+            .find(|b| b.key() == k)
+    }
+}
+
 /// What one retain did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Retained {
