@@ -433,3 +433,34 @@ def test_batch_exists_brings_disk_pages_to_host_memory_before_batch_get(tmp_path
     finally:
         p.terminate()
         assert p.wait(timeout=60) == 0
+
+
+def test_retain_and_demote_hints_answer(extra, request, tmp_path):
+    """SGLang's Retain/Demote requests, programmatic: the stored prefix of pages retained under a
+    session (a TTL past the bound shortened, and said so), pages saved with a session id in
+    SGLang's extra info retained when retain_s is set, a demote ending it; bad input refused."""
+    b = make(dict(extra, retain_s=600, retain_priority=2, interface_v1=1),
+             model=f"m/{request.node.name}")
+    keys = [f"{i:064x}" for i in range(0x300, 0x304)]
+    assert b.batch_set(keys, [page(i) for i in range(4)])
+    r = b.retain(keys + [f"{0x999:064x}"], session="s1", ttl_s=7200, priority=1)
+    assert (r["present"], r["retained"], r["refused"]) == (4, 4, ""), r
+    assert r["clipped_by"] == ["preload.max_retain_ms"] and r["ttl_ms"] == 3_600_000
+    # The session's pages are released by its demote (no disk tier here: kept in host).
+    d = b.demote(session="s1")
+    assert (d["released"], d["kept"]) == (4, 4), d
+    assert b.demote(session="s1")["released"] == 0
+    with pytest.raises(ValueError, match="priority"):
+        b.retain(keys, priority=300)
+    # Saved through the v1 path with a session: retained under it.
+    pool = mha_pool("layer_first")
+    b.register_mem_pool_host(pool)
+    fill(pool, 0, 7)
+    v1 = [f"{i:064x}" for i in range(0x400, 0x402)]
+    info = HiCacheStorageExtraInfo(extra_info={"session_id": "agent-9"})
+    assert all(b.batch_set_v1(v1, slots(0, 2), info))
+    assert b.demote(session="agent-9")["released"] == 2
+    # Without a session id, nothing is retained.
+    v1b = [f"{i:064x}" for i in range(0x500, 0x502)]
+    assert all(b.batch_set_v1(v1b, slots(0, 2)))
+    assert b.demote(page_hashes=v1b)["released"] == 0

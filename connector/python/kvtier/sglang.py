@@ -26,6 +26,16 @@ Extra config keys (besides the three the factory needs):
          turn): kvtier's disk admission (seen-twice) then keeps the first few of them, as it
          does for vLLM, instead of writing a page to disk only the second time it leaves
          host memory
+  retain_s, retain_priority: session retention. Pages SGLang saves with a session
+         (``batch_set_v1`` whose extra info carries ``{"session_id": ...}``, the form SGLang's
+         session-aware offload path passes it in) are retained under that session for
+         ``retain_s`` seconds (default 0: off) at ``retain_priority`` (0..255): kept out of
+         eviction's reach in whatever tier holds them, bounded by kvtierd's
+         preload.max_retained_bytes / preload.max_retain_ms. The backend's ``retain(page_hashes,
+         session=, ttl_s=, priority=)`` and ``demote(page_hashes=, session=)`` are the same
+         hints for programmatic use (SGLang's Retain / Demote requests): each answers what it
+         did (a dict: retained, clipped and by which bound, refused and why / freed, queued,
+         busy...).
   interface_v1: 1 makes SGLang call batch_get_v1/batch_set_v1, which copy each page once,
          straight between the host pool and the store (recommended); without it SGLang copies
          pages through a temporary tensor (its generic path). The two lay a page's bytes out
@@ -129,6 +139,13 @@ class KvtierHiCache(HiCacheStorage):
         self._writer = storage_config.is_storage_writer
         self._preload = bool(extra.get("preload", True))
         self._preload_ms = int(extra.get("preload_deadline_ms", 10_000))
+        self._retain_s = float(extra.get("retain_s", 0))
+        self._retain_priority = int(extra.get("retain_priority", 0))
+        if not self._retain_s >= 0:
+            raise ValueError(f"kvtier: retain_s must be >= 0, not {self._retain_s}")
+        if not 0 <= self._retain_priority <= 255:
+            raise ValueError(f"kvtier: retain_priority must be in 0..255, not "
+                             f"{self._retain_priority}")
         self.mem_pool_host = None
         self._pool_regions = None
         # Until SGLang registers its host pool, the namespace comes from the configuration.
@@ -318,7 +335,51 @@ class KvtierHiCache(HiCacheStorage):
         keys = _keys(keys)
         if not keys:
             return []
-        return self._write(keys, self._pages(keys, host_indices), self._pool_regions)
+        ok = self._write(keys, self._pages(keys, host_indices), self._pool_regions)
+        self._retain_saved(keys, ok, extra_info)
+        return ok
+
+    # ---- hints: Retain / Demote --------------------------------------------------------------
+
+    def _retain_saved(self, keys: List[str], ok: List[bool],
+                      extra_info: Optional[HiCacheStorageExtraInfo]) -> None:
+        """Pages just saved for a session (SGLang's extra info names it) are retained under it
+        (``retain_s`` > 0). Never raises: a failed hint is logged."""
+        info = getattr(extra_info, "extra_info", None) or {}
+        session = info.get("session_id") if isinstance(info, dict) else None
+        if self._retain_s <= 0 or not session or not self._writer:
+            return
+        saved = [k for k, good in zip(keys, ok) if good]
+        if not saved:
+            return
+        try:
+            r = self.retain(saved, session=str(session), ttl_s=self._retain_s,
+                            priority=self._retain_priority)
+            if r["refused"]:
+                log.warning("kvtier: retain for session %s refused: %s", session, r["refused"])
+        except Exception:  # noqa: BLE001 - a hint is an optimisation: never fail the save
+            log.exception("kvtier: retain for session %s failed", session)
+
+    def retain(self, page_hashes: List[str], session: Optional[str] = None,
+               ttl_s: float = 0, priority: int = 0) -> dict:
+        """Retain hint: keeps the stored prefix of these pages out of eviction's reach for
+        ``ttl_s`` seconds (0: kvtierd's longest), under ``session`` (added to what it holds;
+        None: anonymous). Returns the store's answer (retained, clipped, clipped_by, refused,
+        ttl_ms, retained_bytes, displaced)."""
+        if not 0 <= priority <= 255:
+            raise ValueError(f"kvtier: priority must be in 0..255, not {priority}")
+        if ttl_s < 0:
+            raise ValueError(f"kvtier: ttl_s must be >= 0, not {ttl_s}")
+        ks = [self._key(k) for k in _keys(page_hashes)]
+        return self._store.retain(ks, session=session, ttl_ms=int(ttl_s * 1000),
+                                  priority=priority)
+
+    def demote(self, page_hashes: List[str] = (), session: Optional[str] = None) -> dict:
+        """Demote hint: these pages (and/or the session) are done for now: their retention ends
+        and they leave host memory for disk at once. Returns the store's answer (released,
+        freed, queued, busy, not_in_host, kept)."""
+        ks = [self._key(k) for k in _keys(list(page_hashes))]
+        return self._store.demote(keys=ks, session=session)
 
     def clear(self) -> None:
         if self._embedded:
