@@ -44,6 +44,15 @@ pub struct ReplayOutcome {
     /// Per request: seconds from its arrival (when its hint is sent) to the start of its load
     /// (it waited in the engine's queue meanwhile); 0 without pacing.
     pub req_queue: Vec<f64>,
+    /// Session retention: blocks retained after each request (summed), blocks left out by the
+    /// bound, retentions ended by their TTL.
+    pub retained_blocks: u64,
+    /// See `retained_blocks`.
+    pub retain_clipped: u64,
+    /// See `retained_blocks`.
+    pub retain_ended: u64,
+    /// Sessions demoted at their last request.
+    pub demoted_sessions: u64,
 }
 
 impl ReplayOutcome {
@@ -95,6 +104,7 @@ pub(super) fn tokens_in_block(r: &Request, i: usize) -> u64 {
 }
 
 /// Configuration of one replay run against an embedded store.
+#[derive(Clone)]
 pub struct RunCfg {
     /// Host capacity in blocks.
     pub host_blocks: u64,
@@ -124,6 +134,55 @@ pub struct RunCfg {
     /// The store's bound on bytes hints hold or have in flight, a fraction of the host tier
     /// (None: the store's default).
     pub preload_held: Option<f64>,
+    /// Session retention: after each request's saves, its blocks are retained under its
+    /// session (see [`sessions`]) for `ttl_ms` of trace time.
+    pub retain: Option<RetainCfg>,
+}
+
+/// Session retention in a replay.
+#[derive(Clone, Copy, Debug)]
+pub struct RetainCfg {
+    /// A session's retention ends this long (trace time) after its last request: a fast replay
+    /// compresses time, so the driver ends it itself (a retain with a 1 ms TTL) once the
+    /// trace's clock passes it.
+    pub ttl_ms: u64,
+    /// The store's bound on retained bytes, a fraction of the host tier (embedded mode; kvtierd
+    /// keeps its own, a quarter by default).
+    pub max_frac: f64,
+    /// At a session's last request, Demote it (the application knows the task or the
+    /// conversation is over) instead of retaining it.
+    pub demote_at_end: bool,
+}
+
+/// The session of each request of a trace that names none: a request continues the session
+/// that introduced the last block of its longest previously seen prefix when that prefix
+/// covers the session's first prompt (a conversation's next turn, an agent's next step or a
+/// retry from an earlier one); otherwise (a new conversation sharing only a system prompt or a
+/// tool preamble) it starts one.
+pub(super) fn sessions(reqs: &[Request]) -> Vec<u64> {
+    let mut owner: std::collections::HashMap<u64, u64> = std::collections::HashMap::new();
+    let mut first_len: Vec<usize> = Vec::new();
+    reqs.iter()
+        .map(|r| {
+            let seen = r
+                .hash_ids
+                .iter()
+                .take_while(|h| owner.contains_key(h))
+                .count();
+            let s = seen
+                .checked_sub(1)
+                .and_then(|j| owner.get(&r.hash_ids[j]).copied())
+                .filter(|s| seen >= first_len[*s as usize]);
+            let s = s.unwrap_or_else(|| {
+                first_len.push(r.hash_ids.len());
+                first_len.len() as u64 - 1
+            });
+            for h in &r.hash_ids {
+                owner.entry(*h).or_insert(s);
+            }
+            s
+        })
+        .collect()
 }
 
 /// The host tier of a replay: (bytes per block slot, segment bytes, host bytes). Segments of
@@ -154,6 +213,9 @@ pub fn run_embedded(
         prefetch_max_held_bytes: cfg
             .preload_held
             .map_or(0, |f| ((host_bytes as f64 * f) as u64).max(1)),
+        retain_max_bytes: cfg
+            .retain
+            .map(|r| ((host_bytes as f64 * r.max_frac) as u64).max(1)),
         disk: (cfg.disk_blocks > 0).then(|| DiskConfig {
             dir: cfg.dir.clone(),
             capacity_bytes: cfg.disk_blocks * block + (1 << 20),
@@ -250,6 +312,17 @@ pub(super) fn replay_through(
     // Blocks still below host memory at a hinted request's load: within the prefix its hint
     // found, past it (stored after the hint), past it with the hint cut for room.
     let mut below = [0u64; 3];
+    // Session retention: each request's session, and when (trace time) each retention ends.
+    let session_of = cfg.retain.map(|_| sessions(reqs)).unwrap_or_default();
+    // Whether each request is its session's last.
+    let last_of: Vec<bool> = {
+        let mut seen = std::collections::HashSet::new();
+        let mut v: Vec<bool> = session_of.iter().rev().map(|s| seen.insert(*s)).collect();
+        v.reverse();
+        v
+    };
+    let mut retained_until: std::collections::HashMap<u64, u64> = Default::default();
+    let mut ends: std::collections::BTreeSet<(u64, u64)> = Default::default();
     std::thread::scope(|sc| -> Result<()> {
         if cfg.hints {
             // The scheduler's side: each request's hint as it arrives, whether or not the engine
@@ -274,6 +347,21 @@ pub(super) fn replay_through(
             );
             if cfg.hints {
                 send_hints(i);
+            }
+            if cfg.retain.is_some() {
+                // Retentions whose TTL (trace time) passed end now (their blocks stay where
+                // they are, eviction's again).
+                while let Some(&(t, s)) = ends.first() {
+                    if t > r.timestamp {
+                        break;
+                    }
+                    ends.pop_first();
+                    if retained_until.get(&s) == Some(&t) {
+                        retained_until.remove(&s);
+                        out.retain_ended += 1;
+                        backend.retain(&[], Some(&format!("s{s}")), Duration::from_millis(1), 0)?;
+                    }
+                }
             }
             let keys = request_keys(&fp, r)?;
             let m = backend.lookup(&keys)?;
@@ -334,6 +422,29 @@ pub(super) fn replay_through(
                         out.save_skips += 1;
                     }
                 }
+            }
+            if let Some(rc) = cfg.retain.filter(|rc| rc.demote_at_end && last_of[i]) {
+                // The session's last request: the application is done with it (an agent's
+                // task finished, a conversation closed): Demote, so its blocks leave host
+                // memory for disk now instead of pushing out sessions still running.
+                let _ = rc;
+                let s = session_of[i];
+                backend.demote(&[], Some(&format!("s{s}")))?;
+                if let Some(old) = retained_until.remove(&s) {
+                    ends.remove(&(old, s));
+                }
+                out.demoted_sessions += 1;
+            } else if let Some(rc) = cfg.retain {
+                // The application will come back to this session: its blocks are retained.
+                let s = session_of[i];
+                let got = backend.retain(&keys, Some(&format!("s{s}")), Duration::ZERO, 0)?;
+                out.retained_blocks += got.retained as u64;
+                out.retain_clipped += got.clipped as u64;
+                let until = r.timestamp + rc.ttl_ms;
+                if let Some(old) = retained_until.insert(s, until) {
+                    ends.remove(&(old, s));
+                }
+                ends.insert((until, s));
             }
             if let (Some(rate), Some(speedup)) = (cfg.engine, cfg.pace) {
                 // The engine computes what it did not load; later requests queue meanwhile

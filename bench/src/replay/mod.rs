@@ -123,6 +123,24 @@ pub struct ReplayArgs {
     /// of the host tier ("25%"; default: the store's own bound). Embedded mode only.
     #[arg(long)]
     pub preload_held: Option<String>,
+    /// Run the trace twice at the same capacities, without and with session retention: after
+    /// each request its blocks are retained under its session (sessions inferred from shared
+    /// prefixes: a conversation or an agent task), until `--retain-ttl-s` of trace time after
+    /// the session's last request. Reports the prefix-hit gain (cases `prefix hits with
+    /// session retention vs none`, `host hits with session retention vs none`).
+    #[arg(long)]
+    pub retain: bool,
+    /// With `--retain`: seconds of trace time a session stays retained after its last request.
+    #[arg(long, default_value_t = 300.0)]
+    pub retain_ttl_s: f64,
+    /// With `--retain`: the store's bound on retained bytes, a percentage of the host tier
+    /// (embedded mode).
+    #[arg(long, default_value = "25%")]
+    pub retain_bytes: String,
+    /// With `--retain`: a session's last request demotes it instead (the application knows the
+    /// task or the conversation is over: its blocks leave host memory for disk at once).
+    #[arg(long)]
+    pub demote_at_end: bool,
     /// Spread the requests over this many nodes (each its own store, host tier `--host` of
     /// the trace's distinct blocks, no disk) and compare routings in the same run.
     #[arg(long, default_value_t = 1)]
@@ -286,6 +304,7 @@ pub fn run(args: ReplayArgs) -> Result<()> {
                 Some(pct / 100.0)
             }
         },
+        retain: None,
     };
     ensure!(
         !args.hints || pace.is_some(),
@@ -301,7 +320,37 @@ pub fn run(args: ReplayArgs) -> Result<()> {
         pb.reset();
         Some(replay(&RunCfg {
             hints: true,
-            ..run_cfg
+            ..run_cfg.clone()
+        })?)
+    } else {
+        None
+    };
+    // The same trace again with session retention (fresh store, same capacities).
+    let retained = if args.retain {
+        let pct: f64 = args
+            .retain_bytes
+            .strip_suffix('%')
+            .and_then(|x| x.parse().ok())
+            .filter(|x: &f64| *x > 0.0 && *x <= 100.0)
+            .with_context(|| {
+                format!(
+                    "--retain-bytes {:?}: expected a percentage, such as \"25%\"",
+                    args.retain_bytes
+                )
+            })?;
+        ensure!(
+            args.retain_ttl_s >= 0.0,
+            "--retain-ttl-s must be at least 0"
+        );
+        pb.reset();
+        Some(replay(&RunCfg {
+            retain: Some(RetainCfg {
+                ttl_ms: (args.retain_ttl_s * 1000.0) as u64,
+                max_frac: pct / 100.0,
+                demote_at_end: args.demote_at_end,
+            }),
+            hints: false,
+            ..run_cfg.clone()
         })?)
     } else {
         None
@@ -545,6 +594,35 @@ pub fn run(args: ReplayArgs) -> Result<()> {
             points.extend(sweep(k, &t, &args.sweep, order));
         }
     }
+    if let Some(rt) = &retained {
+        let frac = |x: &ReplayOutcome, hits: u64| hits as f64 / x.blocks.max(1) as f64;
+        eprintln!(
+            "retention: {} sessions ({} demoted at their end); {} blocks retained after requests (summed), {} left out by the bound, {} retentions ended by their TTL; prefix hits {:.4} with, {:.4} without (host {:.4} / {:.4})",
+            drive::sessions(&reqs).iter().max().map_or(0, |m| m + 1),
+            rt.demoted_sessions,
+            rt.retained_blocks,
+            rt.retain_clipped,
+            rt.retain_ended,
+            frac(rt, rt.host_hits + rt.disk_hits),
+            frac(&o, o.host_hits + o.disk_hits),
+            frac(rt, rt.host_hits),
+            frac(&o, o.host_hits)
+        );
+        rows.push(one(
+            format!("prefix hits with session retention vs none ({label})"),
+            "ratio",
+            frac(rt, rt.host_hits + rt.disk_hits),
+            frac(&o, o.host_hits + o.disk_hits),
+            "no retention, same capacities",
+        ));
+        rows.push(one(
+            format!("host hits with session retention vs none ({label})"),
+            "ratio",
+            frac(rt, rt.host_hits),
+            frac(&o, o.host_hits),
+            "no retention, same capacities",
+        ));
+    }
     rows.extend(sweep_rows(&points));
     eprintln!(
         "replayed {} requests, {} block refs, {distinct} distinct blocks; host {host_blocks} blocks, disk {disk_blocks} blocks of {} bytes; {} hits lost between lookup and load; {} saves, {} skipped",
@@ -576,6 +654,33 @@ mod tests {
             output_length: 1,
             hash_ids: ids.to_vec(),
         }
+    }
+
+    #[test]
+    fn sessions_follow_conversations_not_shared_system_prompts() {
+        // Two conversations on one system prompt (1, 2), their second turns, a third
+        // conversation, a retry of the first from its first turn, and a request sharing only
+        // the system prompt's first block.
+        let reqs = [
+            req(0, &[1, 2, 10]),
+            req(1, &[1, 2, 20]),
+            req(2, &[1, 2, 10, 11, 12]),
+            req(3, &[1, 2, 20, 21]),
+            req(4, &[1, 2, 30]),
+            req(5, &[1, 2, 10, 13]),
+            req(6, &[1, 40]),
+        ];
+        assert_eq!(drive::sessions(&reqs), vec![0, 1, 0, 1, 2, 0, 3]);
+    }
+
+    #[test]
+    fn sessions_of_the_agent_trace_are_its_tasks() {
+        // Every step of a task extends (or retries from) its own history: far fewer sessions
+        // than requests, more than the tool preambles.
+        let reqs = crate::tracegen::generate("agent", 1, 400).unwrap();
+        let s = drive::sessions(&reqs);
+        let n = s.iter().max().unwrap() + 1;
+        assert!(n > 4 && n < 100, "{n} sessions for 400 requests");
     }
 
     #[test]
@@ -646,6 +751,7 @@ mod tests {
                 engine: None,
                 hints: false,
                 preload_held: None,
+                retain: None,
             },
             &ProgressBar::hidden(),
         )
@@ -679,6 +785,7 @@ mod tests {
                 engine: None,
                 hints: false,
                 preload_held: None,
+                retain: None,
             },
             &ProgressBar::hidden(),
         )

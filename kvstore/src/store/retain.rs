@@ -6,9 +6,11 @@
 //!   leaves it. Retentions are named by a session (a later Retain of the same session adds
 //!   its blocks and sets the TTL and priority anew) or anonymous. They are bounded in bytes
 //!   over the whole store (`StoreConfig::retain_max_bytes`, any tier counted) and in TTL
-//!   (`retain_max_ttl`); a retain past the bytes bound first ends retentions of *lower*
-//!   priority (earliest deadline first), then keeps the leading blocks that fit and says it was
-//!   clipped. Retentions are not owned by a connection: a session outlives the engine that
+//!   (`retain_max_ttl`); a retain past the bytes bound first ends retentions of lower
+//!   priority, then those of equal priority that would end before it (earliest deadline first:
+//!   the sessions the application came back to least recently), then keeps the leading blocks
+//!   that fit and says it was clipped. A retention of higher priority, or of equal priority
+//!   ending later, is never ended by it. Retentions are not owned by a connection: a session outlives the engine that
 //!   started it (its next turn may go to another engine), so only the TTL, a Demote or a
 //!   higher-priority retain ends one.
 //! - [`Store::demote`] ends the retention of a session (or of keys) and moves their host
@@ -337,11 +339,16 @@ impl Inner {
             // Room: first what is free, then lower-priority retentions, earliest deadline
             // first.
             let free = |t: &Retentions| self.retain_max_bytes.saturating_sub(t.bytes + mine.bytes);
+            let deadline = now + out.ttl;
             if need > free(&t) {
+                // Lower priorities first; then, of equal priority, those that would end before
+                // this one (the session the application came back to least recently).
                 let mut lower: Vec<(u8, Instant, Name)> = t
                     .live
                     .iter()
-                    .filter(|(_, r)| r.priority < priority)
+                    .filter(|(_, r)| {
+                        r.priority < priority || (r.priority == priority && r.deadline < deadline)
+                    })
                     .map(|(n, r)| (r.priority, r.deadline, n.clone()))
                     .collect();
                 lower.sort();
@@ -373,7 +380,7 @@ impl Inner {
                 // Past the first block left out the rest is no longer a prefix for this
                 // retention: still held (pins are per block), and reported.
             }
-            mine.deadline = now + out.ttl;
+            mine.deadline = deadline;
             mine.priority = priority;
             out.retained = mine.pins.len();
             out.bytes = mine.bytes;

@@ -128,27 +128,34 @@ fn bounds_clip_displace_lower_priority_and_say_which() {
     .build()
     .unwrap();
     let id = ns(&s);
-    put_all(&s, id, 0..30);
+    put_all(&s, id, 0..40);
     let lo = s.retain(Some("lo"), &keys(0..8), Duration::from_secs(10), 1);
     assert_eq!(lo.retained, 8);
     // Higher priority: the low one makes room.
     let hi = s.retain(Some("hi"), &keys(10..16), Duration::from_secs(10), 5);
     assert_eq!((hi.retained, hi.clipped, hi.displaced), (6, 0, 8));
     assert_eq!(s.retention_stats().retentions, 1, "lo ended");
-    // Equal priority displaces nothing: the leading blocks that fit, clipped by the bound.
+    // Equal priority ending later: the one that ends first makes room (the TTL asked is
+    // shortened to the bound, and said so).
     let eq = s.retain(Some("eq"), &keys(20..26), Duration::from_secs(7200), 5);
-    assert_eq!((eq.retained, eq.clipped, eq.displaced), (4, 2, 0));
-    assert_eq!(eq.clipped_by, vec![RetainBound::Ttl, RetainBound::Bytes]);
+    assert_eq!((eq.retained, eq.clipped, eq.displaced), (6, 0, 6));
+    assert_eq!(eq.clipped_by, vec![RetainBound::Ttl]);
     assert_eq!(eq.ttl, Duration::from_secs(60));
+    // Equal priority ending sooner displaces nothing: the leading blocks that fit, clipped by
+    // the bound.
+    let soon = s.retain(Some("soon"), &keys(30..36), Duration::from_secs(5), 5);
+    assert_eq!((soon.retained, soon.clipped, soon.displaced), (4, 2, 0));
+    assert_eq!(soon.clipped_by, vec![RetainBound::Bytes]);
     let st = s.retention_stats();
     assert_eq!((st.bytes, st.blocks), (10 * LEN as u64, 10));
-    assert_eq!((st.displaced, st.clipped_blocks), (1, 2));
+    assert_eq!((st.displaced, st.clipped_blocks), (2, 2));
     // The clipped and displaced blocks hold no pin: every block can be evicted again but the
     // retained ones.
     put_all(&s, id, 100..400);
-    assert!((0..8).all(|i| !s.in_host(&key(i))));
-    assert!((10..16).all(|i| s.in_host(&key(i))));
-    assert!((20..24).all(|i| s.in_host(&key(i))));
+    assert!((0..16).all(|i| !s.in_host(&key(i))));
+    assert!((20..26).all(|i| s.in_host(&key(i))));
+    assert!((30..34).all(|i| s.in_host(&key(i))));
+    assert!((34..36).all(|i| !s.in_host(&key(i))));
 }
 
 #[test]
