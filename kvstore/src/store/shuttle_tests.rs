@@ -411,3 +411,49 @@ fn puts_loads_leases_removals_and_hints_keep_every_balance() {
         iterations(),
     );
 }
+
+/// Retains and demotes (pins taken and dropped, dirty blocks queued for the writer and dropped
+/// from host memory once written) among puts that evict, loads that promote and a removal: no
+/// deadlock, no wrong bytes, every balance kept once the sessions are demoted.
+#[test]
+fn retains_and_demotes_among_puts_loads_and_removals() {
+    shuttle::check_random(
+        || {
+            let (s, ns) = store(6, 4, 3);
+            let session = {
+                let s = s.clone();
+                thread::spawn(move || {
+                    for i in 10..13 {
+                        let _ = s.put(ns, key(i), &data(i));
+                    }
+                    let ks: Vec<BlockKey> = (10..13).map(key).collect();
+                    s.retain(Some("a"), &ks, Duration::from_secs(600), 1);
+                    load_checked(&s, &[10, 11, 12]);
+                    s.demote(Some("a"), &[]);
+                    load_checked(&s, &[10, 11]);
+                })
+            };
+            let other = {
+                let s = s.clone();
+                thread::spawn(move || {
+                    let ks: Vec<BlockKey> = (0..3).map(key).collect();
+                    s.retain(Some("b"), &ks, Duration::from_secs(600), 2);
+                    for i in 4..8 {
+                        let _ = s.put(ns, key(i), &data(i));
+                    }
+                    s.remove(&key(11));
+                    s.demote(None, &[key(0), key(4)]);
+                    load_checked(&s, &[0, 1, 2]);
+                })
+            };
+            for t in [session, other] {
+                t.join().expect("thread");
+            }
+            s.demote(Some("b"), &[]);
+            s.demote(Some("a"), &[]);
+            assert_eq!(s.retention_stats().retentions, 0);
+            check_balanced(&s, &[]);
+        },
+        iterations(),
+    );
+}
