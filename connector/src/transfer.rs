@@ -387,10 +387,12 @@ impl Backend {
                 kvstore::PrefixMatch {
                     n: 0,
                     tiers: Vec::new(),
+                    pending: 0,
                 },
                 |l| kvstore::PrefixMatch {
                     n: l.n,
                     tiers: l.tiers,
+                    pending: l.pending,
                 },
             )),
         }
@@ -416,6 +418,7 @@ impl Backend {
                         kvstore::PrefixMatch {
                             n: 0,
                             tiers: Vec::new(),
+                            pending: 0,
                         },
                         0,
                     ),
@@ -424,6 +427,7 @@ impl Backend {
                             kvstore::PrefixMatch {
                                 n: l.n,
                                 tiers: l.tiers,
+                                pending: l.pending,
                             },
                             l.present,
                         )

@@ -254,6 +254,9 @@ pub struct Lookup {
     pub lease: Option<LeaseId>,
     /// Leading keys present before a break-even cut (`n` without one).
     pub present: usize,
+    /// Keys right after the `n` present ones being saved by another engine now (see
+    /// `kvstore::PrefixMatch::pending`).
+    pub pending: usize,
 }
 
 /// Answer to a commit.
@@ -665,6 +668,7 @@ impl IpcClient {
                     tiers: r.tiers.into_iter().map(tier).collect(),
                     lease: (r.lease_id != 0).then_some(LeaseId(r.lease_id)),
                     present: (r.present as usize).clamp(r.n as usize, asked),
+                    pending: (r.pending as usize).min(asked - r.n as usize),
                 })
             }
             _ => Err(IpcError::Protocol("expected a lookup reply".into())),

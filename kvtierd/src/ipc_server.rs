@@ -445,6 +445,7 @@ impl<'d> Conn<'d> {
                         tiers: lease.tiers.iter().map(tier).collect(),
                         lease_id: lease.id.map_or(0, |i| i.0),
                         present: lease.n as u32,
+                        pending: 0,
                     })
                 } else {
                     let (m, present) =
@@ -454,6 +455,7 @@ impl<'d> Conn<'d> {
                         tiers: m.tiers.iter().map(tier).collect(),
                         lease_id: 0,
                         present: present as u32,
+                        pending: m.pending as u32,
                     })
                 }
             }

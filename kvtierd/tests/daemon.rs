@@ -786,3 +786,85 @@ fn retain_demote_and_pin_over_the_engine_socket() {
     assert_eq!((q.n, q.clipped), (5, 0), "{q:?}");
     assert!(q.refused.is_empty());
 }
+
+#[test]
+fn a_load_reads_another_engines_writes_once_committed_and_an_abort_is_a_miss() {
+    let d = Kvtierd::start("ryw", &[], true);
+    let keys = |r: std::ops::Range<u64>| r.map(key).collect::<Vec<_>>();
+    let mut a = d.client();
+    let ns = a.register_namespace(&namespace()).unwrap();
+    put_all(&mut a, ns, 0..10);
+    // Engine A saves the next 20 blocks of the prefix, slowly: reserved and written, not
+    // committed yet.
+    let lens: Vec<u32> = (10..30).map(|i| data(i).len() as u32).collect();
+    let tokens: Vec<u64> = a
+        .reserve(ns, &keys(10..30), &lens)
+        .unwrap()
+        .into_iter()
+        .map(|s| match s {
+            SlotStatus::Slot { token, .. } => token,
+            other => panic!("no slot: {other:?}"),
+        })
+        .collect();
+    for (t, i) in tokens.iter().zip(10..30) {
+        a.write(*t, &data(i)).unwrap();
+    }
+    // Engine B (the next turn, routed to another engine) looks the prefix up mid-save.
+    let mut b = d.client();
+    b.register_namespace(&namespace()).unwrap();
+    let l = b.lookup(&keys(0..40), None).unwrap();
+    assert_eq!((l.n, l.pending), (10, 20), "{l:?}");
+    let waits = |d: &Kvtierd| metric(&d.metrics, "kvtier_waits_total");
+    std::thread::scope(|sc| {
+        let before = waits(&d);
+        let loader = sc.spawn(|| {
+            let mut b = b;
+            // Its load waits for the commit (within its wait_ms), then reads A's bytes.
+            let n = get_all_waiting(&mut b, 0..30, Duration::from_secs(60));
+            (n, b)
+        });
+        let until = Instant::now() + Duration::from_secs(30);
+        while waits(&d) == before {
+            assert!(Instant::now() < until, "B's load never waited");
+            std::thread::yield_now();
+        }
+        assert_eq!(a.commit(&tokens).unwrap().committed, 20);
+        let (n, mut b) = loader.join().unwrap();
+        assert_eq!(n, 30, "B did not get A's blocks once committed");
+        // A save that is aborted: B's load ends where it was (a miss, never wrong bytes).
+        let lens: Vec<u32> = (30..35).map(|i| data(i).len() as u32).collect();
+        let tokens: Vec<u64> = a
+            .reserve(ns, &keys(30..35), &lens)
+            .unwrap()
+            .into_iter()
+            .map(|s| match s {
+                SlotStatus::Slot { token, .. } => token,
+                other => panic!("no slot: {other:?}"),
+            })
+            .collect();
+        assert_eq!(b.lookup(&keys(0..35), None).unwrap().pending, 5);
+        let before = waits(&d);
+        let loader = sc.spawn(move || get_all_waiting(&mut b, 0..35, Duration::from_secs(60)));
+        while waits(&d) == before {
+            assert!(Instant::now() < until, "B's second load never waited");
+            std::thread::yield_now();
+        }
+        a.abort(&tokens).unwrap();
+        assert_eq!(loader.join().unwrap(), 30);
+    });
+}
+
+/// `get_all` with the load's own wait for blocks in flight.
+fn get_all_waiting(c: &mut IpcClient, ids: std::ops::Range<u64>, wait: Duration) -> usize {
+    let keys: Vec<BlockKey> = ids.clone().map(key).collect();
+    let loaded = c.load(&keys, Duration::from_secs(10), Some(wait)).unwrap();
+    for (j, (i, b)) in ids.zip(&loaded.blocks).enumerate() {
+        let mut buf = vec![0u8; b.len as usize];
+        c.read(&loaded, j, &mut buf).unwrap();
+        assert!(buf == data(i), "block {i}: wrong bytes through the arena");
+    }
+    if let Some(l) = loaded.lease {
+        c.release(l).unwrap();
+    }
+    loaded.n
+}

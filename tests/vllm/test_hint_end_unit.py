@@ -29,7 +29,8 @@ def scheduler(store, asynchronous=True):
     c.__dict__.update(_store=store, _hinted={}, _async=asynchronous, _loads=[],
                       _sync_loading=[], _saving=set(), _reqs={}, _lookup_start={},
                       _loading={}, _saved={}, _block_ids={}, _tiers={}, _hybrid=False,
-                      _groups=[], _hint_failed=False, _prefill_rate=0.0, _measure_prefill=False)
+                      _groups=[], _hint_failed=False, _prefill_rate=0.0, _measure_prefill=False,
+                      _pending_since={})
     return c
 
 

@@ -33,6 +33,7 @@ def scheduler(store, fp):
     c.__dict__.update(_store=store, _fp=fp, _hinted={}, _saving=set(), _reqs={},
                       _lookup_start={}, _loading={}, _saved={}, _block_ids={}, _tiers={},
                       _hybrid=False, _groups=[], _block_size=BS, _after_save={},
+                      _pending_since={},
                       session_stats={"retains": 0, "retained": 0, "clipped": 0, "demotes": 0,
                                      "demoted": 0, "refused": 0, "bad": 0})
     return c

@@ -683,6 +683,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         # Synchronous loads: the requests the last step built loads.
         self._sync_loading: list[str] = []
         self._tiers: dict[str, list[str]] = {}  # request → tier of each block at its lookup
+        # Requests waiting for blocks another engine is saving: since when.
+        self._pending_since: dict[str, float] = {}
         self._hint_failed = False
         # Finished requests' session hints, sent once their saves are written.
         self._after_save: dict[str, tuple[dict, list[list[bytes]]]] = {}
@@ -815,6 +817,19 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                     # Past the deadline with its preloads still moving: the disk is slower or
                     # busier than the deadline allows. What has arrived; vLLM computes the rest.
                     n = host
+        # Read-your-writes: the blocks right after the hit are being saved by another engine
+        # now (a turn routed here while the previous turn's saves are still being written).
+        # They are hits in a moment: the request waits for them as it waits for preloads (the
+        # scheduler asks again next step), unless vLLM holds them itself, at most
+        # load_deadline_ms since it first saw them (60 s with wait_complete).
+        pending = sum(1 for t in tiers[n:] if t == "pending")
+        if (pending and self._policy != "best_effort"
+                and n == len(tiers) - pending  # not cut for preloads still moving
+                and n + pending > num_computed_tokens // self._block_size):
+            first = self._pending_since.setdefault(rid, time.monotonic())
+            limit = 60.0 if self._policy == "wait_complete" else self._deadline_s
+            if time.monotonic() - first < limit:
+                return None, False
         prompt = len(request.prompt_token_ids or [])
         if self._hybrid:
             # Whole blocks only (the engine's hybrid allocator aligns hits to blocks).
@@ -868,6 +883,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         rid = request.request_id
         self._reqs[rid] = request
+        self._pending_since.pop(rid, None)
         start = self._lookup_start.pop(rid, None)
         if num_external_tokens <= 0 or start is None:
             self._end_hint(rid)  # scheduled with nothing to load
@@ -1079,7 +1095,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             else:
                 self._session_hint(rid, hint, keys)
         for d in (self._reqs, self._saved, self._block_ids, self._lookup_start, self._loading,
-                  self._tiers):
+                  self._tiers, self._pending_since):
             d.pop(rid, None)
         # Blocks with queued saves stay allocated until the worker reports them written.
         delay = rid in self._saving

@@ -451,7 +451,9 @@ impl Backend {
     /// The leading keys present, and the tier of each ("host", "disk", "remote"); with
     /// `tokens_per_block` and `prefill_tokens_per_s`, break-even admission cuts the answer
     /// where loading stops paying off. Returns `(n, present, tiers)`: `present` is the prefix
-    /// before that cut (= n without it).
+    /// before that cut (= n without it); `tiers` goes on past the `n` with one "pending" per
+    /// key another engine is saving right after them now (a load that asks for those waits
+    /// for their commit: read-your-writes).
     #[pyo3(signature = (keys, tokens_per_block=0, prefill_tokens_per_s=0.0))]
     fn lookup(
         &self,
@@ -467,7 +469,8 @@ impl Backend {
                     .lookup_priced(&ks, tokens_per_block, prefill_tokens_per_s)
             })
             .map_err(transfer_err)?;
-        let tiers = m.tiers.iter().map(|t| tier_name(*t)).collect();
+        let mut tiers: Vec<&str> = m.tiers.iter().map(|t| tier_name(*t)).collect();
+        tiers.extend(std::iter::repeat_n("pending", m.pending));
         Ok((m.n, present, tiers))
     }
 

@@ -25,6 +25,10 @@ pub struct PrefixMatch {
     pub n: usize,
     /// The tier of each of the `n` leading keys (the fastest tier holding it).
     pub tiers: Vec<Tier>,
+    /// Keys right after the `n` present ones that are being saved now (reserved, not committed
+    /// yet: another engine is writing them). A load that asks for them waits for their commit
+    /// within its deadline; an aborted or lapsed save is a miss there.
+    pub pending: usize,
 }
 
 /// Leading present keys pinned until [`Store::release`] or expiry.
@@ -108,7 +112,7 @@ impl Store {
     /// [`Store::load`] from this node's own tiers only (never the remote tier), waiting for
     /// promotions at most until `deadline`: what the cluster's data plane serves peers from.
     pub fn load_local(&self, keys: &[BlockKey], deadline: Instant) -> Result<Loaded, StoreError> {
-        let pins = self.inner.pin_prefix_in(keys, deadline, false)?;
+        let pins = self.inner.pin_prefix_in(keys, deadline, false, false)?;
         Ok(Loaded {
             inner: self.inner.clone(),
             pins,
@@ -137,7 +141,7 @@ impl Store {
         let deadline = Instant::now() + self.inner.wait;
         let mut p = self
             .inner
-            .pin_prefix(std::slice::from_ref(key), deadline)
+            .pin_prefix_in(std::slice::from_ref(key), deadline, true, false)
             .ok()?;
         let p = p.pop()?;
         Some(BlockRef {
@@ -354,6 +358,8 @@ impl Inner {
                 .fetch_add((m.n - best.1) as u64, Relaxed);
             m.n = best.1;
             m.tiers.truncate(best.1);
+            // Blocks being saved after the present prefix are past the cut too.
+            m.pending = 0;
         }
         (m, present)
     }
@@ -420,13 +426,19 @@ impl Inner {
             tiers.push(self.tiers[i].kind());
             below.push(Some((i, info)));
         }
-        (
-            PrefixMatch {
-                n: tiers.len(),
-                tiers,
-            },
-            below,
-        )
+        // Read-your-writes: the run of keys being written right after the present prefix.
+        let n = tiers.len();
+        let pending = keys[n..]
+            .iter()
+            .take_while(|k| {
+                self.shard(**k)
+                    .lock()
+                    .map
+                    .get(&MapKey::from(**k))
+                    .is_some_and(|e| e.life() == Life::Filling)
+            })
+            .count();
+        (PrefixMatch { n, tiers, pending }, below)
     }
 
     /// Per key, what the local tiers (host memory first) say of it: for the cluster's data
@@ -471,16 +483,19 @@ impl Inner {
         keys: &[BlockKey],
         deadline: Instant,
     ) -> Result<Vec<Pinned>, StoreError> {
-        self.pin_prefix_in(keys, deadline, true)
+        self.pin_prefix_in(keys, deadline, true, true)
     }
 
     /// [`Inner::pin_prefix`]; with `remote` false the remote tier is not asked (the cluster's
-    /// data plane serves only what this node holds).
+    /// data plane serves only what this node holds); with `saves` a block being saved (another
+    /// engine's reservation, not committed yet) is waited for like a promotion (an engine's
+    /// load: read-your-writes), else it ends the prefix at once (a single get, a peer's read).
     pub(crate) fn pin_prefix_in(
         &self,
         keys: &[BlockKey],
         deadline: Instant,
         remote: bool,
+        saves: bool,
     ) -> Result<Vec<Pinned>, StoreError> {
         // Preloads held past their deadline go back to the eviction policy.
         self.reap_preloads(Instant::now());
@@ -510,7 +525,13 @@ impl Inner {
                         steps.push(Step::Wait(*k));
                         continue 'keys;
                     }
-                    Found::Busy => break 'keys,
+                    Found::Filling if saves => {
+                        // Another engine is saving it: wait for its commit (read-your-writes),
+                        // within the same deadline; an abort or a lapse ends the prefix there.
+                        steps.push(Step::Wait(*k));
+                        continue 'keys;
+                    }
+                    Found::Busy | Found::Filling => break 'keys,
                     Found::Absent if attempt == 1 => break 'keys,
                     Found::Absent => {}
                 }
@@ -657,7 +678,8 @@ impl Inner {
             match sh.map.get(&mk).map(|e| e.life()) {
                 None => return Ok(Found::Absent),
                 Some(Life::Promoting) => return Ok(Found::Promoting),
-                Some(Life::Filling | Life::Cancelled) => return Ok(Found::Busy),
+                Some(Life::Filling) => return Ok(Found::Filling),
+                Some(Life::Cancelled) => return Ok(Found::Busy),
                 Some(Life::Ready) => {}
             }
             let Some(e) = sh.pin(mk)? else {
@@ -708,7 +730,7 @@ impl Inner {
         Some(self.pinned(key, &e))
     }
 
-    /// Waits for another request's promotion of `key`, then pins it.
+    /// Waits for another request's promotion (or save) of `key`, then pins it.
     fn wait_promoted(&self, key: BlockKey, deadline: Instant) -> Option<Pinned> {
         loop {
             let seen = self.progress.current();
@@ -719,7 +741,7 @@ impl Inner {
                     }
                     return Some(p);
                 }
-                Found::Promoting if Instant::now() < deadline => {
+                Found::Promoting | Found::Filling if Instant::now() < deadline => {
                     self.progress.wait(seen, deadline);
                 }
                 _ => return None,
@@ -802,7 +824,9 @@ enum Found {
     /// Pinned; true if a preload had brought it in and no load had used it yet.
     Pinned(Pinned, bool),
     Promoting,
-    /// Being written by a put (or cancelled): not loadable now.
+    /// Being written by a put: loadable once committed.
+    Filling,
+    /// Removed while being written or read: not loadable.
     Busy,
     Absent,
 }

@@ -388,3 +388,57 @@ fn a_loaded_prefix_loses_its_tail_first() {
         }
     }
 }
+
+/// Waits (deadline 30 s) until a load has started waiting for something (`waits` moved).
+fn until_waiting(s: &Store, before: u64) {
+    let until = Instant::now() + Duration::from_secs(30);
+    while s.stats().waits == before {
+        assert!(Instant::now() < until, "the load never waited");
+        std::thread::yield_now();
+    }
+}
+
+#[test]
+fn a_load_waits_for_a_save_in_progress_and_an_aborted_one_is_a_miss() {
+    let (s, id) = small(PolicyKind::Lru);
+    let val = |i: u128| vec![i as u8 ^ 0x5A; 40_000];
+    for i in 0..4 {
+        s.put(id, k(i), &val(i)).unwrap();
+    }
+    // Engine A reserves blocks 4 and 5 and writes them slowly.
+    let Reserve::Slot(mut r4) = s.reserve(id, k(4), 40_000).unwrap() else {
+        panic!("no slot")
+    };
+    let Reserve::Slot(r5) = s.reserve(id, k(5), 40_000).unwrap() else {
+        panic!("no slot")
+    };
+    let keys: Vec<BlockKey> = (0..7).map(k).collect();
+    // A lookup says: 4 present, 2 being saved right after them.
+    let m = s.match_prefix(&keys);
+    assert_eq!((m.n, m.pending), (4, 2));
+    // A single get does not wait for a save (it answers at once).
+    assert!(s.get(&k(4)).is_none());
+    // Engine B loads the prefix meanwhile: it waits for the commit, and gets A's bytes.
+    std::thread::scope(|sc| {
+        let before = s.stats().waits;
+        let b = sc.spawn(|| {
+            let l = s.load(&keys[..5]).unwrap();
+            (0..l.len()).map(|i| l.block(i).to_vec()).collect::<Vec<_>>()
+        });
+        until_waiting(&s, before);
+        r4.as_mut_slice().copy_from_slice(&val(4));
+        assert!(r4.commit().unwrap());
+        let got = b.join().unwrap();
+        assert_eq!(got.len(), 5);
+        for (i, g) in got.iter().enumerate() {
+            assert_eq!(*g, val(i as u128), "block {i}");
+        }
+        // An aborted save ends the prefix there: a miss, never stale bytes.
+        let before = s.stats().waits;
+        let b = sc.spawn(|| s.load(&keys[..6]).unwrap().len());
+        until_waiting(&s, before);
+        drop(r5);
+        assert_eq!(b.join().unwrap(), 5);
+    });
+    assert_eq!(s.match_prefix(&keys).pending, 0);
+}
