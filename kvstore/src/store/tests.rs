@@ -423,7 +423,9 @@ fn a_load_waits_for_a_save_in_progress_and_an_aborted_one_is_a_miss() {
         let before = s.stats().waits;
         let b = sc.spawn(|| {
             let l = s.load(&keys[..5]).unwrap();
-            (0..l.len()).map(|i| l.block(i).to_vec()).collect::<Vec<_>>()
+            (0..l.len())
+                .map(|i| l.block(i).to_vec())
+                .collect::<Vec<_>>()
         });
         until_waiting(&s, before);
         r4.as_mut_slice().copy_from_slice(&val(4));
