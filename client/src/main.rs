@@ -439,7 +439,8 @@ async fn run() -> Result<()> {
                     .map(|n| {
                         let t: Vec<&str> = n.tiers.iter().map(|t| tier_name(*t)).collect();
                         json!({"node": n.node, "n": n.n, "tiers": t, "local": n.local,
-                            "error": n.error})
+                            "error": n.error, "load_seconds": n.load_seconds,
+                            "load_measured": n.load_measured})
                     })
                     .collect();
                 println!("{}", json!({"n": r.n, "tiers": tiers, "nodes": nodes}));
@@ -448,7 +449,12 @@ async fn run() -> Result<()> {
                 for n in &r.nodes {
                     let t: Vec<&str> = n.tiers.iter().map(|t| tier_name(*t)).collect();
                     if n.error.is_empty() {
-                        println!("  {:<24} {:>4}  {}", n.node, n.n, t.join(" "));
+                        let load = if n.load_measured {
+                            format!("{:.4} s to load", n.load_seconds)
+                        } else {
+                            format!("{:.4} s to load (a tier not measured yet)", n.load_seconds)
+                        };
+                        println!("  {:<24} {:>4}  {}  {load}", n.node, n.n, t.join(" "));
                     } else {
                         println!("  {:<24}    ?  ({})", n.node, n.error);
                     }

@@ -64,7 +64,7 @@ pub struct RemoteConfig {
 }
 
 /// What one member holds of a prefix (see [`RemoteTier::node_prefixes`]).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct NodePrefix {
     /// Its data-plane address.
     pub addr: String,
@@ -72,6 +72,11 @@ pub struct NodePrefix {
     pub tiers: Vec<Tier>,
     /// Why it did not answer.
     pub error: Option<String>,
+    /// Its expected seconds to bring those blocks into its host memory, and whether every tier
+    /// involved was measured there (see `kvstore::Store::load_seconds`).
+    pub load_seconds: f64,
+    /// See `load_seconds`.
+    pub load_measured: bool,
 }
 
 /// A peer's state, for `kvtier cluster` and metrics.
@@ -601,13 +606,17 @@ impl RemoteTier {
                 addr: peer.addr.clone(),
                 tiers: Vec::new(),
                 error: Some("breaker open: the peer keeps failing".into()),
+                load_seconds: 0.0,
+                load_measured: false,
             })
             .collect();
         let groups: Groups = asked.into_iter().map(|p| (p, Vec::new())).collect();
         out.extend(Self::fan_out(&groups, |peer, _| {
             let mut tiers = Vec::new();
+            let mut cost = (0.0, false);
             let (conn, res) = match self.ask(peer, Op::Exists, keys, deadline) {
                 Ok((c, r)) => {
+                    cost = (r.load_seconds, r.load_measured);
                     tiers = r
                         .blocks
                         .iter()
@@ -624,6 +633,8 @@ impl RemoteTier {
                 addr: peer.addr.clone(),
                 tiers,
                 error,
+                load_seconds: cost.0,
+                load_measured: cost.1,
             }
         }));
         out.sort_by(|a, b| a.addr.cmp(&b.addr));

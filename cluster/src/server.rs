@@ -267,11 +267,17 @@ pub(crate) async fn connection(
         match Op::try_from(req.op) {
             Ok(Op::Exists) => {
                 let reply = match wire::unpack_keys(&req.keys) {
-                    Some(keys) => Reply {
-                        id: req.id,
-                        blocks: exists(store, &keys),
-                        ..Default::default()
-                    },
+                    Some(keys) => {
+                        let blocks = exists(store, &keys);
+                        let (load_seconds, load_measured) = load_seconds(store, &blocks);
+                        Reply {
+                            id: req.id,
+                            blocks,
+                            load_seconds,
+                            load_measured,
+                            ..Default::default()
+                        }
+                    }
                     None => bad(req.id, "keys are not a whole number of 16-byte keys"),
                 };
                 by(deadline, "reply", wire::write_header_async(&mut wr, &reply)).await?;
@@ -491,6 +497,24 @@ fn exists(store: &Store, keys: &[BlockKey]) -> Vec<Block> {
             }
         })
         .collect()
+}
+
+/// What bringing the leading present `blocks` into host memory costs here (see
+/// `Store::load_seconds`).
+fn load_seconds(store: &Store, blocks: &[Block]) -> (f64, bool) {
+    let held: Vec<(kvstore::Tier, u64)> = blocks
+        .iter()
+        .take_while(|b| b.present)
+        .map(|b| {
+            let t = if b.tier == 1 {
+                kvstore::Tier::Host
+            } else {
+                kvstore::Tier::Disk
+            };
+            (t, u64::from(b.len))
+        })
+        .collect();
+    store.load_seconds(&held)
 }
 
 fn absent(k: &BlockKey) -> Block {

@@ -311,11 +311,13 @@ impl Admin for AdminService {
             let m = store.match_prefix(&ks);
             let mut nodes = Vec::new();
             if r.cluster {
-                let local: Vec<Tier> = store
+                let held: Vec<(Tier, u64)> = store
                     .probe_local(&ks)
                     .into_iter()
-                    .map_while(|x| x.map(|(_, t)| t))
+                    .map_while(|x| x.map(|(i, t)| (t, u64::from(i.len))))
                     .collect();
+                let (load_seconds, load_measured) = store.load_seconds(&held);
+                let local: Vec<Tier> = held.into_iter().map(|(t, _)| t).collect();
                 let me = d
                     .cluster
                     .as_ref()
@@ -326,6 +328,8 @@ impl Admin for AdminService {
                     tiers: local.into_iter().map(tier).collect(),
                     local: true,
                     error: String::new(),
+                    load_seconds,
+                    load_measured,
                 });
                 if let Some(c) = &d.cluster {
                     for p in c.remote.node_prefixes(&ks) {
@@ -335,6 +339,8 @@ impl Admin for AdminService {
                             tiers: p.tiers.into_iter().map(tier).collect(),
                             local: false,
                             error: p.error.unwrap_or_default(),
+                            load_seconds: p.load_seconds,
+                            load_measured: p.load_measured,
                         });
                     }
                 }

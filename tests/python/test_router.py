@@ -54,6 +54,8 @@ def test_lookup_and_score_find_the_node_with_the_prefix(tmp_path):
         na = by[f"127.0.0.1:{ports[0]}"]
         assert na["n"] == 12 and na["tiers"] == ["host"] * 12 and not na["local"], r
         assert by[f"127.0.0.1:{ports[1]}"]["local"]
+        # Costs in seconds: host blocks load for nothing (and no unmeasured tier is involved).
+        assert na["load_seconds"] == 0.0 and na["load_measured"], na
         engines = {"on-a": f"127.0.0.1:{ports[0]}", "on-b": f"127.0.0.1:{ports[1]}"}
         costs = router.score(engines, keys=keys, via=b["grpc"])
         assert costs["on-a"] < costs["on-b"], costs
@@ -67,6 +69,12 @@ def test_lookup_and_score_find_the_node_with_the_prefix(tmp_path):
         assert router.score({"on-a": a["grpc"]}, keys=keys, gpu={"on-a": 12})["on-a"] == 0.0
         other = [engine_key(fp, bytes([200 + i]) * 32) for i in range(4)]
         assert router.score(engines, keys=other, via=b["grpc"]) == {"on-a": 4.0, "on-b": 4.0}
+        # In seconds, at a prefill rate: A loads its twelve blocks for nothing; a node that
+        # holds nothing computes every block (16 tokens at 1000 tokens/s).
+        secs = router.score(engines, keys=keys, via=b["grpc"], prefill_tokens_per_s=1000.0)
+        assert secs["on-a"] == 0.0 and secs["on-b"] >= secs["on-a"], secs
+        secs = router.score(engines, keys=other, via=b["grpc"], prefill_tokens_per_s=1000.0)
+        assert secs == {"on-a": 4 * 0.016, "on-b": 4 * 0.016}, secs
         # Token ids with their namespace: kvtier's token keys, computed by the daemon.
         r = router.lookup(a["grpc"], token_ids=list(range(40)),
                           namespace=dict(model="router/model", block_tokens=16))

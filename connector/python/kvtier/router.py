@@ -23,6 +23,7 @@ loaded from tier t costs 1 - weight[t].
 
 from __future__ import annotations
 
+import struct
 import threading
 
 TIERS = {0: "?", 1: "host", 2: "disk", 3: "remote"}
@@ -150,7 +151,8 @@ def _decode_reply(b: bytes) -> dict:
         elif num == 2:
             _tiers(wire, v, out["tiers"])
         elif num == 3:
-            node = {"node": "", "n": 0, "tiers": [], "local": False, "error": ""}
+            node = {"node": "", "n": 0, "tiers": [], "local": False, "error": "",
+                    "load_seconds": 0.0, "load_measured": False}
             for n2, w2, v2 in _fields(v):
                 if n2 == 1:
                     node["node"] = v2.decode()
@@ -162,6 +164,10 @@ def _decode_reply(b: bytes) -> dict:
                     node["local"] = bool(v2)
                 elif n2 == 5:
                     node["error"] = v2.decode()
+                elif n2 == 6 and w2 == 1:
+                    node["load_seconds"] = struct.unpack("<d", v2)[0]
+                elif n2 == 7:
+                    node["load_measured"] = bool(v2)
             out["nodes"].append(node)
     return out
 
@@ -170,7 +176,9 @@ def lookup(endpoint: str, keys=None, *, token_ids=None, block_hashes=None, names
            cluster: bool = False, token: str | None = None, tenant: str = "",
            timeout: float = 5.0) -> dict:
     """kvtierd's answer for a prefix: {"n", "tiers", "nodes": [{"node", "n", "tiers", "local",
-    "error"}]}. Name the blocks by 16-byte `keys`, or by `token_ids` / the engine's
+    "error", "load_seconds", "load_measured"}]} (`load_seconds`: the member's expected time to
+    bring the blocks it holds into its host memory, from its tiers' measured read speeds;
+    `load_measured` false when a tier involved was not measured yet there). Name the blocks by 16-byte `keys`, or by `token_ids` / the engine's
     `block_hashes` with the `namespace` (dict: model, dtype, layout, block_tokens, tp_size,
     tp_rank, tenant, lora)."""
     req = _encode_request(keys, token_ids, block_hashes, namespace, cluster, tenant)
@@ -217,9 +225,24 @@ def cost(tiers, total: int, weights=None, gpu_blocks: int = 0, cluster_n: int = 
     return c
 
 
+def seconds(node: dict, total: int, block_tokens: int, prefill_tokens_per_s: float,
+            gpu_blocks: int = 0) -> float:
+    """Seconds of work for an engine whose node answered `node` (a `lookup(..., cluster=True)`
+    member): its first `gpu_blocks` blocks are in its GPU cache (free), the blocks its node
+    holds load in the node's measured `load_seconds`, the rest are computed at
+    `prefill_tokens_per_s`."""
+    if prefill_tokens_per_s <= 0:
+        raise ValueError(f"prefill_tokens_per_s must be positive, not {prefill_tokens_per_s}")
+    held = 0 if node.get("error") else int(node.get("n", 0))
+    load = float(node.get("load_seconds", 0.0)) if held > gpu_blocks else 0.0
+    computed = max(0, total - max(held, gpu_blocks))
+    return load + computed * block_tokens / prefill_tokens_per_s
+
+
 def score(endpoints: dict, prompt=None, *, keys=None, block_hashes=None, namespace=None,
           via: str | None = None, weights=None, gpu: dict | None = None,
-          token: str | None = None, timeout: float = 5.0) -> dict:
+          token: str | None = None, timeout: float = 5.0,
+          prefill_tokens_per_s: float | None = None) -> dict:
     """Cost per engine of serving `prompt` (its token ids, in `namespace`; or name its blocks
     by 16-byte `keys` or the engine's `block_hashes`). Lower is better; see `cost`.
 
@@ -227,7 +250,9 @@ def score(endpoints: dict, prompt=None, *, keys=None, block_hashes=None, namespa
     one by one (what that node can load, its remote tier included). With `via` (any node's
     admin address): one cluster lookup, and `endpoints` maps each engine to its node's
     `cluster.listen` address. `gpu` maps engines to the leading blocks already in their GPU
-    prefix cache (known to the router from vLLM's KV events)."""
+    prefix cache (known to the router from vLLM's KV events). With `via` and
+    `prefill_tokens_per_s` (the engines' prefill rate), costs are seconds instead (see
+    `seconds`): each node's measured time to load what it holds against recomputing the rest."""
     gpu = gpu or {}
     token_ids = prompt
     kw = dict(keys=keys, token_ids=token_ids, block_hashes=block_hashes, namespace=namespace,
@@ -247,6 +272,11 @@ def score(endpoints: dict, prompt=None, *, keys=None, block_hashes=None, namespa
     r = lookup(via, cluster=True, **kw)
     best = max([n["n"] for n in r["nodes"] if not n["error"]] or [0])
     by_node = {n["node"]: n for n in r["nodes"]}
+    if prefill_tokens_per_s is not None:
+        bt = int((namespace or {}).get("block_tokens", 16))
+        return {engine: seconds(by_node.get(node, {"n": 0}), total, bt, prefill_tokens_per_s,
+                                gpu.get(engine, 0))
+                for engine, node in endpoints.items()}
     for engine, node in endpoints.items():
         n = by_node.get(node)
         tiers = n["tiers"] if n and not n["error"] else []

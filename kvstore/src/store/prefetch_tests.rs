@@ -535,3 +535,24 @@ fn a_hint_holds_the_blocks_an_earlier_request_saves_after_it() {
     drop(s);
     let _ = std::fs::remove_dir_all(d);
 }
+
+#[test]
+fn load_seconds_are_priced_from_the_tiers_measured_reads() {
+    let (s, d) = on_disk("load-seconds", 24, 0);
+    let len = data(0).len() as u64;
+    let disk = vec![(crate::Tier::Disk, len); 24];
+    // Not read yet: the disk tier is not measured (it counts nothing, and says so); host
+    // blocks cost nothing.
+    assert_eq!(s.load_seconds(&disk), (0.0, false));
+    assert_eq!(s.load_seconds(&[(crate::Tier::Host, len)]), (0.0, true));
+    // A load reads 16 of them (about 1 MiB: a batch that measures bandwidth).
+    let keys: Vec<BlockKey> = (0..16).map(key).collect();
+    assert_eq!(s.load(&keys).unwrap().len(), 16);
+    let (secs, measured) = s.load_seconds(&disk);
+    assert!(measured && secs > 0.0, "{secs} {measured}");
+    // More bytes cost more.
+    let (half, _) = s.load_seconds(&disk[..12]);
+    assert!(half < secs, "{half} vs {secs}");
+    drop(s);
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -119,6 +119,33 @@ impl Store {
         })
     }
 
+    /// The expected seconds to bring blocks into host memory, each given as (the tier holding
+    /// it, its bytes), from each lower tier's measured read speed (a batch per tier: its
+    /// latency once plus bytes / bandwidth; host blocks cost nothing), and whether every tier
+    /// involved has been measured (a tier not measured yet counts nothing). What the cluster
+    /// Lookup answers per member, so a router compares loading there with recomputing.
+    pub fn load_seconds(&self, blocks: &[(Tier, u64)]) -> (f64, bool) {
+        let inner = &self.inner;
+        let mut bytes = vec![0u64; inner.tiers.len()];
+        for (t, b) in blocks {
+            if *t == Tier::Host {
+                continue;
+            }
+            if let Some(i) = inner.tiers.iter().position(|x| x.kind() == *t) {
+                bytes[i] += b;
+            }
+        }
+        let mut secs = 0.0;
+        let mut measured = true;
+        for (i, b) in bytes.into_iter().enumerate().filter(|(_, b)| *b > 0) {
+            match inner.speed[i].lock().cost(b) {
+                Some(c) => secs += c,
+                None => measured = false,
+            }
+        }
+        (secs, measured)
+    }
+
     /// Whether a committed block with this key is present in any tier (no side effects).
     pub fn contains(&self, key: &BlockKey) -> bool {
         self.match_prefix(std::slice::from_ref(key)).n == 1
