@@ -119,22 +119,66 @@ fn check_pairs(keys: &[BlockKey], block_ids: &[Vec<usize>]) -> Result<(), Transf
     Ok(())
 }
 
+/// What kvtierd's KV events say of each saved block: the engine's hash, its parent's and its
+/// token ids (vLLM's `block_hashes`, `parent_block_hash`, `token_ids`); each list empty or one
+/// per key (the parent of a sequence's first block: empty). Sent only to a daemon that
+/// publishes events; the embedded store publishes none.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Tags {
+    /// The engine's own hash of each block (at most 32 bytes).
+    pub engine_hashes: Vec<Vec<u8>>,
+    /// The engine hash of the block before each (empty: none).
+    pub parents: Vec<Vec<u8>>,
+    /// Each block's token ids.
+    pub token_ids: Vec<Vec<u32>>,
+}
+
+impl Tags {
+    /// Engine hashes only.
+    pub fn hashes(engine_hashes: &[Vec<u8>]) -> Self {
+        Self {
+            engine_hashes: engine_hashes.to_vec(),
+            ..Default::default()
+        }
+    }
+
+    fn check(&self, keys: usize) -> Result<(), TransferError> {
+        for (n, what) in [
+            (self.engine_hashes.len(), "engine hashes"),
+            (self.parents.len(), "parent hashes"),
+            (self.token_ids.len(), "token id lists"),
+        ] {
+            if n != 0 && n != keys {
+                return Err(TransferError::Input(format!("{keys} keys but {n} {what}")));
+            }
+        }
+        Ok(())
+    }
+
+    /// The tags of keys `from..`.
+    pub(super) fn tail(&self, from: usize) -> Self {
+        let t = |v: &[Vec<u8>]| v.get(from..).map_or_else(Vec::new, <[_]>::to_vec);
+        Self {
+            engine_hashes: t(&self.engine_hashes),
+            parents: t(&self.parents),
+            token_ids: self
+                .token_ids
+                .get(from..)
+                .map_or_else(Vec::new, <[_]>::to_vec),
+        }
+    }
+}
+
 /// Checks a save's arguments (every engine block id before anything is reserved); returns
 /// each key's block length.
 fn save_lens(
     paged: &PagedKv,
     keys: &[BlockKey],
     block_ids: &[Vec<usize>],
-    engine_hashes: &[Vec<u8>],
+    tags: &Tags,
 ) -> Result<Vec<usize>, TransferError> {
     check_pairs(keys, block_ids)?;
-    if !engine_hashes.is_empty() && engine_hashes.len() != keys.len() {
-        return Err(TransferError::Input(format!(
-            "{} keys but {} engine hashes",
-            keys.len(),
-            engine_hashes.len()
-        )));
-    }
+    tags.check(keys.len())?;
     for ids in block_ids {
         paged.check_ids(ids)?;
     }
@@ -616,12 +660,25 @@ impl Backend {
         block_ids: &[Vec<usize>],
         engine_hashes: &[Vec<u8>],
     ) -> Result<usize, TransferError> {
-        let lens = save_lens(paged, keys, block_ids, engine_hashes)?;
+        self.save_described(ns, paged, keys, block_ids, &Tags::hashes(engine_hashes))
+    }
+
+    /// [`Backend::save_tagged`], with each block's parent hash and token ids too (see
+    /// [`Tags`]): kvtierd's BlockStored events carry them as vLLM's do.
+    pub fn save_described(
+        &self,
+        ns: NsId,
+        paged: &PagedKv,
+        keys: &[BlockKey],
+        block_ids: &[Vec<usize>],
+        tags: &Tags,
+    ) -> Result<usize, TransferError> {
+        let lens = save_lens(paged, keys, block_ids, tags)?;
         let fill = |i: usize, slot: &mut [u8]| -> Result<u64, TransferError> {
             Ok(paged.gather_hashed(&block_ids[i], slot)?)
         };
         Ok(self
-            .store_blocks(ns, keys, &lens, &fill, engine_hashes)?
+            .store_blocks(ns, keys, &lens, &fill, tags)?
             .iter()
             .filter(|s| **s == Stored::Now)
             .count())
@@ -698,7 +755,7 @@ impl Backend {
         let fill = |i: usize, slot: &mut [u8]| -> Result<u64, TransferError> {
             Ok(gather_segments(&pages[i], slot))
         };
-        self.store_blocks(ns, keys, &lens, &fill, &[])
+        self.store_blocks(ns, keys, &lens, &fill, &Tags::default())
     }
 
     /// Copies the longest present prefix of `keys` into the pages' segments. One bool per key:
@@ -732,7 +789,7 @@ impl Backend {
         keys: &[BlockKey],
         lens: &[usize],
         fill: &Fill<'_>,
-        engine_hashes: &[Vec<u8>],
+        tags: &Tags,
     ) -> Result<Vec<Stored>, TransferError> {
         let mut out = vec![Stored::NoRoom; keys.len()];
         match &self.kind {
@@ -763,10 +820,7 @@ impl Backend {
                     let ns = map.get(c, ns)?;
                     // Connection errors go to `call` (a lost daemon is a miss); the save's own
                     // errors come back to the caller.
-                    let tagged = Tagged {
-                        keys,
-                        engine_hashes,
-                    };
+                    let tagged = Tagged { keys, tags };
                     match save_chunks(c, ns, tagged, &lens32, fill, &self.copies, &mut out) {
                         Err(TransferError::Ipc(e)) => Err(e),
                         r => Ok(r),
@@ -1057,11 +1111,11 @@ impl Backend {
     }
 }
 
-/// Keys to save, with the engine's own hashes of the blocks (empty, or one per key).
+/// Keys to save, with what the KV events say of them.
 #[derive(Clone, Copy)]
 struct Tagged<'a> {
     keys: &'a [BlockKey],
-    engine_hashes: &'a [Vec<u8>],
+    tags: &'a Tags,
 }
 
 /// A save through a live connection, in reservations of at most the daemon's per-connection
@@ -1070,10 +1124,7 @@ struct Tagged<'a> {
 fn save_chunks(
     c: &mut IpcClient,
     ns: NsId,
-    Tagged {
-        keys,
-        engine_hashes,
-    }: Tagged<'_>,
+    Tagged { keys, tags }: Tagged<'_>,
     lens32: &[u32],
     fill: &Fill<'_>,
     copies: &Copies,
@@ -1111,7 +1162,7 @@ fn save_chunks(
             }
             return Err(e);
         }
-        commit_tokens(c, &tokens, engine_hashes, out)?;
+        commit_tokens(c, &tokens, tags, out)?;
         at = end;
     }
     Ok(())
@@ -1123,18 +1174,34 @@ fn save_chunks(
 fn commit_tokens(
     c: &mut IpcClient,
     tokens: &[(usize, u64)],
-    engine_hashes: &[Vec<u8>],
+    tags: &Tags,
     out: &mut [Stored],
 ) -> Result<(), IpcError> {
     let toks: Vec<u64> = tokens.iter().map(|(_, t)| *t).collect();
-    let r = if engine_hashes.is_empty() {
+    let r = if tags.engine_hashes.is_empty() {
         c.commit(&toks)?
     } else {
-        let tags: Vec<Vec<u8>> = tokens
+        // The parents and token ids go only to a daemon that publishes events.
+        let pick = |v: &[Vec<u8>]| -> Vec<Vec<u8>> {
+            if v.is_empty() || !c.events() {
+                return Vec::new();
+            }
+            tokens.iter().map(|(i, _)| v[*i].clone()).collect()
+        };
+        let hashes: Vec<Vec<u8>> = tokens
             .iter()
-            .map(|(i, _)| engine_hashes[*i].clone())
+            .map(|(i, _)| tags.engine_hashes[*i].clone())
             .collect();
-        c.commit_tagged(&toks, &tags)?
+        let parents = pick(&tags.parents);
+        let ids: Vec<Vec<u32>> = if tags.token_ids.is_empty() || !c.events() {
+            Vec::new()
+        } else {
+            tokens
+                .iter()
+                .map(|(i, _)| tags.token_ids[*i].clone())
+                .collect()
+        };
+        c.commit_described(&toks, &hashes, &parents, &ids)?
     };
     for (i, t) in tokens {
         if r.expired.contains(t) {

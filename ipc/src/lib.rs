@@ -293,6 +293,8 @@ pub struct IpcClient {
     /// fails instead of reading someone else's reply.
     broken: Option<String>,
     tenant: String,
+    /// The daemon publishes KV events (commits may describe their blocks).
+    events: bool,
 }
 
 /// The tier a reply's `Tier` value names (unknown values read as host).
@@ -410,6 +412,7 @@ impl IpcClient {
                 h.reservation_ttl_ms
             }),
             broken: None,
+            events: h.events,
         })
     }
 
@@ -433,6 +436,12 @@ impl IpcClient {
     /// The tenant the daemon placed this connection in ("" in shared isolation).
     pub fn tenant(&self) -> &str {
         &self.tenant
+    }
+
+    /// Whether the daemon publishes KV events: only then do commits carry the blocks' parents
+    /// and token ids ([`IpcClient::commit_described`]).
+    pub fn events(&self) -> bool {
+        self.events
     }
 
     fn call(&mut self, body: request::Body) -> Result<response::Body, IpcError> {
@@ -789,13 +798,33 @@ impl IpcClient {
         tokens: &[u64],
         engine_hashes: &[Vec<u8>],
     ) -> Result<Committed, IpcError> {
-        if !engine_hashes.is_empty() && engine_hashes.len() != tokens.len() {
-            return Err(IpcError::Protocol(format!(
-                "{} tokens but {} engine hashes",
-                tokens.len(),
-                engine_hashes.len()
-            )));
+        self.commit_described(tokens, engine_hashes, &[], &[])
+    }
+
+    /// [`IpcClient::commit_tagged`], with each block's parent engine hash (empty for a first
+    /// block) and token ids, which the daemon's BlockStored events carry as vLLM's do
+    /// (`parent_block_hash`, `token_ids`); each list empty or one per token. Dropped here when
+    /// the daemon publishes no events ([`IpcClient::events`]).
+    pub fn commit_described(
+        &mut self,
+        tokens: &[u64],
+        engine_hashes: &[Vec<u8>],
+        parents: &[Vec<u8>],
+        token_ids: &[Vec<u32>],
+    ) -> Result<Committed, IpcError> {
+        for (n, what) in [
+            (engine_hashes.len(), "engine hashes"),
+            (parents.len(), "parent hashes"),
+            (token_ids.len(), "token id lists"),
+        ] {
+            if n != 0 && n != tokens.len() {
+                return Err(IpcError::Protocol(format!(
+                    "{} tokens but {n} {what}",
+                    tokens.len()
+                )));
+            }
         }
+        let described = self.events && !engine_hashes.is_empty();
         let mut checksums = Vec::with_capacity(tokens.len());
         for t in tokens {
             let sum = match self.pending.remove(t) {
@@ -815,6 +844,19 @@ impl IpcClient {
             tokens: tokens.to_vec(),
             checksums,
             engine_hashes: engine_hashes.to_vec(),
+            parent_hashes: if described {
+                parents.to_vec()
+            } else {
+                Vec::new()
+            },
+            token_ids: if described {
+                token_ids
+                    .iter()
+                    .map(|ids| pb::BlockTokens { ids: ids.clone() })
+                    .collect()
+            } else {
+                Vec::new()
+            },
         }))? {
             response::Body::Commit(r) => Ok(Committed {
                 committed: r.committed,

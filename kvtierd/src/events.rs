@@ -30,7 +30,14 @@
 //! the block has left every local tier. A block
 //! without one (raw IPC keys, SGLang, blocks recovered from disk after a restart) is published
 //! under its 16-byte kvtier key. With `events.int_hashes` a hash goes as vLLM's integer form (its
-//! low 64 bits, big-endian). `parent_block_hash` is nil and `token_ids` empty; `block_size` is
+//! low 64 bits, big-endian). A block whose commit also carried its parent's hash and its token
+//! ids (the vLLM connector sends them when the daemon says, in Hello, that it publishes events)
+//! is published with them, as vLLM's `parent_block_hash` and `token_ids`: a run of such blocks
+//! is a chain (each block's parent the one before it), its parent the first block's and its
+//! token ids all of theirs. They are kept beside the engine hash, only while events are on, at
+//! about 70 bytes plus 4 per token a block (an Arc'd token list and the parent's hash: 134 bytes
+//! at 16 tokens a block, 198 at 32) until the block leaves its last local tier; otherwise
+//! `parent_block_hash` is nil and `token_ids` empty. `block_size` is
 //! the tokens per block of the block's namespace as its engine registered it (0 if none has
 //! since the daemon started), and `group_idx` (`BlockStored` also `kv_cache_spec_kind` and
 //! `kv_cache_spec_sliding_window`) the engine's KV-cache group the namespace keys, when the
@@ -179,6 +186,48 @@ struct Held {
     hash: EngineHash,
     /// Tiers the block is in, one bit per [`Tier`] (0 while its commit is in progress).
     tiers: u8,
+    /// The engine hash of the block before it in its sequence, if the engine said.
+    parent: Option<EngineHash>,
+    /// Its token ids, if the engine said (empty: not said).
+    tokens: Arc<[u32]>,
+}
+
+/// Most token ids kept for one block (more: none are kept for it).
+pub const MAX_BLOCK_TOKENS: usize = 1024;
+
+/// What a commit says of one block for the KV events: its kvtier key, the engine's hash, and
+/// optionally its parent's hash and its token ids.
+pub struct Described<'a> {
+    /// The kvtier key.
+    pub key: u128,
+    /// The engine's hash of the block.
+    pub hash: &'a [u8],
+    /// The engine's hash of the block before it (None or empty: not said / the first block).
+    pub parent: Option<&'a [u8]>,
+    /// The block's token ids (None or empty: not said).
+    pub tokens: Option<&'a [u32]>,
+}
+
+/// A block as published: its hash, and (BlockStored) its parent and token ids when known.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Resolved {
+    /// What the block is published under.
+    pub hash: Hash,
+    /// Its parent's engine hash.
+    pub parent: Option<EngineHash>,
+    /// Its token ids (None: not known).
+    pub tokens: Option<Arc<[u32]>>,
+}
+
+impl Resolved {
+    /// A block known by its kvtier key only.
+    pub fn key(k: u128) -> Self {
+        Self {
+            hash: Hash::Key(k),
+            parent: None,
+            tokens: None,
+        }
+    }
 }
 
 fn tier_bit(t: Tier) -> u8 {
@@ -195,18 +244,39 @@ pub struct EngineHashes {
 }
 
 impl EngineHashes {
-    /// Notes each `(key, hash)` of store `t` before their commit (the commit's `Stored`
-    /// events may be handled at once by the events thread); one lock for the commit.
-    pub fn note<'a>(&self, t: usize, blocks: impl IntoIterator<Item = (u128, &'a [u8])>) {
+    /// Notes each block of store `t` (its engine hash, and its parent's and its token ids when
+    /// given) before their commit (the commit's `Stored` events may be handled at once by the
+    /// events thread); one lock for the commit. A parent that is not an engine hash, or more
+    /// than [`MAX_BLOCK_TOKENS`] token ids, is left out (the block is published without it).
+    pub fn note<'a>(&self, t: usize, blocks: impl IntoIterator<Item = Described<'a>>) {
         let mut m = self.map.lock();
-        for (key, hash) in blocks {
-            let Some(hash) = EngineHash::new(hash) else {
+        for b in blocks {
+            let Some(hash) = EngineHash::new(b.hash) else {
                 continue;
             };
-            if let Some(h) = m.get_mut(&(t, key)) {
+            let parent = b.parent.and_then(EngineHash::new);
+            let tokens: Arc<[u32]> = match b.tokens {
+                Some(t) if t.len() <= MAX_BLOCK_TOKENS => Arc::from(t),
+                _ => Arc::from(Vec::new()),
+            };
+            if let Some(h) = m.get_mut(&(t, b.key)) {
                 h.hash = hash;
+                if parent.is_some() {
+                    h.parent = parent;
+                }
+                if !tokens.is_empty() {
+                    h.tokens = tokens;
+                }
             } else if m.len() < MAX_ENGINE_HASHES {
-                m.insert((t, key), Held { hash, tiers: 0 });
+                m.insert(
+                    (t, b.key),
+                    Held {
+                        hash,
+                        tiers: 0,
+                        parent,
+                        tokens,
+                    },
+                );
             } else {
                 self.refused.fetch_add(1, Relaxed);
             }
@@ -221,12 +291,11 @@ impl EngineHashes {
         }
     }
 
-    /// The hash to publish each of `events` (of store `t`) under, in order: one lock for the
-    /// batch, none while no engine hash is kept.
-    fn resolve_all(&self, t: usize, events: &[BlockEvent]) -> Vec<Hash> {
+    /// How to publish each of `events` (of store `t`), in order: one lock for the batch.
+    fn resolve_all(&self, t: usize, events: &[BlockEvent]) -> Vec<Resolved> {
         let mut m = self.map.lock();
         if m.is_empty() {
-            return events.iter().map(|e| Hash::Key(e.key.0)).collect();
+            return events.iter().map(|e| Resolved::key(e.key.0)).collect();
         }
         events
             .iter()
@@ -237,30 +306,42 @@ impl EngineHashes {
     /// The hash to publish event `e` of store `t` under, tracking where the block is.
     #[cfg(test)]
     fn resolve(&self, t: usize, e: &BlockEvent) -> Hash {
-        Self::resolve_in(&mut self.map.lock(), t, e)
+        Self::resolve_in(&mut self.map.lock(), t, e).hash
     }
 
-    fn resolve_in(m: &mut HashMap<(usize, u128), Held>, t: usize, e: &BlockEvent) -> Hash {
+    fn resolve_in(m: &mut HashMap<(usize, u128), Held>, t: usize, e: &BlockEvent) -> Resolved {
         let k = (t, e.key.0);
         let Some(h) = m.get_mut(&k) else {
-            return Hash::Key(e.key.0);
+            return Resolved::key(e.key.0);
         };
-        let hash = h.hash;
+        let stored = |h: &Held| Resolved {
+            hash: Hash::Engine(h.hash),
+            parent: h.parent,
+            tokens: (!h.tokens.is_empty()).then(|| h.tokens.clone()),
+        };
         if e.tier == Tier::Remote {
             // A pushed copy is another node's: its removal is never seen here, so it does not
             // keep the hash (the host copy, pinned while it is pushed, does).
-            return Hash::Engine(hash);
+            return stored(h);
         }
         match e.kind {
-            EventKind::Stored => h.tiers |= tier_bit(e.tier),
+            EventKind::Stored => {
+                h.tiers |= tier_bit(e.tier);
+                stored(h)
+            }
             EventKind::Removed => {
+                let hash = Hash::Engine(h.hash);
                 h.tiers &= !tier_bit(e.tier);
                 if h.tiers == 0 {
                     m.remove(&k);
                 }
+                Resolved {
+                    hash,
+                    parent: None,
+                    tokens: None,
+                }
             }
         }
-        Hash::Engine(hash)
     }
 
     /// Blocks whose engine hash is kept.
@@ -291,6 +372,11 @@ pub struct Run {
     pub group: Option<KvGroup>,
     /// The blocks' hashes.
     pub keys: Vec<Hash>,
+    /// BlockStored: the first block's parent (None: not known, or the first of its sequence).
+    pub parent: Option<EngineHash>,
+    /// BlockStored: every block's token ids, in order, when each block's are known (a run
+    /// with them is a chain: each block's parent is the block before it).
+    pub tokens: Option<Vec<u32>>,
 }
 
 /// vLLM's `medium` of a tier: `CPU`, `STORAGE`; a copy pushed to another node (or Redis)
@@ -314,37 +400,77 @@ fn locality(t: Tier) -> &'static str {
 }
 
 /// Groups events into runs of one kind, tier, block size and KV-cache group (from `info` of
-/// the block's namespace; none known: 0 tokens, no group), each block under `hash(event)`.
+/// the block's namespace; none known: 0 tokens, no group), each block as `resolve(event)`
+/// says. Stored blocks with token ids join a run only as the next block of its chain (their
+/// parent is the run's last block), so a run's `parent_block_hash` and `token_ids` describe
+/// all of it, as vLLM's do; blocks without them never join blocks with them.
 pub fn runs<'a>(
     events: &[BlockEvent],
     info: impl Fn(u16) -> Option<&'a NsInfo>,
-    mut hash: impl FnMut(&BlockEvent) -> Hash,
+    mut resolve: impl FnMut(&BlockEvent) -> Resolved,
 ) -> Vec<Run> {
     let mut out: Vec<Run> = Vec::new();
     for e in events {
         let i = info(e.ns);
         let bs = i.map_or(0, |i| i.block_tokens);
         let group = i.and_then(|i| i.group.as_ref());
-        let h = hash(e);
+        let res = resolve(e);
+        let stored = e.kind == EventKind::Stored;
+        let tokens = if stored { res.tokens.clone() } else { None };
+        let chained = |r: &Run| match (&r.tokens, &tokens) {
+            (None, None) => true,
+            (Some(_), Some(_)) => r
+                .keys
+                .last()
+                .is_some_and(|last| res.parent.map(Hash::Engine).as_ref() == Some(last)),
+            _ => false,
+        };
         match out.last_mut() {
             Some(r)
                 if r.kind == e.kind
                     && r.tier == e.tier
                     && r.block_size == bs
-                    && r.group.as_ref() == group =>
+                    && r.group.as_ref() == group
+                    && chained(r) =>
             {
-                r.keys.push(h)
+                r.keys.push(res.hash);
+                if let (Some(all), Some(t)) = (r.tokens.as_mut(), tokens) {
+                    all.extend_from_slice(&t);
+                }
             }
             _ => out.push(Run {
                 kind: e.kind,
                 tier: e.tier,
                 block_size: bs,
                 group: group.cloned(),
-                keys: vec![h],
+                keys: vec![res.hash],
+                parent: if stored { res.parent } else { None },
+                tokens: tokens.map(|t| t.to_vec()),
             }),
         }
     }
     out
+}
+
+/// One hash (a parent's) as `hashes` writes each.
+fn one_hash(b: &mut Vec<u8>, h: Option<EngineHash>, enc: Encoding) {
+    match h {
+        None => nil(b),
+        Some(h) if enc.int_hashes => {
+            let _ = rmp::encode::write_uint(b, h.low64());
+        }
+        Some(h) => {
+            let _ = rmp::encode::write_bin(b, h.as_bytes());
+        }
+    }
+}
+
+fn token_ids(b: &mut Vec<u8>, t: Option<&Vec<u32>>) {
+    let t = t.map_or(&[][..], |t| &t[..]);
+    let _ = rmp::encode::write_array_len(b, t.len() as u32);
+    for id in t {
+        let _ = rmp::encode::write_uint(b, u64::from(*id));
+    }
 }
 
 /// vLLM 0.32's group fields of a BlockStored (`removed`: BlockRemoved's, `group_idx` only):
@@ -415,9 +541,9 @@ fn event(b: &mut Vec<u8>, r: &Run, enc: Encoding) {
             str_(b, "block_hashes");
             hashes(b, &r.keys, enc);
             str_(b, "parent_block_hash");
-            nil(b);
+            one_hash(b, r.parent, enc);
             str_(b, "token_ids");
-            let _ = rmp::encode::write_array_len(b, 0);
+            token_ids(b, r.tokens.as_ref());
             str_(b, "block_size");
             let _ = rmp::encode::write_uint(b, u64::from(r.block_size));
             str_(b, "lora_id");
@@ -436,8 +562,8 @@ fn event(b: &mut Vec<u8>, r: &Run, enc: Encoding) {
             let _ = rmp::encode::write_array_len(b, 8);
             str_(b, "BlockStored");
             hashes(b, &r.keys, enc);
-            nil(b);
-            let _ = rmp::encode::write_array_len(b, 0);
+            one_hash(b, r.parent, enc);
+            token_ids(b, r.tokens.as_ref());
             let _ = rmp::encode::write_uint(b, u64::from(r.block_size));
             nil(b);
             str_(b, medium(r.tier, enc));
@@ -586,14 +712,14 @@ pub async fn start(
                         }
                     }
                     backlog = buf.len() == MAX_EVENTS_PER_BATCH;
-                    let hashes = engine.resolve_all(t, &buf);
+                    let resolved = engine.resolve_all(t, &buf);
                     let rs = {
                         let m = infos.lock();
-                        let mut next = hashes.into_iter();
+                        let mut next = resolved.into_iter();
                         runs(
                             &buf,
                             |ns| m.get(&(t, ns)),
-                            |e| next.next().unwrap_or(Hash::Key(e.key.0)),
+                            |e| next.next().unwrap_or(Resolved::key(e.key.0)),
                         )
                     };
                     let payload = batch(now_secs(), &rs, enc);
@@ -791,7 +917,11 @@ mod tests {
                 group: group(1, "sliding_window", 128),
             },
         ];
-        let rs = runs(&evs, |ns| infos.get(ns as usize), |e| Hash::Key(e.key.0));
+        let rs = runs(
+            &evs,
+            |ns| infos.get(ns as usize),
+            |e| Resolved::key(e.key.0),
+        );
         let shape: Vec<(EventKind, Tier, u32, Option<u32>, usize)> = rs
             .iter()
             .map(|r| {
@@ -813,6 +943,85 @@ mod tests {
     }
 
     #[test]
+    fn parents_and_token_ids_are_published_for_chains_as_vllm_does() {
+        let hs = EngineHashes::default();
+        let h = |i: u8| vec![i; 32];
+        let toks = |i: u32| (i * 16..i * 16 + 16).collect::<Vec<u32>>();
+        let (t0, t1, t2, t3) = (toks(0), toks(1), toks(2), toks(3));
+        let (h0, h1, h2, h3, h4, h9) = (h(10), h(11), h(12), h(13), h(14), h(99));
+        // Blocks 1, 2, 3 chain after block 0 (saved earlier); block 4 continues another
+        // sequence; block 5 has no token ids.
+        hs.note(
+            0,
+            [
+                (1, &h1, &h0, &t1[..]),
+                (2, &h2, &h1, &t2[..]),
+                (3, &h3, &h2, &t3[..]),
+                (4, &h4, &h9, &t0[..]),
+            ]
+            .map(|(key, hash, parent, tokens)| Described {
+                key,
+                hash,
+                parent: Some(parent),
+                tokens: Some(tokens),
+            }),
+        );
+        let h5 = h(15);
+        hs.note(
+            0,
+            [Described {
+                key: 5,
+                hash: &h5,
+                parent: None,
+                tokens: None,
+            }],
+        );
+        let evs: Vec<BlockEvent> = (1..=5)
+            .map(|k| ev(EventKind::Stored, k, Tier::Host, 0))
+            .collect();
+        let info = NsInfo {
+            block_tokens: 16,
+            group: None,
+        };
+        let mut resolved = hs.resolve_all(0, &evs).into_iter();
+        let rs = runs(
+            &evs,
+            |_| Some(&info),
+            |e| resolved.next().unwrap_or(Resolved::key(e.key.0)),
+        );
+        let eng = |v: &[u8]| EngineHash::new(v).unwrap();
+        assert_eq!(rs.len(), 3, "{rs:?}");
+        assert_eq!(rs[0].keys.len(), 3);
+        assert_eq!(rs[0].parent, Some(eng(&h0)));
+        assert_eq!(rs[0].tokens, Some([t1.clone(), t2, t3].concat()));
+        assert_eq!(
+            (rs[1].parent, rs[1].tokens.clone()),
+            (Some(eng(&h9)), Some(t0))
+        );
+        assert_eq!((rs[2].parent, rs[2].tokens.clone()), (None, None));
+        // As msgpack: the parent's bytes and the 48 token ids, in vLLM's field order.
+        let b = batch(0.0, &rs[..1], Encoding::default());
+        let at = b
+            .windows(9)
+            .position(|w| w == b"token_ids")
+            .expect("token_ids");
+        let mut rd = &b[at + 9..];
+        assert_eq!(rmp::decode::read_array_len(&mut rd).unwrap(), 48);
+        assert_eq!(rmp::decode::read_int::<u32, _>(&mut rd).unwrap(), 16);
+        let at = b
+            .windows(17)
+            .position(|w| w == b"parent_block_hash")
+            .expect("parent_block_hash");
+        let mut rd = &b[at + 17..];
+        assert_eq!(rmp::decode::read_bin_len(&mut rd).unwrap(), 32);
+        assert_eq!(&rd[..32], &h0[..]);
+        // Removed events carry neither.
+        let gone = ev(EventKind::Removed, 1, Tier::Host, 0);
+        let r = hs.resolve_all(0, std::slice::from_ref(&gone));
+        assert_eq!((r[0].parent, r[0].tokens.is_none()), (None, true));
+    }
+
+    #[test]
     fn a_group_is_published_as_vllm_names_it_and_counted_in_the_map() {
         let mut r = Run {
             kind: EventKind::Stored,
@@ -820,6 +1029,8 @@ mod tests {
             block_size: 32,
             group: group(1, "sliding_window", 128),
             keys: vec![Hash::Key(3)],
+            parent: None,
+            tokens: None,
         };
         let has = |b: &[u8], s: &str| b.windows(s.len()).any(|w| w == s.as_bytes());
         for (kind, entries) in [(EventKind::Stored, 13), (EventKind::Removed, 6)] {
@@ -853,6 +1064,8 @@ mod tests {
             block_size: 16,
             group: None,
             keys: vec![Hash::Key(u128::MAX - 1)],
+            parent: None,
+            tokens: None,
         };
         for (array, int_hashes) in [(false, false), (true, true)] {
             let enc = Encoding {
@@ -895,6 +1108,8 @@ mod tests {
             block_size: 16,
             group: None,
             keys: vec![Hash::Key(5)],
+            parent: None,
+            tokens: None,
         };
         let has = |b: &[u8], s: &str| b.windows(s.len()).any(|w| w == s.as_bytes());
         let mut enc = Encoding::default();
@@ -913,7 +1128,15 @@ mod tests {
         let hs = EngineHashes::default();
         let vllm: Vec<u8> = (0..32).collect();
         // Key 8's is too long: not kept.
-        hs.note(0, [(7, &vllm[..]), (8, &[9; 40][..]), (9, &[1, 2, 3][..])]);
+        hs.note(
+            0,
+            [(7, &vllm[..]), (8, &[9; 40][..]), (9, &[1, 2, 3][..])].map(|(key, hash)| Described {
+                key,
+                hash,
+                parent: None,
+                tokens: None,
+            }),
+        );
         hs.abandon(0, 9); // its commit stored nothing
         let resolve = |kind, key, tier| hs.resolve(0, &ev(kind, key, tier, 0));
         let engine = Hash::Engine(EngineHash::new(&vllm).unwrap());
@@ -942,6 +1165,8 @@ mod tests {
             block_size: 16,
             group: None,
             keys: vec![engine],
+            parent: None,
+            tokens: None,
         };
         let b = batch(0.0, std::slice::from_ref(&r), Encoding::default());
         assert!(b.windows(32).any(|w| w == vllm.as_slice()));

@@ -390,6 +390,7 @@ impl<'d> Conn<'d> {
                         max_keys: self.d.cfg.server.max_keys,
                         tenant: tenant.clone(),
                         reservation_ttl_ms: self.d.cfg.server.reservation_ttl_ms,
+                        events: self.d.engine_hashes.is_some(),
                     })),
                 };
                 let mut frame = Vec::new();
@@ -560,6 +561,20 @@ impl<'d> Conn<'d> {
                         c.engine_hashes.len()
                     ));
                 }
+                if !c.parent_hashes.is_empty() && c.parent_hashes.len() != c.tokens.len() {
+                    return Err(format!(
+                        "{} tokens but {} parent hashes",
+                        c.tokens.len(),
+                        c.parent_hashes.len()
+                    ));
+                }
+                if !c.token_ids.is_empty() && c.token_ids.len() != c.tokens.len() {
+                    return Err(format!(
+                        "{} tokens but {} token id lists",
+                        c.tokens.len(),
+                        c.token_ids.len()
+                    ));
+                }
                 // Engine hashes matter only to the KV event publisher.
                 let engine = self
                     .d
@@ -569,10 +584,19 @@ impl<'d> Conn<'d> {
                 if let Some(e) = engine {
                     e.note(
                         self.t,
-                        c.tokens.iter().zip(&c.engine_hashes).filter_map(|(t, h)| {
-                            let (r, _) = self.reservations.get(t)?;
-                            Some((r.key().0, h.as_slice()))
-                        }),
+                        c.tokens
+                            .iter()
+                            .zip(&c.engine_hashes)
+                            .enumerate()
+                            .filter_map(|(i, (t, h))| {
+                                let (r, _) = self.reservations.get(t)?;
+                                Some(crate::events::Described {
+                                    key: r.key().0,
+                                    hash: h.as_slice(),
+                                    parent: c.parent_hashes.get(i).map(Vec::as_slice),
+                                    tokens: c.token_ids.get(i).map(|t| t.ids.as_slice()),
+                                })
+                            }),
                     );
                 }
                 let mut reply = pb::CommitReply::default();

@@ -97,6 +97,7 @@ def worker(store, layerwise=True, seed=0, gpu=True):
     c._cuda, c._device = (cuda if gpu else None), None
     c._stream = lambda: STREAM
     c._layerwise, c._writer, c._hybrid, c._groups = layerwise, True, False, []
+    c._block_size = BS
     c._layer_index = {f"layer{i}": i for i in range(LAYERS)}
     c._layer_trace_path = None
     c._lease_ms = 30_000

@@ -61,6 +61,7 @@ class _FakeConnector:
         self._store = Store(64 << 20, segment_bytes=4 << 20)
         self._ns_enc, self._fp = namespace("test/layer-saves", None, "auto", bs, 1, 0)
         self._ns = self._store.register_namespace(self._ns_enc)
+        self._block_size = bs
         self.whole, self.trace = [], []
         self._cuda = None  # the CPU path
 

@@ -361,6 +361,22 @@ def test_vllm_engines_share_kv_through_kvtierd(model, ref, tmp_path):
         daemon_hashes = {h for e in daemon for h in e.block_hashes}
         assert vllm_hashes and vllm_hashes <= daemon_hashes, (vllm_hashes, daemon_hashes)
         assert all(isinstance(h, int) for h in daemon_hashes)
+
+        # Each block's parent and token ids, as vLLM's own events say them and as kvtierd's
+        # do (the connector sends them with its commits): the same, block by block, so an
+        # indexer keyed by token hashes (Dynamo's, llm-d's) reads kvtierd's events too.
+        def per_block(evs):
+            out = {}
+            for e in evs:
+                if not e.token_ids:
+                    continue
+                for j, h in enumerate(e.block_hashes):
+                    parent = e.parent_block_hash if j == 0 else e.block_hashes[j - 1]
+                    out[h] = (parent, tuple(e.token_ids[j * BS:(j + 1) * BS]))
+            return out
+
+        theirs, mine = per_block(ours), per_block(e for e in daemon if e.medium == "CPU")
+        assert theirs and all(mine.get(h) == v for h, v in theirs.items()), (theirs, mine)
         # Host memory, and the disk tier (admission always) as the blocks are written below;
         # the tokens per block as the engine registered them, after a restart too.
         assert all(e.medium in ("CPU", "STORAGE") and e.block_size == BS for e in daemon), \

@@ -203,6 +203,23 @@ class _Transfer:
     # GPU: a CUDA event on the engine's stream that the copies wait for (the forward pass's
     # KV writes for a save; what the stream ran before the step for a load). Worker-side only.
     after: Any = None
+    # Saves through kvtierd: the hash of the block before the first (b"": none) and the
+    # blocks' token ids, for the daemon's BlockStored events (vLLM's parent_block_hash and
+    # token_ids). Empty otherwise.
+    parent: bytes = b""
+    token_ids: list[int] = field(default_factory=list)
+
+    def described(self, block_size: int, idx=None) -> dict:
+        """The save's tags for blocks `idx` (all by default): engine hashes, parents, token
+        ids."""
+        idx = range(len(self.hashes)) if idx is None else idx
+        out = {"engine_hashes": [bytes(self.hashes[i]) for i in idx]}
+        if len(self.token_ids) == len(self.hashes) * block_size:
+            out["parent_hashes"] = [bytes(self.hashes[i - 1]) if i else self.parent
+                                    for i in idx]
+            out["token_ids"] = [self.token_ids[i * block_size:(i + 1) * block_size]
+                                for i in idx]
+        return out
 
 
 @dataclass
@@ -449,7 +466,7 @@ class _StepSave:
             keys = [engine_key(c._fp, h) for h in t.hashes]
             try:
                 s = c._store.begin_layer_save(c._ns, c._paged, keys, [[b] for b in t.block_ids],
-                                              engine_hashes=[bytes(h) for h in t.hashes])
+                                              **t.described(c._block_size))
             except Exception:  # noqa: BLE001 - saved whole at the finish instead
                 log.exception("kvtier: layer-by-layer save of %d blocks for %s could not begin",
                               len(keys), t.req_id)
@@ -958,6 +975,11 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                 t = _Transfer(req_id, hashes[start:upto], flat, groups)
             else:
                 t = _Transfer(req_id, hashes[start:upto], per_group[0][start:upto])
+            if self._sidecar:
+                # For kvtierd's KV events (its BlockStored carries them as vLLM's does).
+                bs = self._block_size
+                t.parent = bytes(hashes[start - 1]) if start > 0 else b""
+                t.token_ids = list(req.all_token_ids[start * bs:upto * bs])
             meta.saves.append(t)
             self._saved[req_id] = upto
             self._saving.add(req_id)
@@ -1211,11 +1233,12 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         return self._store.load_layerwise_cuda(self._cuda, paged, keys, ids,
                                                lambda *_: None, self._lease_ms)
 
-    def _save_blocks(self, ns, paged, keys, ids, hashes, after=None) -> int:
-        """Saves whole blocks (CPU or GPU); returns how many were stored now."""
+    def _save_blocks(self, ns, paged, keys, ids, tags, after=None) -> int:
+        """Saves whole blocks (CPU or GPU) with their tags for the KV events (engine_hashes,
+        parent_hashes, token_ids); returns how many were stored now."""
         if self._cuda is None:
-            return self._store.save(ns, paged, keys, ids, engine_hashes=hashes)
-        s = self._store.begin_layer_save(ns, paged, keys, ids, engine_hashes=hashes)
+            return self._store.save(ns, paged, keys, ids, **tags)
+        s = self._store.begin_layer_save(ns, paged, keys, ids, **tags)
         try:
             if after is not None:
                 # The copies wait for the forward pass that wrote the blocks' KV.
@@ -1233,17 +1256,17 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def _save(self, t: _Transfer) -> None:
         if t.group_ids:
             for g, grp in enumerate(self._groups):
-                pairs = [(h, b) for h, b in zip(t.hashes, t.group_ids[g]) if b]
-                if not pairs:
+                idx = [i for i, b in enumerate(t.group_ids[g]) if b]
+                if not idx:
                     continue
-                keys = [engine_key(grp.fp, h) for h, _ in pairs]
+                keys = [engine_key(grp.fp, t.hashes[i]) for i in idx]
                 try:
                     # Events name full-attention blocks by vLLM's hashes (a router matches
                     # prompts against those); a sliding-window group's copy is published
                     # under its kvtier key.
-                    hashes = [h for h, _ in pairs] if grp.window == 0 else None
+                    tags = t.described(self._block_size, idx) if grp.window == 0 else {}
                     self._save_blocks(grp.ns, self._group_paged[g], keys,
-                                      [[b] for _, b in pairs], hashes, t.after)
+                                      [[t.group_ids[g][i]] for i in idx], tags, t.after)
                 except Exception:
                     log.exception("kvtier: save of group %d (%d blocks) for %s failed", g,
                                   len(keys), t.req_id)
@@ -1253,7 +1276,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             # vLLM's own block hashes go along: kvtierd's KV events name the blocks by them,
             # as vLLM's publisher does.
             self._save_blocks(self._ns, self._paged, keys, [[b] for b in t.block_ids],
-                              [bytes(h) for h in t.hashes], t.after)
+                              t.described(self._block_size), t.after)
         except Exception:
             log.exception("kvtier: save of %d blocks for %s failed", len(keys), t.req_id)
 

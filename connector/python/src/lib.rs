@@ -17,6 +17,19 @@ fn key(b: &[u8]) -> PyResult<BlockKey> {
     BlockKey::from_bytes(b).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
+/// A save's tags for the KV events (see `kvtier_connector::Tags`).
+fn tags(
+    engine_hashes: Option<Vec<Vec<u8>>>,
+    parent_hashes: Option<Vec<Vec<u8>>>,
+    token_ids: Option<Vec<Vec<u32>>>,
+) -> kvtier_connector::Tags {
+    kvtier_connector::Tags {
+        engine_hashes: engine_hashes.unwrap_or_default(),
+        parents: parent_hashes.unwrap_or_default(),
+        token_ids: token_ids.unwrap_or_default(),
+    }
+}
+
 fn tier_name(t: kvstore::Tier) -> &'static str {
     match t {
         kvstore::Tier::Host => "host",
@@ -625,8 +638,13 @@ impl Backend {
     /// Saves engine blocks: `keys[i]` gets the canonical bytes of engine blocks `block_ids[i]`,
     /// gathered straight into a reserved slot. Returns how many were stored now.
     /// `engine_hashes`, if given, is the engine's own hash of each block (vLLM's block hash, at
-    /// most 32 bytes): kvtierd's KV events name the blocks by it.
-    #[pyo3(signature = (ns, paged, keys, block_ids, engine_hashes=None))]
+    /// most 32 bytes): kvtierd's KV events name the blocks by it; with them, `parent_hashes`
+    /// (the hash of the block before each; b"" for a sequence's first) and `token_ids` (each
+    /// block's) go into its BlockStored events as vLLM's `parent_block_hash` and `token_ids`
+    /// (sent only to a kvtierd that publishes events).
+    #[pyo3(signature = (ns, paged, keys, block_ids, engine_hashes=None, parent_hashes=None,
+                        token_ids=None))]
+    #[allow(clippy::too_many_arguments)]
     fn save(
         &self,
         py: Python<'_>,
@@ -635,12 +653,17 @@ impl Backend {
         keys: Vec<Vec<u8>>,
         block_ids: Vec<Vec<usize>>,
         engine_hashes: Option<Vec<Vec<u8>>>,
+        parent_hashes: Option<Vec<Vec<u8>>>,
+        token_ids: Option<Vec<Vec<u32>>>,
     ) -> PyResult<usize> {
         let ks = paired_keys(&keys, &block_ids)?;
-        let tags = engine_hashes.unwrap_or_default();
+        let tags = tags(engine_hashes, parent_hashes, token_ids);
         let paged = paged.host()?;
-        py.allow_threads(|| self.b.save_tagged(NsId(ns), paged, &ks, &block_ids, &tags))
-            .map_err(transfer_err)
+        py.allow_threads(|| {
+            self.b
+                .save_described(NsId(ns), paged, &ks, &block_ids, &tags)
+        })
+        .map_err(transfer_err)
     }
 
     /// Loads the longest present prefix of `keys` into engine blocks `block_ids[i]` (scattered
@@ -705,7 +728,9 @@ impl Backend {
     /// every key not present yet; `save_layer` then gathers one layer of every block into its
     /// slot, and `finish_layer_save` gathers any layer left, commits the whole blocks (never
     /// one with a layer missing) and returns how many were stored now.
-    #[pyo3(signature = (ns, paged, keys, block_ids, engine_hashes=None))]
+    #[pyo3(signature = (ns, paged, keys, block_ids, engine_hashes=None, parent_hashes=None,
+                        token_ids=None))]
+    #[allow(clippy::too_many_arguments)]
     fn begin_layer_save(
         &self,
         py: Python<'_>,
@@ -714,13 +739,15 @@ impl Backend {
         keys: Vec<Vec<u8>>,
         block_ids: Vec<Vec<usize>>,
         engine_hashes: Option<Vec<Vec<u8>>>,
+        parent_hashes: Option<Vec<Vec<u8>>>,
+        token_ids: Option<Vec<Vec<u32>>>,
     ) -> PyResult<LayerSave> {
         let ks = paired_keys(&keys, &block_ids)?;
-        let tags = engine_hashes.unwrap_or_default();
+        let tags = tags(engine_hashes, parent_hashes, token_ids);
         let s = py
             .allow_threads(|| {
                 self.b
-                    .begin_layer_save(NsId(ns), &paged.inner, &ks, &block_ids, &tags)
+                    .begin_layer_save_described(NsId(ns), &paged.inner, &ks, &block_ids, tags)
             })
             .map_err(transfer_err)?;
         Ok(LayerSave {

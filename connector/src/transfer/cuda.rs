@@ -144,17 +144,13 @@ impl Backend {
                 return Ok(now);
             }
             // The keys past the daemon's per-connection reservation limit: another round.
-            let tags: Vec<Vec<u8>> = if s.engine_hashes.is_empty() {
-                Vec::new()
-            } else {
-                s.engine_hashes[s.rest..].to_vec()
-            };
-            let next = self.begin_layer_save(
+            let tags = s.tags.tail(s.rest);
+            let next = self.begin_layer_save_described(
                 s.ns,
                 paged,
                 &s.keys[s.rest..],
                 &s.block_ids[s.rest..],
-                &tags,
+                tags,
             )?;
             if next.rest == 0 {
                 // Not even one block fits (or the daemon is away): the rest are not stored.

@@ -10,7 +10,7 @@ use kvstore::{BlockKey, NsId, Reservation};
 
 use super::{
     commit_tokens, granted, lens_u32, reserve_embedded, round_end, save_lens, Backend, Kind,
-    Stored, TransferError,
+    Stored, Tags, TransferError,
 };
 use crate::layout::PagedKv;
 
@@ -25,7 +25,7 @@ pub struct LayerSave {
     pub(super) ns: NsId,
     pub(super) keys: Vec<BlockKey>,
     pub(super) block_ids: Vec<Vec<usize>>,
-    pub(super) engine_hashes: Vec<Vec<u8>>,
+    pub(super) tags: Tags,
     /// What became of each key reserved here (`Now`: a slot is held for it).
     pub(super) out: Vec<Stored>,
     /// Keys from here on were not reserved (past the daemon's per-connection limit): they are
@@ -97,7 +97,20 @@ impl Backend {
         block_ids: &[Vec<usize>],
         engine_hashes: &[Vec<u8>],
     ) -> Result<LayerSave, TransferError> {
-        let lens = save_lens(paged, keys, block_ids, engine_hashes)?;
+        self.begin_layer_save_described(ns, paged, keys, block_ids, Tags::hashes(engine_hashes))
+    }
+
+    /// [`Backend::begin_layer_save`] with each block's parent hash and token ids too (see
+    /// [`Tags`]).
+    pub fn begin_layer_save_described(
+        &self,
+        ns: NsId,
+        paged: &PagedKv,
+        keys: &[BlockKey],
+        block_ids: &[Vec<usize>],
+        tags: Tags,
+    ) -> Result<LayerSave, TransferError> {
+        let lens = save_lens(paged, keys, block_ids, &tags)?;
         let mut out = vec![Stored::NoRoom; keys.len()];
         let mut rest = keys.len();
         let held = match &self.kind {
@@ -145,7 +158,7 @@ impl Backend {
             ns,
             keys: keys.to_vec(),
             block_ids: block_ids.to_vec(),
-            engine_hashes: engine_hashes.to_vec(),
+            tags,
             out,
             rest,
             held,
@@ -263,13 +276,14 @@ impl Backend {
         }
         let mut now = self.commit_held(&mut s)?;
         if s.rest < s.keys.len() {
-            let tags: &[Vec<u8>] = if s.engine_hashes.is_empty() {
-                &[]
-            } else {
-                &s.engine_hashes[s.rest..]
-            };
-            now +=
-                self.save_tagged(s.ns, paged, &s.keys[s.rest..], &s.block_ids[s.rest..], tags)?;
+            let tags = s.tags.tail(s.rest);
+            now += self.save_described(
+                s.ns,
+                paged,
+                &s.keys[s.rest..],
+                &s.block_ids[s.rest..],
+                &tags,
+            )?;
         }
         Ok(now)
     }
@@ -316,7 +330,7 @@ impl Backend {
                 };
                 let toks: Vec<u64> = tokens.iter().map(|(_, t)| *t).collect();
                 let copies = &self.copies;
-                let hashes = &s.engine_hashes;
+                let tags = &s.tags;
                 let out = &mut s.out;
                 let got = side.call_on(conn, |c, _| {
                     c.fill_slots_hashed(&toks, |slots| {
@@ -325,7 +339,7 @@ impl Backend {
                             copies.map_mut(slots, &sizes, |_, slot| Some(kvstore::checksum(slot)));
                         ((), sums)
                     })?;
-                    commit_tokens(c, &tokens, hashes, out)
+                    commit_tokens(c, &tokens, tags, out)
                 })?;
                 if got.is_none() {
                     for (i, _) in &tokens {
