@@ -17,7 +17,7 @@ import itertools
 import numpy as np
 
 import kvtier
-from kvtier.vllm import KvtierConnector, KvtierMetadata, _Mover, _Transfer, namespace
+from kvtier.vllm import KvtierMetadata, KvtierWorker, _Mover, _Transfer, namespace
 
 BS, LAYERS, NB = 32, 3, 8
 STREAM = 77  # the engine's "current stream" handle
@@ -86,7 +86,7 @@ def spec(t):
 def worker(store, layerwise=True, seed=0, gpu=True):
     """A worker-side connector as register_kv_caches leaves it, with the stand-ins (``gpu``
     false: the CPU path, the real store's transfers only)."""
-    c = object.__new__(KvtierConnector)
+    c = object.__new__(KvtierWorker)
     cuda = FakeCuda()
     rng = np.random.default_rng(seed)
     c._caches = [rng.standard_normal((NB, 2, BS, 64)).astype(np.float32) for _ in range(LAYERS)]

@@ -9,7 +9,7 @@ alive (how many holds it ended)."""
 from types import SimpleNamespace
 
 import kvtier
-from kvtier.vllm import KvtierConnector, _Transfer
+from kvtier.vllm import KvtierScheduler, _Transfer
 
 
 def store_and_keys(n=4):
@@ -25,7 +25,7 @@ def store_and_keys(n=4):
 
 
 def scheduler(store, asynchronous=True):
-    c = object.__new__(KvtierConnector)
+    c = object.__new__(KvtierScheduler)
     c.__dict__.update(_store=store, _hinted={}, _async=asynchronous, _loads=[],
                       _sync_loading=[], _saving=set(), _reqs={}, _lookup_start={},
                       _loading={}, _saved={}, _block_ids={}, _tiers={}, _hybrid=False,

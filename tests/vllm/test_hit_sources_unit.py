@@ -6,13 +6,13 @@ from types import SimpleNamespace
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.vllm import KvtierConnector
+from kvtier.vllm import KvtierScheduler
 
 
 def split(tiers, first_block, n_tokens, bs=32):
     fake = SimpleNamespace(_tiers={"r": tiers}, _loading={"r": (first_block, [])},
                            _block_size=bs)
-    return KvtierConnector.get_external_cache_hit_sources(
+    return KvtierScheduler.get_external_cache_hit_sources(
         fake, SimpleNamespace(request_id="r"), n_tokens)
 
 

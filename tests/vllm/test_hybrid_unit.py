@@ -6,7 +6,7 @@ use it."""
 from types import SimpleNamespace
 
 import kvtier
-from kvtier.vllm import KvtierConnector, _Group, namespace
+from kvtier.vllm import KvtierScheduler, _Group, namespace
 
 BS = 32
 
@@ -14,7 +14,7 @@ BS = 32
 def connector(windows):
     """A connector with one group per window (0: full attention), keyed in namespaces of their
     own, over a real embedded store."""
-    c = object.__new__(KvtierConnector)
+    c = object.__new__(KvtierScheduler)
     c._block_size = BS
     c._store = kvtier.Store(16 << 20, segment_bytes=4 << 20)
     c._groups = []

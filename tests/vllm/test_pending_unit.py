@@ -8,7 +8,7 @@ kvstore's a_load_waits_for_a_save_in_progress..., kvtierd's a_load_reads_another
 import time
 from types import SimpleNamespace
 
-from kvtier.vllm import KvtierConnector
+from kvtier.vllm import KvtierScheduler
 
 BS = 32
 
@@ -29,7 +29,7 @@ class MidSave:
 
 
 def scheduler(store, policy="timeout", deadline_s=30.0):
-    c = object.__new__(KvtierConnector)
+    c = object.__new__(KvtierScheduler)
     c.__dict__.update(_store=store, _fp=b"\0" * 16, _may_load=True, _block_size=BS,
                       _policy=policy, _deadline_s=deadline_s, _hinted={}, _hybrid=False,
                       _groups=[], _tiers={}, _lookup_start={}, _pending_since={},

@@ -8,12 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvtier.vllm import (MIN_TIMED_TOKENS, KvtierConnector, KvtierMetadata,
+from kvtier.vllm import (MIN_TIMED_TOKENS, KvtierMetadata, KvtierScheduler, KvtierWorker,
                          KvtierWorkerMetadata, _PrefillRate)
 
 
 def worker():
-    w = object.__new__(KvtierConnector)
+    w = object.__new__(KvtierWorker)
     w.__dict__.update(_step_save=None, _layerwise=False, _writer=False, _mover=None, _cuda=None,
                       _layer_loads=None, _failed=set(), _tainted=set(), _save_reqs=set(),
                       _hybrid=False, _groups=[])
@@ -21,7 +21,7 @@ def worker():
 
 
 def scheduler(rate=0.0, measure=True):
-    s = object.__new__(KvtierConnector)
+    s = object.__new__(KvtierScheduler)
     s.__dict__.update(_prefill_rate=rate, _measure_prefill=measure, _measured=_PrefillRate(),
                       _loading={}, _saved={})
     return s

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 import kvtier
-from kvtier.vllm import KvtierConnector, session_hints
+from kvtier.vllm import KvtierScheduler, session_hints
 
 BS = 32
 
@@ -29,7 +29,7 @@ def store_and_keys(n=4):
 
 
 def scheduler(store, fp):
-    c = object.__new__(KvtierConnector)
+    c = object.__new__(KvtierScheduler)
     c.__dict__.update(_store=store, _fp=fp, _hinted={}, _saving=set(), _reqs={},
                       _lookup_start={}, _loading={}, _saved={}, _block_ids={}, _tiers={},
                       _hybrid=False, _groups=[], _block_size=BS, _after_save={},
