@@ -120,12 +120,23 @@ impl AdminService {
             .ok_or_else(|| Status::not_found(format!("no tenant named {tenant:?}")))
     }
 
+    /// A request's keys within `server.max_keys`.
+    fn check_keys(&self, n: usize) -> Result<(), Status> {
+        let max_keys = self.d.cfg.server.max_keys as usize;
+        if n > max_keys {
+            return Err(Status::invalid_argument(format!(
+                "{n} keys in one request; the limit is {max_keys} (server.max_keys)"
+            )));
+        }
+        Ok(())
+    }
+
     /// Admin writes (pin, unpin, clear) need a token unless the operator allowed otherwise.
     fn write_allowed(&self) -> Result<(), Status> {
         let s = &self.d.cfg.server;
         if s.token.is_empty() && !s.allow_unauthenticated_admin {
             return Err(Status::permission_denied(
-                "admin writes (pin, unpin, clear, prefetch, cancel-prefetch) need server.token (clients send it as a bearer token), or server.allow_unauthenticated_admin = true",
+                "admin writes (pin, unpin, clear, prefetch, cancel-prefetch, retain, demote) need server.token (clients send it as a bearer token), or server.allow_unauthenticated_admin = true",
             ));
         }
         Ok(())
@@ -297,13 +308,7 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::LookupReply>, Status> {
         let r = req.into_inner();
         let ks = lookup_keys(&r)?;
-        let max_keys = self.d.cfg.server.max_keys as usize;
-        if ks.len() > max_keys {
-            return Err(Status::invalid_argument(format!(
-                "{} keys in one request; the limit is {max_keys} (server.max_keys)",
-                ks.len()
-            )));
-        }
+        self.check_keys(ks.len())?;
         let (_, store) = self.store(&r.tenant)?;
         let d = self.d.clone();
         // The remote tier answers over the network: off the async threads.
@@ -380,13 +385,7 @@ impl Admin for AdminService {
     async fn pin(&self, req: Request<pb::PinRequest>) -> Result<Response<pb::PinReply>, Status> {
         self.write_allowed()?;
         let r = req.get_ref();
-        let max_keys = self.d.cfg.server.max_keys as usize;
-        if r.keys.len() > max_keys {
-            return Err(Status::invalid_argument(format!(
-                "{} keys in one request; the limit is {max_keys} (server.max_keys)",
-                r.keys.len()
-            )));
-        }
+        self.check_keys(r.keys.len())?;
         let ks = keys(&r.keys)?;
         let (t, store) = self.store(&r.tenant)?;
         let max = self.d.cfg.server.max_admin_pinned;
@@ -419,13 +418,7 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::PrefetchReply>, Status> {
         self.write_allowed()?;
         let r = req.get_ref();
-        let max_keys = self.d.cfg.server.max_keys as usize;
-        if r.keys.len() > max_keys {
-            return Err(Status::invalid_argument(format!(
-                "{} keys in one request; the limit is {max_keys} (server.max_keys)",
-                r.keys.len()
-            )));
-        }
+        self.check_keys(r.keys.len())?;
         let priority = u8::try_from(r.priority).map_err(|_| {
             Status::invalid_argument(format!("priority {} is not in 0..=255", r.priority))
         })?;
@@ -454,13 +447,7 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::RetainReply>, Status> {
         self.write_allowed()?;
         let r = req.get_ref();
-        let max_keys = self.d.cfg.server.max_keys as usize;
-        if r.keys.len() > max_keys {
-            return Err(Status::invalid_argument(format!(
-                "{} keys in one request; the limit is {max_keys} (server.max_keys)",
-                r.keys.len()
-            )));
-        }
+        self.check_keys(r.keys.len())?;
         let priority = u8::try_from(r.priority).map_err(|_| {
             Status::invalid_argument(format!("priority {} is not in 0..=255", r.priority))
         })?;
@@ -491,13 +478,7 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::DemoteReply>, Status> {
         self.write_allowed()?;
         let r = req.get_ref();
-        let max_keys = self.d.cfg.server.max_keys as usize;
-        if r.keys.len() > max_keys {
-            return Err(Status::invalid_argument(format!(
-                "{} keys in one request; the limit is {max_keys} (server.max_keys)",
-                r.keys.len()
-            )));
-        }
+        self.check_keys(r.keys.len())?;
         if r.keys.is_empty() && r.session.is_empty() {
             return Err(Status::invalid_argument("name a session or keys"));
         }

@@ -796,16 +796,7 @@ fn a_load_reads_another_engines_writes_once_committed_and_an_abort_is_a_miss() {
     put_all(&mut a, ns, 0..10);
     // Engine A saves the next 20 blocks of the prefix, slowly: reserved and written, not
     // committed yet.
-    let lens: Vec<u32> = (10..30).map(|i| data(i).len() as u32).collect();
-    let tokens: Vec<u64> = a
-        .reserve(ns, &keys(10..30), &lens)
-        .unwrap()
-        .into_iter()
-        .map(|s| match s {
-            SlotStatus::Slot { token, .. } => token,
-            other => panic!("no slot: {other:?}"),
-        })
-        .collect();
+    let tokens = reserve_slots(&mut a, ns, 10..30);
     for (t, i) in tokens.iter().zip(10..30) {
         a.write(*t, &data(i)).unwrap();
     }
@@ -832,16 +823,7 @@ fn a_load_reads_another_engines_writes_once_committed_and_an_abort_is_a_miss() {
         let (n, mut b) = loader.join().unwrap();
         assert_eq!(n, 30, "B did not get A's blocks once committed");
         // A save that is aborted: B's load ends where it was (a miss, never wrong bytes).
-        let lens: Vec<u32> = (30..35).map(|i| data(i).len() as u32).collect();
-        let tokens: Vec<u64> = a
-            .reserve(ns, &keys(30..35), &lens)
-            .unwrap()
-            .into_iter()
-            .map(|s| match s {
-                SlotStatus::Slot { token, .. } => token,
-                other => panic!("no slot: {other:?}"),
-            })
-            .collect();
+        let tokens = reserve_slots(&mut a, ns, 30..35);
         assert_eq!(b.lookup(&keys(0..35), None).unwrap().pending, 5);
         let before = waits(&d);
         let loader = sc.spawn(move || get_all_waiting(&mut b, 0..35, Duration::from_secs(60)));
@@ -852,6 +834,20 @@ fn a_load_reads_another_engines_writes_once_committed_and_an_abort_is_a_miss() {
         a.abort(&tokens).unwrap();
         assert_eq!(loader.join().unwrap(), 30);
     });
+}
+
+/// Reserves slots for blocks `ids` (nothing written): their tokens.
+fn reserve_slots(c: &mut IpcClient, ns: NsId, ids: std::ops::Range<u64>) -> Vec<u64> {
+    let keys: Vec<BlockKey> = ids.clone().map(key).collect();
+    let lens: Vec<u32> = ids.map(|i| data(i).len() as u32).collect();
+    c.reserve(ns, &keys, &lens)
+        .unwrap()
+        .into_iter()
+        .map(|s| match s {
+            SlotStatus::Slot { token, .. } => token,
+            other => panic!("no slot: {other:?}"),
+        })
+        .collect()
 }
 
 /// `get_all` with the load's own wait for blocks in flight.

@@ -339,7 +339,11 @@ impl Inner {
             // Room: first what is free, then lower-priority retentions, earliest deadline
             // first.
             let free = |t: &Retentions| self.retain_max_bytes.saturating_sub(t.bytes + mine.bytes);
-            let deadline = now + out.ttl;
+            // A TTL too far for the clock (a huge preload.max_retain_ms): a century.
+            let deadline = now
+                .checked_add(out.ttl)
+                .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 86_400)))
+                .unwrap_or(now);
             if need > free(&t) {
                 // Lower priorities first; then, of equal priority, those that would end before
                 // this one (the session the application came back to least recently).

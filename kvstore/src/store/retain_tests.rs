@@ -260,3 +260,18 @@ fn demote_keys_releases_them_from_any_session_and_keeps_what_cannot_move() {
     assert_eq!((r.released, r.kept), (4, 4));
     assert_eq!(s.retention_stats().retentions, 0);
 }
+
+#[test]
+fn a_ttl_past_the_clock_is_a_long_retention_not_a_panic() {
+    let s = StoreConfig {
+        retain_max_ttl: Duration::MAX,
+        ..cfg(None, false)
+    }
+    .build()
+    .unwrap();
+    let id = ns(&s);
+    put_all(&s, id, 0..2);
+    let r = s.retain(Some("forever"), &keys(0..2), Duration::MAX, 0);
+    assert_eq!((r.retained, r.clipped_by.len()), (2, 0));
+    assert_eq!(s.inner.reap_retained(Instant::now()), 0);
+}
