@@ -263,12 +263,13 @@ fn held_preloads_are_bounded_apart_from_those_in_flight() {
     wait_in_host(&s, &[key(4)]);
     // Room changed: the reader may be trying the next waiting hint right now (off the
     // list until it finds no room): look again until it settled.
-    wait_for(&s, "three keys wait", 5, || {
-        s.stats().prefetch.waiting_keys == 3
+    // (One read of both: the reader takes a hint off the list while it tries it, so a
+    // second read may catch it there.)
+    wait_for(&s, "three keys wait, the room all held", 5, || {
+        let st = s.stats().prefetch;
+        (st.held_bytes, st.waiting_keys) == (4 * 60_000, 3)
     });
-    let st = s.stats().prefetch;
     assert!(!s.in_host(&key(5)));
-    assert_eq!((st.held_bytes, st.waiting_keys), (4 * 60_000, 3));
     // A new hint waits behind them; cancelling a waiting hint takes it off the list.
     assert_eq!(s.prefetch(&[key(0)], 0, far, 20).waiting, 1);
     assert_eq!(s.cancel_prefetch(5), 0, "nothing queued to cancel");
@@ -277,7 +278,6 @@ fn held_preloads_are_bounded_apart_from_those_in_flight() {
     wait_for(&s, "three keys wait", 5, || {
         s.stats().prefetch.waiting_keys == 3
     });
-    assert_eq!(s.stats().prefetch.waiting_keys, 3);
     drop(s);
     let _ = std::fs::remove_dir_all(&d);
 }
