@@ -76,6 +76,25 @@ impl Events {
         }
     }
 
+    /// Sends `evs`, in order, to every subscriber, waiting for room up to `patience` in all for
+    /// each subscriber (one that does not drain in time loses the rest, counted); the
+    /// subscriber list is not locked while waiting. For announcements of many blocks at once.
+    pub fn emit_all(&self, evs: &[BlockEvent], patience: std::time::Duration) {
+        if !self.any.load(Relaxed) || evs.is_empty() {
+            return;
+        }
+        let subs: Vec<Sender<BlockEvent>> = self.subs.lock().clone();
+        for tx in subs {
+            let deadline = std::time::Instant::now() + patience;
+            for (i, ev) in evs.iter().enumerate() {
+                if tx.send_deadline(*ev, deadline).is_err() {
+                    self.dropped.fetch_add((evs.len() - i) as u64, Relaxed);
+                    break;
+                }
+            }
+        }
+    }
+
     /// Events lost to full subscriber channels.
     pub fn dropped(&self) -> u64 {
         self.dropped.load(Relaxed)

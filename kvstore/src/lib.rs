@@ -29,6 +29,7 @@ mod key;
 pub mod policy;
 mod store;
 mod sync;
+mod tags;
 mod tier;
 mod types;
 
@@ -45,6 +46,7 @@ pub use store::{
     RetentionStats, Store, StoreConfig, StoreStats, MAX_RETENTIONS, MAX_SESSION_BYTES,
     PREFETCH_WAITING_KEYS_MAX,
 };
+pub use tags::{EngineHash, EngineTag, Tagger, MAX_ENGINE_HASH};
 pub use tier::{
     LatencyBuckets, LowerTier, NsUsage, ReadItem, ReadOutcome, SharedTier, TierStats, WriteItem,
     WriteOutcome, LATENCY_BOUNDS_US,

@@ -583,7 +583,7 @@ fn a_disk_tier_of_an_older_format_starts_empty() {
     let j = d.join("journal.kvj");
     let mut bytes = std::fs::read(&j).unwrap();
     assert_eq!(&bytes[..8], b"KVTJRNL\0");
-    assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().unwrap()), 2);
+    assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().unwrap()), 3);
     bytes[8..12].copy_from_slice(&1u32.to_le_bytes());
     let sum = xxhash_rust::xxh3::xxh3_64(&bytes[..56]);
     bytes[56..64].copy_from_slice(&sum.to_le_bytes());
@@ -598,6 +598,137 @@ fn a_disk_tier_of_an_older_format_starts_empty() {
     drop(store);
     let store = config(d, engine, Admission::Always, false).build().unwrap();
     assert_eq!(store.stats().disk().unwrap().recovered_blocks, 1);
+    drop(store);
+    std::fs::remove_dir_all(d).unwrap();
+}
+
+/// The journal as kvtier with format version 2 wrote it: version 2 in the header and in every
+/// record (the records' layout is version 3's; version 2 had no tag records).
+fn as_version_2(j: &Path) {
+    let mut bytes = std::fs::read(j).unwrap();
+    assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().unwrap()), 3);
+    bytes[8..12].copy_from_slice(&2u32.to_le_bytes());
+    for rec in bytes.chunks_mut(64) {
+        if &rec[..8] != b"KVTJRNL\0" {
+            assert!(rec[4] <= 3, "a version-2 journal has no tag records");
+            rec[5] = 2;
+        }
+        let sum = xxhash_rust::xxh3::xxh3_64(&rec[..56]);
+        rec[56..64].copy_from_slice(&sum.to_le_bytes());
+    }
+    std::fs::write(j, &bytes).unwrap();
+}
+
+#[test]
+fn a_version_2_journal_is_upgraded_in_place_with_its_blocks() {
+    let engine = IoEngineKind::Psync;
+    let tmp = dir("upgrade", engine);
+    let d = tmp.path();
+    {
+        let store = config(d, engine, Admission::Always, false).build().unwrap();
+        let n = ns(&store);
+        for i in 0..30 {
+            store.put(n, key(i), &data(i)).unwrap();
+        }
+        store.remove(&key(3));
+        assert!(store.flush() > 0);
+    }
+    let j = d.join("journal.kvj");
+    as_version_2(&j);
+    // The data files are as version 2 wrote them (their format did not change).
+    let sb = std::fs::read(d.join("data-0.kvd")).unwrap();
+    assert_eq!(
+        (&sb[..8], u32::from_le_bytes(sb[8..12].try_into().unwrap())),
+        (&b"KVTDATA\0"[..], 2)
+    );
+    let store = config(d, engine, Admission::Always, false).build().unwrap();
+    assert_eq!(store.stats().disk().unwrap().recovered_blocks, 29);
+    let bytes = std::fs::read(&j).unwrap();
+    assert_eq!(
+        u32::from_le_bytes(bytes[8..12].try_into().unwrap()),
+        3,
+        "rewritten in the current format at open"
+    );
+    assert_eq!(check_all(&store, 30), 29);
+    assert_eq!(ns(&store), NsId(0), "the namespace keeps its id");
+    drop(store);
+    let store = config(d, engine, Admission::Always, false).build().unwrap();
+    assert_eq!(store.stats().disk().unwrap().recovered_blocks, 29);
+    drop(store);
+    // A journal newer than this kvtier is refused, naming the problem (not emptied).
+    let mut bytes = std::fs::read(&j).unwrap();
+    bytes[8..12].copy_from_slice(&4u32.to_le_bytes());
+    let sum = xxhash_rust::xxh3::xxh3_64(&bytes[..56]);
+    bytes[56..64].copy_from_slice(&sum.to_le_bytes());
+    std::fs::write(&j, &bytes).unwrap();
+    let e = config(d, engine, Admission::Always, false)
+        .build()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("version"), "{e}");
+    std::fs::remove_dir_all(d).unwrap();
+}
+
+#[test]
+fn engine_tags_survive_restarts_with_their_blocks() {
+    use kvstore::{EngineHash, EngineTag};
+    use std::collections::HashMap;
+    let engine = IoEngineKind::Uring;
+    let tmp = dir("tags", engine);
+    let d = tmp.path();
+    let hash =
+        |i: u32, b: u8| EngineHash::new(&[&[b][..], &i.to_be_bytes(), &[7; 27]].concat()).unwrap();
+    // Even blocks have a tag; multiples of 4 also a parent.
+    let tag_of = move |i: u32| {
+        (i % 2 == 0).then(|| EngineTag {
+            hash: hash(i, 1),
+            parent: (i % 4 == 0).then(|| hash(i, 2)),
+        })
+    };
+    let by_key: HashMap<BlockKey, EngineTag> =
+        (0..60).filter_map(|i| Some((key(i), tag_of(i)?))).collect();
+    let by_key = Arc::new(by_key);
+    let recovered = |store: &Store| -> HashMap<BlockKey, EngineTag> {
+        store.recovered_engine_tags().into_iter().collect()
+    };
+    {
+        let store = config(d, engine, Admission::Always, false).build().unwrap();
+        let m = by_key.clone();
+        store.set_engine_tagger(Arc::new(move |keys: &[BlockKey]| {
+            keys.iter().map(|k| m.get(k).copied()).collect()
+        }));
+        let n = ns(&store);
+        for i in 0..60 {
+            store.put(n, key(i), &data(i)).unwrap();
+        }
+        assert!(store.flush() > 0);
+        store.remove(&key(10));
+    }
+    let want: HashMap<BlockKey, EngineTag> = by_key
+        .iter()
+        .filter(|(k, _)| **k != key(10))
+        .map(|(k, t)| (*k, *t))
+        .collect();
+    assert_eq!(want.len(), 29);
+    let store = config(d, engine, Admission::Always, false).build().unwrap();
+    assert_eq!(store.stats().disk().unwrap().recovered_blocks, 59);
+    assert_eq!(
+        recovered(&store),
+        want,
+        "each block's tags as written, parents included"
+    );
+    assert_eq!(check_all(&store, 60), 59);
+    // Untouched by the checkpoints at open and close while no tagger is installed.
+    drop(store);
+    let store = config(d, engine, Admission::Always, false).build().unwrap();
+    assert_eq!(recovered(&store), want);
+    // A tagger takes over (it knows none of them): the next checkpoint keeps none.
+    store.set_engine_tagger(Arc::new(|keys: &[BlockKey]| vec![None; keys.len()]));
+    assert!(recovered(&store).is_empty());
+    drop(store);
+    let store = config(d, engine, Admission::Always, false).build().unwrap();
+    assert!(recovered(&store).is_empty());
+    assert_eq!(check_all(&store, 60), 59);
     drop(store);
     std::fs::remove_dir_all(d).unwrap();
 }

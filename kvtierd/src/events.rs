@@ -11,8 +11,11 @@
 //!   `[b"", -1, b""]`.
 //!
 //! The first batch of a run (sequence 0) is `AllBlocksCleared`: a subscriber that knew this
-//! node from an earlier run of the daemon forgets it (host memory starts empty; the engine
-//! hashes of the blocks the disk tier kept are not kept across restarts). Later events come
+//! node from an earlier run of the daemon forgets it (host memory starts empty). The blocks the
+//! disk tier kept are announced again (`BlockStored`, `STORAGE`) when the first engine since
+//! the start registers their namespace (its tokens per block and KV-cache group are known
+//! then), under the engine hashes they were stored with: the disk tier's journal keeps each
+//! block's engine hash and parent's (not its token ids) while events are on. Later events come
 //! from the store's event channel: `BlockStored` / `BlockRemoved` with `medium`
 //! `CPU` (host tier) or `STORAGE` (disk tier) and `locality` `LOCAL`, and `BlockStored` with
 //! `medium` `CPU` and `locality` `REMOTE` once a block's push to the remote tier (its owner
@@ -28,8 +31,8 @@
 //! commits) is published under that hash, as vLLM's publisher would; the daemon keeps it in
 //! [`EngineHashes`] (outside the store's per-block metadata, only while events are on) until
 //! the block has left every local tier. A block
-//! without one (raw IPC keys, SGLang, blocks recovered from disk after a restart) is published
-//! under its 16-byte kvtier key. With `events.int_hashes` a hash goes as vLLM's integer form (its
+//! without one (raw IPC keys, SGLang, blocks a disk tier kept from a run without events) is
+//! published under its 16-byte kvtier key. With `events.int_hashes` a hash goes as vLLM's integer form (its
 //! low 64 bits, big-endian). A block whose commit also carried its parent's hash and its token
 //! ids (the vLLM connector sends them when the daemon says, in Hello, that it publishes events)
 //! is published with them, as vLLM's `parent_block_hash` and `token_ids`: a run of such blocks
@@ -140,47 +143,12 @@ pub struct Encoding {
 /// identifier" (its KVCR tier says "kvcr").
 pub const OWNERSHIP: &str = "kvtier";
 
-/// Longest engine hash kept (vLLM's SHA-256 block hashes are 32 bytes).
-pub const MAX_ENGINE_HASH: usize = 32;
-
 /// Most blocks whose engine hash is kept (an 80-byte entry each, 90–185 bytes with the hash
 /// table's load): past it, new blocks are
 /// published under their kvtier keys (counted in `EngineHashes::refused`).
 const MAX_ENGINE_HASHES: usize = 8 << 20;
 
-/// An engine's own hash of a block, inline.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct EngineHash {
-    len: u8,
-    bytes: [u8; MAX_ENGINE_HASH],
-}
-
-impl EngineHash {
-    /// `None` when empty or longer than [`MAX_ENGINE_HASH`].
-    pub fn new(h: &[u8]) -> Option<Self> {
-        if h.is_empty() || h.len() > MAX_ENGINE_HASH {
-            return None;
-        }
-        let mut bytes = [0; MAX_ENGINE_HASH];
-        bytes[..h.len()].copy_from_slice(h);
-        Some(Self {
-            len: h.len() as u8,
-            bytes,
-        })
-    }
-
-    /// The hash as the engine gave it.
-    pub fn as_bytes(&self) -> &[u8] {
-        &self.bytes[..self.len as usize]
-    }
-
-    /// vLLM's integer form: `int.from_bytes(h, "big") & (2**64 - 1)`.
-    pub fn low64(&self) -> u64 {
-        self.as_bytes()
-            .iter()
-            .fold(0u64, |a, &b| (a << 8) | u64::from(b))
-    }
-}
+pub use kvstore::{EngineHash, EngineTag};
 
 struct Held {
     hash: EngineHash,
@@ -281,6 +249,82 @@ impl EngineHashes {
                 self.refused.fetch_add(1, Relaxed);
             }
         }
+    }
+
+    /// Notes the blocks of store `t` the disk tier recovered with their engine tags (after a
+    /// restart): held as on disk, published under their engine hashes from now on.
+    pub fn seed(&self, t: usize, tags: Vec<(kvstore::BlockKey, EngineTag)>) {
+        let mut m = self.map.lock();
+        for (k, tag) in tags {
+            if m.len() >= MAX_ENGINE_HASHES {
+                self.refused.fetch_add(1, Relaxed);
+                continue;
+            }
+            let h = m.entry((t, k.0)).or_insert_with(|| Held {
+                hash: tag.hash,
+                tiers: 0,
+                parent: tag.parent,
+                tokens: Arc::from(Vec::new()),
+            });
+            h.tiers |= tier_bit(Tier::Disk);
+        }
+    }
+
+    /// The engine tags of `keys` of store `t` (what the disk tier journals with them); one
+    /// lock for the batch.
+    pub fn tags_of(&self, t: usize, keys: &[kvstore::BlockKey]) -> Vec<Option<EngineTag>> {
+        let m = self.map.lock();
+        if m.is_empty() {
+            return vec![None; keys.len()];
+        }
+        keys.iter()
+            .map(|k| {
+                m.get(&(t, k.0)).map(|h| EngineTag {
+                    hash: h.hash,
+                    parent: h.parent,
+                })
+            })
+            .collect()
+    }
+
+    /// Puts `keys` (of store `t`) in chain order: each block whose parent is among them right
+    /// after that parent (one child per parent; the others start chains of their own), so an
+    /// announcement of them becomes one event per chain instead of one per block. Blocks
+    /// without an engine hash, and any cycle a hostile engine's hashes made, go last.
+    pub fn chain_order(&self, t: usize, keys: &mut Vec<kvstore::BlockKey>) {
+        let tags = self.tags_of(t, keys);
+        let n = keys.len();
+        let mut by_hash: HashMap<EngineHash, usize> = HashMap::with_capacity(n);
+        for (i, tag) in tags.iter().enumerate() {
+            if let Some(tag) = tag {
+                by_hash.entry(tag.hash).or_insert(i);
+            }
+        }
+        let mut next: Vec<Option<usize>> = vec![None; n];
+        let mut has_prev = vec![false; n];
+        for (i, tag) in tags.iter().enumerate() {
+            let Some(p) = tag.and_then(|t| t.parent) else {
+                continue;
+            };
+            if let Some(&j) = by_hash.get(&p) {
+                if j != i && next[j].is_none() {
+                    next[j] = Some(i);
+                    has_prev[i] = true;
+                }
+            }
+        }
+        let mut out = Vec::with_capacity(n);
+        let mut seen = vec![false; n];
+        for i in (0..n).filter(|&i| !has_prev[i] && tags[i].is_some()) {
+            let mut at = Some(i);
+            while let Some(j) = at.filter(|&j| !seen[j]) {
+                seen[j] = true;
+                out.push(keys[j]);
+                at = next[j];
+            }
+        }
+        out.extend((0..n).filter(|&i| !seen[i]).map(|i| keys[i]));
+        *keys = out;
     }
 
     /// Forgets `key` if its commit did not store it (and no tier holds it).
@@ -410,6 +454,8 @@ pub fn runs<'a>(
     mut resolve: impl FnMut(&BlockEvent) -> Resolved,
 ) -> Vec<Run> {
     let mut out: Vec<Run> = Vec::new();
+    // Whether each run's blocks all came without a parent (then a block without one may join).
+    let mut unparented: Vec<bool> = Vec::new();
     for e in events {
         let i = info(e.ns);
         let bs = i.map_or(0, |i| i.block_tokens);
@@ -417,12 +463,16 @@ pub fn runs<'a>(
         let res = resolve(e);
         let stored = e.kind == EventKind::Stored;
         let tokens = if stored { res.tokens.clone() } else { None };
-        let chained = |r: &Run| match (&r.tokens, &tokens) {
-            (None, None) => true,
-            (Some(_), Some(_)) => r
-                .keys
+        // A block whose parent is known joins a run only as the next block of its chain.
+        let follows = |r: &Run| {
+            r.keys
                 .last()
-                .is_some_and(|last| res.parent.map(Hash::Engine).as_ref() == Some(last)),
+                .is_some_and(|last| res.parent.map(Hash::Engine).as_ref() == Some(last))
+        };
+        let free = res.parent.is_none() && unparented.last() == Some(&true);
+        let chained = |r: &Run| match (&r.tokens, &tokens) {
+            (None, None) => free || follows(r),
+            (Some(_), Some(_)) => follows(r),
             _ => false,
         };
         match out.last_mut() {
@@ -437,16 +487,22 @@ pub fn runs<'a>(
                 if let (Some(all), Some(t)) = (r.tokens.as_mut(), tokens) {
                     all.extend_from_slice(&t);
                 }
+                if let Some(u) = unparented.last_mut() {
+                    *u &= res.parent.is_none();
+                }
             }
-            _ => out.push(Run {
-                kind: e.kind,
-                tier: e.tier,
-                block_size: bs,
-                group: group.cloned(),
-                keys: vec![res.hash],
-                parent: if stored { res.parent } else { None },
-                tokens: tokens.map(|t| t.to_vec()),
-            }),
+            _ => {
+                unparented.push(res.parent.is_none());
+                out.push(Run {
+                    kind: e.kind,
+                    tier: e.tier,
+                    block_size: bs,
+                    group: group.cloned(),
+                    keys: vec![res.hash],
+                    parent: if stored { res.parent } else { None },
+                    tokens: tokens.map(|t| t.to_vec()),
+                })
+            }
         }
     }
     out
@@ -607,8 +663,8 @@ pub fn batch(ts: f64, runs: &[Run], enc: Encoding) -> Vec<u8> {
 
 /// The batch a daemon publishes first: `[ts, [AllBlocksCleared], 0]`. A subscriber that knew
 /// this node's blocks from an earlier run of the daemon (ZMQ reconnects it on its own; the
-/// sequence starts again at 0) forgets them: host memory starts empty, and the engine hashes
-/// of the blocks the disk tier kept are not kept across restarts.
+/// sequence starts again at 0) forgets them: host memory starts empty, and the blocks the disk
+/// tier kept are announced again as their namespaces are registered.
 pub fn cleared_batch(ts: f64, enc: Encoding) -> Vec<u8> {
     let mut b = Vec::with_capacity(40);
     let _ = rmp::encode::write_array_len(&mut b, 3);
@@ -1019,6 +1075,98 @@ mod tests {
         let gone = ev(EventKind::Removed, 1, Tier::Host, 0);
         let r = hs.resolve_all(0, std::slice::from_ref(&gone));
         assert_eq!((r[0].parent, r[0].tokens.is_none()), (None, true));
+    }
+
+    #[test]
+    fn tags_recovered_from_disk_are_published_and_journaled_again() {
+        let hs = EngineHashes::default();
+        let eng = |i: u8| EngineHash::new(&[i; 32]).unwrap();
+        let tag = |h: u8, p: Option<u8>| EngineTag {
+            hash: eng(h),
+            parent: p.map(eng),
+        };
+        // A chain 1 → 2 → 3 (block 1 the first of its sequence), block 4 of another chain,
+        // block 5 with no parent: as the journal gave them back, in no order.
+        hs.seed(
+            0,
+            [
+                (3, tag(13, Some(12))),
+                (1, tag(11, None)),
+                (4, tag(14, Some(99))),
+                (2, tag(12, Some(11))),
+                (5, tag(15, None)),
+            ]
+            .map(|(k, t)| (kvstore::BlockKey(k), t))
+            .to_vec(),
+        );
+        let keys: Vec<kvstore::BlockKey> = [2, 7, 4].map(kvstore::BlockKey).to_vec();
+        assert_eq!(
+            hs.tags_of(0, &keys),
+            vec![Some(tag(12, Some(11))), None, Some(tag(14, Some(99)))],
+            "what the disk tier journals again"
+        );
+        assert_eq!(hs.tags_of(1, &keys), vec![None; 3], "another store's");
+        // Put in chain order (the disk tier lists them in any order; untagged ones last)...
+        let mut order: Vec<kvstore::BlockKey> = [7, 3, 5, 2, 4, 1].map(kvstore::BlockKey).to_vec();
+        hs.chain_order(0, &mut order);
+        let pos = |k: u128| order.iter().position(|x| x.0 == k).unwrap();
+        assert!(pos(1) + 1 == pos(2) && pos(2) + 1 == pos(3), "{order:?}");
+        assert_eq!(pos(7), 5, "untagged last");
+        assert_eq!(order.len(), 6);
+        // ... and announced so: one run for the chain, one for block 4, one for 5; a block
+        // without a parent never joins a run whose blocks have one.
+        let evs: Vec<BlockEvent> = [1, 2, 3, 4, 5]
+            .map(|k| ev(EventKind::Stored, k, Tier::Disk, 0))
+            .to_vec();
+        let mut resolved = hs.resolve_all(0, &evs).into_iter();
+        let rs = runs(
+            &evs,
+            |_| None,
+            |e| resolved.next().unwrap_or(Resolved::key(e.key.0)),
+        );
+        let hashes = |r: &Run| r.keys.clone();
+        assert_eq!(rs.len(), 3, "{rs:?}");
+        assert_eq!(
+            hashes(&rs[0]),
+            [11, 12, 13].map(|i| Hash::Engine(eng(i))).to_vec()
+        );
+        assert_eq!((rs[0].parent, rs[0].tokens.clone()), (None, None));
+        assert_eq!(
+            (hashes(&rs[1]), rs[1].parent),
+            (vec![Hash::Engine(eng(14))], Some(eng(99)))
+        );
+        assert_eq!(
+            (hashes(&rs[2]), rs[2].parent),
+            (vec![Hash::Engine(eng(15))], None)
+        );
+        // Blocks without tags (kvtier keys) still run together.
+        let plain: Vec<BlockEvent> = [20, 21, 22]
+            .map(|k| ev(EventKind::Stored, k, Tier::Disk, 0))
+            .to_vec();
+        let mut resolved = hs.resolve_all(0, &plain).into_iter();
+        let rs = runs(
+            &plain,
+            |_| None,
+            |e| resolved.next().unwrap_or(Resolved::key(e.key.0)),
+        );
+        assert_eq!(rs.len(), 1);
+        // Hashes that loop (a hostile engine's): every block still announced, once.
+        let loop_hs = EngineHashes::default();
+        loop_hs.seed(
+            0,
+            vec![
+                (kvstore::BlockKey(1), tag(1, Some(2))),
+                (kvstore::BlockKey(2), tag(2, Some(1))),
+            ],
+        );
+        let mut ks = vec![kvstore::BlockKey(1), kvstore::BlockKey(2)];
+        loop_hs.chain_order(0, &mut ks);
+        ks.sort();
+        assert_eq!(ks, vec![kvstore::BlockKey(1), kvstore::BlockKey(2)]);
+        // Held as on disk: gone from the map when the disk tier drops the block.
+        let before = hs.len();
+        hs.resolve_all(0, &[ev(EventKind::Removed, 4, Tier::Disk, 0)]);
+        assert_eq!(hs.len(), before - 1);
     }
 
     #[test]

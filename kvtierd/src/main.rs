@@ -60,6 +60,11 @@ struct Args {
     sets: Vec<String>,
 }
 
+/// How long announcing a namespace's disk blocks waits for each events subscriber to make
+/// room (the publisher's thread drains its channel continuously; a stalled subscriber loses
+/// the rest, counted as dropped events).
+const ANNOUNCE_PATIENCE: Duration = Duration::from_secs(30);
+
 /// A tenant (`server.isolation = "tenant"`).
 pub struct Tenant {
     /// Its configuration.
@@ -189,7 +194,7 @@ impl Daemon {
         log: Arc<logging::LogStats>,
     ) -> Self {
         let engine_hashes = (!cfg.events.endpoint.is_empty()).then(Arc::default);
-        Self {
+        let d = Self {
             engine_hashes,
             store,
             tenants,
@@ -211,6 +216,32 @@ impl Daemon {
             ns_info: Arc::default(),
             events: Arc::default(),
             cluster: None,
+        };
+        d.keep_engine_tags();
+        d
+    }
+
+    /// With KV events on: the engine hashes the disk tiers' journals kept are published again
+    /// (held as on disk), and each disk tier journals the hashes of the blocks it writes from
+    /// the engine-hash map. Off: the journals keep what they hold, and new blocks go untagged.
+    fn keep_engine_tags(&self) {
+        let Some(eh) = &self.engine_hashes else {
+            return;
+        };
+        for (t, store) in self.stores().into_iter().enumerate() {
+            let tags = store.recovered_engine_tags();
+            if !tags.is_empty() {
+                tracing::info!(
+                    store = t,
+                    blocks = tags.len(),
+                    "disk tier: engine hashes recovered"
+                );
+            }
+            eh.seed(t, tags);
+            let eh = eh.clone();
+            store.set_engine_tagger(Arc::new(move |keys: &[kvstore::BlockKey]| {
+                eh.tags_of(t, keys)
+            }));
         }
     }
 
@@ -236,7 +267,30 @@ impl Daemon {
             check(id)?;
             // Known already (registered before, or recovered from the disk tier after a
             // restart): its tokens per block and group still have to reach the KV events.
-            self.ns_info.lock().insert((t, id.0 as u16), info);
+            let first = self.ns_info.lock().insert((t, id.0 as u16), info).is_none();
+            if first && self.engine_hashes.is_some() {
+                // The first engine of this namespace since the daemon started: announce the
+                // blocks the disk tier kept (subscribers were told to forget this node), now
+                // that their tokens per block and group are known. Off the engine's path.
+                let eh = self.engine_hashes.clone().unwrap_or_default();
+                let spawned = std::thread::Builder::new()
+                    .name("kvtierd-announce".into())
+                    .spawn(move || {
+                        let order = |keys: &mut Vec<kvstore::BlockKey>| eh.chain_order(t, keys);
+                        let n = store.announce_disk(id, order, ANNOUNCE_PATIENCE);
+                        if n > 0 {
+                            tracing::info!(
+                                store = t,
+                                ns = id.0,
+                                blocks = n,
+                                "KV events: disk blocks announced after the restart"
+                            );
+                        }
+                    });
+                if let Err(e) = spawned {
+                    tracing::warn!(error = %e, "KV events: disk blocks not announced");
+                }
+            }
             return Ok(id);
         }
         check(kvstore::NsId(u32::MAX))?;

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvtier import Sidecar, engine_key, namespace_fingerprint
+from kvtier import PagedKv, Sidecar, engine_key, namespace_fingerprint
 from test_vllm_e2e import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
@@ -463,6 +463,90 @@ def test_a_burst_of_100k_saves_arrives_in_order_without_gaps(tmp_path):
         del side
     finally:
         d.stop()
+
+
+def test_a_restarted_daemon_announces_its_disk_blocks_under_the_engine_hashes(tmp_path):
+    """Blocks saved with vLLM's block hashes and parents, written to the disk tier: after a
+    restart (AllBlocksCleared first), the first registration of their namespace announces them
+    as STORAGE under the same hashes, chains with their parents as vLLM's events give them
+    (token ids are not kept on disk), field by field as vLLM's offloading path would for a
+    tier named "kvtier"; and again after a second restart (journaled again)."""
+    import numpy as np
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
+
+    disk = ("--set", "disk.admission=always", "--set", "disk.write_through=true")
+    data = tmp_path / "d"
+    enc, fp = namespace_fingerprint(model="events-restart", dtype="f32", layout="events-test",
+                                    block_tokens=BLOCK_TOKENS, tp_size=1, tp_rank=0)
+    # Two sequences: blocks 0-3 (0 the first of its sequence) and 4-5 (4 continuing a block
+    # that was never saved here).
+    hashes = [bytes([0xA0 + i]) * 32 for i in range(6)]
+    parents = [b"", hashes[0], hashes[1], hashes[2], b"\x55" * 32, hashes[4]]
+    want_parent = {h: (p or None) for h, p in zip(hashes, parents)}
+    cache = np.arange(6 * 2 * BLOCK_TOKENS * 64, dtype=np.float32).reshape(6, 2, BLOCK_TOKENS, 64)
+    paged = PagedKv([(cache.__array_interface__["data"][0], list(cache.shape),
+                      [x // 4 for x in cache.strides], ["blocks", "kv", "tokens", "inner"], 4)])
+    keys = [engine_key(fp, h) for h in hashes]
+    dec = msgspec.msgpack.Decoder(type=KVEventBatch)
+
+    def storage(msgs):
+        return [e for _, p in msgs for e in dec.decode(p).events
+                if isinstance(e, BlockStored) and e.medium == "STORAGE"
+                and set(map(bytes, e.block_hashes)) & set(hashes)]
+
+    def per_block(evs):
+        """Each announced block's parent, as a chain of vLLM's events says it."""
+        out = {}
+        for e in evs:
+            for j, h in enumerate(e.block_hashes):
+                parent = e.parent_block_hash if j == 0 else e.block_hashes[j - 1]
+                out[bytes(h)] = bytes(parent) if parent is not None else None
+        return out
+
+    d = Daemon(data, *disk)
+    try:
+        side = Sidecar(d.socket, "events-test")
+        ns = side.register_namespace(enc, group_idx=0, spec_kind="full_attention")
+        assert side.save(ns, paged, keys, [[i] for i in range(6)], engine_hashes=hashes,
+                         parent_hashes=parents,
+                         token_ids=[list(range(i * 16, i * 16 + 16)) for i in range(6)]) == 6
+        end = time.monotonic() + 60
+        while next(t for t in d.cli("stats")["tiers"] if t["tier"] == "disk")["blocks"] < 6:
+            assert time.monotonic() < end, "the blocks never reached the disk tier"
+            assert side.match_prefix(keys) == 6  # (one round trip a try)
+        del side
+    finally:
+        d.stop()
+    for run in ("restart", "second restart"):
+        d = Daemon(data, *disk)
+        try:
+            side = Sidecar(d.socket, "events-test")
+            sub = subscriber(d.events, side)
+            # (The probe's namespace first: the announcement waits for an engine's
+            # registration of this one.)
+            side.register_namespace(enc, group_idx=0, spec_kind="full_attention")
+            got = storage(receive(sub, lambda m: {bytes(h) for e in storage(m)
+                                                  for h in e.block_hashes} >= set(hashes)))
+            assert sorted(bytes(h) for e in got for h in e.block_hashes) == sorted(hashes), run
+            assert per_block(got) == want_parent, (run, got)
+            assert len(got) == 2, ("one event per chain", run, got)
+            for e in got:
+                assert (e.block_size, e.token_ids, e.locality, e.ownership) == \
+                    (BLOCK_TOKENS, [], "LOCAL", "kvtier"), e
+                assert (e.group_idx, e.kv_cache_spec_kind) == (0, "full_attention"), e
+                assert_like_vllm(e, vllm_offloading_events(e.block_hashes, "STORAGE", "LOCAL",
+                                                           False),
+                                 skip=(NOT_COMPARED - {"group_idx"})
+                                 | {"kv_cache_spec_kind", "kv_cache_spec_sliding_window",
+                                    "parent_block_hash"})
+            # The first batch of the run said to forget everything before.
+            first = replay(d.replay, 0)[0][1]
+            assert isinstance(dec.decode(first).events[0], AllBlocksCleared)
+            # The bytes are the ones saved.
+            assert side.get(keys[3]) == cache[3].tobytes()
+            del side
+        finally:
+            d.stop()
 
 
 @pytest.mark.parametrize("remote_medium", [False, True])

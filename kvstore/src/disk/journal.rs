@@ -1,5 +1,6 @@
 //! The disk tier's index journal: a 64-byte header, then 64-byte records, each with its own
-//! checksum. Replay stops at the first torn or corrupt record and truncates there. Compaction
+//! checksum. A block's Put may be followed by its engine tag records (Hash, then Parent), which
+//! label the block the Put just placed. Replay stops at the first torn or corrupt record and truncates there. Compaction
 //! (the checkpoint) rewrites only live records into a new file and renames it into place. The
 //! byte layout is drawn in ARCHITECTURE.md ("Disk tier on-disk format").
 
@@ -11,10 +12,16 @@ use std::path::{Path, PathBuf};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::key::BlockKey;
+use crate::tags::EngineHash;
 
 pub(crate) const JOURNAL_MAGIC: &[u8; 8] = b"KVTJRNL\0";
-/// 2: block checksums are the chunked XXH3-64 of `crate::checksum` (1: plain XXH3-64).
-pub(crate) const VERSION: u32 = 2;
+/// 3: Hash and Parent records (engine tags) may follow a Put. 2: block checksums are the
+/// chunked XXH3-64 of `crate::checksum` (1: plain XXH3-64). A version-2 journal is read as it
+/// is (its records are version 3's without tags) and rewritten as version 3 at open; a
+/// version-1 tier starts empty.
+pub(crate) const VERSION: u32 = 3;
+/// The oldest journal version read as it is.
+pub(crate) const READABLE_FROM: u32 = 2;
 
 /// The format version of the journal at `path`, if it is a kvtier journal whose header is
 /// intact (to tell an older format from damage).
@@ -38,6 +45,10 @@ pub(crate) enum Kind {
     Remove = 2,
     /// Namespace id `page` has fingerprint `key`.
     Namespace = 3,
+    /// The block the Put just before placed has engine hash `label`.
+    Hash = 4,
+    /// ... and its parent has engine hash `label`.
+    Parent = 5,
 }
 
 /// One journal record.
@@ -51,16 +62,42 @@ pub(crate) struct Record {
     pub file: u32,
     pub checksum: u64,
     pub seq: u64,
+    /// Hash and Parent records: the engine hash (None for the other kinds).
+    pub label: Option<EngineHash>,
 }
 
 impl Record {
+    /// A Hash (or Parent) record for `key`.
+    pub(crate) fn tag(kind: Kind, key: BlockKey, label: EngineHash) -> Self {
+        Record {
+            kind,
+            ns: 0,
+            key,
+            page: 0,
+            len: 0,
+            file: 0,
+            checksum: 0,
+            seq: 0,
+            label: Some(label),
+        }
+    }
+
     pub(crate) fn encode(&self) -> [u8; REC] {
         let mut b = [0u8; REC];
         b[0..4].copy_from_slice(&REC_MAGIC.to_le_bytes());
         b[4] = self.kind as u8;
         b[5] = VERSION as u8;
-        b[6..8].copy_from_slice(&self.ns.to_le_bytes());
         b[8..24].copy_from_slice(&self.key.to_bytes());
+        if let Some(l) = &self.label {
+            // Hash / Parent: [6] the hash's length, [24..56] its bytes (zero-padded).
+            let h = l.as_bytes();
+            b[6] = h.len() as u8;
+            b[24..24 + h.len()].copy_from_slice(h);
+            let c = xxh3_64(&b[..56]);
+            b[56..64].copy_from_slice(&c.to_le_bytes());
+            return b;
+        }
+        b[6..8].copy_from_slice(&self.ns.to_le_bytes());
         b[24..32].copy_from_slice(&self.page.to_le_bytes());
         b[32..36].copy_from_slice(&self.len.to_le_bytes());
         b[36..40].copy_from_slice(&self.file.to_le_bytes());
@@ -85,20 +122,31 @@ impl Record {
             1 => Kind::Put,
             2 => Kind::Remove,
             3 => Kind::Namespace,
+            4 => Kind::Hash,
+            5 => Kind::Parent,
             _ => return None,
         };
-        if u32::from(b[5]) != VERSION {
+        if !(READABLE_FROM..=VERSION).contains(&u32::from(b[5])) {
             return None;
+        }
+        let key = BlockKey::from_bytes(&b[8..24]).ok()?;
+        if matches!(kind, Kind::Hash | Kind::Parent) {
+            let n = usize::from(b[6]);
+            if n == 0 || n > crate::tags::MAX_ENGINE_HASH {
+                return None;
+            }
+            return Some(Record::tag(kind, key, EngineHash::new(&b[24..24 + n])?));
         }
         Some(Record {
             kind,
             ns: u16::from_le_bytes([b[6], b[7]]),
-            key: BlockKey::from_bytes(&b[8..24]).ok()?,
+            key,
             page: u64at(24),
             len: u32at(32),
             file: u32at(36),
             checksum: u64at(40),
             seq: u64at(48),
+            label: None,
         })
     }
 }
@@ -133,6 +181,11 @@ pub(crate) struct Journal {
     poisoned: bool,
     /// Records in the file (live or not).
     pub(crate) records: u64,
+    /// The format version of the file (older than [`VERSION`] until its first rewrite).
+    pub(crate) version: u32,
+    /// Records per block at the last rewrite (1 with no tags, up to 3): what a live block
+    /// costs, to tell when dead records pile up.
+    pub(crate) per_block: f64,
 }
 
 impl Journal {
@@ -167,6 +220,8 @@ impl Journal {
             end: REC as u64,
             records: 0,
             poisoned: false,
+            version: VERSION,
+            per_block: 1.0,
         })
     }
 
@@ -198,7 +253,8 @@ impl Journal {
         if u64::from_le_bytes(h[56..64].try_into().unwrap_or_default()) != xxh3_64(&h[..56]) {
             return Err(foreign("header checksum"));
         }
-        if u32::from_le_bytes(h[8..12].try_into().unwrap_or_default()) != VERSION {
+        let version = u32::from_le_bytes(h[8..12].try_into().unwrap_or_default());
+        if !(READABLE_FROM..=VERSION).contains(&version) {
             return Err(foreign("version"));
         }
         let instance = u64::from_le_bytes(h[16..24].try_into().unwrap_or_default());
@@ -246,6 +302,8 @@ impl Journal {
                 end: good_end as u64,
                 records,
                 poisoned: false,
+                version,
+                per_block: 1.0,
             },
             instance,
             recs,
@@ -311,6 +369,13 @@ impl Journal {
         }
         self.end = ((live.len() + 1) * REC) as u64;
         self.records = live.len() as u64;
+        self.version = VERSION;
+        let puts = live.iter().filter(|r| r.kind == Kind::Put).count();
+        let tags = live
+            .iter()
+            .filter(|r| matches!(r.kind, Kind::Hash | Kind::Parent))
+            .count();
+        self.per_block = 1.0 + tags as f64 / puts.max(1) as f64;
         if let Err(e) = sync_dir(&self.path) {
             self.poisoned = true;
             return Err(e);
@@ -338,6 +403,7 @@ mod tests {
             file: 0,
             checksum: i ^ 0xabc,
             seq: i,
+            label: None,
         }
     }
 

@@ -7,6 +7,11 @@
 //! before the last step leaves the blocks invisible after recovery; a crash after it leaves them
 //! whole. Recovery replays the journal only; block data is checked when read.
 //!
+//! Engine tags (an engine's hash of a block, and its parent's) ride in the journal after the
+//! block's Put when a [`Tagger`] is installed (the daemon installs one while its KV events are
+//! on), so that they survive a restart: [`DiskTier::recovered_tags`] hands them back. Until a
+//! tagger is installed the recovered tags are kept (and checkpointed) as found.
+//!
 //! Modules: `config` (DiskConfig, errors), `state` (the index), `recovery` (creating and
 //! recovering the files), `journal`, `extent`.
 
@@ -31,10 +36,11 @@ use parking_lot::Mutex;
 use crate::events::{EventKind, Events};
 use crate::io::{self as kio, IoConfig, IoEngine, IoKind, IoReq, ALIGN};
 use crate::key::{BlockKey, Fingerprint};
+use crate::tags::{EngineTag, Tagger};
 use crate::tier::{
     LatencyBuckets, LowerTier, NsUsage, ReadItem, ReadOutcome, TierStats, WriteItem, WriteOutcome,
 };
-use crate::types::{BlockInfo, MapKey, Tier};
+use crate::types::{BlockInfo, FoldMap, MapKey, Tier};
 
 pub use config::{Admission, DiskConfig, DiskError};
 use journal::{Journal, Kind, Record};
@@ -71,6 +77,10 @@ pub struct DiskTier {
     write_hist: Mutex<Histogram<u64>>,
     events: Arc<Events>,
     dir: PathBuf,
+    /// Where the tags of blocks being written come from (None: written untagged).
+    tagger: parking_lot::RwLock<Option<Tagger>>,
+    /// The tags the journal kept, until a tagger takes over (then empty).
+    recovered_tags: Mutex<FoldMap<MapKey, EngineTag>>,
     /// Held for the tier's life: one process per directory.
     _lock: File,
 }
@@ -143,15 +153,79 @@ impl DiskTier {
             write_hist: hist().map_err(|e| DiskError::Config(e.to_string()))?,
             events,
             dir: cfg.dir.clone(),
+            tagger: parking_lot::RwLock::new(None),
+            recovered_tags: Mutex::new(o.tags),
             _lock: lock,
         };
         tier.stats.recovered.store(o.recovered, Relaxed);
+        let found = tier.journal.lock().version;
+        if found < journal::VERSION {
+            tracing::info!(dir = %cfg.dir.display(), from = found, to = journal::VERSION,
+                "disk tier journal in an older format: upgrading it in place (blocks kept)");
+        }
         // Compact at open: the journal then holds only live records. A failure here (a full
         // file system) is not fatal: the journal as found is valid.
         if let Err(e) = tier.checkpoint() {
             tracing::warn!(error = %e, "journal checkpoint at open failed (the journal stays valid)");
         }
         Ok(tier)
+    }
+
+    /// From now on, the tags of written blocks (and of live blocks at a checkpoint) come from
+    /// `tagger`; the recovered tags are dropped (take them first with
+    /// [`DiskTier::recovered_tags`]).
+    pub fn set_tagger(&self, tagger: Tagger) {
+        *self.tagger.write() = Some(tagger);
+        *self.recovered_tags.lock() = FoldMap::default();
+    }
+
+    /// The engine tags the journal kept for blocks still on disk (empty once a tagger is set).
+    pub fn recovered_tags(&self) -> Vec<(BlockKey, EngineTag)> {
+        let tags = self.recovered_tags.lock().clone();
+        let st = self.state.lock();
+        tags.into_iter()
+            .filter(|(k, _)| st.index.get(k).is_some_and(|e| e.state == DState::Ready))
+            .map(|(k, t)| (BlockKey::from(k), t))
+            .collect()
+    }
+
+    /// The blocks of namespace `ns` on disk.
+    pub fn blocks_of(&self, ns: u16) -> Vec<BlockKey> {
+        self.state
+            .lock()
+            .index
+            .iter()
+            .filter(|(_, e)| e.ns == ns && e.state == DState::Ready)
+            .map(|(k, _)| BlockKey::from(*k))
+            .collect()
+    }
+
+    /// The tags of `keys`, from the tagger, or else from the recovered tags; no lock of the
+    /// tier's is taken (the caller may hold the journal lock).
+    fn tags_of(&self, keys: &[BlockKey]) -> Vec<Option<EngineTag>> {
+        if let Some(t) = self.tagger.read().clone() {
+            let mut v = t(keys);
+            v.resize(keys.len(), None);
+            return v;
+        }
+        let m = self.recovered_tags.lock();
+        if m.is_empty() {
+            return vec![None; keys.len()];
+        }
+        keys.iter()
+            .map(|k| m.get(&MapKey::from(*k)).copied())
+            .collect()
+    }
+
+    /// `put`'s record, then its tag records.
+    fn push_tagged(records: &mut Vec<Record>, put: Record, tag: Option<EngineTag>) {
+        records.push(put);
+        if let Some(t) = tag {
+            records.push(Record::tag(Kind::Hash, put.key, t.hash));
+            if let Some(p) = t.parent {
+                records.push(Record::tag(Kind::Parent, put.key, p));
+            }
+        }
     }
 
     fn engine(files: &[File], io: &IoConfig) -> io::Result<Arc<dyn IoEngine>> {
@@ -383,6 +457,14 @@ impl DiskTier {
                 }
             }
         }
+        // The written blocks' engine tags, asked before any lock of ours is taken.
+        let tagged: Vec<BlockKey> = meta
+            .iter()
+            .enumerate()
+            .filter(|(k, _)| ok[*k])
+            .map(|(_, m)| m.1)
+            .collect();
+        let mut tags = self.tags_of(&tagged).into_iter();
         // Journal, then state, as checkpoint() does; the journal lock is held from building the
         // records until the blocks are Ready, so a checkpoint cannot drop records that are
         // durable but not yet Ready, and records reach the file in sequence order.
@@ -392,7 +474,7 @@ impl DiskTier {
         for (k, &(_, key, file, page, len, ns, sum)) in meta.iter().enumerate() {
             if ok[k] {
                 st.seq += 1;
-                records.push(Record {
+                let put = Record {
                     kind: Kind::Put,
                     ns,
                     key,
@@ -401,7 +483,9 @@ impl DiskTier {
                     file: u32::from(file),
                     checksum: sum,
                     seq: st.seq,
-                });
+                    label: None,
+                };
+                Self::push_tagged(&mut records, put, tags.next().flatten());
             }
         }
         let removes = std::mem::take(&mut st.removes);
@@ -448,6 +532,7 @@ impl DiskTier {
                         file: u32::from(e.file),
                         checksum: sum,
                         seq: st.seq,
+                        label: None,
                     });
                 }
                 st.forget(mk, e);
@@ -469,8 +554,13 @@ impl DiskTier {
         drop(j);
         let live = st.blocks;
         drop(st);
-        let jrecs = self.journal.lock().records;
-        if jrecs > 2 * live + 4096 {
+        let (jrecs, per_block) = {
+            let j = self.journal.lock();
+            (j.records, j.per_block)
+        };
+        // Compact once dead records outnumber live ones (a live block's Put and tags: records
+        // per block as the last rewrite found them).
+        if jrecs as f64 > 2.0 * live as f64 * per_block + 4096.0 {
             if let Err(e) = self.checkpoint() {
                 tracing::warn!(error = %e, "journal checkpoint failed (the journal stays valid)");
             }
@@ -523,17 +613,19 @@ impl DiskTier {
                     file: 0,
                     checksum: 0,
                     seq: 0,
+                    label: None,
                 });
             }
         }
         // Hold the journal lock across the snapshot so no batch appends in between.
         let mut j = self.journal.lock();
         let pending;
+        let mut puts = Vec::new();
         {
             let st = self.state.lock();
             for (k, e) in st.index.iter() {
                 if e.state == DState::Ready {
-                    recs.push(Record {
+                    puts.push(Record {
                         kind: Kind::Put,
                         ns: e.ns,
                         key: BlockKey::from(*k),
@@ -542,10 +634,17 @@ impl DiskTier {
                         file: u32::from(e.file),
                         checksum: e.checksum,
                         seq: 0,
+                        label: None,
                     });
                 }
             }
             pending = st.removes.len();
+        }
+        // The tags, asked under the journal lock only (the tagger's lock comes after it).
+        let keys: Vec<BlockKey> = puts.iter().map(|r| r.key).collect();
+        recs.reserve(puts.len());
+        for (put, tag) in puts.into_iter().zip(self.tags_of(&keys)) {
+            Self::push_tagged(&mut recs, put, tag);
         }
         j.rewrite(self.instance, &recs)?;
         // The removals the snapshot already reflects need not be journaled any more; those
@@ -709,6 +808,7 @@ impl LowerTier for DiskTier {
             file: 0,
             checksum: 0,
             seq: 0,
+            label: None,
         }])?;
         j.sync()?;
         if ns.len() <= id as usize {

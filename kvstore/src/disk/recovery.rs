@@ -17,7 +17,8 @@ use crate::arena::AlignedBuf;
 use crate::io::ALIGN;
 use crate::key::{BlockKey, Fingerprint};
 use crate::policy::EvictionPolicy;
-use crate::types::MapKey;
+use crate::tags::EngineTag;
+use crate::types::{FoldMap, MapKey};
 
 use super::config::{DiskConfig, DiskError};
 use super::journal::{self, Journal, Kind, Record};
@@ -33,10 +34,14 @@ pub(crate) fn io_err(path: &Path) -> impl FnOnce(io::Error) -> DiskError + '_ {
     }
 }
 
+/// The data files' format version (the journal's has its own: version 3 added records, the
+/// data files did not change).
+const DATA_VERSION: u32 = 2;
+
 fn superblock(index: u32, pages: u64, instance: u64) -> io::Result<AlignedBuf> {
     let mut b = AlignedBuf::new(ALIGN)?;
     b[0..8].copy_from_slice(DATA_MAGIC);
-    b[8..12].copy_from_slice(&journal::VERSION.to_le_bytes());
+    b[8..12].copy_from_slice(&DATA_VERSION.to_le_bytes());
     b[12..16].copy_from_slice(&index.to_le_bytes());
     b[16..24].copy_from_slice(&pages.to_le_bytes());
     b[24..32].copy_from_slice(&instance.to_le_bytes());
@@ -63,6 +68,8 @@ pub(crate) struct Opened {
     pub namespaces: Vec<Fingerprint>,
     pub recovered: u64,
     pub skipped_records: u64,
+    /// The engine tags the journal kept for live blocks.
+    pub tags: FoldMap<MapKey, EngineTag>,
 }
 
 pub(crate) fn paths(cfg: &DiskConfig) -> (PathBuf, Vec<PathBuf>) {
@@ -80,7 +87,7 @@ pub(crate) fn open(
     policy: Box<dyn EvictionPolicy>,
 ) -> Result<Opened, DiskError> {
     let (jpath, dpaths) = paths(cfg);
-    if let Some(v) = journal::version_of(&jpath).filter(|&v| v < journal::VERSION) {
+    if let Some(v) = journal::version_of(&jpath).filter(|&v| v < journal::READABLE_FROM) {
         // An older format (its block checksums are computed otherwise): a cache, so it starts
         // empty rather than failing every block's check one by one.
         tracing::warn!(
@@ -141,8 +148,9 @@ pub(crate) fn open(
         files.push(f);
     }
     let mut state = State::new(cfg.files, pages_per_file, policy);
-    let namespaces = replay(&mut state, &records, cfg.files, pages_per_file);
+    let (namespaces, tags) = replay(&mut state, &records, cfg.files, pages_per_file);
     Ok(Opened {
+        tags,
         journal,
         instance,
         files,
@@ -226,24 +234,53 @@ fn create(
         namespaces: Vec::new(),
         recovered: 0,
         skipped_records: 0,
+        tags: FoldMap::default(),
     })
 }
 
 /// Rebuilds the index from journal records: later records win, a Remove drops its block, a
 /// Put whose extent overlaps a live block drops that block (its data was overwritten),
-/// out-of-range records are skipped. Returns the namespace table.
+/// out-of-range records are skipped; a Hash (Parent) record labels the block placed by the Put
+/// right before it (its Hash), and is ignored anywhere else. Returns the namespace table and
+/// the live blocks' engine tags.
 pub(crate) fn replay(
     st: &mut State,
     records: &[Record],
     files: u32,
     pages_per_file: u64,
-) -> Vec<Fingerprint> {
+) -> (Vec<Fingerprint>, FoldMap<MapKey, EngineTag>) {
     let mut namespaces: Vec<Fingerprint> = Vec::new();
+    let mut tags: FoldMap<MapKey, EngineTag> = FoldMap::default();
     // Live extents by (file, page) → key, to resolve overlaps (the later record wins).
     let mut placed: BTreeMap<(u16, u64), BlockKey> = BTreeMap::new();
+    // The block the previous record placed (a Put) or labelled (its Hash): what a tag record
+    // may label.
+    let mut labelable: Option<(BlockKey, Kind)> = None;
     for r in records {
         st.seq = st.seq.max(r.seq);
+        let last = labelable.take();
         match r.kind {
+            Kind::Hash | Kind::Parent => {
+                let Some(label) = r.label else { continue };
+                match (last, r.kind) {
+                    (Some((k, Kind::Put)), Kind::Hash) if k == r.key => {
+                        tags.insert(
+                            MapKey::from(k),
+                            EngineTag {
+                                hash: label,
+                                parent: None,
+                            },
+                        );
+                        labelable = Some((k, Kind::Hash));
+                    }
+                    (Some((k, Kind::Hash)), Kind::Parent) if k == r.key => {
+                        if let Some(t) = tags.get_mut(&MapKey::from(k)) {
+                            t.parent = Some(label);
+                        }
+                    }
+                    _ => {}
+                }
+            }
             Kind::Namespace => {
                 let id = r.page as usize;
                 if id > usize::from(u16::MAX) {
@@ -259,6 +296,7 @@ pub(crate) fn replay(
                     placed.remove(&(e.file, e.page));
                     st.drop_entry(r.key, false);
                 }
+                tags.remove(&MapKey::from(r.key));
             }
             Kind::Put => {
                 let file = r.file as u16;
@@ -277,6 +315,7 @@ pub(crate) fn replay(
                     placed.remove(&(e.file, e.page));
                     st.drop_entry(r.key, false);
                 }
+                tags.remove(&MapKey::from(r.key));
                 // Live extents never overlap each other, so only the one starting before the
                 // new extent and those starting inside it can overlap it.
                 let before = placed
@@ -298,6 +337,7 @@ pub(crate) fn replay(
                 for (pos, k) in overlapping {
                     placed.remove(&pos);
                     st.drop_entry(k, false);
+                    tags.remove(&MapKey::from(k));
                 }
                 if !st.extents[file as usize].reserve(r.page, pages) {
                     tracing::warn!(key = %r.key, "journal: extent not free, skipped");
@@ -318,10 +358,11 @@ pub(crate) fn replay(
                     },
                 );
                 placed.insert((file, r.page), r.key);
+                labelable = Some((r.key, Kind::Put));
             }
         }
     }
-    namespaces
+    (namespaces, tags)
 }
 
 #[cfg(test)]
@@ -339,6 +380,7 @@ mod tests {
             file: 0,
             checksum: key as u64,
             seq,
+            label: None,
         }
     }
 
@@ -430,5 +472,59 @@ mod tests {
             100,
         );
         assert_eq!(live(&st), vec![(5, 100)]);
+    }
+
+    #[test]
+    fn tags_label_the_put_right_before_them_only() {
+        use crate::tags::EngineHash;
+        let h = |b: u8| EngineHash::new(&[b; 32]).unwrap();
+        let tag = |kind, key, b| Record::tag(kind, BlockKey(key), h(b));
+        let mut st = state();
+        let (_, tags) = replay(
+            &mut st,
+            &[
+                // 1: hash and parent.
+                put(1, 1, 4096, 1),
+                tag(Kind::Hash, 1, 11),
+                tag(Kind::Parent, 1, 10),
+                // 2: hash only; a Parent after another block's records labels nothing.
+                put(2, 2, 4096, 2),
+                tag(Kind::Hash, 2, 22),
+                put(3, 3, 4096, 3),
+                tag(Kind::Parent, 2, 99),
+                // A Hash for another key than the Put before it, and a Hash after a Remove.
+                tag(Kind::Hash, 1, 99),
+                rm(3, 4),
+                tag(Kind::Hash, 3, 99),
+                // 4: tagged, then removed and written again without a tag: no tag.
+                put(4, 4, 4096, 5),
+                tag(Kind::Hash, 4, 44),
+                rm(4, 6),
+                put(4, 5, 4096, 7),
+                // 5: tagged, then overwritten by 6's extent: gone with its block.
+                put(5, 6, 4096, 8),
+                tag(Kind::Hash, 5, 55),
+                put(6, 6, 4096, 9),
+            ],
+            1,
+            100,
+        );
+        let got = |k: u128| tags.get(&MapKey::from(BlockKey(k))).copied();
+        assert_eq!(
+            got(1),
+            Some(EngineTag {
+                hash: h(11),
+                parent: Some(h(10))
+            })
+        );
+        assert_eq!(
+            got(2),
+            Some(EngineTag {
+                hash: h(22),
+                parent: None
+            })
+        );
+        assert_eq!((got(3), got(4), got(5), got(6)), (None, None, None, None));
+        assert_eq!(tags.len(), 2);
     }
 }

@@ -124,6 +124,7 @@ impl State {
                 file: u32::from(e.file),
                 checksum: e.checksum,
                 seq: self.seq,
+                label: None,
             });
         }
         if e.pins > 0 {

@@ -647,12 +647,61 @@ impl Store {
     /// Wraps the disk tier's I/O engine (fault injection in tests); a no-op without a disk
     /// tier.
     pub fn wrap_disk_engine(&mut self, f: impl FnOnce(Arc<dyn IoEngine>) -> Arc<dyn IoEngine>) {
-        for t in &self.inner.tiers {
-            if let Some(d) = t.as_any().downcast_ref::<DiskTier>() {
-                d.wrap_engine(f);
-                return;
-            }
+        if let Some(d) = self.disk_tier() {
+            d.wrap_engine(f);
         }
+    }
+
+    /// The disk tier, if any.
+    fn disk_tier(&self) -> Option<&DiskTier> {
+        self.inner
+            .tiers
+            .iter()
+            .find_map(|t| t.as_any().downcast_ref::<DiskTier>())
+    }
+
+    /// Installs where the disk tier gets the engine tags of the blocks it writes (see
+    /// [`DiskTier::set_tagger`]); a no-op without a disk tier.
+    pub fn set_engine_tagger(&self, tagger: crate::tags::Tagger) {
+        if let Some(d) = self.disk_tier() {
+            d.set_tagger(tagger);
+        }
+    }
+
+    /// The engine tags the disk tier's journal kept for blocks still on disk (before a tagger
+    /// is installed).
+    pub fn recovered_engine_tags(&self) -> Vec<(BlockKey, crate::tags::EngineTag)> {
+        self.disk_tier()
+            .map(DiskTier::recovered_tags)
+            .unwrap_or_default()
+    }
+
+    /// Emits a `Stored` event for every block of namespace `ns` on disk (after a restart, for
+    /// subscribers that know nothing of them), in the order `order` puts them in, waiting up
+    /// to `patience` per subscriber for room; returns how many blocks.
+    pub fn announce_disk(
+        &self,
+        ns: NsId,
+        order: impl FnOnce(&mut Vec<BlockKey>),
+        patience: Duration,
+    ) -> usize {
+        let Some(d) = self.disk_tier() else {
+            return 0;
+        };
+        let ns = ns.0 as u16;
+        let mut keys = d.blocks_of(ns);
+        order(&mut keys);
+        let evs: Vec<BlockEvent> = keys
+            .into_iter()
+            .map(|key| BlockEvent {
+                kind: crate::events::EventKind::Stored,
+                key,
+                tier: Tier::Disk,
+                ns,
+            })
+            .collect();
+        self.inner.events.emit_all(&evs, patience);
+        evs.len()
     }
 
     /// Registers a namespace (idempotent) and returns its id in this store. With a disk tier
