@@ -1,0 +1,208 @@
+//! Copy and XXH3-64 in one pass (x86-64 with AVX2, selected at run time): each 64-byte stripe
+//! is loaded once into registers, stored to the destination from them and hashed from the
+//! same registers, so the value is the hash of exactly the bytes the destination got (a
+//! concurrent writer of the source can change what is copied, never make the checksum vouch
+//! for bytes the destination does not hold) and the destination is never read back (but for
+//! XXH3's last stripe, 64 bytes a piece, read after the stores are fenced). The arithmetic is
+//! xxHash's own AVX2 kernel (`XXH3_accumulate_512_avx2`, `XXH3_scrambleAcc_avx2`), seed 0 and
+//! the default secret; the tests check every length against `xxh3_64`.
+
+/// XXH3's default secret (`XXH3_kSecret`).
+const SECRET: [u8; 192] = [
+    0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c, 0xf7, 0x21, 0xad, 0x1c,
+    0xde, 0xd4, 0x6d, 0xe9, 0x83, 0x90, 0x97, 0xdb, 0x72, 0x40, 0xa4, 0xa4, 0xb7, 0xb3, 0x67, 0x1f,
+    0xcb, 0x79, 0xe6, 0x4e, 0xcc, 0xc0, 0xe5, 0x78, 0x82, 0x5a, 0xd0, 0x7d, 0xcc, 0xff, 0x72, 0x21,
+    0xb8, 0x08, 0x46, 0x74, 0xf7, 0x43, 0x24, 0x8e, 0xe0, 0x35, 0x90, 0xe6, 0x81, 0x3a, 0x26, 0x4c,
+    0x3c, 0x28, 0x52, 0xbb, 0x91, 0xc3, 0x00, 0xcb, 0x88, 0xd0, 0x65, 0x8b, 0x1b, 0x53, 0x2e, 0xa3,
+    0x71, 0x64, 0x48, 0x97, 0xa2, 0x0d, 0xf9, 0x4e, 0x38, 0x19, 0xef, 0x46, 0xa9, 0xde, 0xac, 0xd8,
+    0xa8, 0xfa, 0x76, 0x3f, 0xe3, 0x9c, 0x34, 0x3f, 0xf9, 0xdc, 0xbb, 0xc7, 0xc7, 0x0b, 0x4f, 0x1d,
+    0x8a, 0x51, 0xe0, 0x4b, 0xcd, 0xb4, 0x59, 0x31, 0xc8, 0x9f, 0x7e, 0xc9, 0xd9, 0x78, 0x73, 0x64,
+    0xea, 0xc5, 0xac, 0x83, 0x34, 0xd3, 0xeb, 0xc3, 0xc5, 0x81, 0xa0, 0xff, 0xfa, 0x13, 0x63, 0xeb,
+    0x17, 0x0d, 0xdd, 0x51, 0xb7, 0xf0, 0xda, 0x49, 0xd3, 0x16, 0x55, 0x26, 0x29, 0xd4, 0x68, 0x9e,
+    0x2b, 0x16, 0xbe, 0x58, 0x7d, 0x47, 0xa1, 0xfc, 0x8f, 0xf8, 0xb8, 0xd1, 0x7a, 0xd0, 0x31, 0xce,
+    0x45, 0xcb, 0x3a, 0x8f, 0x95, 0x16, 0x04, 0x28, 0xaf, 0xd7, 0xfb, 0xca, 0xbb, 0x4b, 0x40, 0x7e,
+];
+
+const PRIME32_1: u64 = 0x9E37_79B1;
+const PRIME32_2: u64 = 0x85EB_CA77;
+const PRIME32_3: u64 = 0xC2B2_AE3D;
+const PRIME64_1: u64 = 0x9E37_79B1_85EB_CA87;
+const PRIME64_2: u64 = 0xC2B2_AE3D_27D4_EB4F;
+const PRIME64_3: u64 = 0x1656_67B1_9E37_79F9;
+const PRIME64_4: u64 = 0x85EB_CA77_C2B2_AE63;
+const PRIME64_5: u64 = 0x27D4_EB2F_1656_67C5;
+
+const STRIPE: usize = 64;
+/// Stripes per block with the default secret: (192 - 64) / 8.
+const STRIPES_PER_BLOCK: usize = 16;
+const BLOCK: usize = STRIPE * STRIPES_PER_BLOCK;
+
+/// The shortest piece the fused kernel takes (XXH3's long path starts past 240 bytes; shorter
+/// pieces are copied, then hashed).
+pub(super) const MIN_LEN: usize = 241;
+
+/// Whether the fused kernel runs on this CPU.
+pub(super) fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Copies `src` into `dst` (same length, at least [`MIN_LEN`]) and returns `xxh3_64` of the
+/// bytes copied; `nt`: non-temporal stores where the destination is 32-byte aligned.
+///
+/// # Safety
+/// The CPU has AVX2 ([`available`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn copy_xxh3(dst: &mut [u8], src: &[u8], nt: bool) -> u64 {
+    use std::arch::x86_64::*;
+    let len = dst.len();
+    assert!(len == src.len() && len >= MIN_LEN, "copy_xxh3: bad lengths");
+    let (d, s, k) = (dst.as_mut_ptr(), src.as_ptr(), SECRET.as_ptr());
+    let nt = nt && d.align_offset(32) == 0;
+    let init = [
+        PRIME32_3, PRIME64_1, PRIME64_2, PRIME64_3, PRIME64_4, PRIME32_2, PRIME64_5, PRIME32_1,
+    ];
+    // SAFETY (every pointer below): offsets stay within `len` bytes of `src` and `dst` (the
+    // loops stop a full stripe short of the end, the tail is copied by `copy_from_slice`) and
+    // within the 192-byte secret (stripe secrets at ≤ 15 * 8 + 32 + 32 = 184, the scramble's
+    // at 128..192, the last stripe's at 121..185).
+    // SAFETY: `init` holds 8 u64s (64 bytes).
+    let mut acc = unsafe {
+        [
+            _mm256_loadu_si256(init.as_ptr() as *const __m256i),
+            _mm256_loadu_si256(init.as_ptr().add(4) as *const __m256i),
+        ]
+    };
+    // One stripe: `a`, `b` its two halves, `sec` its secret.
+    let accumulate = |acc: &mut [__m256i; 2], a: __m256i, b: __m256i, sec: *const u8| {
+        for (i, data) in [a, b].into_iter().enumerate() {
+            // SAFETY: see above; AVX2 is enabled for this function.
+            unsafe {
+                let key = _mm256_loadu_si256(sec.add(32 * i) as *const __m256i);
+                let dk = _mm256_xor_si256(data, key);
+                let dk_hi = _mm256_shuffle_epi32::<0b00_11_00_01>(dk);
+                let product = _mm256_mul_epu32(dk, dk_hi);
+                let swapped = _mm256_shuffle_epi32::<0b01_00_11_10>(data);
+                let sum = _mm256_add_epi64(acc[i], swapped);
+                acc[i] = _mm256_add_epi64(product, sum);
+            }
+        }
+    };
+    let copy_stripe = |acc: &mut [__m256i; 2], off: usize, sec: *const u8| {
+        // SAFETY: see above.
+        unsafe {
+            let a = _mm256_loadu_si256(s.add(off) as *const __m256i);
+            let b = _mm256_loadu_si256(s.add(off + 32) as *const __m256i);
+            if nt {
+                _mm256_stream_si256(d.add(off) as *mut __m256i, a);
+                _mm256_stream_si256(d.add(off + 32) as *mut __m256i, b);
+            } else {
+                _mm256_storeu_si256(d.add(off) as *mut __m256i, a);
+                _mm256_storeu_si256(d.add(off + 32) as *mut __m256i, b);
+            }
+            accumulate(acc, a, b, sec);
+        }
+    };
+    let blocks = (len - 1) / BLOCK;
+    for n in 0..blocks {
+        for st in 0..STRIPES_PER_BLOCK {
+            copy_stripe(&mut acc, n * BLOCK + st * STRIPE, k.wrapping_add(st * 8));
+        }
+        // Scramble, with the secret's last 64 bytes.
+        let prime = _mm256_set1_epi32(PRIME32_1 as i32);
+        for (i, a) in acc.iter_mut().enumerate() {
+            // SAFETY: see above.
+            unsafe {
+                let shifted = _mm256_srli_epi64::<47>(*a);
+                let data = _mm256_xor_si256(*a, shifted);
+                let key = _mm256_loadu_si256(k.add(128 + 32 * i) as *const __m256i);
+                let dk = _mm256_xor_si256(data, key);
+                let dk_hi = _mm256_shuffle_epi32::<0b00_11_00_01>(dk);
+                let lo = _mm256_mul_epu32(dk, prime);
+                let hi = _mm256_mul_epu32(dk_hi, prime);
+                *a = _mm256_add_epi64(lo, _mm256_slli_epi64::<32>(hi));
+            }
+        }
+    }
+    let stripes = ((len - 1) - BLOCK * blocks) / STRIPE;
+    for st in 0..stripes {
+        copy_stripe(
+            &mut acc,
+            blocks * BLOCK + st * STRIPE,
+            k.wrapping_add(st * 8),
+        );
+    }
+    let done = blocks * BLOCK + stripes * STRIPE;
+    dst[done..].copy_from_slice(&src[done..]);
+    if nt {
+        _mm_sfence();
+    }
+    // The last stripe (it overlaps what was hashed already), read back from the destination.
+    // SAFETY: see above.
+    unsafe {
+        let a = _mm256_loadu_si256(d.add(len - STRIPE) as *const __m256i);
+        let b = _mm256_loadu_si256(d.add(len - STRIPE + 32) as *const __m256i);
+        accumulate(&mut acc, a, b, k.add(192 - STRIPE - 7));
+    }
+    let mut lanes = [0u64; 8];
+    // SAFETY: `lanes` holds 64 bytes.
+    unsafe {
+        _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, acc[0]);
+        _mm256_storeu_si256(lanes.as_mut_ptr().add(4) as *mut __m256i, acc[1]);
+    }
+    let secret64 = |at: usize| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&SECRET[at..at + 8]);
+        u64::from_le_bytes(b)
+    };
+    let mut result = (len as u64).wrapping_mul(PRIME64_1);
+    for i in 0..4 {
+        let l = lanes[2 * i] ^ secret64(11 + 16 * i);
+        let r = lanes[2 * i + 1] ^ secret64(11 + 16 * i + 8);
+        let m = u128::from(l) * u128::from(r);
+        result = result.wrapping_add((m as u64) ^ ((m >> 64) as u64));
+    }
+    result ^= result >> 37;
+    result = result.wrapping_mul(0x1656_6791_9E37_79F9);
+    result ^ (result >> 32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use xxhash_rust::xxh3::xxh3_64;
+
+    #[test]
+    fn equals_xxh3_64_for_every_length_and_alignment() {
+        if !available() {
+            return;
+        }
+        let src: Vec<u8> = (0..200_000u32).map(|i| (i * 31 + i / 977) as u8).collect();
+        let mut dst = vec![0u8; src.len() + 64];
+        let mut lens: Vec<usize> = (MIN_LEN..1300).collect();
+        lens.extend([
+            2047, 2048, 2049, 4096, 65_535, 65_536, 65_537, 100_000, 131_072, 199_000,
+        ]);
+        for &n in &lens {
+            for (so, dof) in [(0, 0), (1, 0), (0, 3), (7, 32), (32, 32)] {
+                for nt in [false, true] {
+                    dst.iter_mut().for_each(|b| *b = 0);
+                    let s = &src[so..so + n];
+                    // SAFETY: guarded by `available()` above.
+                    let h = unsafe { copy_xxh3(&mut dst[dof..dof + n], s, nt) };
+                    assert_eq!(h, xxh3_64(s), "{n} bytes, offsets {so}/{dof}, nt {nt}");
+                    assert_eq!(&dst[dof..dof + n], s, "{n} bytes copied");
+                    assert!(dst[..dof].iter().all(|&b| b == 0), "nothing before");
+                    assert!(dst[dof + n..].iter().all(|&b| b == 0), "nothing after");
+                }
+            }
+        }
+    }
+}
