@@ -103,6 +103,35 @@ pub fn write_frame(w: &mut impl Write, msg: &impl Message) -> io::Result<()> {
     w.write_all(&buf)
 }
 
+/// Polls `sock` for up to `spin` until it has bytes to read (or is closed): whether it has.
+/// A peer that answers within microseconds is then read without a scheduler wake-up (tens of
+/// microseconds in a VM); past `spin` the caller blocks as usual.
+pub fn spin_until_readable(sock: &UnixStream, spin: Duration) -> bool {
+    if spin.is_zero() {
+        return false;
+    }
+    let start = std::time::Instant::now();
+    let mut b = 0u8;
+    loop {
+        // SAFETY: a 1-byte peek into a valid local; MSG_DONTWAIT never blocks.
+        let n = unsafe {
+            libc::recv(
+                sock.as_raw_fd(),
+                (&mut b as *mut u8).cast(),
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        if n != -1 {
+            return true;
+        }
+        if start.elapsed() >= spin {
+            return false;
+        }
+        std::hint::spin_loop();
+    }
+}
+
 /// Reads one frame's body (after its length), refusing lengths above `max`.
 pub fn read_frame_body(r: &mut impl Read, max: usize) -> Result<Vec<u8>, IpcError> {
     let mut len = [0u8; 4];
@@ -495,23 +524,7 @@ impl IpcClient {
         if !self.reader.buffer().is_empty() {
             return;
         }
-        let start = std::time::Instant::now();
-        let mut b = 0u8;
-        while start.elapsed() < Duration::from_micros(50) {
-            // SAFETY: a 1-byte peek into a valid local; MSG_DONTWAIT never blocks.
-            let n = unsafe {
-                libc::recv(
-                    self.sock.as_raw_fd(),
-                    (&mut b as *mut u8).cast(),
-                    1,
-                    libc::MSG_PEEK | libc::MSG_DONTWAIT,
-                )
-            };
-            if n != -1 {
-                return;
-            }
-            std::hint::spin_loop();
-        }
+        spin_until_readable(&self.sock, Duration::from_micros(50));
     }
 
     /// Registers a namespace; the id is the daemon's.

@@ -280,6 +280,10 @@ impl<'d> Conn<'d> {
                 return Ok(());
             }
             self.expire_reservations();
+            if self.reader.buffer().is_empty() {
+                let spin = Duration::from_micros(self.d.cfg.server.spin_us);
+                kvtier_ipc::spin_until_readable(&self.stream, spin);
+            }
             let mut len = [0u8; 4];
             match self.read_full(&mut len, true) {
                 Ok(false) => continue,
