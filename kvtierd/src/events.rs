@@ -271,20 +271,24 @@ impl EngineHashes {
     }
 
     /// The engine tags of `keys` of store `t` (what the disk tier journals with them); one
-    /// lock for the batch.
+    /// lock per 4,096 keys (a checkpoint asks for every block on disk at once: commits and
+    /// the events thread take their turns in between).
     pub fn tags_of(&self, t: usize, keys: &[kvstore::BlockKey]) -> Vec<Option<EngineTag>> {
-        let m = self.map.lock();
-        if m.is_empty() {
-            return vec![None; keys.len()];
-        }
-        keys.iter()
-            .map(|k| {
+        let mut out = Vec::with_capacity(keys.len());
+        for chunk in keys.chunks(4096) {
+            let m = self.map.lock();
+            if m.is_empty() {
+                out.resize(out.len() + chunk.len(), None);
+                continue;
+            }
+            out.extend(chunk.iter().map(|k| {
                 m.get(&(t, k.0)).map(|h| EngineTag {
                     hash: h.hash,
                     parent: h.parent,
                 })
-            })
-            .collect()
+            }));
+        }
+        out
     }
 
     /// Puts `keys` (of store `t`) in chain order: each block whose parent is among them right
