@@ -441,7 +441,8 @@ fn note_small_pages() {
         // The selected value is the one in brackets.
         let chosen = s.split('[').nth(1).and_then(|r| r.split(']').next());
         if matches!(chosen, Some("never" | "deny")) {
-            tracing::warn!(
+            // A hint, not a fault: the daemon's default log level shows it.
+            tracing::info!(
                 setting = path,
                 value = chosen.unwrap_or_default(),
                 "host arena in 4 KiB pages: copies out of it run about 25-30% below memcpy on \
