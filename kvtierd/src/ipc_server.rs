@@ -551,33 +551,17 @@ impl<'d> Conn<'d> {
                 response::Body::Reserve(pb::ReserveReply { slots })
             }
             request::Body::Commit(c) => {
-                if c.checksums.len() != c.tokens.len() {
-                    return Err(format!(
-                        "{} tokens but {} checksums",
-                        c.tokens.len(),
-                        c.checksums.len()
-                    ));
-                }
-                if !c.engine_hashes.is_empty() && c.engine_hashes.len() != c.tokens.len() {
-                    return Err(format!(
-                        "{} tokens but {} engine hashes",
-                        c.tokens.len(),
-                        c.engine_hashes.len()
-                    ));
-                }
-                if !c.parent_hashes.is_empty() && c.parent_hashes.len() != c.tokens.len() {
-                    return Err(format!(
-                        "{} tokens but {} parent hashes",
-                        c.tokens.len(),
-                        c.parent_hashes.len()
-                    ));
-                }
-                if !c.token_ids.is_empty() && c.token_ids.len() != c.tokens.len() {
-                    return Err(format!(
-                        "{} tokens but {} token id lists",
-                        c.tokens.len(),
-                        c.token_ids.len()
-                    ));
+                // One per token; the engine's descriptions may also be absent.
+                let n = c.tokens.len();
+                for (what, len, optional) in [
+                    ("checksums", c.checksums.len(), false),
+                    ("engine hashes", c.engine_hashes.len(), true),
+                    ("parent hashes", c.parent_hashes.len(), true),
+                    ("token id lists", c.token_ids.len(), true),
+                ] {
+                    if len != n && !(optional && len == 0) {
+                        return Err(format!("{n} tokens but {len} {what}"));
+                    }
                 }
                 // Engine hashes matter only to the KV event publisher.
                 let engine = self

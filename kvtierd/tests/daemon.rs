@@ -811,7 +811,7 @@ fn a_load_reads_another_engines_writes_once_committed_and_an_abort_is_a_miss() {
         let loader = sc.spawn(|| {
             let mut b = b;
             // Its load waits for the commit (within its wait_ms), then reads A's bytes.
-            let n = get_all_waiting(&mut b, 0..30, Duration::from_secs(60));
+            let n = get_all_waiting(&mut b, 0..30, Some(Duration::from_secs(60)));
             (n, b)
         });
         let until = Instant::now() + Duration::from_secs(30);
@@ -826,7 +826,8 @@ fn a_load_reads_another_engines_writes_once_committed_and_an_abort_is_a_miss() {
         let tokens = reserve_slots(&mut a, ns, 30..35);
         assert_eq!(b.lookup(&keys(0..35), None).unwrap().pending, 5);
         let before = waits(&d);
-        let loader = sc.spawn(move || get_all_waiting(&mut b, 0..35, Duration::from_secs(60)));
+        let loader =
+            sc.spawn(move || get_all_waiting(&mut b, 0..35, Some(Duration::from_secs(60))));
         while waits(&d) == before {
             assert!(Instant::now() < until, "B's second load never waited");
             std::thread::yield_now();
@@ -848,19 +849,4 @@ fn reserve_slots(c: &mut IpcClient, ns: NsId, ids: std::ops::Range<u64>) -> Vec<
             other => panic!("no slot: {other:?}"),
         })
         .collect()
-}
-
-/// `get_all` with the load's own wait for blocks in flight.
-fn get_all_waiting(c: &mut IpcClient, ids: std::ops::Range<u64>, wait: Duration) -> usize {
-    let keys: Vec<BlockKey> = ids.clone().map(key).collect();
-    let loaded = c.load(&keys, Duration::from_secs(10), Some(wait)).unwrap();
-    for (j, (i, b)) in ids.zip(&loaded.blocks).enumerate() {
-        let mut buf = vec![0u8; b.len as usize];
-        c.read(&loaded, j, &mut buf).unwrap();
-        assert!(buf == data(i), "block {i}: wrong bytes through the arena");
-    }
-    if let Some(l) = loaded.lease {
-        c.release(l).unwrap();
-    }
-    loaded.n
 }

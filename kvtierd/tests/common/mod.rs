@@ -134,8 +134,17 @@ pub fn put_all(c: &mut IpcClient, ns: NsId, ids: std::ops::Range<u64>) {
 }
 
 pub fn get_all(c: &mut IpcClient, ids: std::ops::Range<u64>) -> usize {
+    get_all_waiting(c, ids, None)
+}
+
+/// `get_all` with the load's own wait for blocks in flight (`None`: the daemon's default).
+pub fn get_all_waiting(
+    c: &mut IpcClient,
+    ids: std::ops::Range<u64>,
+    wait: Option<Duration>,
+) -> usize {
     let keys: Vec<BlockKey> = ids.clone().map(key).collect();
-    let loaded = c.load(&keys, Duration::from_secs(10), None).unwrap();
+    let loaded = c.load(&keys, Duration::from_secs(10), wait).unwrap();
     for (j, (i, b)) in ids.zip(&loaded.blocks).enumerate() {
         let mut buf = vec![0u8; b.len as usize];
         c.read(&loaded, j, &mut buf).unwrap();
