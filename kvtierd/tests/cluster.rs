@@ -699,6 +699,11 @@ fn a_cluster_lookup_by_tokens_names_the_node_and_tier() {
     assert_eq!(na["local"], false);
     let nb = nodes.iter().find(|n| n["local"] == true).unwrap();
     assert_eq!(nb["node"], format!("127.0.0.1:{}", p[1]));
+    // An engine on B registers the namespace before it loads: a node that never saw it cannot
+    // place a peer's blocks in it (and when A owns every key, A pushes none to B, so no push
+    // registers it either: the ports decide the owners).
+    let mut cb = b.client();
+    cb.register_namespace(&namespace()).unwrap();
     // Once pushed, B can load all of it (its own tiers, then A's); a push that timed out
     // lands with a retry (1 s, 4 s, then 16 s later, each with its 5 s deadline: up to ~40 s
     // under the load of the parallel tests). On failure, both nodes' cluster counters say why.
