@@ -49,6 +49,11 @@ pub enum Order {
     TailFirst,
 }
 
+/// The key hash a simulated block is inserted with (as the store passes its key's low bits).
+fn hash(b: u64) -> u64 {
+    b.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
 /// Simulates `policy` with room for `capacity` blocks.
 pub fn simulate(reqs: &[&[u64]], capacity: usize, policy: PolicyKind, order: Order) -> SimResult {
     let mut p = policy.build();
@@ -78,7 +83,7 @@ pub fn simulate(reqs: &[&[u64]], capacity: usize, policy: PolicyKind, order: Ord
                 // (Unless this request's own inserts evicted it meanwhile: then it goes in
                 // again.)
                 if slot_of.get(&b) == Some(&s) {
-                    p.access(s);
+                    p.access(s, hash(b));
                     return;
                 }
             }
@@ -89,7 +94,7 @@ pub fn simulate(reqs: &[&[u64]], capacity: usize, policy: PolicyKind, order: Ord
                 block_of.push(b);
                 (block_of.len() - 1) as u32
             } else {
-                match p.evict(&mut |_| true) {
+                match p.evict(&mut |v| Some(hash(block_of[v as usize]))) {
                     Some(v) => {
                         slot_of.remove(&block_of[v as usize]);
                         v
@@ -99,7 +104,7 @@ pub fn simulate(reqs: &[&[u64]], capacity: usize, policy: PolicyKind, order: Ord
             };
             block_of[slot as usize] = b;
             slot_of.insert(b, slot);
-            p.insert(slot, b.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            p.insert(slot, hash(b));
         };
         match order {
             Order::Forward => {

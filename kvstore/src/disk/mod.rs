@@ -260,7 +260,7 @@ impl DiskTier {
                 }
                 e.pins += 1;
                 let e = *e;
-                st.policy.access(e.id);
+                st.policy.access(e.id, it.key.0 as u64);
                 meta.push((i, it.key, e));
                 reqs.push(IoReq {
                     kind: IoKind::Read,
@@ -337,9 +337,11 @@ impl DiskTier {
                 policy, ids, index, ..
             } = st;
             let victim = policy.evict(&mut |id| {
+                let key = ids[id as usize];
                 index
-                    .get(&MapKey::from(ids[id as usize]))
+                    .get(&MapKey::from(key))
                     .is_some_and(|e| e.pins == 0 && e.state == DState::Ready)
+                    .then_some(key.0 as u64)
             })?;
             let key = st.ids[victim as usize];
             let ns = st.index.get(&MapKey::from(key)).map_or(0, |e| e.ns);

@@ -13,7 +13,7 @@
 use std::collections::{HashMap, VecDeque};
 
 use super::lists::{Lists, NIL};
-use super::EvictionPolicy;
+use super::{EvictionPolicy, Offer};
 
 const T1: usize = 0;
 const T2: usize = 1;
@@ -29,7 +29,6 @@ struct Ghosts {
 #[derive(Default)]
 pub struct Arc {
     t: Lists<2>,
-    key_hash: Vec<u64>,
     /// Target size of T1, in blocks.
     p: usize,
     b: [Ghosts; 2],
@@ -89,13 +88,12 @@ impl Arc {
     }
 
     /// Offers list `l` from its LRU end; the evicted block's key joins the ghost list behind it.
-    fn evict_from(&mut self, l: usize, try_evict: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
+    fn evict_from(&mut self, l: usize, try_evict: &mut Offer<'_>) -> Option<u32> {
         let mut cur = self.t.back(l).unwrap_or(NIL);
         while cur != NIL {
             let next = self.t.toward_head(cur);
-            if try_evict(cur) {
+            if let Some(key) = try_evict(cur) {
                 self.t.unlink(cur);
-                let key = self.key_hash[cur as usize];
                 self.remember(l, key);
                 return Some(cur);
             }
@@ -112,15 +110,10 @@ impl EvictionPolicy for Arc {
 
     fn reserve(&mut self, ids: usize) {
         self.t.reserve(ids);
-        super::reserve_total(&mut self.key_hash, ids);
     }
 
     fn insert(&mut self, id: u32, key_hash: u64) {
-        if self.key_hash.len() <= id as usize {
-            self.key_hash.resize(id as usize + 1, 0);
-        }
         self.t.unlink(id);
-        self.key_hash[id as usize] = key_hash;
         let c = self.capacity();
         match self.forget_ghost(key_hash) {
             Some(0) => {
@@ -138,7 +131,7 @@ impl EvictionPolicy for Arc {
         }
     }
 
-    fn access(&mut self, id: u32) {
+    fn access(&mut self, id: u32, _key_hash: u64) {
         if self.t.list_of(id).is_some() {
             self.t.push_front(T2, id);
         }
@@ -148,7 +141,7 @@ impl EvictionPolicy for Arc {
         self.t.unlink(id);
     }
 
-    fn evict(&mut self, try_evict: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
+    fn evict(&mut self, try_evict: &mut Offer<'_>) -> Option<u32> {
         let first = if self.t.len(T1) > 0 && (self.t.len(T1) > self.p || self.t.len(T2) == 0) {
             T1
         } else {
@@ -175,10 +168,11 @@ mod tests {
         }
         // 0..16 seen twice: T2.
         for i in 0..16 {
-            a.access(i);
+            a.access(i, 100 + u64::from(i));
         }
+        let key = &mut |id| Some(100 + u64::from(id));
         // p = 0: T1 (16..32) goes first, oldest first.
-        assert_eq!(a.evict(&mut |_| true), Some(16));
+        assert_eq!(a.evict(key), Some(16));
         assert_eq!(a.b[0].len, 1);
         // Key 116 comes back: a B1 hit, p grows, the block lands in T2.
         a.insert(16, 116);
@@ -187,7 +181,7 @@ mod tests {
         assert_eq!(a.b[0].len, 0);
         // A B2 hit shrinks p again.
         a.p = 0;
-        assert_eq!(a.evict_from(T2, &mut |_| true), Some(0));
+        assert_eq!(a.evict_from(T2, key), Some(0));
         a.p = 5;
         a.insert(0, 100);
         assert!(a.p < 5);
@@ -196,11 +190,13 @@ mod tests {
     #[test]
     fn ghosts_stay_bounded() {
         let mut a = Arc::default();
+        let mut keys: Vec<u64> = (0..64).collect();
         for i in 0..64u32 {
             a.insert(i, u64::from(i));
         }
         for k in 64..100_000u64 {
-            let id = a.evict(&mut |_| true).unwrap();
+            let id = a.evict(&mut |id| Some(keys[id as usize])).unwrap();
+            keys[id as usize] = k;
             a.insert(id, k);
         }
         assert_eq!(a.len(), 64);

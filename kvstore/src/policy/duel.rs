@@ -19,7 +19,7 @@
 
 use std::collections::HashMap;
 
-use super::{EvictionPolicy, Lru, S3Fifo};
+use super::{EvictionPolicy, Lru, Offer, S3Fifo};
 
 /// Most keys one shadow cache tracks; past it, the sample halves.
 const SHADOW_MAX: usize = 1 << 16;
@@ -43,7 +43,7 @@ impl<P: EvictionPolicy> Shadow<P> {
     fn reference(&mut self, key: u64, cap: Option<usize>) {
         if let Some(&id) = self.id_of.get(&key) {
             self.hits += 1;
-            self.policy.access(id);
+            self.policy.access(id, key);
             return;
         }
         if cap.is_some_and(|c| self.id_of.len() >= c.max(1)) && !self.evict_one() {
@@ -81,7 +81,8 @@ impl<P: EvictionPolicy> Shadow<P> {
 
     /// Drops the policy's victim; false if it has none.
     fn evict_one(&mut self) -> bool {
-        let Some(v) = self.policy.evict(&mut |_| true) else {
+        let key_of = &self.key_of;
+        let Some(v) = self.policy.evict(&mut |v| Some(key_of[v as usize])) else {
             return false;
         };
         self.id_of.remove(&self.key_of[v as usize]);
@@ -187,11 +188,12 @@ impl EvictionPolicy for Duel {
         self.reference(key_hash);
     }
 
-    fn access(&mut self, id: u32) {
-        self.s3.access(id);
-        self.lru.access(id);
-        if let Some(key) = self.s3.key_of(id) {
-            self.reference(key);
+    fn access(&mut self, id: u32, key_hash: u64) {
+        let tracked = self.s3.tracks(id);
+        self.s3.access(id, key_hash);
+        self.lru.access(id, key_hash);
+        if tracked {
+            self.reference(key_hash);
         }
     }
 
@@ -200,7 +202,7 @@ impl EvictionPolicy for Duel {
         self.lru.remove(id);
     }
 
-    fn evict(&mut self, try_evict: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
+    fn evict(&mut self, try_evict: &mut Offer<'_>) -> Option<u32> {
         self.learn_capacity(self.s3.len());
         let victim = if self.lru_leads {
             self.lru.evict(try_evict)
@@ -236,14 +238,16 @@ mod tests {
         for k in refs {
             if let Some(&id) = id_of.get(&k) {
                 hits += 1;
-                p.access(id);
+                p.access(id, k);
                 continue;
             }
             let id = if key_of.len() < cap {
                 key_of.push(k);
                 (key_of.len() - 1) as u32
             } else {
-                let v = p.evict(&mut |_| true).expect("a victim");
+                let v = p
+                    .evict(&mut |v| Some(key_of[v as usize]))
+                    .expect("a victim");
                 id_of.remove(&key_of[v as usize]);
                 key_of[v as usize] = k;
                 v

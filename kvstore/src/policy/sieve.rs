@@ -3,7 +3,7 @@
 //! it finds unvisited. Hits cost a bit set, no list move.
 
 use super::lists::{Lists, NIL};
-use super::EvictionPolicy;
+use super::{EvictionPolicy, Offer};
 
 /// SIEVE over dense ids.
 pub struct Sieve {
@@ -51,7 +51,7 @@ impl EvictionPolicy for Sieve {
         self.q.push_front(0, id);
     }
 
-    fn access(&mut self, id: u32) {
+    fn access(&mut self, id: u32, _key_hash: u64) {
         if self.q.list_of(id).is_some() {
             self.visited[id as usize] = true;
         }
@@ -63,7 +63,7 @@ impl EvictionPolicy for Sieve {
         }
     }
 
-    fn evict(&mut self, try_evict: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
+    fn evict(&mut self, try_evict: &mut Offer<'_>) -> Option<u32> {
         let n = self.q.len(0);
         let mut cur = if self.hand == NIL {
             self.q.back(0)?
@@ -78,7 +78,7 @@ impl EvictionPolicy for Sieve {
             let next = self.q.toward_head(cur);
             if self.visited[cur as usize] {
                 self.visited[cur as usize] = false;
-            } else if try_evict(cur) {
+            } else if try_evict(cur).is_some() {
                 self.hand = next;
                 self.q.unlink(cur);
                 return Some(cur);
@@ -104,17 +104,17 @@ mod tests {
         for i in 0..4 {
             p.insert(i, i as u64);
         }
-        p.access(0);
-        p.access(2);
+        p.access(0, 0);
+        p.access(2, 2);
         // Oldest first: 0 is visited (bit cleared, kept), 1 goes.
-        assert_eq!(p.evict(&mut |_| true), Some(1));
+        assert_eq!(p.evict(&mut |id| Some(u64::from(id))), Some(1));
         // The hand continues at 2 (visited: cleared), then 3.
-        assert_eq!(p.evict(&mut |_| true), Some(3));
+        assert_eq!(p.evict(&mut |id| Some(u64::from(id))), Some(3));
         // Around again: 0 and 2 have lost their bits.
-        assert_eq!(p.evict(&mut |_| true), Some(0));
+        assert_eq!(p.evict(&mut |id| Some(u64::from(id))), Some(0));
         p.insert(7, 7);
         p.remove(2);
-        assert_eq!(p.evict(&mut |_| true), Some(7));
+        assert_eq!(p.evict(&mut |id| Some(u64::from(id))), Some(7));
         assert!(p.is_empty());
     }
 }

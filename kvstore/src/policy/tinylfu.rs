@@ -12,7 +12,7 @@
 //! store evicts only when full), and the sketch grows with it.
 
 use super::lists::Lists;
-use super::EvictionPolicy;
+use super::{EvictionPolicy, Offer};
 
 const WINDOW: usize = 0;
 const PROBATION: usize = 1;
@@ -212,12 +212,12 @@ impl WTinyLfu {
     }
 
     /// Offers the blocks of `lists`, oldest first, to `try_evict`.
-    fn scan(&mut self, lists: &[usize], try_evict: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
+    fn scan(&mut self, lists: &[usize], try_evict: &mut Offer<'_>) -> Option<u32> {
         for &l in lists {
             let mut cur = self.lists.back(l);
             while let Some(id) = cur {
                 let next = self.lists.toward_head(id);
-                if try_evict(id) {
+                if try_evict(id).is_some() {
                     self.lists.unlink(id);
                     return Some(id);
                 }
@@ -253,7 +253,7 @@ impl EvictionPolicy for WTinyLfu {
         self.record(key_hash, false);
     }
 
-    fn access(&mut self, id: u32) {
+    fn access(&mut self, id: u32, _key_hash: u64) {
         let Some(l) = self.lists.list_of(id) else {
             return;
         };
@@ -271,7 +271,7 @@ impl EvictionPolicy for WTinyLfu {
         self.lists.unlink(id);
     }
 
-    fn evict(&mut self, try_evict: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
+    fn evict(&mut self, try_evict: &mut Offer<'_>) -> Option<u32> {
         let n = self.lists.total();
         if n == 0 {
             return None;
@@ -296,7 +296,7 @@ impl EvictionPolicy for WTinyLfu {
             match victim {
                 Some(v) if self.freq(c) > self.freq(v) => {}
                 _ => {
-                    if try_evict(c) {
+                    if try_evict(c).is_some() {
                         self.lists.unlink(c);
                         return Some(c);
                     }
@@ -347,7 +347,7 @@ mod tests {
         }
         // The hot ones have been read before.
         for _ in 0..3 {
-            (0..20).for_each(|h| p.access(h));
+            (0..20).for_each(|h| p.access(h, u64::from(h)));
         }
         let mut x = 99u64;
         for k in 1000..20_000u64 {
@@ -355,10 +355,12 @@ mod tests {
                 x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
                 let hot = (x >> 33) % 20;
                 if let Some(slot) = key_in.iter().position(|&key| key == hot) {
-                    p.access(slot as u32);
+                    p.access(slot as u32, hot);
                 }
             }
-            let v = p.evict(&mut |_| true).expect("a victim");
+            let v = p
+                .evict(&mut |v| Some(key_in[v as usize]))
+                .expect("a victim");
             key_in[v as usize] = k;
             p.insert(v, k);
         }
@@ -377,9 +379,9 @@ mod tests {
             x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
             let id = ((x >> 33) % 64) as u32;
             if x % 3 == 0 {
-                p.access(id);
+                p.access(id, 0);
             } else {
-                let v = p.evict(&mut |_| true).expect("victim");
+                let v = p.evict(&mut |_| Some(0)).expect("victim");
                 p.insert(v, x);
             }
         }

@@ -250,7 +250,9 @@ impl Inner {
             let mut queued = 0u64;
             policy.evict(&mut |idx| {
                 let page = page_of(chunks, *per_seg, *slot_bytes, idx, self.seg_pages);
-                self.try_evict(keys[idx as usize], class, idx, page, &mut queued, demote)
+                let key = keys[idx as usize];
+                self.try_evict(key, class, idx, page, &mut queued, demote)
+                    .then_some(key.0 as u64)
             })
         }?;
         if c.used[idx as usize] {

@@ -684,7 +684,7 @@ impl Inner {
                 if p.slot.class != class {
                     break;
                 }
-                c.policy.access(p.slot.idx);
+                c.policy.access(p.slot.idx, p.key.0 as u64);
                 rest = before;
             }
         }
