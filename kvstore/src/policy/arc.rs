@@ -141,6 +141,12 @@ impl EvictionPolicy for Arc {
         self.t.unlink(id);
     }
 
+    fn cool(&mut self, id: u32) {
+        if let Some(l) = self.t.list_of(id) {
+            self.t.push_back(l, id);
+        }
+    }
+
     fn evict(&mut self, try_evict: &mut Offer<'_>) -> Option<u32> {
         let first = if self.t.len(T1) > 0 && (self.t.len(T1) > self.p || self.t.len(T2) == 0) {
             T1

@@ -202,6 +202,11 @@ impl EvictionPolicy for Duel {
         self.lru.remove(id);
     }
 
+    fn cool(&mut self, id: u32) {
+        self.s3.cool(id);
+        self.lru.cool(id);
+    }
+
     fn evict(&mut self, try_evict: &mut Offer<'_>) -> Option<u32> {
         self.learn_capacity(self.s3.len());
         let victim = if self.lru_leads {

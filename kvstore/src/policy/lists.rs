@@ -103,6 +103,22 @@ impl<const N: usize> Lists<N> {
         self.tag[id as usize] = l as u8 + 1;
         self.len[l] += 1;
     }
+
+    /// Puts `id` at the oldest end of list `l` (out of any list it was in first).
+    pub(super) fn push_back(&mut self, l: usize, id: u32) {
+        self.ensure(id);
+        self.unlink(id);
+        let old = self.tail[l];
+        self.links[id as usize] = (old, NIL);
+        if old == NIL {
+            self.head[l] = id;
+        } else {
+            self.links[old as usize].1 = id;
+        }
+        self.tail[l] = id;
+        self.tag[id as usize] = l as u8 + 1;
+        self.len[l] += 1;
+    }
 }
 
 #[cfg(test)]
@@ -129,5 +145,19 @@ mod tests {
         x.unlink(4);
         assert_eq!(x.back(0), None);
         assert_eq!(x.total(), 3);
+        // The oldest end: 3 goes behind 1's list (3 was its head), then walks to the head.
+        x.push_back(1, 3);
+        assert_eq!((x.back(1), x.len(1)), (Some(3), 3));
+        let mut order = vec![3];
+        let mut cur = x.toward_head(3);
+        while cur != NIL {
+            order.push(cur);
+            cur = x.toward_head(cur);
+        }
+        assert_eq!(order, vec![3, 1, 0]);
+        x.push_back(0, 5);
+        assert_eq!((x.back(0), x.len(0), x.list_of(5)), (Some(5), 1, Some(0)));
+        x.unlink(5);
+        assert_eq!(x.back(0), None);
     }
 }

@@ -46,6 +46,10 @@ pub trait EvictionPolicy: Send {
     fn access(&mut self, id: u32, key_hash: u64);
     /// The block in `id` left for another reason (removed, cleared); a no-op for untracked ids.
     fn remove(&mut self, id: u32);
+    /// The application is done with the block in `id` for now (a `Demote` with nowhere below
+    /// to write it): it goes to the end its order evicts next, with no credit for past reads
+    /// (a no-op for untracked ids). A hint: the block stays until room is needed.
+    fn cool(&mut self, id: u32);
     /// Chooses a victim. Candidates are offered in policy order to `try_evict`, which returns
     /// the candidate's key hash (the one it was inserted with) if it evicted the candidate (the
     /// policy then forgets it, and remembers the key where it keeps a ghost history) and `None`
@@ -253,6 +257,17 @@ impl EvictionPolicy for Lru {
         }
     }
 
+    fn cool(&mut self, id: u32) {
+        if !self.tracked(id) || self.tail == id {
+            return;
+        }
+        self.unlink(id);
+        let old = self.tail;
+        self.links[id as usize] = (old, NIL);
+        self.links[old as usize].1 = id;
+        self.tail = id;
+    }
+
     fn evict(&mut self, try_evict: &mut Offer<'_>) -> Option<u32> {
         if self.len == 0 {
             return None;
@@ -431,6 +446,13 @@ impl EvictionPolicy for S3Fifo {
 
     fn remove(&mut self, id: u32) {
         self.queues.unlink(id);
+    }
+
+    fn cool(&mut self, id: u32) {
+        if let Some(q) = self.queues.list_of(id) {
+            self.freq[id as usize] = 0;
+            self.queues.push_back(q, id);
+        }
     }
 
     fn evict(&mut self, try_evict: &mut Offer<'_>) -> Option<u32> {
@@ -642,6 +664,23 @@ mod tests {
         assert!(p.is_empty());
         // Intrusive queues: the per-id tables never outgrow the ids used.
         assert_eq!(p.freq.len(), 8);
+    }
+
+    #[test]
+    fn a_cooled_block_goes_first() {
+        for mut p in all() {
+            for i in 0..32 {
+                p.insert(i, u64::from(i));
+            }
+            for i in 0..32 {
+                p.access(i, u64::from(i));
+            }
+            p.cool(20);
+            p.cool(99); // untracked: nothing
+            let order: Vec<u32> = std::iter::from_fn(|| p.evict(&mut yes)).collect();
+            assert_eq!(order.len(), 32, "{}", p.name());
+            assert_eq!(order[0], 20, "{}: {order:?}", p.name());
+        }
     }
 
     #[test]

@@ -63,6 +63,16 @@ impl EvictionPolicy for Sieve {
         }
     }
 
+    fn cool(&mut self, id: u32) {
+        if self.q.list_of(id).is_some() {
+            // At the oldest end, unvisited, under the hand: the next one looked at.
+            self.take(id);
+            self.visited[id as usize] = false;
+            self.q.push_back(0, id);
+            self.hand = id;
+        }
+    }
+
     fn evict(&mut self, try_evict: &mut Offer<'_>) -> Option<u32> {
         let n = self.q.len(0);
         let mut cur = if self.hand == NIL {

@@ -132,6 +132,8 @@ impl Sketch {
 pub struct WTinyLfu {
     lists: Lists<3>,
     hash: Vec<u64>,
+    /// Cooled ids (a bit each): they lose the frequency duel whatever their count.
+    cold: Vec<u64>,
     sketch: Sketch,
     /// The window's target share of the capacity.
     window: f64,
@@ -146,6 +148,7 @@ impl Default for WTinyLfu {
         Self {
             lists: Lists::default(),
             hash: Vec::new(),
+            cold: Vec::new(),
             sketch: Sketch::new(64),
             window: START_WINDOW,
             step: STEP,
@@ -192,6 +195,24 @@ impl WTinyLfu {
             };
         }
         self.last_rate = Some(rate);
+    }
+
+    fn set_cold(&mut self, id: u32, on: bool) {
+        let (w, b) = (id as usize / 64, id % 64);
+        if on {
+            if self.cold.len() <= w {
+                self.cold.resize(w + 1, 0);
+            }
+            self.cold[w] |= 1 << b;
+        } else if let Some(x) = self.cold.get_mut(w) {
+            *x &= !(1 << b);
+        }
+    }
+
+    fn is_cold(&self, id: u32) -> bool {
+        self.cold
+            .get(id as usize / 64)
+            .is_some_and(|x| x & (1 << (id % 64)) != 0)
     }
 
     fn freq(&self, id: u32) -> u8 {
@@ -241,6 +262,7 @@ impl EvictionPolicy for WTinyLfu {
     fn reserve(&mut self, ids: usize) {
         self.lists.reserve(ids);
         super::reserve_total(&mut self.hash, ids);
+        super::reserve_total(&mut self.cold, ids.div_ceil(64));
     }
 
     fn insert(&mut self, id: u32, key_hash: u64) {
@@ -249,6 +271,7 @@ impl EvictionPolicy for WTinyLfu {
             self.hash.resize(id as usize + 1, 0);
         }
         self.hash[id as usize] = key_hash;
+        self.set_cold(id, false);
         self.lists.push_front(WINDOW, id);
         self.record(key_hash, false);
     }
@@ -257,6 +280,7 @@ impl EvictionPolicy for WTinyLfu {
         let Some(l) = self.lists.list_of(id) else {
             return;
         };
+        self.set_cold(id, false);
         match l {
             PROBATION => {
                 self.lists.push_front(PROTECTED, id);
@@ -269,6 +293,15 @@ impl EvictionPolicy for WTinyLfu {
 
     fn remove(&mut self, id: u32) {
         self.lists.unlink(id);
+        self.set_cold(id, false);
+    }
+
+    fn cool(&mut self, id: u32) {
+        // The main space's next victim, and it loses the duel with a window arrival.
+        if self.lists.list_of(id).is_some() {
+            self.lists.push_back(PROBATION, id);
+            self.set_cold(id, true);
+        }
     }
 
     fn evict(&mut self, try_evict: &mut Offer<'_>) -> Option<u32> {
@@ -294,7 +327,7 @@ impl EvictionPolicy for WTinyLfu {
                 .filter(|&v| v != c)
                 .or_else(|| self.lists.back(PROTECTED));
             match victim {
-                Some(v) if self.freq(c) > self.freq(v) => {}
+                Some(v) if self.is_cold(v) || self.freq(c) > self.freq(v) => {}
                 _ => {
                     if try_evict(c).is_some() {
                         self.lists.unlink(c);

@@ -31,7 +31,7 @@ use crate::events::EventKind;
 use crate::key::BlockKey;
 use crate::types::{FoldMap, MapKey, Tier};
 
-use super::index::Copy;
+use super::index::{Copy, Slot};
 use super::lease::Pin;
 use super::tiering::Demote;
 use super::{Inner, Store};
@@ -102,7 +102,8 @@ pub struct Demoted {
     pub busy: usize,
     /// Not in host memory (below only, or absent).
     pub not_in_host: usize,
-    /// In host memory with nowhere to go (no tier to write to, or its write failed for good).
+    /// In host memory with nowhere to go (no tier to write to, or its write failed for good):
+    /// kept, and made the first its policy evicts when room is needed.
     pub kept: usize,
 }
 
@@ -464,6 +465,7 @@ impl Inner {
         let mut seen = FoldMap::default();
         targets.extend_from_slice(keys);
         let mut queue: Vec<Demote> = Vec::new();
+        let mut cool: Vec<(BlockKey, Slot)> = Vec::new();
         for k in targets {
             let mk = MapKey::from(k);
             if seen.insert(mk, ()).is_some() {
@@ -507,11 +509,27 @@ impl Inner {
                     });
                     out.queued += 1;
                 }
-                Copy::Dirty | Copy::Unwritable => out.kept += 1,
+                Copy::Dirty | Copy::Unwritable => {
+                    cool.push((k, e.slot()));
+                    out.kept += 1;
+                }
             }
         }
         if !queue.is_empty() {
             self.enqueue_demotions(queue);
+        }
+        // Kept (nowhere to write them): their policy evicts them first when room is needed.
+        // Under the class lock only (it comes before the shards); a slot freed and taken by
+        // another block meanwhile is left alone.
+        cool.sort_by_key(|(_, s)| s.class);
+        for run in cool.chunk_by(|a, b| a.1.class == b.1.class) {
+            let mut c = self.classes[run[0].1.class as usize].lock();
+            for (k, s) in run {
+                let i = s.idx as usize;
+                if c.used[i] && c.keys[i] == *k {
+                    c.policy.cool(s.idx);
+                }
+            }
         }
         self.stats
             .demoted_freed

@@ -262,6 +262,34 @@ fn demote_keys_releases_them_from_any_session_and_keeps_what_cannot_move() {
 }
 
 #[test]
+fn kept_blocks_are_the_first_evicted() {
+    // No tier below: a demote keeps the blocks but makes them the next victims, so the
+    // application's "done for now" frees host memory for others before anything older.
+    for policy in crate::PolicyKind::ALL {
+        let s = StoreConfig {
+            policy,
+            ..cfg(None, false)
+        }
+        .build()
+        .unwrap();
+        let id = ns(&s);
+        let slots = (8 << 20) / (64 << 10);
+        put_all(&s, id, 0..slots);
+        assert!((0..slots).all(|i| s.in_host(&key(i))));
+        let cooled = keys(slots - 8..slots - 5);
+        assert_eq!(s.demote(None, &cooled).kept, 3, "{}", policy.name());
+        put_all(&s, id, slots..slots + 3);
+        assert!(
+            cooled.iter().all(|k| !s.in_host(k)),
+            "{}: a demoted block outlived older ones",
+            policy.name()
+        );
+        let kept = (0..slots + 3).filter(|&i| s.in_host(&key(i))).count();
+        assert_eq!(kept as u64, slots, "{}", policy.name());
+    }
+}
+
+#[test]
 fn a_ttl_past_the_clock_is_a_long_retention_not_a_panic() {
     let s = StoreConfig {
         retain_max_ttl: Duration::MAX,
