@@ -316,6 +316,29 @@ fn metadata_case(blocks: u64, rows: &mut Vec<Row>) -> Result<()> {
         baseline_is: "target 128 B/block",
     });
     let at_scale = lookup_latency(&store, blocks);
+    // As many again: each evicts one, so the policy's ghost history (the keys it evicted,
+    // up to the blocks it holds) fills as it does on a node in steady state.
+    for i in blocks..2 * blocks {
+        if let Reserve::Slot(r) = store.reserve(ns, key(i), 4096)? {
+            r.commit_with_checksum(0)?;
+        }
+    }
+    let held = store.stats().blocks;
+    ensure!(
+        held >= blocks && store.stats().evictions > 0,
+        "the store is not full and evicting"
+    );
+    let per = (alloc_count::live_bytes() - before) as f64 / held as f64;
+    rows.push(Row {
+        case: format!("metadata {} blocks evicting", human_count(blocks)),
+        unit: "bytes/block",
+        value: per,
+        baseline: 128.0,
+        ratio: per / 128.0,
+        ratio_spread: None,
+        sweep: None,
+        baseline_is: "target 128 B/block",
+    });
     drop(store);
     // The same lookups against a store of 65,536 blocks, same run: what scale costs.
     let small = sparse_store(65_536)?;

@@ -6,12 +6,12 @@
 //! candidate. The same trait drives trace simulation, so policies can be judged against Belady's
 //! optimum on the same trace.
 
-use std::collections::{HashMap, VecDeque};
-
+use ghost::Ghost;
 use lists::Lists;
 
 mod arc;
 mod duel;
+mod ghost;
 mod lists;
 mod sieve;
 mod tinylfu;
@@ -301,15 +301,12 @@ const MAIN: usize = 1;
 pub struct S3Fifo {
     queues: Lists<2>,
     freq: Vec<u8>,
-    /// Evicted keys, oldest first, with the queue each left from (1 small, 2 main).
-    ghost: VecDeque<(u64, u8)>,
-    /// Key → (entries in `ghost`, the queue of the newest).
-    ghost_set: HashMap<u64, (u32, u8)>,
+    /// Evicted keys, oldest first, with the queue each left from (1 small, 2 main), at most
+    /// as many as the blocks tracked.
+    ghost: Ghost,
     /// `Some(target)`: the adaptive variant; the small queue's target share of the blocks,
     /// moved by ghost hits as ARC moves its T1 target.
     adapt: Option<f64>,
-    /// Ghost entries per origin queue (index 1 small, 2 main).
-    ghost_n: [usize; 3],
 }
 
 /// The small queue's share. The paper's 10% filters one-hit blocks well (document QA) but
@@ -351,22 +348,7 @@ impl S3Fifo {
 
     fn remember_ghost(&mut self, key_hash: u64, from: u8) {
         let cap = self.queues.total().max(16);
-        self.ghost.push_back((key_hash, from));
-        self.ghost_n[from as usize] += 1;
-        let e = self.ghost_set.entry(key_hash).or_insert((0, from));
-        e.0 += 1;
-        e.1 = from;
-        while self.ghost.len() > cap {
-            if let Some((old, q)) = self.ghost.pop_front() {
-                self.ghost_n[q as usize] -= 1;
-                if let Some(c) = self.ghost_set.get_mut(&old) {
-                    c.0 -= 1;
-                    if c.0 == 0 {
-                        self.ghost_set.remove(&old);
-                    }
-                }
-            }
-        }
+        self.ghost.remember(key_hash, from, cap);
     }
 
     /// The adaptive S3-FIFO (`PolicyKind::S3FifoAdaptive`): starts at the fixed share and lets
@@ -395,9 +377,9 @@ impl S3Fifo {
         };
         let total = self.queues.total().max(1) as f64;
         let (this, other) = if from == 1 {
-            (self.ghost_n[1], self.ghost_n[2])
+            (self.ghost.count(1), self.ghost.count(2))
         } else {
-            (self.ghost_n[2], self.ghost_n[1])
+            (self.ghost.count(2), self.ghost.count(1))
         };
         let step = (other as f64 / this.max(1) as f64).max(1.0) / total;
         let t = if from == 1 { t + step } else { t - step };
@@ -425,7 +407,7 @@ impl EvictionPolicy for S3Fifo {
             self.freq.resize(i + 1, 0);
         }
         self.queues.unlink(id);
-        if let Some(&(_, from)) = self.ghost_set.get(&key_hash) {
+        if let Some(from) = self.ghost.get(key_hash) {
             // Seen recently and evicted too early: straight to main.
             self.adapt_on_ghost_hit(from);
             self.promote(id);
@@ -592,7 +574,7 @@ mod tests {
         // share) land in the small ghost.
         let v = p.evict(&mut yes).unwrap();
         assert!((20..40).contains(&v));
-        assert_eq!(p.ghost_n[1], 1);
+        assert_eq!(p.ghost.count(1), 1);
         // It comes back: the share grows, the block goes to main.
         p.insert(v, u64::from(v));
         assert!(p.adapt.unwrap() > start);
@@ -602,7 +584,7 @@ mod tests {
         p.adapt = Some(ADAPT_MIN);
         let w = loop {
             let w = p.evict(&mut yes).unwrap();
-            if p.ghost_n[2] > 0 {
+            if p.ghost.count(2) > 0 {
                 break w;
             }
         };
@@ -618,7 +600,7 @@ mod tests {
         for _ in 0..30 {
             q.evict(&mut yes).unwrap();
         }
-        assert_eq!(q.ghost_n[2], 0);
+        assert_eq!(q.ghost.count(2), 0);
         assert!(q.adapt.is_none());
     }
 
