@@ -734,6 +734,48 @@ fn engine_tags_survive_restarts_with_their_blocks() {
 }
 
 #[test]
+fn an_announcement_never_leaves_an_evicted_block_stored() {
+    use kvstore::EventKind;
+    use std::collections::HashMap;
+    let engine = IoEngineKind::Psync;
+    let tmp = dir("announce", engine);
+    let d = tmp.path();
+    {
+        let store = config(d, engine, Admission::Always, false).build().unwrap();
+        let n = ns(&store);
+        for i in 0..20 {
+            store.put(n, key(i), &data(i)).unwrap();
+        }
+        assert!(store.flush() > 0);
+    }
+    let store = config(d, engine, Admission::Always, false).build().unwrap();
+    let n = ns(&store);
+    let rx = store.subscribe(1024);
+    // Blocks leave while the announcement runs: 3 after the listing, before any is sent (as
+    // an eviction would, with its Removed published first).
+    let sent = store.announce_disk(
+        n,
+        |keys| {
+            assert_eq!(keys.len(), 20);
+            for i in [3, 9, 17] {
+                assert!(store.remove(&key(i)));
+            }
+        },
+        Duration::from_secs(5),
+    );
+    assert_eq!(sent, 17);
+    // What a subscriber believes once it applied every event in order.
+    let mut on_disk: HashMap<BlockKey, bool> = HashMap::new();
+    for ev in rx.try_iter().filter(|e| e.tier == Tier::Disk) {
+        on_disk.insert(ev.key, ev.kind == EventKind::Stored);
+    }
+    for i in 0..20 {
+        let gone = [3, 9, 17].contains(&i);
+        assert_eq!(on_disk.get(&key(i)).copied(), Some(!gone), "block {i}");
+    }
+}
+
+#[test]
 fn a_hinted_continuation_of_a_present_prefix_is_admitted() {
     let engine = IoEngineKind::Psync;
     let tmp = dir("continuation", engine);

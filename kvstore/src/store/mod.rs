@@ -678,30 +678,59 @@ impl Store {
 
     /// Emits a `Stored` event for every block of namespace `ns` on disk (after a restart, for
     /// subscribers that know nothing of them), in the order `order` puts them in, waiting up
-    /// to `patience` per subscriber for room; returns how many blocks.
+    /// to `patience` in all per subscriber for room; returns how many blocks.
+    ///
+    /// Evictions go on meanwhile and publish their `Removed` events as they happen, so a block
+    /// listed here may be gone before its `Stored` is sent: each batch is sent only for the
+    /// blocks still on disk, and a block found gone once its batch was sent gets a `Removed`
+    /// after it (a subscriber never ends up believing an evicted block is stored).
     pub fn announce_disk(
         &self,
         ns: NsId,
         order: impl FnOnce(&mut Vec<BlockKey>),
         patience: Duration,
     ) -> usize {
+        /// Blocks checked and sent at a time.
+        const BATCH: usize = 1024;
         let Some(d) = self.disk_tier() else {
             return 0;
         };
         let ns = ns.0 as u16;
         let mut keys = d.blocks_of(ns);
         order(&mut keys);
-        let evs: Vec<BlockEvent> = keys
-            .into_iter()
-            .map(|key| BlockEvent {
-                kind: crate::events::EventKind::Stored,
-                key,
-                tier: Tier::Disk,
-                ns,
-            })
-            .collect();
-        self.inner.events.emit_all(&evs, patience);
-        evs.len()
+        let deadline = std::time::Instant::now() + patience;
+        let event = |kind, key| BlockEvent {
+            kind,
+            key,
+            tier: Tier::Disk,
+            ns,
+        };
+        // Of `ks`, those on disk (`true`) or not (`false`).
+        let on_disk = |ks: &[BlockKey], want: bool| -> Vec<BlockKey> {
+            ks.iter()
+                .zip(d.lookup_batch(ks))
+                .filter(|(_, i)| i.is_some() == want)
+                .map(|(k, _)| *k)
+                .collect()
+        };
+        let mut sent = 0;
+        for batch in keys.chunks(BATCH) {
+            let present = on_disk(batch, true);
+            let evs: Vec<BlockEvent> = present
+                .iter()
+                .map(|&k| event(crate::events::EventKind::Stored, k))
+                .collect();
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            self.inner.events.emit_all(&evs, left);
+            sent += evs.len();
+            let gone: Vec<BlockEvent> = on_disk(&present, false)
+                .into_iter()
+                .map(|k| event(crate::events::EventKind::Removed, k))
+                .collect();
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            self.inner.events.emit_all(&gone, left);
+        }
+        sent
     }
 
     /// Registers a namespace (idempotent) and returns its id in this store. With a disk tier
