@@ -35,6 +35,10 @@ pub struct HostArgs {
     /// host.verify_reads), besides the check fused with the copy that every get does.
     #[arg(long, default_value_t = false)]
     pub verify_reads: bool,
+    /// Back the host arena with hugetlbfs pages (the daemon's `host.huge_pages`; needs
+    /// `vm.nr_hugepages` reserved: a bit over 1.25 × `--working-set` per size).
+    #[arg(long, default_value_t = false)]
+    pub huge_pages: bool,
     /// Block counts at which to measure metadata bytes per block (0 skips).
     #[arg(long, value_delimiter = ',', default_value = "1000000,10000000")]
     pub metadata_blocks: Vec<u64>,
@@ -87,18 +91,69 @@ fn timed_threads<F: Fn(usize) + Sync>(threads: usize, f: F) -> Duration {
 
 /// Disjoint `block`-sized pieces of one aligned buffer, as raw addresses (shared across threads).
 struct Ring {
-    buf: AlignedBuf,
+    buf: RingBuf,
     block: usize,
 }
 
+/// The baseline's memory: 4 KiB pages, or (with `--huge-pages`, so that both sides of the
+/// ratio have the same TLB reach) anonymous memory advised to transparent huge pages before
+/// its first touch.
+enum RingBuf {
+    Small(AlignedBuf),
+    Huge { ptr: *mut u8, len: usize },
+}
+
+// SAFETY: the mapping is owned by the ring and only read or written through its addresses by
+// the benchmark's threads, each on its own pieces.
+unsafe impl Sync for RingBuf {}
+
+impl Drop for RingBuf {
+    fn drop(&mut self) {
+        if let RingBuf::Huge { ptr, len } = *self {
+            // SAFETY: `ptr`/`len` are the mapping made in `Ring::new`, unmapped once here.
+            unsafe { libc::munmap(ptr.cast(), len) };
+        }
+    }
+}
+
 impl Ring {
-    fn new(bytes: u64, block: usize) -> Result<Self> {
-        let mut buf = AlignedBuf::new(bytes as usize)?;
-        buf.fill_pattern(7);
+    fn new(bytes: u64, block: usize, huge: bool) -> Result<Self> {
+        let len = bytes as usize;
+        let buf = if huge {
+            // SAFETY: a fresh private anonymous mapping; nothing else refers to it.
+            let ptr = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            ensure!(ptr != libc::MAP_FAILED, "mmap of {len} bytes failed");
+            // SAFETY: `ptr`/`len` is the mapping just made; the advice only changes page size.
+            unsafe { libc::madvise(ptr, len, libc::MADV_HUGEPAGE) };
+            // SAFETY: the mapping is `len` writable bytes, owned here.
+            let s = unsafe { std::slice::from_raw_parts_mut(ptr.cast::<u8>(), len) };
+            kvstore::fill_pattern(s, 7);
+            RingBuf::Huge {
+                ptr: ptr.cast(),
+                len,
+            }
+        } else {
+            let mut b = AlignedBuf::new(len)?;
+            b.fill_pattern(7);
+            RingBuf::Small(b)
+        };
         Ok(Self { buf, block })
     }
     fn addr(&self, i: usize) -> usize {
-        self.buf.as_ptr() as usize + i * self.block
+        let base = match &self.buf {
+            RingBuf::Small(b) => b.as_ptr() as usize,
+            RingBuf::Huge { ptr, .. } => *ptr as usize,
+        };
+        base + i * self.block
     }
 }
 
@@ -120,13 +175,14 @@ fn bandwidth_cases(args: &HostArgs, rows: &mut Vec<Row>) -> Result<()> {
             size_classes: vec![block],
             populate: kvstore::Populate::Now,
             verify_reads: args.verify_reads,
+            huge_pages: args.huge_pages,
             ..Default::default()
         }
         .build()
-        .context("building the store (lower --working-set?)")?;
+        .context("building the store (lower --working-set, or reserve huge pages?)")?;
         let ns = store.register_namespace(&namespace())?;
         // Baseline destinations: as many pieces as the store gets blocks.
-        let ring = Ring::new(n as u64 * size, block)?;
+        let ring = Ring::new(n as u64 * size, block, args.huge_pages)?;
         let mut srcs = Vec::new();
         let mut dsts = Vec::new();
         for t in 0..max_threads {
