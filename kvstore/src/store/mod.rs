@@ -360,6 +360,8 @@ pub(crate) struct Inner {
     pub(crate) held_bytes: AtomicU64,
     /// Retained blocks (sessions the application will come back to), and their bounds.
     pub(crate) retained: Mutex<retain::Retentions>,
+    /// Where retentions are kept across a restart (beside the disk tier's journal).
+    pub(crate) retain_file: Option<std::path::PathBuf>,
     pub(crate) retain_max_bytes: u64,
     pub(crate) retain_max_ttl: Duration,
     /// Measured read speed of each lower tier.
@@ -419,6 +421,7 @@ impl Store {
         let mut tiers: Vec<Box<dyn LowerTier>> = Vec::new();
         let (mut admission, mut write_through, mut max_batch_bytes) =
             (Admission::Always, false, 256 << 20);
+        let retain_file = cfg.disk.as_ref().map(|d| d.dir.join(retain::FILE));
         if let Some(mut d) = cfg.disk.take() {
             d.io.fixed_buffers = vec![(arena.base() as usize, arena.len())];
             // Registering the arena with io_uring faults all of it in: with background
@@ -517,6 +520,7 @@ impl Store {
             preloads: Mutex::new(level::HOLDS, "holds", prefetch::Holds::default()),
             held_bytes: AtomicU64::new(0),
             retained: Mutex::new(level::LEAF, "retained", retain::Retentions::default()),
+            retain_file,
             // A quarter of the host tier unless said.
             retain_max_bytes: cfg
                 .retain_max_bytes
@@ -533,6 +537,7 @@ impl Store {
         });
         let threads = tiering::Threads::start(&inner, background)
             .map_err(|e| ConfigError::Thread(e.to_string()))?;
+        inner.restore_retentions();
         Ok(Self { inner, threads })
     }
 
@@ -830,7 +835,9 @@ impl Store {
     /// write is done and checkpoints them (clean shutdown). Returns how many blocks were
     /// written.
     pub fn flush(&self) -> usize {
-        self.inner.flush()
+        let n = self.inner.flush();
+        self.inner.save_retentions();
+        n
     }
 
     /// Waits until the tiering worker has finished every queued write (or `timeout` passed);
@@ -926,6 +933,7 @@ impl Store {
 
 impl Drop for Store {
     fn drop(&mut self) {
+        self.inner.save_retentions();
         self.threads.stop(&self.inner);
     }
 }

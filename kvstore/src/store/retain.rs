@@ -19,6 +19,15 @@
 //!   memory once written. Blocks in use (pinned by a load, a lease, a preload hold, another
 //!   retention) stay, counted as busy.
 //!
+//! - Across a restart (with a disk tier): [`Store::flush`] (kvtierd's clean shutdown) writes
+//!   retained dirty host blocks to disk whatever admission says; flushing or closing the store
+//!   writes its live retentions (session, priority, the wall-clock end of the TTL, the keys in
+//!   retain order) to [`FILE`] in the disk tier's directory, checksummed, through a temporary
+//!   file and a rename. The next open reads it once, removes it, and retains each again for
+//!   what is left of its TTL: the present prefix of its keys, among the blocks the disk tier
+//!   kept (host copies die with the process). A missing or unreadable file restores nothing
+//!   (logged); after a crash, the file of the last flush, if any.
+//!
 //! The retention table's lock is a leaf: retain pins blocks first (shard and tier locks, none
 //! held together), then records them under the table's lock; pins to drop (clipped, replaced,
 //! displaced, expired) are dropped after it is released.
@@ -134,6 +143,99 @@ pub struct RetentionStats {
     pub demoted_queued: u64,
 }
 
+/// The file, in the disk tier's directory, that keeps retentions across a restart.
+pub(crate) const FILE: &str = "retained";
+const MAGIC: &[u8; 8] = b"KVRETAIN";
+const FILE_VERSION: u32 = 1;
+
+/// A retention as the file keeps it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Saved {
+    /// `None`: an anonymous retention.
+    session: Option<String>,
+    priority: u8,
+    /// The end of its TTL, in milliseconds since the Unix epoch.
+    until_ms: u64,
+    /// In retain order.
+    keys: Vec<BlockKey>,
+}
+
+fn unix_ms(t: std::time::SystemTime) -> u64 {
+    t.duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The file's bytes: magic, version, count, the retentions, then the XXH3-64 of all before.
+fn encode(v: &[Saved]) -> Vec<u8> {
+    let mut b = Vec::new();
+    b.extend_from_slice(MAGIC);
+    b.extend_from_slice(&FILE_VERSION.to_le_bytes());
+    b.extend_from_slice(&(v.len() as u32).to_le_bytes());
+    for s in v {
+        b.push(s.priority);
+        let name = s.session.as_deref().unwrap_or("");
+        b.push(u8::from(s.session.is_some()));
+        b.extend_from_slice(&(name.len() as u16).to_le_bytes());
+        b.extend_from_slice(name.as_bytes());
+        b.extend_from_slice(&s.until_ms.to_le_bytes());
+        b.extend_from_slice(&(s.keys.len() as u32).to_le_bytes());
+        for k in &s.keys {
+            b.extend_from_slice(&k.0.to_le_bytes());
+        }
+    }
+    let sum = xxhash_rust::xxh3::xxh3_64(&b);
+    b.extend_from_slice(&sum.to_le_bytes());
+    b
+}
+
+/// Reads [`encode`]'s bytes; an error names what is wrong.
+fn decode(b: &[u8]) -> Result<Vec<Saved>, String> {
+    if b.len() < MAGIC.len() + 16 || &b[..MAGIC.len()] != MAGIC {
+        return Err("not a retentions file".into());
+    }
+    let (body, sum) = b.split_at(b.len() - 8);
+    let sum = u64::from_le_bytes(sum.try_into().map_err(|_| "short")?);
+    if xxhash_rust::xxh3::xxh3_64(body) != sum {
+        return Err("checksum mismatch (torn or damaged)".into());
+    }
+    let mut at = MAGIC.len();
+    let mut take = |n: usize| -> Result<&[u8], String> {
+        let s = body.get(at..at + n).ok_or("truncated")?;
+        at += n;
+        Ok(s)
+    };
+    let u32_ = |s: &[u8]| u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+    let version = u32_(take(4)?);
+    if version != FILE_VERSION {
+        return Err(format!(
+            "version {version}, this build reads {FILE_VERSION}"
+        ));
+    }
+    let n = u32_(take(4)?) as usize;
+    let mut out = Vec::with_capacity(n.min(MAX_RETENTIONS));
+    for _ in 0..n {
+        let head = take(4)?;
+        let (priority, is_session) = (head[0], head[1] != 0);
+        let name_len = usize::from(u16::from_le_bytes([head[2], head[3]]));
+        let name = std::str::from_utf8(take(name_len)?)
+            .map_err(|_| "a session name is not UTF-8")?
+            .to_string();
+        let until_ms = u64::from_le_bytes(take(8)?.try_into().map_err(|_| "short")?);
+        let n_keys = u32_(take(4)?) as usize;
+        let keys = take(n_keys.checked_mul(16).ok_or("too many keys")?)?
+            .chunks_exact(16)
+            .map(|c| BlockKey(u128::from_le_bytes(c.try_into().unwrap_or([0; 16]))))
+            .collect();
+        out.push(Saved {
+            session: is_session.then_some(name),
+            priority,
+            until_ms,
+            keys,
+        });
+    }
+    Ok(out)
+}
+
 /// Who a retention is: a session, or an anonymous retain (its own, never added to).
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
 enum Name {
@@ -220,6 +322,117 @@ impl Store {
 }
 
 impl Inner {
+    /// The keys of every live retention.
+    pub(crate) fn retained_keys(&self) -> FoldMap<MapKey, ()> {
+        let t = self.retained.lock();
+        t.live
+            .values()
+            .flat_map(|r| r.keys.keys().map(|k| (*k, ())))
+            .collect()
+    }
+
+    /// Writes the live retentions to [`FILE`] (a store with a disk tier, closing).
+    pub(crate) fn save_retentions(&self) {
+        let Some(path) = &self.retain_file else {
+            return;
+        };
+        let now = Instant::now();
+        let now_ms = unix_ms(std::time::SystemTime::now());
+        let saved: Vec<Saved> = {
+            let t = self.retained.lock();
+            let mut v: Vec<(Instant, Saved)> = t
+                .live
+                .iter()
+                .filter(|(_, r)| r.deadline > now)
+                .map(|(name, r)| {
+                    let left = r.deadline.duration_since(now).as_millis() as u64;
+                    let s = Saved {
+                        session: match name {
+                            Name::Session(s) => Some(s.clone()),
+                            Name::Anon(_) => None,
+                        },
+                        priority: r.priority,
+                        until_ms: now_ms.saturating_add(left),
+                        keys: r.pins.iter().map(|(p, _)| pin_key(p)).collect(),
+                    };
+                    (r.deadline, s)
+                })
+                .collect();
+            // Restored in this order: lower priorities and earlier ends first, as the bounds
+            // would have them give way.
+            v.sort_by_key(|(d, s)| (s.priority, *d));
+            v.into_iter().map(|(_, s)| s).collect()
+        };
+        if saved.is_empty() {
+            let _ = std::fs::remove_file(path);
+            return;
+        }
+        let tmp = path.with_extension("tmp");
+        let written = (|| -> std::io::Result<()> {
+            use std::io::Write;
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(&encode(&saved))?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, path)
+        })();
+        match written {
+            Ok(()) => tracing::info!(
+                retentions = saved.len(),
+                path = %path.display(),
+                "retentions kept for the next start"
+            ),
+            Err(e) => tracing::warn!(
+                error = %e,
+                path = %path.display(),
+                "retentions could not be kept for the next start"
+            ),
+        }
+    }
+
+    /// Reads [`FILE`] once (removing it) and retains each saved retention again for what is
+    /// left of its TTL.
+    pub(crate) fn restore_retentions(&self) {
+        let Some(path) = &self.retain_file else {
+            return;
+        };
+        let bytes = match std::fs::read(path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
+            Err(e) => {
+                tracing::warn!(error = %e, path = %path.display(), "retentions file unreadable: none restored");
+                return;
+            }
+        };
+        // Once: a crash later in this run must not bring back what this run ends.
+        let _ = std::fs::remove_file(path);
+        let saved = match decode(&bytes) {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::warn!(error = %e, path = %path.display(), "retentions file unreadable: none restored");
+                return;
+            }
+        };
+        let (restored, expired) = self.retain_saved(saved, unix_ms(std::time::SystemTime::now()));
+        tracing::info!(restored, expired, "retentions restored after a restart");
+    }
+
+    /// Retains each of `saved` whose TTL has not ended at `now_ms`; (restored, expired).
+    fn retain_saved(&self, saved: Vec<Saved>, now_ms: u64) -> (usize, usize) {
+        let (mut restored, mut expired) = (0, 0);
+        for s in saved {
+            if s.until_ms <= now_ms {
+                expired += 1;
+                continue;
+            }
+            let ttl = Duration::from_millis(s.until_ms - now_ms);
+            let r = self.retain(s.session.as_deref(), &s.keys, ttl, s.priority);
+            if r.refused.is_empty() && r.retained > 0 {
+                restored += 1;
+            }
+        }
+        (restored, expired)
+    }
+
     /// Ends the retentions whose TTL passed; returns how many.
     pub(crate) fn reap_retained(&self, now: Instant) -> usize {
         let gone: Vec<Retention> = {

@@ -303,3 +303,111 @@ fn a_ttl_past_the_clock_is_a_long_retention_not_a_panic() {
     assert_eq!((r.retained, r.clipped_by.len()), (2, 0));
     assert_eq!(s.inner.reap_retained(Instant::now()), 0);
 }
+
+#[test]
+fn retentions_survive_a_restart_with_their_disk_blocks() {
+    let d = tmp("restart");
+    {
+        let s = cfg(Some(&d), true).build().unwrap();
+        let id = ns(&s);
+        put_all(&s, id, 0..8);
+        assert!(s.sync(Duration::from_secs(30)));
+        assert_eq!(s.retain(Some("chat"), &keys(0..8), HOUR, 3).retained, 8);
+        assert_eq!(s.retain(None, &keys(0..2), HOUR, 0).retained, 2);
+    }
+    let file = d.join(FILE);
+    assert!(file.exists());
+    {
+        let s = cfg(Some(&d), true).build().unwrap();
+        assert!(!file.exists(), "read once");
+        let st = s.retention_stats();
+        assert_eq!((st.retentions, st.blocks), (2, 10));
+        // The session's blocks are pinned on disk, as they were, and come back byte-exact.
+        assert_eq!(s.demote(Some("chat"), &[]).released, 8);
+        for i in 0..8 {
+            let b = s.get(&key(i)).expect("kept on disk");
+            assert_eq!(&b[..], &data(i)[..]);
+        }
+    }
+    // The anonymous one is kept again; a session demoted is not.
+    let s = cfg(Some(&d), true).build().unwrap();
+    let st = s.retention_stats();
+    assert_eq!((st.retentions, st.blocks), (1, 2));
+    drop(s);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_retentions_file_is_read_with_care() {
+    let saved = vec![
+        Saved {
+            session: Some("chat-42".into()),
+            priority: 3,
+            until_ms: 5_000,
+            keys: keys(0..4),
+        },
+        Saved {
+            session: None,
+            priority: 0,
+            until_ms: 9_000,
+            keys: keys(10..11),
+        },
+    ];
+    let b = encode(&saved);
+    assert_eq!(decode(&b).unwrap(), saved);
+    // Torn, damaged, foreign or newer: refused with the reason, nothing restored.
+    assert!(decode(&b[..b.len() - 1]).unwrap_err().contains("checksum"));
+    let mut bad = b.clone();
+    bad[20] ^= 1;
+    assert!(decode(&bad).unwrap_err().contains("checksum"));
+    assert!(decode(b"hello")
+        .unwrap_err()
+        .contains("not a retentions file"));
+    let mut newer = b[..b.len() - 8].to_vec();
+    newer[8..12].copy_from_slice(&2u32.to_le_bytes());
+    let sum = xxhash_rust::xxh3::xxh3_64(&newer);
+    newer.extend_from_slice(&sum.to_le_bytes());
+    assert!(decode(&newer).unwrap_err().contains("version 2"));
+    // A count that promises more than the file holds.
+    let mut short = b[..b.len() - 8].to_vec();
+    short[12..16].copy_from_slice(&3u32.to_le_bytes());
+    let sum = xxhash_rust::xxh3::xxh3_64(&short);
+    short.extend_from_slice(&sum.to_le_bytes());
+    assert!(decode(&short).unwrap_err().contains("truncated"));
+    // A TTL that ended while the store was down is not restored.
+    let s = cfg(None, false).build().unwrap();
+    let id = ns(&s);
+    put_all(&s, id, 0..4);
+    assert_eq!(s.inner.retain_saved(saved, 6_000), (0, 1));
+    assert_eq!(s.retention_stats().retentions, 0);
+}
+
+#[test]
+fn a_flush_writes_retained_blocks_that_admission_refused() {
+    // Seen-twice admission: blocks put once are never written, unless retained.
+    let d = tmp("flush-retained");
+    let mut c = cfg(Some(&d), false);
+    if let Some(disk) = c.disk.as_mut() {
+        disk.admission = Admission::SeenTwice;
+    }
+    {
+        let s = c.clone().build().unwrap();
+        let id = ns(&s);
+        put_all(&s, id, 0..6);
+        assert_eq!(s.retain(Some("agent"), &keys(0..4), HOUR, 1).retained, 4);
+        assert_eq!(s.flush(), 4, "the retained blocks only");
+        assert!(
+            d.join(FILE).exists(),
+            "kept at the flush, before the store closes"
+        );
+    }
+    let s = c.build().unwrap();
+    let st = s.retention_stats();
+    assert_eq!((st.retentions, st.blocks), (1, 4));
+    for i in 0..4 {
+        assert_eq!(&s.get(&key(i)).expect("on disk")[..], &data(i)[..]);
+    }
+    assert!(s.get(&key(4)).is_none());
+    drop(s);
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -162,13 +162,19 @@ impl Inner {
             return 0;
         }
         let before = self.stats.demotions.load(Relaxed);
+        // Retained blocks are written whatever admission says: a retention outlives a restart
+        // only for the blocks on disk.
+        let retained = self.retained_keys();
         for s in self.shards.iter() {
             let mut queue = Vec::new();
             {
                 let mut sh = s.lock();
                 for (k, e) in sh.map.iter_mut() {
                     let key = BlockKey::from(*k);
-                    if e.ready() && e.copy() == Copy::Dirty && self.admitted(key, e.accessed()) {
+                    if e.ready()
+                        && e.copy() == Copy::Dirty
+                        && (retained.contains_key(k) || self.admitted(key, e.accessed()))
+                    {
                         e.set_copy(Copy::Demoting);
                         e.pins += 1;
                         tracing::trace!(%key, "flush: queued");
