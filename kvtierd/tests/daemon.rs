@@ -135,6 +135,35 @@ fn sigterm_then_restart_keeps_disk_blocks() {
 }
 
 #[test]
+fn a_session_retained_before_sigterm_is_retained_after_the_restart() {
+    // Seen-twice admission (the default): blocks put once would not go to disk at the
+    // shutdown's flush; retained ones do, and the retention comes back with them.
+    let d = Kvtierd::start("retain-restart", &[], true);
+    let keys: Vec<BlockKey> = (0..12).map(key).collect();
+    let mut c = d.client();
+    let ns = c.register_namespace(&namespace()).unwrap();
+    put_all(&mut c, ns, 0..16);
+    let r = c
+        .retain(&keys, "agent-3", Duration::from_secs(600), 2)
+        .unwrap();
+    assert_eq!(r.retained, 12, "{r:?}");
+    drop(c);
+    assert!(d.term().success(), "kvtierd did not exit 0 on SIGTERM");
+    let d = Kvtierd::start("retain-restart", &[], false);
+    assert_eq!(metric(&d.metrics, "kvtier_retentions"), 1.0);
+    let bytes: u64 = (0..12).map(|i| data(i).len() as u64).sum();
+    assert_eq!(metric(&d.metrics, "kvtier_retained_bytes"), bytes as f64);
+    let mut c = d.client();
+    c.register_namespace(&namespace()).unwrap();
+    let l = c.lookup(&keys, None).unwrap();
+    assert_eq!(l.n, 12);
+    assert!(l.tiers.iter().all(|t| *t == Tier::Disk), "{:?}", l.tiers);
+    assert_eq!(get_all(&mut c, 0..12), 12);
+    // The blocks put once and not retained were not written.
+    assert_eq!(c.lookup(&[key(12)], None).unwrap().n, 0);
+}
+
+#[test]
 fn malformed_frames_are_rejected_while_others_keep_working() {
     let d = Kvtierd::start("malformed", &[], true);
     let mut good = d.client();
