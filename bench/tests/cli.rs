@@ -43,6 +43,7 @@ fn host_bench_prints_json_last_line() {
             "get 256KiB x2t",
             "match_prefix chain 100 x1t",
             "metadata 10000 blocks",
+            "metadata 10000 blocks evicting",
             "lookup 64 keys p50 at 10000 blocks",
             "lookup 64 keys p99 at 10000 blocks"
         ]
