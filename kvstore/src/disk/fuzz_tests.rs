@@ -24,10 +24,10 @@ fn check_state(st: &State) {
         assert_eq!(e.state, DState::Ready);
         assert!(u32::from(e.file) < FILES);
         assert!(
-            e.page >= 1 && e.page + e.pages() <= PAGES + 1,
+            e.page >= 1 && e.first_page() + e.pages() <= PAGES + 1,
             "block out of its file"
         );
-        placed.insert((e.file, e.page), e.pages());
+        placed.insert((e.file, e.first_page()), e.pages());
         used[e.file as usize] += e.pages();
         blocks += 1;
     }

@@ -265,7 +265,7 @@ impl DiskTier {
                 reqs.push(IoReq {
                     kind: IoKind::Read,
                     file: u32::from(e.file),
-                    offset: e.page * PAGE,
+                    offset: e.first_page() * PAGE,
                     len: (e.pages() * PAGE) as u32,
                     buf: it.buf,
                     tag: (meta.len() - 1) as u64,
@@ -390,7 +390,8 @@ impl DiskTier {
                 st.index.insert(
                     mk,
                     DEntry {
-                        page,
+                        // Below `pages_per_file` ≤ u32::MAX (checked at open).
+                        page: page as u32,
                         checksum: it.checksum,
                         len: it.len,
                         id,
@@ -529,7 +530,7 @@ impl DiskTier {
                         kind: Kind::Remove,
                         ns: e.ns,
                         key,
-                        page: e.page,
+                        page: e.first_page(),
                         len: e.len,
                         file: u32::from(e.file),
                         checksum: sum,
@@ -631,7 +632,7 @@ impl DiskTier {
                         kind: Kind::Put,
                         ns: e.ns,
                         key: BlockKey::from(*k),
-                        page: e.page,
+                        page: e.first_page(),
                         len: e.len,
                         file: u32::from(e.file),
                         checksum: e.checksum,

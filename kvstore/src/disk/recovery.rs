@@ -293,7 +293,7 @@ pub(crate) fn replay(
             }
             Kind::Remove => {
                 if let Some(e) = st.index.get(&MapKey::from(r.key)).copied() {
-                    placed.remove(&(e.file, e.page));
+                    placed.remove(&(e.file, e.first_page()));
                     st.drop_entry(r.key, false);
                 }
                 tags.remove(&MapKey::from(r.key));
@@ -312,7 +312,7 @@ pub(crate) fn replay(
                     continue;
                 }
                 if let Some(e) = st.index.get(&MapKey::from(r.key)).copied() {
-                    placed.remove(&(e.file, e.page));
+                    placed.remove(&(e.file, e.first_page()));
                     st.drop_entry(r.key, false);
                 }
                 tags.remove(&MapKey::from(r.key));
@@ -347,7 +347,8 @@ pub(crate) fn replay(
                 st.insert_ready(
                     r.key,
                     DEntry {
-                        page: r.page,
+                        // Reserved above inside the file (≤ u32::MAX pages, checked at open).
+                        page: r.page as u32,
                         checksum: r.checksum,
                         len: r.len,
                         id,
@@ -400,7 +401,7 @@ mod tests {
         let mut v: Vec<(u128, u64)> = st
             .index
             .iter()
-            .map(|(k, e)| (BlockKey::from(*k).0, e.page))
+            .map(|(k, e)| (BlockKey::from(*k).0, e.first_page()))
             .collect();
         v.sort();
         v

@@ -28,7 +28,8 @@ pub(crate) enum DState {
 
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct DEntry {
-    pub page: u64,
+    /// First page in its file (a file holds at most `u32::MAX` pages: checked at open).
+    pub page: u32,
     pub checksum: u64,
     pub len: u32,
     pub id: u32,
@@ -38,7 +39,15 @@ pub(crate) struct DEntry {
     pub state: DState,
 }
 
+// 32 bytes, so an index bucket with its key is 48.
+const _: () = assert!(std::mem::size_of::<DEntry>() == 32);
+
 impl DEntry {
+    /// First page in its file.
+    pub(crate) fn first_page(&self) -> u64 {
+        u64::from(self.page)
+    }
+
     pub(crate) fn pages(&self) -> u64 {
         u64::from(self.len).div_ceil(PAGE)
     }
@@ -119,7 +128,7 @@ impl State {
                 kind: Kind::Remove,
                 ns: e.ns,
                 key,
-                page: e.page,
+                page: e.first_page(),
                 len: e.len,
                 file: u32::from(e.file),
                 checksum: e.checksum,
@@ -139,7 +148,7 @@ impl State {
     /// Frees an entry's extent and id and drops it from the index.
     pub(crate) fn forget(&mut self, mk: MapKey, e: DEntry) {
         self.index.remove(&mk);
-        self.extents[e.file as usize].free(e.page, e.pages());
+        self.extents[e.file as usize].free(e.first_page(), e.pages());
         self.free_ids.push(e.id);
     }
 
@@ -161,7 +170,7 @@ mod tests {
     use super::*;
     use crate::policy::PolicyKind;
 
-    fn entry(id: u32, page: u64, pins: u32) -> DEntry {
+    fn entry(id: u32, page: u32, pins: u32) -> DEntry {
         DEntry {
             page,
             checksum: 1,
