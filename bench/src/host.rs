@@ -346,6 +346,20 @@ fn sparse_store(blocks: u64) -> Result<kvstore::Store> {
     .build()?)
 }
 
+/// A row of heap bytes per block, against the 128-byte target.
+fn metadata_row(case: String, per: f64) -> Row {
+    Row {
+        case,
+        unit: "bytes/block",
+        value: per,
+        baseline: 128.0,
+        ratio: per / 128.0,
+        ratio_spread: None,
+        sweep: None,
+        baseline_is: "target 128 B/block",
+    }
+}
+
 fn metadata_case(blocks: u64, rows: &mut Vec<Row>) -> Result<()> {
     let before = alloc_count::live_bytes();
     let store = sparse_store(blocks)?;
@@ -361,16 +375,10 @@ fn metadata_case(blocks: u64, rows: &mut Vec<Row>) -> Result<()> {
     }
     ensure!(store.stats().blocks == blocks, "not every block was stored");
     let per = (alloc_count::live_bytes() - before) as f64 / blocks as f64;
-    rows.push(Row {
-        case: format!("metadata {} blocks", human_count(blocks)),
-        unit: "bytes/block",
-        value: per,
-        baseline: 128.0,
-        ratio: per / 128.0,
-        ratio_spread: None,
-        sweep: None,
-        baseline_is: "target 128 B/block",
-    });
+    rows.push(metadata_row(
+        format!("metadata {} blocks", human_count(blocks)),
+        per,
+    ));
     let at_scale = lookup_latency(&store, blocks);
     // As many again: each evicts one, so the policy's ghost history (the keys it evicted,
     // up to the blocks it holds) fills as it does on a node in steady state.
@@ -385,16 +393,10 @@ fn metadata_case(blocks: u64, rows: &mut Vec<Row>) -> Result<()> {
         "the store is not full and evicting"
     );
     let per = (alloc_count::live_bytes() - before) as f64 / held as f64;
-    rows.push(Row {
-        case: format!("metadata {} blocks evicting", human_count(blocks)),
-        unit: "bytes/block",
-        value: per,
-        baseline: 128.0,
-        ratio: per / 128.0,
-        ratio_spread: None,
-        sweep: None,
-        baseline_is: "target 128 B/block",
-    });
+    rows.push(metadata_row(
+        format!("metadata {} blocks evicting", human_count(blocks)),
+        per,
+    ));
     drop(store);
     // The same lookups against a store of 65,536 blocks, same run: what scale costs.
     let small = sparse_store(65_536)?;

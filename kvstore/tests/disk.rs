@@ -83,6 +83,16 @@ fn data(i: u32) -> Vec<u8> {
 }
 
 /// Every get is the exact bytes or a miss; returns how many hit.
+/// A store in `d` that takes blocks `0..n` and closes after a flush (they are on disk).
+fn write_and_close(d: &Path, engine: IoEngineKind, n: u32) {
+    let store = config(d, engine, Admission::Always, false).build().unwrap();
+    let id = ns(&store);
+    for i in 0..n {
+        store.put(id, key(i), &data(i)).unwrap();
+    }
+    assert!(store.flush() > 0);
+}
+
 fn check_all(store: &Store, n: u32) -> u32 {
     let mut hits = 0;
     for i in 0..n {
@@ -572,14 +582,7 @@ fn a_disk_tier_of_an_older_format_starts_empty() {
     let engine = IoEngineKind::Psync;
     let tmp = dir("oldformat", engine);
     let d = tmp.path();
-    {
-        let store = config(d, engine, Admission::Always, false).build().unwrap();
-        let n = ns(&store);
-        for i in 0..20 {
-            store.put(n, key(i), &data(i)).unwrap();
-        }
-        assert!(store.flush() > 0);
-    }
+    write_and_close(d, engine, 20);
     let j = d.join("journal.kvj");
     let mut bytes = std::fs::read(&j).unwrap();
     assert_eq!(&bytes[..8], b"KVTJRNL\0");
@@ -740,14 +743,7 @@ fn an_announcement_never_leaves_an_evicted_block_stored() {
     let engine = IoEngineKind::Psync;
     let tmp = dir("announce", engine);
     let d = tmp.path();
-    {
-        let store = config(d, engine, Admission::Always, false).build().unwrap();
-        let n = ns(&store);
-        for i in 0..20 {
-            store.put(n, key(i), &data(i)).unwrap();
-        }
-        assert!(store.flush() > 0);
-    }
+    write_and_close(d, engine, 20);
     let store = config(d, engine, Admission::Always, false).build().unwrap();
     let n = ns(&store);
     let rx = store.subscribe(1024);
