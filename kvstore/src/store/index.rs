@@ -1,4 +1,4 @@
-//! The host tier's index: per shard, key → [`Entry`] (16 bytes), and the slots of removed but
+//! The host tier's index: per shard, key → [`Entry`] (16 bytes, in a [`Table`]), and the slots of removed but
 //! still pinned blocks. The transitions are plain functions on a [`Shard`] (the caller holds
 //! its lock), so the pin/lease/evict protocol can be model-checked on its own
 //! (`shuttle_tests.rs` runs them, with the rest of the store, under shuttle).
@@ -18,8 +18,9 @@
 
 use std::collections::HashMap;
 
+use super::table::Table;
 use crate::error::StoreError;
-use crate::types::{FoldMap, MapKey};
+use crate::types::MapKey;
 
 /// Where a block is in its life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -146,9 +147,20 @@ impl Entry {
 /// One shard of the index.
 #[derive(Default)]
 pub(crate) struct Shard {
-    pub map: FoldMap<MapKey, Entry>,
+    pub map: Table,
     /// Removed while pinned: slot → pins left. Freed on the last unpin.
     pub doomed: HashMap<Slot, u32>,
+}
+
+/// What [`Shard::pin_read`] found.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum PinRead {
+    /// Pinned (the entry after the pin), and whether a preload had brought it in unused.
+    Pinned(Entry, bool),
+    Absent,
+    Filling,
+    Promoting,
+    Cancelled,
 }
 
 /// What a removal did.
@@ -173,6 +185,26 @@ impl Shard {
                 Ok(Some(*e))
             }
             _ => Ok(None),
+        }
+    }
+
+    /// A load's pin, in one probe: pins a Ready block and marks it accessed (and no longer
+    /// "preloaded, not used yet"); otherwise says where the block is in its life.
+    pub(crate) fn pin_read(&mut self, h: u64, key: MapKey) -> Result<PinRead, StoreError> {
+        let Some(e) = self.map.get_hashed_mut(h, &key) else {
+            return Ok(PinRead::Absent);
+        };
+        match e.life() {
+            Life::Filling => Ok(PinRead::Filling),
+            Life::Promoting => Ok(PinRead::Promoting),
+            Life::Cancelled => Ok(PinRead::Cancelled),
+            Life::Ready => {
+                e.pins = e.pins.checked_add(1).ok_or(StoreError::TooManyPins)?;
+                let preloaded = e.preloaded();
+                e.set_accessed();
+                e.set_preloaded(false);
+                Ok(PinRead::Pinned(*e, preloaded))
+            }
         }
     }
 
@@ -312,6 +344,34 @@ mod tests {
         assert_eq!(sh.remove(mk(2)), Removed::Cancelled);
         assert!(sh.publish(mk(2), S, Copy::Dirty).is_none());
         assert!(sh.map.is_empty());
+    }
+
+    #[test]
+    fn a_read_pin_says_where_the_block_is_and_marks_it_used() {
+        let mut sh = Shard::default();
+        let h = |i| crate::store::table::hash(mk(i));
+        assert_eq!(sh.pin_read(h(4), mk(4)), Ok(PinRead::Absent));
+        sh.map.insert(mk(4), Entry::new(S, 10, 0, Life::Filling, 0));
+        assert_eq!(sh.pin_read(h(4), mk(4)), Ok(PinRead::Filling));
+        sh.map.get_mut(&mk(4)).unwrap().set_life(Life::Promoting);
+        assert_eq!(sh.pin_read(h(4), mk(4)), Ok(PinRead::Promoting));
+        assert_eq!(sh.remove(mk(4)), Removed::Cancelled);
+        assert_eq!(sh.pin_read(h(4), mk(4)), Ok(PinRead::Cancelled));
+        let mut e = Entry::new(S, 10, 0, Life::Ready, 0);
+        e.set_preloaded(true);
+        sh.map.insert(mk(5), e);
+        let PinRead::Pinned(got, preloaded) = sh.pin_read(h(5), mk(5)).unwrap() else {
+            panic!("a Ready block is pinned");
+        };
+        assert!(preloaded);
+        assert_eq!(got.pins, 1);
+        let now = sh.map[&mk(5)];
+        assert!(now.accessed() && !now.preloaded() && now.pins == 1);
+        assert!(matches!(
+            sh.pin_read(h(5), mk(5)),
+            Ok(PinRead::Pinned(_, false))
+        ));
+        assert_eq!(sh.map[&mk(5)].pins, 2);
     }
 
     #[test]

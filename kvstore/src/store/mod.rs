@@ -27,6 +27,7 @@ mod retain;
 #[cfg(test)]
 mod shuttle_tests;
 mod slab;
+mod table;
 mod tiering;
 mod write;
 
@@ -337,6 +338,8 @@ pub(crate) struct Inner {
     pub(crate) n_segments: u32,
     pub(crate) populated: AtomicU32,
     pub(crate) shards: Box<[Mutex<Shard>]>,
+    /// Per shard, where its table is, read without its lock to prefetch (`table::Hint`).
+    pub(crate) hints: Box<[Arc<table::Hint>]>,
     shard_bits: u32,
     namespaces: RwLock<Vec<Fingerprint>>,
     registering: Mutex<()>,
@@ -466,9 +469,10 @@ impl Store {
                 )
             })
             .collect();
-        let shards = (0..cfg.shards)
+        let shards: Box<[Mutex<Shard>]> = (0..cfg.shards)
             .map(|_| Mutex::new(level::SHARD, "shard", Shard::default()))
             .collect();
+        let hints = shards.iter().map(|s| s.lock().map.hint()).collect();
         let background = cfg.populate == Populate::Background;
         let pool: Vec<u32> = if background {
             Vec::new()
@@ -502,6 +506,7 @@ impl Store {
             n_segments: n_segments as u32,
             shards,
             shard_bits: cfg.shards.trailing_zeros(),
+            hints,
             namespaces: RwLock::new(level::NAMESPACES, "namespaces", namespaces),
             registering: Mutex::new(level::REGISTERING, "registering", ()),
             leases: Mutex::new(level::LEAF, "leases", Leases::default()),
@@ -944,10 +949,12 @@ impl Inner {
     }
 
     pub(crate) fn shard(&self, key: BlockKey) -> &Mutex<Shard> {
-        let i = crate::types::key_mix(key)
-            .checked_shr(64 - self.shard_bits)
-            .unwrap_or(0) as usize;
-        &self.shards[i]
+        &self.shards[self.shard_of(crate::types::key_mix(key))]
+    }
+
+    /// The shard of a key with this [`table::hash`] (its top bits).
+    pub(crate) fn shard_of(&self, hash: u64) -> usize {
+        hash.checked_shr(64 - self.shard_bits).unwrap_or(0) as usize
     }
 
     pub(crate) fn ptr(&self, page: u32) -> *mut u8 {

@@ -13,7 +13,7 @@ use crate::key::BlockKey;
 use crate::types::{BlockInfo, LeaseId, MapKey, Tier};
 
 use super::config::PAGE;
-use super::index::{Entry, Life, Removed, Slot};
+use super::index::{Entry, Life, PinRead, Removed, Slot};
 use super::lease::Pin;
 use super::tiering::{Promote, Ticket};
 use super::{Inner, Store};
@@ -71,6 +71,85 @@ enum Step {
     Own(usize, usize),
     /// Someone else is promoting it.
     Wait(BlockKey),
+}
+
+/// How far ahead of the key it looks up a walk along a prefix prefetches ([`HostView`]).
+const PREFETCH_AHEAD: usize = 8;
+/// Prefetching pays only when the index is larger than the CPU's caches: from this many
+/// buckets in all (2 MiB of buckets). Below, it costs a quarter of a lookup's time
+/// (`match_prefix chain 1000`, 1,000 blocks) and saves nothing.
+const PREFETCH_FROM_BUCKETS: usize = 1 << 16;
+
+/// A walk along a prefix's keys (positions in increasing order) that, in an index larger
+/// than the caches, prefetches the home bucket of the key `PREFETCH_AHEAD` places ahead of the
+/// one it is at (no lock: `table::Hint`), so the keys' cache misses overlap instead of each
+/// waiting behind the previous key's lock (a locked instruction waits for every load before
+/// it). It hands out each key's hash, computed once.
+pub(crate) struct Prefetcher {
+    /// Keys before this one have been prefetched (none when `on` is false)…
+    prefetched: usize,
+    /// …and their hashes kept here, at their position modulo 16.
+    hashes: [u64; 16],
+    on: bool,
+}
+
+const _: () = assert!(PREFETCH_AHEAD < 16);
+
+impl Prefetcher {
+    pub(crate) fn new(inner: &Inner, keys: &[BlockKey]) -> Self {
+        // The first shard's size stands for every shard's (keys spread evenly).
+        let buckets = inner.hints[0].capacity() * inner.shards.len();
+        Prefetcher {
+            prefetched: 0,
+            hashes: [0; 16],
+            on: keys.len() > 1 && buckets >= PREFETCH_FROM_BUCKETS,
+        }
+    }
+
+    /// The hash of `keys[pos]` (`table::hash`), prefetching ahead of it.
+    #[inline]
+    pub(crate) fn hash(&mut self, inner: &Inner, keys: &[BlockKey], pos: usize) -> u64 {
+        if !self.on || pos + 16 <= self.prefetched {
+            return super::table::hash(MapKey::from(keys[pos]));
+        }
+        let ahead = keys.len().min(pos + PREFETCH_AHEAD + 1);
+        while self.prefetched < ahead {
+            let h = super::table::hash(MapKey::from(keys[self.prefetched]));
+            inner.hints[inner.shard_of(h)].prefetch(h);
+            self.hashes[self.prefetched % 16] = h;
+            self.prefetched += 1;
+        }
+        self.hashes[pos % 16]
+    }
+}
+
+/// The host index's entries of a prefix's keys, each looked up under its shard's lock as a
+/// walk along the prefix reaches it (with a [`Prefetcher`]).
+pub(crate) struct HostView<'a> {
+    inner: &'a Inner,
+    keys: &'a [BlockKey],
+    prefetcher: Prefetcher,
+}
+
+impl<'a> HostView<'a> {
+    pub(crate) fn new(inner: &'a Inner, keys: &'a [BlockKey]) -> Self {
+        HostView {
+            inner,
+            keys,
+            prefetcher: Prefetcher::new(inner, keys),
+        }
+    }
+
+    /// The entry of `keys[pos]` (positions asked in increasing order).
+    pub(crate) fn get(&mut self, pos: usize) -> Option<Entry> {
+        let mk = MapKey::from(*self.keys.get(pos)?);
+        let h = self.prefetcher.hash(self.inner, self.keys, pos);
+        self.inner.shards[self.inner.shard_of(h)]
+            .lock()
+            .map
+            .get_hashed(h, &mk)
+            .copied()
+    }
 }
 
 impl Store {
@@ -435,14 +514,9 @@ impl Inner {
         let mut tiers = Vec::new();
         let mut below = Vec::new();
         let mut far = None;
-        for (pos, k) in keys.iter().enumerate() {
-            let host = self
-                .shard(*k)
-                .lock()
-                .map
-                .get(&MapKey::from(*k))
-                .is_some_and(|e| e.ready());
-            if host {
+        let mut host = HostView::new(self, keys);
+        for pos in 0..keys.len() {
+            if host.get(pos).is_some_and(|e| e.ready()) {
                 tiers.push(Tier::Host);
                 below.push(None);
                 continue;
@@ -455,15 +529,8 @@ impl Inner {
         }
         // Read-your-writes: the run of keys being written right after the present prefix.
         let n = tiers.len();
-        let pending = keys[n..]
-            .iter()
-            .take_while(|k| {
-                self.shard(**k)
-                    .lock()
-                    .map
-                    .get(&MapKey::from(**k))
-                    .is_some_and(|e| e.life() == Life::Filling)
-            })
+        let pending = (n..keys.len())
+            .take_while(|&pos| host.get(pos).is_some_and(|e| e.life() == Life::Filling))
             .count();
         (PrefixMatch { n, tiers, pending }, below)
     }
@@ -471,33 +538,25 @@ impl Inner {
     /// Per key, what the local tiers (host memory first) say of it: for the cluster's data
     /// plane, which answers for the blocks this node owns and never asks further.
     pub(crate) fn probe_local(&self, keys: &[BlockKey]) -> Vec<Option<(BlockInfo, Tier)>> {
+        let mut host = HostView::new(self, keys);
         keys.iter()
-            .map(|k| {
-                let host = self
-                    .shard(*k)
-                    .lock()
-                    .map
-                    .get(&MapKey::from(*k))
-                    .filter(|e| e.ready())
-                    .copied();
-                match host {
-                    Some(e) => {
-                        let slot = e.slot();
-                        let checksum =
-                            self.classes[slot.class as usize].lock().sums[slot.idx as usize];
-                        Some((
-                            BlockInfo {
-                                len: e.len,
-                                ns: e.ns,
-                                checksum,
-                            },
-                            Tier::Host,
-                        ))
-                    }
-                    None => self
-                        .find_below(k)
-                        .map(|(i, info)| (info, self.tiers[i].kind())),
+            .enumerate()
+            .map(|(pos, k)| match host.get(pos).filter(|e| e.ready()) {
+                Some(e) => {
+                    let slot = e.slot();
+                    let checksum = self.classes[slot.class as usize].lock().sums[slot.idx as usize];
+                    Some((
+                        BlockInfo {
+                            len: e.len,
+                            ns: e.ns,
+                            checksum,
+                        },
+                        Tier::Host,
+                    ))
                 }
+                None => self
+                    .find_below(k)
+                    .map(|(i, info)| (info, self.tiers[i].kind())),
             })
             .collect()
     }
@@ -531,14 +590,16 @@ impl Inner {
         let mut batches: Vec<(usize, Vec<Promote>)> = Vec::new();
         let mut seen = crate::types::FoldMap::default();
         let mut far = None;
+        let mut prefetcher = Prefetcher::new(self, keys);
         'keys: for (pos, k) in keys.iter().enumerate() {
             let mk = MapKey::from(*k);
             if seen.insert(mk, ()).is_some() {
                 // A repeated key cannot be a prefix of distinct blocks: stop here.
                 break;
             }
+            let h = prefetcher.hash(self, keys, pos);
             for attempt in 0..2 {
-                match self.try_pin(*k)? {
+                match self.try_pin_hashed(*k, h)? {
                     Found::Pinned(p, preloaded) => {
                         if preloaded {
                             self.stats.prefetch_in_time.fetch_add(1, Relaxed);
@@ -699,31 +760,25 @@ impl Inner {
 
     /// Pins `key` if Ready; says why not otherwise.
     fn try_pin(&self, key: BlockKey) -> Result<Found, StoreError> {
-        let mk = MapKey::from(key);
-        let e = {
-            let mut sh = self.shard(key).lock();
-            match sh.map.get(&mk).map(|e| e.life()) {
-                None => return Ok(Found::Absent),
-                Some(Life::Promoting) => return Ok(Found::Promoting),
-                Some(Life::Filling) => return Ok(Found::Filling),
-                Some(Life::Cancelled) => return Ok(Found::Busy),
-                Some(Life::Ready) => {}
-            }
-            let Some(e) = sh.pin(mk)? else {
-                return Ok(Found::Absent);
-            };
-            let mut preloaded = false;
-            if let Some(x) = sh.map.get_mut(&mk) {
-                x.set_accessed();
-                preloaded = x.preloaded();
-                x.set_preloaded(false);
-            }
-            (e, preloaded)
+        self.try_pin_hashed(key, super::table::hash(MapKey::from(key)))
+    }
+
+    /// [`Inner::try_pin`] of a key whose `table::hash` is `h`.
+    fn try_pin_hashed(&self, key: BlockKey, h: u64) -> Result<Found, StoreError> {
+        let read = self.shards[self.shard_of(h)]
+            .lock()
+            .pin_read(h, MapKey::from(key))?;
+        let (e, preloaded) = match read {
+            PinRead::Absent => return Ok(Found::Absent),
+            PinRead::Promoting => return Ok(Found::Promoting),
+            PinRead::Filling => return Ok(Found::Filling),
+            PinRead::Cancelled => return Ok(Found::Busy),
+            PinRead::Pinned(e, preloaded) => (e, preloaded),
         };
         // Used: a hint's hold ends (the caller has its own pin now); "preloaded" if the hint's
         // preload read it.
-        let preloaded = e.1 && self.release_preload(key);
-        Ok(Found::Pinned(self.pinned(key, &e.0), preloaded))
+        let preloaded = preloaded && self.release_preload(key);
+        Ok(Found::Pinned(self.pinned(key, &e), preloaded))
     }
 
     /// The location and checksum of a block we hold a pin on.
