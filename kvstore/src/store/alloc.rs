@@ -163,12 +163,15 @@ impl Inner {
             let end = start + c.per_seg;
             let mut ok = true;
             for idx in start..end {
-                if !c.used[idx as usize] {
+                if !c.is_used(idx) {
                     continue;
                 }
                 let page = c.page_of(idx, self.seg_pages);
-                let key = c.keys[idx as usize];
-                if self.try_evict(key, from, idx, page, &mut queued, demote) {
+                let h = c.hashes[idx as usize];
+                if self
+                    .try_evict(h, from, idx, page, &mut queued, demote)
+                    .is_some()
+                {
                     c.release(idx);
                 } else {
                     ok = false;
@@ -209,7 +212,7 @@ impl Inner {
             c.add_segment(seg);
             c.free.pop()?
         };
-        c.take(idx, key);
+        c.take(idx, super::table::hash(MapKey::from(key)));
         Some((
             Slot {
                 class: class as u8,
@@ -241,7 +244,7 @@ impl Inner {
         } else {
             let super::slab::Class {
                 policy,
-                keys,
+                hashes,
                 chunks,
                 per_seg,
                 slot_bytes,
@@ -250,16 +253,17 @@ impl Inner {
             let mut queued = 0u64;
             policy.evict(&mut |idx| {
                 let page = page_of(chunks, *per_seg, *slot_bytes, idx, self.seg_pages);
-                let key = keys[idx as usize];
-                self.try_evict(key, class, idx, page, &mut queued, demote)
-                    .then_some(key.0 as u64)
+                let h = hashes[idx as usize];
+                self.try_evict(h, class, idx, page, &mut queued, demote)
+                    .map(|key| key.0 as u64)
             })
         }?;
-        if c.used[idx as usize] {
+        let h = super::table::hash(MapKey::from(key));
+        if c.is_used(idx) {
             // An evicted slot is reused directly: it stays counted as live.
-            c.keys[idx as usize] = key;
+            c.hashes[idx as usize] = h;
         } else {
-            c.take(idx, key);
+            c.take(idx, h);
         }
         let slot = Slot {
             class: class as u8,
@@ -271,23 +275,27 @@ impl Inner {
     /// Under the class lock: evicts the block in slot `idx` if it is committed, unpinned, and
     /// either clean below, refused by admission, or without a tier below. A dirty admitted
     /// block is instead queued for the worker (pinned, Demoting), up to `max_batch_bytes` per
-    /// allocation while the worker's queue has room.
+    /// allocation while the worker's queue has room. The slot's block is found from its key's
+    /// index hash `h` (what the class remembers of it); returns the evicted block's key.
     fn try_evict(
         &self,
-        key: BlockKey,
+        h: u64,
         class: usize,
         idx: u32,
         page: u32,
         queued: &mut u64,
         demote: &mut Vec<Demote>,
-    ) -> bool {
-        let mut sh = self.shard(key).lock();
-        let mk = MapKey::from(key);
-        let Some(e) = sh.map.get_mut(&mk) else {
-            return false;
+    ) -> Option<BlockKey> {
+        let mut sh = self.shards[self.shard_of(h)].lock();
+        let slot = Slot {
+            class: class as u8,
+            idx,
         };
-        if e.class as usize != class || e.idx != idx || e.pins != 0 || !e.ready() {
-            return false;
+        let mk = sh.map.key_of_slot(h, slot)?;
+        let key = BlockKey::from(mk);
+        let e = sh.map.get_hashed_mut(h, &mk)?;
+        if e.pins != 0 || !e.ready() {
+            return None;
         }
         if self.demote_to.is_some() && e.copy() == Copy::Dirty {
             if self.admitted(key, e.accessed()) {
@@ -304,13 +312,13 @@ impl Inner {
                         ns: e.ns,
                     });
                 }
-                return false;
+                return None;
             }
             self.stats.admission_rejects.fetch_add(1, Relaxed);
             self.remember([key]);
         }
         if e.copy() == Copy::Demoting {
-            return false;
+            return None;
         }
         let (len, ns) = (e.len, e.ns);
         let e_copy = e.copy();
@@ -321,7 +329,7 @@ impl Inner {
         self.stats.blocks.fetch_sub(1, Relaxed);
         self.stats.used_bytes.fetch_sub(u64::from(len), Relaxed);
         tracing::trace!(%key, copy = ?e_copy, "evicted");
-        true
+        Some(key)
     }
 
     /// Takes a whole segment away from another class for `for_class`: picks the chunk with the
@@ -354,12 +362,15 @@ impl Inner {
                 let end = start + c.per_seg;
                 let mut ok = true;
                 for idx in start..end {
-                    if !c.used[idx as usize] {
+                    if !c.is_used(idx) {
                         continue;
                     }
                     let page = c.page_of(idx, self.seg_pages);
-                    let key = c.keys[idx as usize];
-                    if self.try_evict(key, ci, idx, page, &mut queued, demote) {
+                    let h = c.hashes[idx as usize];
+                    if self
+                        .try_evict(h, ci, idx, page, &mut queued, demote)
+                        .is_some()
+                    {
                         c.release(idx);
                     } else {
                         ok = false;

@@ -293,11 +293,7 @@ fn check_balanced(s: &Store, owners: &[u64]) {
             );
         }
     }
-    let used: u64 = inner
-        .classes
-        .iter()
-        .map(|c| c.lock().used.iter().filter(|u| **u).count() as u64)
-        .sum();
+    let used: u64 = inner.classes.iter().map(|c| c.lock().used_slots()).sum();
     assert_eq!(used, entries, "used slots vs index entries");
     assert_eq!(inner.stats.blocks.load(Relaxed), ready, "blocks counter");
     assert_eq!(

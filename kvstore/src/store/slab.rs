@@ -1,8 +1,7 @@
 //! Size classes and segments: the arena is cut into segments; a segment serves one size class at
 //! a time, carved into equal slots. Slots are dense indices per class; nothing here does I/O or
-//! knows about keys beyond remembering which key each slot holds (for eviction).
+//! knows about keys beyond remembering the index hash of each slot's key (for eviction).
 
-use crate::key::BlockKey;
 use crate::policy::{reserve_total, EvictionPolicy};
 
 use super::config::PAGE;
@@ -17,11 +16,14 @@ pub(crate) struct Class {
     /// Slots in use (reserved or committed) per chunk.
     pub live: Vec<u32>,
     pub free: Vec<u32>,
-    /// Key of the block in each slot (valid while `used`).
-    pub keys: Vec<BlockKey>,
+    /// The index hash (`table::hash`) of the block's key in each slot (valid while `used`):
+    /// enough to find the block's entry (the shard, then the bucket holding this slot), in
+    /// half the bytes of the key.
+    pub hashes: Vec<u64>,
     /// Commit checksum (xxh3-64) of the block in each slot (valid once committed).
     pub sums: Vec<u64>,
-    pub used: Vec<bool>,
+    /// Whether each slot is in use (reserved or committed): a bit per slot.
+    used: Vec<u64>,
     pub policy: Box<dyn EvictionPolicy>,
     /// The most slots this class can ever have: the whole arena cut into its slots (a chunk
     /// exists only while it holds a segment or waits in `free_chunks` for the next one).
@@ -56,7 +58,7 @@ impl Class {
             free_chunks: Vec::new(),
             live: Vec::new(),
             free: Vec::new(),
-            keys: Vec::new(),
+            hashes: Vec::new(),
             sums: Vec::new(),
             used: Vec::new(),
             policy,
@@ -82,33 +84,47 @@ impl Class {
         };
         let start = chunk * self.per_seg;
         let end = start + self.per_seg;
-        if self.keys.len() < end as usize {
+        if self.hashes.len() < end as usize {
             // Grow geometrically, but never past `max_slots`: a store filled to capacity keeps
             // no doubling slack in its per-slot tables (bench: `metadata 10M blocks`).
             let n = end as usize;
-            let cap = (self.keys.capacity() * 2).clamp(n, self.max_slots.max(n));
-            reserve_total(&mut self.keys, cap);
+            let cap = (self.hashes.capacity() * 2).clamp(n, self.max_slots.max(n));
+            reserve_total(&mut self.hashes, cap);
             reserve_total(&mut self.sums, cap);
-            reserve_total(&mut self.used, cap);
+            reserve_total(&mut self.used, cap.div_ceil(64));
             self.policy.reserve(cap);
-            self.keys.resize(end as usize, BlockKey::default());
+            self.hashes.resize(end as usize, 0);
             self.sums.resize(end as usize, 0);
-            self.used.resize(end as usize, false);
+            self.used.resize((end as usize).div_ceil(64), 0);
         }
         self.free.extend((start..end).rev());
     }
 
-    /// Marks a free slot used by `key`.
-    pub(crate) fn take(&mut self, idx: u32, key: BlockKey) {
-        self.keys[idx as usize] = key;
-        self.used[idx as usize] = true;
+    /// Whether slot `idx` is in use.
+    pub(crate) fn is_used(&self, idx: u32) -> bool {
+        self.used
+            .get(idx as usize / 64)
+            .is_some_and(|w| w & (1 << (idx % 64)) != 0)
+    }
+
+    /// Slots in use.
+    #[cfg(all(test, kvtier_shuttle))]
+    pub(crate) fn used_slots(&self) -> u64 {
+        self.used.iter().map(|w| u64::from(w.count_ones())).sum()
+    }
+
+    /// Marks a free slot used by the block whose key has index hash `hash`.
+    pub(crate) fn take(&mut self, idx: u32, hash: u64) {
+        self.hashes[idx as usize] = hash;
+        self.used[idx as usize / 64] |= 1 << (idx % 64);
         self.live[(idx / self.per_seg) as usize] += 1;
     }
 
     /// Gives a slot back (no-op for a free one).
     pub(crate) fn release(&mut self, idx: u32) {
         self.policy.remove(idx);
-        if std::mem::replace(&mut self.used[idx as usize], false) {
+        if self.is_used(idx) {
+            self.used[idx as usize / 64] &= !(1 << (idx % 64));
             self.live[(idx / self.per_seg) as usize] -= 1;
             self.free.push(idx);
         }
@@ -154,7 +170,7 @@ mod tests {
         assert_eq!(c.free.len(), 16);
         let idx = c.free.pop().unwrap();
         assert_eq!(idx, 0);
-        c.take(idx, BlockKey(9));
+        c.take(idx, 9);
         assert_eq!(c.page_of(idx, 256), 3 * 256);
         assert_eq!(c.page_of(5, 256), 3 * 256 + 5 * 16);
         assert_eq!(c.chunks_by_liveness(true), Vec::<u32>::new());
@@ -177,14 +193,14 @@ mod tests {
             for seg in 0..5 {
                 c.add_segment(seg);
                 while let Some(idx) = c.free.pop() {
-                    c.take(idx, BlockKey(u128::from(idx)));
+                    c.take(idx, u64::from(idx));
                     c.policy.insert(idx, u64::from(idx));
                 }
             }
-            assert_eq!(c.keys.len(), 80);
-            assert_eq!(c.keys.capacity(), 80, "{}", p.name());
+            assert_eq!(c.hashes.len(), 80);
+            assert_eq!(c.hashes.capacity(), 80, "{}", p.name());
             assert_eq!(c.sums.capacity(), 80);
-            assert_eq!(c.used.capacity(), 80);
+            assert_eq!(c.used.capacity(), 2);
         }
     }
 }

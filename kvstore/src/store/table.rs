@@ -201,6 +201,34 @@ impl Table {
         self.get_hashed_mut(hash(*key), key)
     }
 
+    /// The key whose entry holds `slot`, given the key's hash (what a size class remembers
+    /// of a slot's block): the bucket is on the probe path of the hash's home, like the key's.
+    pub(crate) fn key_of_slot(&self, h: u64, slot: Slot) -> Option<MapKey> {
+        let cap = self.buckets.len();
+        if self.len == 0 {
+            return None;
+        }
+        let mut i = home(h, cap);
+        let mut d = 0;
+        loop {
+            let b = &self.buckets[i];
+            if b.is_empty() {
+                return None;
+            }
+            if b.e.class == slot.class && b.e.idx == slot.idx {
+                return Some(b.key);
+            }
+            if d >= CHEAP_PROBES && self.dist(i) < d {
+                return None;
+            }
+            i += 1;
+            if i == cap {
+                i = 0;
+            }
+            d += 1;
+        }
+    }
+
     pub(crate) fn contains_key(&self, key: &MapKey) -> bool {
         self.get(key).is_some()
     }
@@ -352,6 +380,23 @@ mod tests {
         for (k, _) in m.iter() {
             assert_eq!(t[k].pins, k.0[0] as u32);
         }
+    }
+
+    #[test]
+    fn a_slot_leads_back_to_its_key() {
+        let mut t = Table::default();
+        for i in 0..5_000u32 {
+            let e = Entry::new(Slot { class: 2, idx: i }, 1, 0, Life::Ready, 0);
+            t.insert(MapKey([u64::from(i), 9]), e);
+        }
+        for i in 0..5_000u32 {
+            let k = MapKey([u64::from(i), 9]);
+            assert_eq!(t.key_of_slot(hash(k), Slot { class: 2, idx: i }), Some(k));
+            assert_eq!(t.key_of_slot(hash(k), Slot { class: 1, idx: i }), None);
+        }
+        let k = MapKey([7, 9]);
+        t.remove(&k);
+        assert_eq!(t.key_of_slot(hash(k), Slot { class: 2, idx: 7 }), None);
     }
 
     #[test]
