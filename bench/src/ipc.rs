@@ -92,6 +92,8 @@ pub fn run(args: IpcArgs) -> Result<()> {
             format!("host.segment={seg}"),
         ],
     )?;
+    // The embedded store is populated up front: the daemon's arena too, before any figure.
+    side.wait_populated(Duration::from_secs(600))?;
     let mut c = IpcClient::connect(&side.socket, "kvtier-bench")?;
     let sid = c.register_namespace(&ns())?;
     let block = args.block as usize;
