@@ -291,9 +291,8 @@ impl Inner {
             class: class as u8,
             idx,
         };
-        let mk = sh.map.key_of_slot(h, slot)?;
+        let (mk, e) = sh.map.slot_entry_mut(h, slot)?;
         let key = BlockKey::from(mk);
-        let e = sh.map.get_hashed_mut(h, &mk)?;
         if e.pins != 0 || !e.ready() {
             return None;
         }

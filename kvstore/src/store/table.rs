@@ -149,9 +149,9 @@ impl Table {
         (i + cap - h) % cap
     }
 
-    /// The bucket holding `key` (hash `h`).
+    /// The first bucket on the probe path of hash `h` that `hit` accepts.
     #[inline]
-    fn find(&self, h: u64, key: &MapKey) -> Option<usize> {
+    fn probe(&self, h: u64, hit: impl Fn(&Bucket) -> bool) -> Option<usize> {
         let cap = self.buckets.len();
         if self.len == 0 {
             return None;
@@ -163,7 +163,7 @@ impl Table {
             if b.is_empty() {
                 return None;
             }
-            if b.key == *key {
+            if hit(b) {
                 return Some(i);
             }
             // Robin Hood: every key between its home and here sits at least as far from its
@@ -179,6 +179,12 @@ impl Table {
             }
             d += 1;
         }
+    }
+
+    /// The bucket holding `key` (hash `h`).
+    #[inline]
+    fn find(&self, h: u64, key: &MapKey) -> Option<usize> {
+        self.probe(h, |b| b.key == *key)
     }
 
     /// The entry of `key`, given its [`hash`].
@@ -201,32 +207,12 @@ impl Table {
         self.get_hashed_mut(hash(*key), key)
     }
 
-    /// The key whose entry holds `slot`, given the key's hash (what a size class remembers
+    /// The key and entry that hold `slot`, given the key's hash (what a size class remembers
     /// of a slot's block): the bucket is on the probe path of the hash's home, like the key's.
-    pub(crate) fn key_of_slot(&self, h: u64, slot: Slot) -> Option<MapKey> {
-        let cap = self.buckets.len();
-        if self.len == 0 {
-            return None;
-        }
-        let mut i = home(h, cap);
-        let mut d = 0;
-        loop {
-            let b = &self.buckets[i];
-            if b.is_empty() {
-                return None;
-            }
-            if b.e.class == slot.class && b.e.idx == slot.idx {
-                return Some(b.key);
-            }
-            if d >= CHEAP_PROBES && self.dist(i) < d {
-                return None;
-            }
-            i += 1;
-            if i == cap {
-                i = 0;
-            }
-            d += 1;
-        }
+    pub(crate) fn slot_entry_mut(&mut self, h: u64, slot: Slot) -> Option<(MapKey, &mut Entry)> {
+        let i = self.probe(h, |b| b.e.slot() == slot)?;
+        let b = &mut self.buckets[i];
+        Some((b.key, &mut b.e))
     }
 
     pub(crate) fn contains_key(&self, key: &MapKey) -> bool {
@@ -327,6 +313,7 @@ impl Table {
     }
 }
 
+#[cfg(test)]
 impl std::ops::Index<&MapKey> for Table {
     type Output = Entry;
     fn index(&self, key: &MapKey) -> &Entry {
@@ -391,12 +378,17 @@ mod tests {
         }
         for i in 0..5_000u32 {
             let k = MapKey([u64::from(i), 9]);
-            assert_eq!(t.key_of_slot(hash(k), Slot { class: 2, idx: i }), Some(k));
-            assert_eq!(t.key_of_slot(hash(k), Slot { class: 1, idx: i }), None);
+            let found = t.slot_entry_mut(hash(k), Slot { class: 2, idx: i });
+            assert_eq!(found.map(|(key, e)| (key, e.idx)), Some((k, i)));
+            assert!(t
+                .slot_entry_mut(hash(k), Slot { class: 1, idx: i })
+                .is_none());
         }
         let k = MapKey([7, 9]);
         t.remove(&k);
-        assert_eq!(t.key_of_slot(hash(k), Slot { class: 2, idx: 7 }), None);
+        assert!(t
+            .slot_entry_mut(hash(k), Slot { class: 2, idx: 7 })
+            .is_none());
     }
 
     #[test]
