@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
 use clap::Args;
-use kvstore::{AlignedBuf, BlockKey, Namespace, NsId, Reserve, Store, StoreConfig, TpShard};
+use kvstore::{
+    AlignedBuf, BlockKey, Namespace, NsId, PolicyKind, Reserve, Store, StoreConfig, TpShard,
+};
 
 use crate::alloc_count;
 use crate::report::{row, Report, Row};
@@ -42,6 +44,11 @@ pub struct HostArgs {
     /// Block counts at which to measure metadata bytes per block (0 skips).
     #[arg(long, value_delimiter = ',', default_value = "1000000,10000000")]
     pub metadata_blocks: Vec<u64>,
+    /// Other host policies whose metadata to measure at the same counts (cases `metadata N
+    /// blocks, POLICY`; the unnamed cases use the default, the duel). `lru` is what a host
+    /// tier in front of a disk tier runs by default; "none" for none.
+    #[arg(long, value_delimiter = ',', default_value = "duel-clock,lru")]
+    pub metadata_policies: Vec<String>,
     /// Write a Markdown summary and a bandwidth plot into this directory.
     #[arg(long)]
     pub report: Option<std::path::PathBuf>,
@@ -334,16 +341,36 @@ fn match_prefix_case(args: &HostArgs, rows: &mut Vec<Row>) -> Result<()> {
 
 /// A store with room for `blocks` 4 KiB blocks whose arena is never touched: reserved slots
 /// are committed without writing, so the memfd stays sparse and only metadata costs memory.
-fn sparse_store(blocks: u64) -> Result<kvstore::Store> {
+fn sparse_store(blocks: u64, policy: PolicyKind) -> Result<kvstore::Store> {
     let seg: u64 = 64 << 20;
     Ok(StoreConfig {
         capacity_bytes: (blocks * 4096).div_ceil(seg) * seg,
         segment_bytes: seg,
         size_classes: vec![4096],
         populate: kvstore::Populate::Lazy,
+        policy,
         ..Default::default()
     }
     .build()?)
+}
+
+/// Heap bytes per block of a store holding `blocks` blocks under `policy`, and the store.
+fn filled_store(blocks: u64, policy: PolicyKind) -> Result<(kvstore::Store, NsId, f64)> {
+    let before = alloc_count::live_bytes();
+    let store = sparse_store(blocks, policy)?;
+    let ns = store.register_namespace(&namespace())?;
+    for i in 0..blocks {
+        match store.reserve(ns, key(i), 4096)? {
+            Reserve::Slot(r) => {
+                // A checksum the writer computed: the store reads nothing.
+                r.commit_with_checksum(0)?;
+            }
+            _ => anyhow::bail!("duplicate key {i}"),
+        }
+    }
+    ensure!(store.stats().blocks == blocks, "not every block was stored");
+    let per = (alloc_count::live_bytes() - before) as f64 / blocks as f64;
+    Ok((store, ns, per))
 }
 
 /// A row of heap bytes per block, against the 128-byte target.
@@ -360,21 +387,9 @@ fn metadata_row(case: String, per: f64) -> Row {
     }
 }
 
-fn metadata_case(blocks: u64, rows: &mut Vec<Row>) -> Result<()> {
+fn metadata_case(blocks: u64, policies: &[PolicyKind], rows: &mut Vec<Row>) -> Result<()> {
     let before = alloc_count::live_bytes();
-    let store = sparse_store(blocks)?;
-    let ns = store.register_namespace(&namespace())?;
-    for i in 0..blocks {
-        match store.reserve(ns, key(i), 4096)? {
-            Reserve::Slot(r) => {
-                // A checksum the writer computed: the store reads nothing.
-                r.commit_with_checksum(0)?;
-            }
-            _ => anyhow::bail!("duplicate key {i}"),
-        }
-    }
-    ensure!(store.stats().blocks == blocks, "not every block was stored");
-    let per = (alloc_count::live_bytes() - before) as f64 / blocks as f64;
+    let (store, ns, per) = filled_store(blocks, PolicyKind::default())?;
     rows.push(metadata_row(
         format!("metadata {} blocks", human_count(blocks)),
         per,
@@ -399,7 +414,7 @@ fn metadata_case(blocks: u64, rows: &mut Vec<Row>) -> Result<()> {
     ));
     drop(store);
     // The same lookups against a store of 65,536 blocks, same run: what scale costs.
-    let small = sparse_store(65_536)?;
+    let small = sparse_store(65_536, PolicyKind::default())?;
     let sns = small.register_namespace(&namespace())?;
     for i in 0..65_536 {
         if let Reserve::Slot(r) = small.reserve(sns, key(i), 4096)? {
@@ -418,6 +433,14 @@ fn metadata_case(blocks: u64, rows: &mut Vec<Row>) -> Result<()> {
             sweep: None,
             baseline_is: "the same lookup at 65,536 blocks",
         });
+    }
+    for &p in policies {
+        let (store, _, per) = filled_store(blocks, p)?;
+        drop(store);
+        rows.push(metadata_row(
+            format!("metadata {} blocks, {}", human_count(blocks), p.name()),
+            per,
+        ));
     }
     Ok(())
 }
@@ -469,9 +492,17 @@ pub fn run(args: HostArgs) -> Result<()> {
     if args.chain > 0 {
         match_prefix_case(&args, &mut rows)?;
     }
+    let policies = args
+        .metadata_policies
+        .iter()
+        .filter(|p| p.as_str() != "none")
+        .map(|p| {
+            PolicyKind::parse(p).with_context(|| format!("--metadata-policies: no policy {p:?}"))
+        })
+        .collect::<Result<Vec<_>>>()?;
     for &n in &args.metadata_blocks {
         if n > 0 {
-            metadata_case(n, &mut rows)?;
+            metadata_case(n, &policies, &mut rows)?;
         }
     }
     let report = Report {

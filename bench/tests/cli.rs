@@ -45,7 +45,9 @@ fn host_bench_prints_json_last_line() {
             "metadata 10000 blocks",
             "metadata 10000 blocks evicting",
             "lookup 64 keys p50 at 10000 blocks",
-            "lookup 64 keys p99 at 10000 blocks"
+            "lookup 64 keys p99 at 10000 blocks",
+            "metadata 10000 blocks, duel-clock",
+            "metadata 10000 blocks, lru"
         ]
     );
     for r in rows {

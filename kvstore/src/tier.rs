@@ -162,7 +162,7 @@ pub struct TierStats {
     /// Fixed cost of a read batch from this tier, nanoseconds (same weighting).
     pub read_latency_ns: u64,
     /// For a tier whose eviction policy switches between orders (the duel): the order choosing
-    /// victims now (`"s3fifo"` or `"lru"`).
+    /// victims now (`"s3fifo"`, or `"lru"` / `"clock"`: the duel's recency order).
     pub policy_leader: Option<&'static str>,
 }
 

@@ -291,7 +291,8 @@ pub struct HostSection {
     /// Slot sizes; empty: 4 per power of two from 64 KiB to the segment size.
     pub size_classes: Vec<Size>,
     /// Eviction policy: auto (default: lru in front of a disk tier, duel without one), duel
-    /// (S3-FIFO and LRU in a duel), s3fifo, s3fifo-adaptive, lru, sieve, wtinylfu or arc.
+    /// (S3-FIFO and LRU in a duel), duel-clock (CLOCK in LRU's place: 8 bytes a block less),
+    /// s3fifo, s3fifo-adaptive, lru, clock, sieve, wtinylfu or arc.
     pub policy: String,
     /// Explicit huge pages (needs vm.nr_hugepages).
     pub huge_pages: bool,
@@ -611,12 +612,12 @@ impl Config {
         ensure!(
             self.host.policy.eq_ignore_ascii_case("auto")
                 || PolicyKind::parse(&self.host.policy).is_some(),
-            "host.policy = {:?}: use auto, duel, s3fifo, s3fifo-adaptive, lru, sieve, wtinylfu or arc",
+            "host.policy = {:?}: use auto, duel, duel-clock, s3fifo, s3fifo-adaptive, lru, clock, sieve, wtinylfu or arc",
             self.host.policy
         );
         ensure!(
             PolicyKind::parse(&self.disk.policy).is_some(),
-            "disk.policy = {:?}: use duel, s3fifo, s3fifo-adaptive, lru, sieve, wtinylfu or arc",
+            "disk.policy = {:?}: use duel, duel-clock, s3fifo, s3fifo-adaptive, lru, clock, sieve, wtinylfu or arc",
             self.disk.policy
         );
         ensure!(

@@ -322,7 +322,7 @@ fn collect(d: &Daemon, o: &mut Out) -> fmt::Result {
     )?;
     o.gauge(
         "policy_lru_leading_classes",
-        "Host size classes whose duel policy has LRU choosing victims (host.policy = duel only; the rest: S3-FIFO).",
+        "Host size classes whose duel policy has its recency order (LRU, or CLOCK in duel-clock) choosing victims (the rest: S3-FIFO).",
         &one_f(s.policy_lru_leading_classes as f64),
     )?;
     o.gauge(
@@ -370,10 +370,10 @@ fn collect(d: &Daemon, o: &mut Out) -> fmt::Result {
     )?;
     o.gauge(
         "tier_policy_lru_leading",
-        "1 while LRU chooses the victims of a lower tier's duel policy (0: S3-FIFO, or no duel).",
+        "1 while the recency order (LRU, or CLOCK in duel-clock) chooses the victims of a lower tier's duel policy (0: S3-FIFO, or no duel).",
         &[(
             label("tier", "disk"),
-            f64::from(u8::from(disk.policy_leader == Some("lru"))),
+            f64::from(u8::from(disk.policy_leader.is_some_and(|l| l != "s3fifo"))),
         )],
     )?;
     o.gauge(

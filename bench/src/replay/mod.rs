@@ -51,7 +51,7 @@ pub struct ReplayArgs {
     /// Disk capacity, same forms; "0" for no disk tier.
     #[arg(long, default_value = "20%")]
     pub disk: String,
-    /// Eviction policy: duel, wtinylfu, s3fifo, s3fifo-adaptive, lru, sieve or arc (default: the
+    /// Eviction policy: duel, duel-clock, wtinylfu, s3fifo, s3fifo-adaptive, lru, clock, sieve or arc (default: the
     /// store's default).
     #[arg(long)]
     pub policy: Option<String>,
@@ -227,7 +227,7 @@ pub fn run(args: ReplayArgs) -> Result<()> {
         Some(p) => match PolicyKind::parse(p) {
             Some(p) => (p, Some(p)),
             None => bail!(
-                "--policy must be duel, wtinylfu, s3fifo, s3fifo-adaptive, lru, sieve or arc, not {p:?}"
+                "--policy must be duel, duel-clock, wtinylfu, s3fifo, s3fifo-adaptive, lru, clock, sieve or arc, not {p:?}"
             ),
         },
     };

@@ -91,21 +91,22 @@ impl<P: EvictionPolicy> Shadow<P> {
     }
 }
 
-/// The duel (`PolicyKind::Duel`).
+/// The duel: S3-FIFO against a recency order `R`, LRU (`PolicyKind::Duel`) or CLOCK
+/// (`PolicyKind::DuelClock`, 8 bytes a block less, hits a little lower where recency wins).
 #[derive(Default)]
-pub struct Duel {
+pub struct Duel<R = Lru> {
     s3: S3Fifo,
-    lru: Lru,
+    recent: R,
     shadow_s3: Shadow<S3Fifo>,
-    shadow_lru: Shadow<Lru>,
+    shadow_recent: Shadow<R>,
     /// The sample: keys whose mixed hash has its top `shift` bits zero (1 in 2^shift).
     shift: u32,
     /// Most blocks the real cache held when it had to evict (its capacity, as far as seen).
     cap: usize,
     /// Sampled references in this round.
     since_halving: usize,
-    /// LRU leads (chooses victims); S3-FIFO otherwise.
-    lru_leads: bool,
+    /// The recency order leads (chooses victims); S3-FIFO otherwise.
+    recent_leads: bool,
 }
 
 fn mix(key: u64) -> u64 {
@@ -118,7 +119,7 @@ fn in_sample(key: u64, shift: u32) -> bool {
     shift == 0 || mix(key) >> (64 - shift) == 0
 }
 
-impl Duel {
+impl<R: EvictionPolicy + Default> Duel<R> {
     fn shadow_cap(&self) -> Option<usize> {
         (self.cap > 0).then(|| (self.cap >> self.shift).max(1))
     }
@@ -129,8 +130,14 @@ impl Duel {
         }
         let cap = self.shadow_cap();
         self.shadow_s3.reference(key, cap);
-        self.shadow_lru.reference(key, cap);
-        if self.shadow_s3.id_of.len().max(self.shadow_lru.id_of.len()) > SHADOW_MAX {
+        self.shadow_recent.reference(key, cap);
+        if self
+            .shadow_s3
+            .id_of
+            .len()
+            .max(self.shadow_recent.id_of.len())
+            > SHADOW_MAX
+        {
             self.shift += 1;
             self.rebuild_sample();
         }
@@ -141,9 +148,9 @@ impl Duel {
         self.since_halving += 1;
         if self.since_halving >= ROUND_LIFETIMES * cap.unwrap_or(SHADOW_MAX).max(256) {
             self.since_halving = 0;
-            self.lru_leads = self.shadow_lru.hits > self.shadow_s3.hits;
+            self.recent_leads = self.shadow_recent.hits > self.shadow_s3.hits;
             self.shadow_s3.hits /= 2;
-            self.shadow_lru.hits /= 2;
+            self.shadow_recent.hits /= 2;
         }
     }
 
@@ -151,7 +158,7 @@ impl Duel {
         let shift = self.shift;
         let cap = self.shadow_cap();
         self.shadow_s3.resample(|k| in_sample(k, shift), cap);
-        self.shadow_lru.resample(|k| in_sample(k, shift), cap);
+        self.shadow_recent.resample(|k| in_sample(k, shift), cap);
     }
 
     /// The real cache is full at `len` blocks: the shadows' capacity follows.
@@ -172,26 +179,29 @@ impl Duel {
     }
 }
 
-impl EvictionPolicy for Duel {
+impl<R: EvictionPolicy + Default> EvictionPolicy for Duel<R> {
     fn name(&self) -> &'static str {
-        "duel"
+        match self.recent.name() {
+            "lru" => "duel",
+            _ => "duel-clock",
+        }
     }
 
     fn reserve(&mut self, ids: usize) {
         self.s3.reserve(ids);
-        self.lru.reserve(ids);
+        self.recent.reserve(ids);
     }
 
     fn insert(&mut self, id: u32, key_hash: u64) {
         self.s3.insert(id, key_hash);
-        self.lru.insert(id, key_hash);
+        self.recent.insert(id, key_hash);
         self.reference(key_hash);
     }
 
     fn access(&mut self, id: u32, key_hash: u64) {
         let tracked = self.s3.tracks(id);
         self.s3.access(id, key_hash);
-        self.lru.access(id, key_hash);
+        self.recent.access(id, key_hash);
         if tracked {
             self.reference(key_hash);
         }
@@ -199,31 +209,35 @@ impl EvictionPolicy for Duel {
 
     fn remove(&mut self, id: u32) {
         self.s3.remove(id);
-        self.lru.remove(id);
+        self.recent.remove(id);
     }
 
     fn cool(&mut self, id: u32) {
         self.s3.cool(id);
-        self.lru.cool(id);
+        self.recent.cool(id);
     }
 
     fn evict(&mut self, try_evict: &mut Offer<'_>) -> Option<u32> {
         self.learn_capacity(self.s3.len());
-        let victim = if self.lru_leads {
-            self.lru.evict(try_evict)
+        let victim = if self.recent_leads {
+            self.recent.evict(try_evict)
         } else {
             self.s3.evict(try_evict)
         }?;
-        if self.lru_leads {
+        if self.recent_leads {
             self.s3.remove(victim);
         } else {
-            self.lru.remove(victim);
+            self.recent.remove(victim);
         }
         Some(victim)
     }
 
     fn leader(&self) -> Option<&'static str> {
-        Some(if self.lru_leads { "lru" } else { "s3fifo" })
+        Some(if self.recent_leads {
+            self.recent.name()
+        } else {
+            "s3fifo"
+        })
     }
 
     fn len(&self) -> usize {
@@ -234,9 +248,14 @@ impl EvictionPolicy for Duel {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::Clock;
 
     /// Ids 0..cap; `refs` are keys; returns hits.
-    fn run(p: &mut Duel, cap: usize, refs: impl Iterator<Item = u64>) -> u64 {
+    fn run<R: EvictionPolicy + Default>(
+        p: &mut Duel<R>,
+        cap: usize,
+        refs: impl Iterator<Item = u64>,
+    ) -> u64 {
         let mut id_of: HashMap<u64, u32> = HashMap::new();
         let mut key_of: Vec<u64> = Vec::new();
         let mut hits = 0;
@@ -265,7 +284,12 @@ mod tests {
 
     #[test]
     fn the_leader_follows_the_traffic() {
-        let mut p = Duel::default();
+        leader_follows::<Lru>("lru");
+        leader_follows::<Clock>("clock");
+    }
+
+    fn leader_follows<R: EvictionPolicy + Default>(recent: &str) {
+        let mut p = Duel::<R>::default();
         // A loop slightly larger than the small queue's share but inside the cache, each key
         // reused once a lap: LRU keeps it all, S3-FIFO's small queue drops it.
         let cap = 100;
@@ -273,8 +297,8 @@ mod tests {
         run(&mut p, cap, (0..50).flat_map(|i| lap(i / 2)));
         assert_eq!(
             p.leader(),
-            Some("lru"),
-            "keys reused once a lap: LRU should lead"
+            Some(recent),
+            "keys reused once a lap: the recency order should lead"
         );
         // Then a hot set of 70 keys, each back every 110 references, under a scan of
         // single-use keys: LRU (100 blocks) loses the hot set to the scan; S3-FIFO's ghost
@@ -295,18 +319,18 @@ mod tests {
             Some("s3fifo"),
             "a hot set under a scan: S3-FIFO should lead"
         );
-        assert_eq!(p.s3.len(), p.lru.len());
+        assert_eq!(p.s3.len(), p.recent.len());
         assert_eq!(p.len(), cap);
     }
 
     #[test]
     fn shadows_stay_bounded_on_a_large_cache() {
-        let mut p = Duel::default();
+        let mut p = Duel::<Lru>::default();
         let cap = 3 * SHADOW_MAX;
         run(&mut p, cap, 0..(4 * cap as u64));
         assert!(p.shift >= 2, "shift {}", p.shift);
         assert!(p.shadow_s3.id_of.len() <= SHADOW_MAX + 1);
-        assert!(p.shadow_lru.id_of.len() <= SHADOW_MAX + 1);
+        assert!(p.shadow_recent.id_of.len() <= SHADOW_MAX + 1);
         assert_eq!(p.len(), cap);
     }
 }

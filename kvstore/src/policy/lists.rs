@@ -1,12 +1,14 @@
 //! Intrusive doubly linked lists over dense ids: `N` lists share one link table, and an id is
-//! in at most one of them. Heads are the most recently inserted end.
+//! in at most one of them. Heads are the most recently inserted end. The byte that says which
+//! list an id is in has 6 bits to spare, which the policy may use ([`Lists::aux`]: S3-FIFO's
+//! frequency), so a block costs 9 bytes however the policy counts.
 
 pub(super) const NIL: u32 = u32::MAX;
 
 pub(super) struct Lists<const N: usize> {
     /// `(prev, next)` per id; `prev` points toward the head.
     links: Vec<(u32, u32)>,
-    /// 0: in no list; `l + 1`: in list `l`.
+    /// Bits 0-1: 0 in no list, `l + 1` in list `l`; bits 2-7: the policy's ([`Lists::aux`]).
     tag: Vec<u8>,
     head: [u32; N],
     tail: [u32; N],
@@ -25,7 +27,12 @@ impl<const N: usize> Default for Lists<N> {
     }
 }
 
+/// The tag bits naming the list.
+const LIST: u8 = 3;
+
 impl<const N: usize> Lists<N> {
+    const FITS: () = assert!(N <= 3, "two tag bits name the list");
+
     /// Makes room for `id` in the tables.
     pub(super) fn ensure(&mut self, id: u32) {
         let i = id as usize;
@@ -43,10 +50,32 @@ impl<const N: usize> Lists<N> {
 
     /// The list `id` is in.
     pub(super) fn list_of(&self, id: u32) -> Option<usize> {
-        match self.tag.get(id as usize) {
-            Some(&t) if t > 0 => Some(t as usize - 1),
+        #[allow(clippy::let_unit_value)]
+        let () = Self::FITS;
+        match self.tag.get(id as usize).map(|t| t & LIST) {
+            Some(t) if t > 0 => Some(t as usize - 1),
             _ => None,
         }
+    }
+
+    /// The policy's 6 bits of `id` (0 for an id never seen). They stay through moves and
+    /// unlinking: the policy resets them when it wants.
+    pub(super) fn aux(&self, id: u32) -> u8 {
+        self.tag.get(id as usize).map_or(0, |t| t >> 2)
+    }
+
+    /// Sets the policy's bits of `id` (`v` < 64).
+    pub(super) fn set_aux(&mut self, id: u32, v: u8) {
+        debug_assert!(v < 64);
+        self.ensure(id);
+        let t = &mut self.tag[id as usize];
+        *t = (*t & LIST) | (v << 2);
+    }
+
+    /// Ids the tables have room for.
+    #[cfg(test)]
+    pub(super) fn ids(&self) -> usize {
+        self.tag.len()
     }
 
     pub(super) fn len(&self, l: usize) -> usize {
@@ -84,7 +113,7 @@ impl<const N: usize> Lists<N> {
             self.links[n as usize].0 = p;
         }
         self.links[id as usize] = (NIL, NIL);
-        self.tag[id as usize] = 0;
+        self.tag[id as usize] &= !LIST;
         self.len[l] -= 1;
     }
 
@@ -100,7 +129,7 @@ impl<const N: usize> Lists<N> {
             self.links[old as usize].0 = id;
         }
         self.head[l] = id;
-        self.tag[id as usize] = l as u8 + 1;
+        self.tag[id as usize] |= l as u8 + 1;
         self.len[l] += 1;
     }
 
@@ -116,7 +145,7 @@ impl<const N: usize> Lists<N> {
             self.links[old as usize].1 = id;
         }
         self.tail[l] = id;
-        self.tag[id as usize] = l as u8 + 1;
+        self.tag[id as usize] |= l as u8 + 1;
         self.len[l] += 1;
     }
 }
@@ -159,5 +188,13 @@ mod tests {
         assert_eq!((x.back(0), x.len(0), x.list_of(5)), (Some(5), 1, Some(0)));
         x.unlink(5);
         assert_eq!(x.back(0), None);
+        // The spare bits ride along through moves and unlinking, apart from the list's.
+        x.set_aux(1, 63);
+        x.push_front(0, 1);
+        assert_eq!((x.aux(1), x.list_of(1)), (63, Some(0)));
+        x.unlink(1);
+        assert_eq!((x.aux(1), x.list_of(1)), (63, None));
+        x.set_aux(1, 2);
+        assert_eq!((x.aux(1), x.aux(1000)), (2, 0));
     }
 }

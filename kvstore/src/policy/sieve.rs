@@ -7,8 +7,8 @@ use super::{EvictionPolicy, Offer};
 
 /// SIEVE over dense ids.
 pub struct Sieve {
+    /// The queue; its spare bits hold each block's visited bit.
     q: Lists<1>,
-    visited: Vec<bool>,
     /// Where the next eviction scan starts; [`NIL`]: at the oldest block.
     hand: u32,
 }
@@ -17,7 +17,6 @@ impl Default for Sieve {
     fn default() -> Self {
         Self {
             q: Lists::default(),
-            visited: Vec::new(),
             hand: NIL,
         }
     }
@@ -39,21 +38,17 @@ impl EvictionPolicy for Sieve {
 
     fn reserve(&mut self, ids: usize) {
         self.q.reserve(ids);
-        super::reserve_total(&mut self.visited, ids);
     }
 
     fn insert(&mut self, id: u32, _key_hash: u64) {
-        if self.visited.len() <= id as usize {
-            self.visited.resize(id as usize + 1, false);
-        }
         self.take(id);
-        self.visited[id as usize] = false;
+        self.q.set_aux(id, 0);
         self.q.push_front(0, id);
     }
 
     fn access(&mut self, id: u32, _key_hash: u64) {
         if self.q.list_of(id).is_some() {
-            self.visited[id as usize] = true;
+            self.q.set_aux(id, 1);
         }
     }
 
@@ -67,7 +62,7 @@ impl EvictionPolicy for Sieve {
         if self.q.list_of(id).is_some() {
             // At the oldest end, unvisited, under the hand: the next one looked at.
             self.take(id);
-            self.visited[id as usize] = false;
+            self.q.set_aux(id, 0);
             self.q.push_back(0, id);
             self.hand = id;
         }
@@ -86,8 +81,8 @@ impl EvictionPolicy for Sieve {
                 cur = self.q.back(0)?;
             }
             let next = self.q.toward_head(cur);
-            if self.visited[cur as usize] {
-                self.visited[cur as usize] = false;
+            if self.q.aux(cur) != 0 {
+                self.q.set_aux(cur, 0);
             } else if try_evict(cur).is_some() {
                 self.hand = next;
                 self.q.unlink(cur);

@@ -279,7 +279,7 @@ impl Inner {
     /// index hash `h` (what the class remembers of it); returns the evicted block's key.
     fn try_evict(
         &self,
-        h: u64,
+        h: u32,
         class: usize,
         idx: u32,
         page: u32,

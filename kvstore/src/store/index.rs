@@ -190,7 +190,7 @@ impl Shard {
 
     /// A load's pin, in one probe: pins a Ready block and marks it accessed (and no longer
     /// "preloaded, not used yet"); otherwise says where the block is in its life.
-    pub(crate) fn pin_read(&mut self, h: u64, key: MapKey) -> Result<PinRead, StoreError> {
+    pub(crate) fn pin_read(&mut self, h: u32, key: MapKey) -> Result<PinRead, StoreError> {
         let Some(e) = self.map.get_hashed_mut(h, &key) else {
             return Ok(PinRead::Absent);
         };

@@ -158,8 +158,8 @@ pub struct StoreStats {
     pub push_failed: u64,
     /// Bytes queued for pushing (retries waiting included).
     pub push_queue_bytes: u64,
-    /// Size classes of the host tier whose policy is the duel and has LRU choosing victims
-    /// now (the others' duels, if any, have S3-FIFO).
+    /// Size classes of the host tier whose policy is a duel and has its recency order (LRU, or
+    /// CLOCK in `duel-clock`) choosing victims now (the others' duels, if any, have S3-FIFO).
     pub policy_lru_leading_classes: u64,
 }
 
@@ -867,7 +867,7 @@ impl Store {
         let policy_lru_leading_classes = inner
             .classes
             .iter()
-            .filter(|c| c.lock().policy.leader() == Some("lru"))
+            .filter(|c| c.lock().policy.leader().is_some_and(|l| l != "s3fifo"))
             .count() as u64;
         StoreStats {
             policy_lru_leading_classes,
@@ -949,12 +949,13 @@ impl Inner {
     }
 
     pub(crate) fn shard(&self, key: BlockKey) -> &Mutex<Shard> {
-        &self.shards[self.shard_of(crate::types::key_mix(key))]
+        &self.shards[self.shard_of(table::hash(crate::types::MapKey::from(key)))]
     }
 
-    /// The shard of a key with this [`table::hash`] (its top bits).
-    pub(crate) fn shard_of(&self, hash: u64) -> usize {
-        hash.checked_shr(64 - self.shard_bits).unwrap_or(0) as usize
+    /// The shard of a key with this [`table::hash`] (its low bits; the table places keys by
+    /// the high ones).
+    pub(crate) fn shard_of(&self, hash: u32) -> usize {
+        (hash & ((1u32 << self.shard_bits) - 1)) as usize
     }
 
     pub(crate) fn ptr(&self, page: u32) -> *mut u8 {

@@ -89,7 +89,7 @@ pub(crate) struct Prefetcher {
     /// Keys before this one have been prefetched (none when `on` is false)…
     prefetched: usize,
     /// …and their hashes kept here, at their position modulo 16.
-    hashes: [u64; 16],
+    hashes: [u32; 16],
     on: bool,
 }
 
@@ -108,7 +108,7 @@ impl Prefetcher {
 
     /// The hash of `keys[pos]` (`table::hash`), prefetching ahead of it.
     #[inline]
-    pub(crate) fn hash(&mut self, inner: &Inner, keys: &[BlockKey], pos: usize) -> u64 {
+    pub(crate) fn hash(&mut self, inner: &Inner, keys: &[BlockKey], pos: usize) -> u32 {
         if !self.on || pos + 16 <= self.prefetched {
             return super::table::hash(MapKey::from(keys[pos]));
         }
@@ -764,7 +764,7 @@ impl Inner {
     }
 
     /// [`Inner::try_pin`] of a key whose `table::hash` is `h`.
-    fn try_pin_hashed(&self, key: BlockKey, h: u64) -> Result<Found, StoreError> {
+    fn try_pin_hashed(&self, key: BlockKey, h: u32) -> Result<Found, StoreError> {
         let read = self.shards[self.shard_of(h)]
             .lock()
             .pin_read(h, MapKey::from(key))?;

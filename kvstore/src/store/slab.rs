@@ -18,8 +18,8 @@ pub(crate) struct Class {
     pub free: Vec<u32>,
     /// The index hash (`table::hash`) of the block's key in each slot (valid while `used`):
     /// enough to find the block's entry (the shard, then the bucket holding this slot), in
-    /// half the bytes of the key.
-    pub hashes: Vec<u64>,
+    /// a quarter of the bytes of the key.
+    pub hashes: Vec<u32>,
     /// Commit checksum (xxh3-64) of the block in each slot (valid once committed).
     pub sums: Vec<u64>,
     /// Whether each slot is in use (reserved or committed): a bit per slot.
@@ -114,7 +114,7 @@ impl Class {
     }
 
     /// Marks a free slot used by the block whose key has index hash `hash`.
-    pub(crate) fn take(&mut self, idx: u32, hash: u64) {
+    pub(crate) fn take(&mut self, idx: u32, hash: u32) {
         self.hashes[idx as usize] = hash;
         self.used[idx as usize / 64] |= 1 << (idx % 64);
         self.live[(idx / self.per_seg) as usize] += 1;
@@ -193,7 +193,7 @@ mod tests {
             for seg in 0..5 {
                 c.add_segment(seg);
                 while let Some(idx) = c.free.pop() {
-                    c.take(idx, u64::from(idx));
+                    c.take(idx, idx);
                     c.policy.insert(idx, u64::from(idx));
                 }
             }

@@ -13,8 +13,9 @@
 //!   the home bucket of every key first, then takes each shard's lock once and probes, so the
 //!   cache misses of 64 keys overlap instead of queueing one after the other behind a lock.
 //!
-//! The home of a key is `fastrange(hash.rotate_left(32), capacity)`: the hash's top bits pick
-//! the shard, so the table uses others.
+//! A key's index hash is 32 bits ([`hash`]): its low bits pick the shard, and its home bucket
+//! is `fastrange(hash, capacity)`, which the high bits decide. 32 bits place a key exactly in
+//! any table under 2^32 buckets, and a size class remembers each slot's key by these 4 bytes.
 
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
@@ -63,15 +64,15 @@ impl Bucket {
     }
 }
 
-/// The hash of a key: its top bits pick the shard ([`super::Inner::shard`]), the rest its
-/// bucket.
-pub(crate) fn hash(key: MapKey) -> u64 {
-    key_mix(BlockKey::from(key))
+/// The index hash of a key: its low bits pick the shard ([`super::Inner::shard_of`]), its high
+/// bits the bucket.
+pub(crate) fn hash(key: MapKey) -> u32 {
+    key_mix(BlockKey::from(key)) as u32
 }
 
-/// The home bucket of a key with hash `h` in a table of `cap` buckets.
-fn home(h: u64, cap: usize) -> usize {
-    ((u128::from(h.rotate_left(32)) * cap as u128) >> 64) as usize
+/// The home bucket of a key with hash `h` in a table of `cap` buckets (`cap` < 2^32).
+fn home(h: u32, cap: usize) -> usize {
+    ((u64::from(h) * cap as u64) >> 32) as usize
 }
 
 /// Where a shard's buckets are, for prefetching without the shard's lock. Read racily on
@@ -91,7 +92,7 @@ impl Hint {
 
     /// Starts loading the home bucket of the key with hash `h` into the cache.
     #[inline]
-    pub(crate) fn prefetch(&self, h: u64) {
+    pub(crate) fn prefetch(&self, h: u32) {
         let (base, cap) = (self.base.load(Relaxed), self.cap.load(Relaxed));
         if cap == 0 {
             return;
@@ -151,7 +152,7 @@ impl Table {
 
     /// The first bucket on the probe path of hash `h` that `hit` accepts.
     #[inline]
-    fn probe(&self, h: u64, hit: impl Fn(&Bucket) -> bool) -> Option<usize> {
+    fn probe(&self, h: u32, hit: impl Fn(&Bucket) -> bool) -> Option<usize> {
         let cap = self.buckets.len();
         if self.len == 0 {
             return None;
@@ -183,19 +184,19 @@ impl Table {
 
     /// The bucket holding `key` (hash `h`).
     #[inline]
-    fn find(&self, h: u64, key: &MapKey) -> Option<usize> {
+    fn find(&self, h: u32, key: &MapKey) -> Option<usize> {
         self.probe(h, |b| b.key == *key)
     }
 
     /// The entry of `key`, given its [`hash`].
     #[inline]
-    pub(crate) fn get_hashed(&self, h: u64, key: &MapKey) -> Option<&Entry> {
+    pub(crate) fn get_hashed(&self, h: u32, key: &MapKey) -> Option<&Entry> {
         self.find(h, key).map(|i| &self.buckets[i].e)
     }
 
     /// The entry of `key` to change, given its [`hash`].
     #[inline]
-    pub(crate) fn get_hashed_mut(&mut self, h: u64, key: &MapKey) -> Option<&mut Entry> {
+    pub(crate) fn get_hashed_mut(&mut self, h: u32, key: &MapKey) -> Option<&mut Entry> {
         self.find(h, key).map(|i| &mut self.buckets[i].e)
     }
 
@@ -209,7 +210,7 @@ impl Table {
 
     /// The key and entry that hold `slot`, given the key's hash (what a size class remembers
     /// of a slot's block): the bucket is on the probe path of the hash's home, like the key's.
-    pub(crate) fn slot_entry_mut(&mut self, h: u64, slot: Slot) -> Option<(MapKey, &mut Entry)> {
+    pub(crate) fn slot_entry_mut(&mut self, h: u32, slot: Slot) -> Option<(MapKey, &mut Entry)> {
         let i = self.probe(h, |b| b.e.slot() == slot)?;
         let b = &mut self.buckets[i];
         Some((b.key, &mut b.e))
@@ -235,7 +236,7 @@ impl Table {
     }
 
     /// Puts a bucket whose key is absent into the table (which has an empty bucket).
-    fn place(&mut self, h: u64, mut b: Bucket) {
+    fn place(&mut self, h: u32, mut b: Bucket) {
         let cap = self.buckets.len();
         let mut i = home(h, cap);
         let mut d = 0;
