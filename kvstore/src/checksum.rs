@@ -23,9 +23,11 @@ const NT_OUT: bool = false;
 /// registers the stores wrote), else copied, then the destination hashed.
 fn copy_piece(d: &mut [u8], s: &[u8], nt: bool) -> u64 {
     if s.len() >= fused::MIN_LEN && fused::available() {
+        assert_eq!(d.len(), s.len(), "copy_piece: lengths differ");
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `available()` said the CPU has AVX2.
-        return unsafe { fused::copy_xxh3(d, s, nt) };
+        // SAFETY: `available()` said the CPU has AVX2; `s` is a slice as long as `d`, and a
+        // `&mut` cannot overlap it.
+        return unsafe { fused::copy_xxh3(d, s.as_ptr(), nt) };
     }
     if nt {
         copy_nt(d, s);
@@ -33,6 +35,31 @@ fn copy_piece(d: &mut [u8], s: &[u8], nt: bool) -> u64 {
         d.copy_from_slice(s);
     }
     oneshot(d)
+}
+
+/// [`copy_out_hashed`] from raw memory (a block in an arena other processes map: read only
+/// through raw loads, never as a Rust reference): the checksum of the bytes `dst` got.
+///
+/// # Safety
+/// `src` is valid for reads of `dst.len()` bytes and does not overlap `dst`.
+pub(crate) unsafe fn copy_out_hashed_raw(dst: &mut [u8], src: *const u8) -> u64 {
+    let mut l = Leaves::new();
+    for (i, d) in dst.chunks_mut(CHUNK).enumerate() {
+        // SAFETY: piece `i` lies within the `dst.len()` bytes the caller vouched for.
+        let s = unsafe { src.add(i * CHUNK) };
+        if d.len() >= fused::MIN_LEN && fused::available() {
+            #[cfg(target_arch = "x86_64")]
+            {
+                // SAFETY: AVX2 is present; `s` is valid for `d.len()` bytes, apart from `d`.
+                l.push(unsafe { fused::copy_xxh3(d, s, NT_OUT) });
+                continue;
+            }
+        }
+        // SAFETY: as above.
+        unsafe { std::ptr::copy_nonoverlapping(s, d.as_mut_ptr(), d.len()) };
+        l.push(oneshot(d));
+    }
+    l.finish()
 }
 
 /// Bytes per piece of the chunked checksum; the fused copy-and-hash helpers copy this much at a

@@ -53,18 +53,21 @@ pub(super) fn available() -> bool {
     }
 }
 
-/// Copies `src` into `dst` (same length, at least [`MIN_LEN`]) and returns `xxh3_64` of the
-/// bytes copied; `nt`: non-temporal stores where the destination is 32-byte aligned.
+/// Copies `dst.len()` bytes (at least [`MIN_LEN`]) from `src` into `dst` and returns
+/// `xxh3_64` of the bytes copied; `nt`: non-temporal stores where the destination is 32-byte
+/// aligned. The source is read only through raw loads, so it may be memory another process
+/// writes meanwhile (a shared arena): that changes what is copied, and the hash follows it.
 ///
 /// # Safety
-/// The CPU has AVX2 ([`available`]).
+/// The CPU has AVX2 ([`available`]); `src` is valid for reads of `dst.len()` bytes and does not
+/// overlap `dst`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-pub(super) unsafe fn copy_xxh3(dst: &mut [u8], src: &[u8], nt: bool) -> u64 {
+pub(super) unsafe fn copy_xxh3(dst: &mut [u8], src: *const u8, nt: bool) -> u64 {
     use std::arch::x86_64::*;
     let len = dst.len();
-    assert!(len == src.len() && len >= MIN_LEN, "copy_xxh3: bad lengths");
-    let (d, s, k) = (dst.as_mut_ptr(), src.as_ptr(), SECRET.as_ptr());
+    assert!(len >= MIN_LEN, "copy_xxh3: bad length");
+    let (d, s, k) = (dst.as_mut_ptr(), src, SECRET.as_ptr());
     let nt = nt && d.align_offset(32) == 0;
     let init = [
         PRIME32_3, PRIME64_1, PRIME64_2, PRIME64_3, PRIME64_4, PRIME32_2, PRIME64_5, PRIME32_1,
@@ -140,7 +143,8 @@ pub(super) unsafe fn copy_xxh3(dst: &mut [u8], src: &[u8], nt: bool) -> u64 {
         );
     }
     let done = blocks * BLOCK + stripes * STRIPE;
-    dst[done..].copy_from_slice(&src[done..]);
+    // SAFETY: `done..len` is within both (the caller's promise for `src`); no overlap.
+    unsafe { std::ptr::copy_nonoverlapping(s.add(done), d.add(done), len - done) };
     if nt {
         _mm_sfence();
     }
@@ -196,7 +200,7 @@ mod tests {
                     dst.iter_mut().for_each(|b| *b = 0);
                     let s = &src[so..so + n];
                     // SAFETY: guarded by `available()` above.
-                    let h = unsafe { copy_xxh3(&mut dst[dof..dof + n], s, nt) };
+                    let h = unsafe { copy_xxh3(&mut dst[dof..dof + n], s.as_ptr(), nt) };
                     assert_eq!(h, xxh3_64(s), "{n} bytes, offsets {so}/{dof}, nt {nt}");
                     assert_eq!(&dst[dof..dof + n], s, "{n} bytes copied");
                     assert!(dst[..dof].iter().all(|&b| b == 0), "nothing before");
