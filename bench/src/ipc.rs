@@ -213,6 +213,7 @@ pub fn run(args: IpcArgs) -> Result<()> {
     let mut p50 = Vec::new();
     let mut p99 = Vec::new();
     let mut over = Vec::new();
+    let mut over99 = Vec::new();
     for round in 0..=args.rounds {
         let mut e = Vec::with_capacity(args.lookups);
         let mut s = Vec::with_capacity(args.lookups);
@@ -232,9 +233,11 @@ pub fn run(args: IpcArgs) -> Result<()> {
         }
         if round > 0 {
             let (e50, s50) = (pct(&mut e, 0.5), pct(&mut s, 0.5));
+            let (e99, s99) = (pct(&mut e, 0.99), pct(&mut s, 0.99));
             p50.push((s50, e50));
-            p99.push((pct(&mut s, 0.99), pct(&mut e, 0.99)));
+            p99.push((s99, e99));
             over.push((s50 - e50, 30.0));
+            over99.push(((s99 - e99).max(0.0), 40.0));
         }
     }
     let ch = args.chain;
@@ -255,6 +258,13 @@ pub fn run(args: IpcArgs) -> Result<()> {
         "us",
         "goal: 30 us",
         &over,
+    ));
+    // What the socket adds in the slow tail (issue 33's goal: 40 µs).
+    rows.push(row(
+        format!("lookup+lease {ch} keys overhead p99"),
+        "us",
+        "goal: 40 us",
+        &over99,
     ));
     drop(c);
     Report {

@@ -500,7 +500,8 @@ fn ipc_bench_against_the_sidecar() {
             "get 2MiB batch 4",
             "lookup+lease 64 keys p50",
             "lookup+lease 64 keys p99",
-            "lookup+lease 64 keys overhead p50"
+            "lookup+lease 64 keys overhead p50",
+            "lookup+lease 64 keys overhead p99"
         ]
     );
 }
