@@ -422,6 +422,7 @@ fn metadata_case(blocks: u64, policies: &[PolicyKind], rows: &mut Vec<Row>) -> R
         }
     }
     let base = lookup_latency(&small, 65_536);
+    drop(small);
     for (q, v, b) in [("p50", at_scale.0, base.0), ("p99", at_scale.1, base.1)] {
         rows.push(Row {
             case: format!("lookup 64 keys {q} at {} blocks", human_count(blocks)),

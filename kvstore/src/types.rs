@@ -170,11 +170,11 @@ mod tests {
         let filled = filled.iter().filter(|&&f| f).count();
         assert!(filled as f64 > 0.55 * m as f64, "{filled} of {m} buckets");
         assert!(tags.iter().all(|&c| c > 1_000_000 / 128 / 2), "{tags:?}");
-        // Index shards (the top 6 bits of the key mix) all get some of them, none more than
-        // twice its share.
+        // Index shards (the low 6 bits of the 32-bit index hash, `store::table::hash`) all get
+        // some of them, none more than twice its share.
         let mut per = [0u32; 64];
         for j in 0..n {
-            per[(key_mix(BlockKey(u128::from(j) << 1 | 1)) >> 58) as usize] += 1;
+            per[(key_mix(BlockKey(u128::from(j) << 1 | 1)) as u32 & 63) as usize] += 1;
         }
         let share = (n / 64) as u32;
         assert!(

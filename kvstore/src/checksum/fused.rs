@@ -73,7 +73,7 @@ pub(super) unsafe fn copy_xxh3(dst: &mut [u8], src: *const u8, nt: bool) -> u64 
         PRIME32_3, PRIME64_1, PRIME64_2, PRIME64_3, PRIME64_4, PRIME32_2, PRIME64_5, PRIME32_1,
     ];
     // SAFETY (every pointer below): offsets stay within `len` bytes of `src` and `dst` (the
-    // loops stop a full stripe short of the end, the tail is copied by `copy_from_slice`) and
+    // loops stop a full stripe short of the end, the tail is copied by `ptr::copy_nonoverlapping`) and
     // within the 192-byte secret (stripe secrets at ≤ 15 * 8 + 32 + 32 = 184, the scramble's
     // at 128..192, the last stripe's at 121..185).
     // SAFETY: `init` holds 8 u64s (64 bytes).

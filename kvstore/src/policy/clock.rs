@@ -1,13 +1,14 @@
 //! CLOCK over the slots themselves, as an operating system's page reclaim sweeps page frames:
 //! a referenced bit per id and a hand that walks the id space, clearing the bits it passes
-//! and offering the first tracked id whose bit is clear. Two bits per id (tracked,
-//! referenced) where LRU's list takes 8 bytes.
+//! and offering the first tracked id whose bit is clear. Three bits per id (tracked,
+//! referenced, cooled) where LRU's list takes 8 bytes.
 //!
 //! It approximates LRU: a block read since the hand last passed it gets another lap. The store
 //! reuses the slot it just evicted first (its free slots are a stack), so a new block usually
 //! lands where the hand has just been and waits a whole lap, as CLOCK's newest page does.
 //! A new block's bit starts clear: filling an empty cache from slot 0 up, the first lap then
 //! evicts in insertion order.
+//! A third bit per id marks the ids `cool` named since: they are offered before the sweep.
 
 use super::{reserve_total, EvictionPolicy, Offer};
 
@@ -24,7 +25,9 @@ pub struct Clock {
     /// The next id the hand looks at.
     hand: usize,
     len: usize,
-    /// Ids cooled since the last evictions, most recent last: offered before the sweep.
+    /// Bit `id`: cooled, and not read, removed or replaced since.
+    cooled_bits: Vec<u64>,
+    /// The cooled ids, most recent last (each at most once): offered before the sweep.
     cooled: Vec<u32>,
 }
 
@@ -42,6 +45,7 @@ impl Clock {
         let (w, b) = bit(id);
         self.tracked[w] &= !b;
         self.referenced[w] &= !b;
+        self.cooled_bits[w] &= !b;
         self.len -= 1;
     }
 }
@@ -54,6 +58,7 @@ impl EvictionPolicy for Clock {
     fn reserve(&mut self, ids: usize) {
         reserve_total(&mut self.tracked, ids.div_ceil(64));
         reserve_total(&mut self.referenced, ids.div_ceil(64));
+        reserve_total(&mut self.cooled_bits, ids.div_ceil(64));
     }
 
     fn insert(&mut self, id: u32, _key_hash: u64) {
@@ -61,18 +66,22 @@ impl EvictionPolicy for Clock {
         if self.tracked.len() <= w {
             self.tracked.resize(w + 1, 0);
             self.referenced.resize(w + 1, 0);
+            self.cooled_bits.resize(w + 1, 0);
         }
         if self.tracked[w] & b == 0 {
             self.tracked[w] |= b;
             self.len += 1;
         }
         self.referenced[w] &= !b;
+        // A new block in the slot: whatever was cooled there is gone.
+        self.cooled_bits[w] &= !b;
     }
 
     fn access(&mut self, id: u32, _key_hash: u64) {
         if self.tracks(id) {
             let (w, b) = bit(id);
             self.referenced[w] |= b;
+            self.cooled_bits[w] &= !b;
         }
     }
 
@@ -86,7 +95,12 @@ impl EvictionPolicy for Clock {
         if self.tracks(id) {
             let (w, b) = bit(id);
             self.referenced[w] &= !b;
-            if self.cooled.len() < COOLED_MAX {
+            if self.cooled_bits[w] & b != 0 {
+                // Cooled again: it moves to the end offered first.
+                self.cooled.retain(|&c| c != id);
+                self.cooled.push(id);
+            } else if self.cooled.len() < COOLED_MAX {
+                self.cooled_bits[w] |= b;
                 self.cooled.push(id);
             }
         }
@@ -96,11 +110,15 @@ impl EvictionPolicy for Clock {
         if self.len == 0 {
             return None;
         }
-        // Cooled blocks first, the most recently cooled first, as long as nothing read them
-        // since (a slot removed and reused since holds a new block: its bit says the same).
+        // Cooled blocks first, the most recently cooled first, as long as nothing read,
+        // removed or replaced them since (their cooled bit says so).
         while let Some(id) = self.cooled.pop() {
             let (w, b) = bit(id);
-            if self.tracks(id) && self.referenced[w] & b == 0 && try_evict(id).is_some() {
+            if self.cooled_bits[w] & b == 0 {
+                continue;
+            }
+            self.cooled_bits[w] &= !b;
+            if try_evict(id).is_some() {
                 self.untrack(id);
                 return Some(id);
             }
@@ -203,5 +221,30 @@ mod tests {
         // 7 was read after its slot was reused: it takes its lap like the others.
         let v = p.evict(&mut yes).unwrap();
         assert_ne!(v, 7);
+    }
+
+    #[test]
+    fn a_new_block_in_a_cooled_slot_is_not_cooled() {
+        let mut p = Clock::default();
+        for i in 0..10 {
+            p.insert(i, 0);
+            if i != 2 {
+                p.access(i, 0);
+            }
+        }
+        // Cooled twice, evicted, its slot taken by a new block never read.
+        p.cool(5);
+        p.cool(5);
+        assert_eq!(p.evict(&mut yes), Some(5));
+        p.insert(5, 0);
+        // Cooled, then removed and its slot taken by a new block.
+        p.cool(8);
+        p.remove(8);
+        p.insert(8, 0);
+        // Neither new block is offered as cooled: the sweep goes in slot order, from the
+        // unread 2 to the new 5 and 8.
+        let order: Vec<u32> = (0..3).map(|_| p.evict(&mut yes).unwrap()).collect();
+        assert_eq!(order, vec![2, 5, 8]);
+        assert!(p.cooled.is_empty());
     }
 }

@@ -1,5 +1,5 @@
-//! S3-FIFO and LRU in a duel: both order the same blocks, and the one whose miniature copy
-//! gets more hits on the recent references chooses the victims.
+//! S3-FIFO and LRU (or CLOCK, in `duel-clock`) in a duel: both order the same blocks, and the
+//! one whose miniature copy gets more hits on the recent references chooses the victims.
 //!
 //! No single policy wins on every KV workload (bench/RESULTS.md, wave 2): S3-FIFO's small
 //! queue drops the single-use tails of fresh prompts and document questions early, which is

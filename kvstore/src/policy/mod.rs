@@ -80,7 +80,7 @@ pub enum PolicyKind {
     /// Least recently used.
     Lru,
     /// CLOCK over the slots: a referenced bit per block and a hand sweeping the slots, an
-    /// approximation of LRU in 2 bits per block (LRU's list: 8 bytes).
+    /// approximation of LRU in 3 bits per block (LRU's list: 8 bytes).
     Clock,
     /// S3-FIFO (Yang et al., SOSP'23): a small probationary FIFO, a main FIFO with reinsertion
     /// and a ghost history; resists one-hit scans better than LRU.
@@ -104,7 +104,7 @@ pub enum PolicyKind {
     /// close to LRU where LRU wins (bench/RESULTS.md, "A duel of S3-FIFO and LRU").
     #[default]
     Duel,
-    /// The duel with CLOCK in LRU's place: 2 bits a block for the recency order instead of 8
+    /// The duel with CLOCK in LRU's place: 3 bits a block for the recency order instead of 8
     /// bytes (about 63 bytes of metadata a block at 10 M blocks instead of 71), for hit ratios
     /// up to 0.02 lower where recency wins (bench/RESULTS.md, "CLOCK for LRU").
     DuelClock,

@@ -739,7 +739,7 @@ impl Inner {
             let mut c = self.classes[run[0].1.class as usize].lock();
             for (k, s) in run {
                 let i = s.idx as usize;
-                // The slot still holds this key's block (by its index hash: a 64-bit
+                // The slot still holds this key's block (by its index hash: a 32-bit
                 // collision would only cool another block, and cooling is a hint).
                 if c.is_used(s.idx) && c.hashes[i] == super::table::hash(MapKey::from(*k)) {
                     c.policy.cool(s.idx);
