@@ -109,6 +109,12 @@ impl Arena {
         })
     }
 
+    /// Whether the arena is in 4 KiB pages: no hugetlb pages, and shared memory may not have
+    /// transparent huge ones (`shmem_enabled` says `never` or `deny`, or cannot be read).
+    pub fn small_pages(&self) -> bool {
+        !self.huge_pages && shmem_thp().is_none_or(|v| matches!(v.as_str(), "never" | "deny"))
+    }
+
     /// Size in bytes.
     pub fn len(&self) -> usize {
         self.map.len()
@@ -303,6 +309,19 @@ impl AlignedBuf {
         Ok(Self { map, len })
     }
 
+    /// [`AlignedBuf::new`] asking for transparent huge pages before the first touch (granted
+    /// for private memory where `transparent_hugepage/enabled` is `madvise` or `always`, the
+    /// usual settings; 4 KiB pages otherwise).
+    pub fn new_huge(len: usize) -> io::Result<Self> {
+        let mut map = MmapOptions::new().len(len.max(1)).map_anon()?;
+        // Best effort: a kernel without THP says no and the pages are small.
+        let _ = map.advise(memmap2::Advice::HugePage);
+        for page in map.chunks_mut(4096) {
+            page[0] = 0;
+        }
+        Ok(Self { map, len })
+    }
+
     /// Fills the buffer with a deterministic pattern derived from `seed`.
     pub fn fill_pattern(&mut self, seed: u64) {
         fill_pattern(self, seed);
@@ -449,25 +468,29 @@ mod arena_slice_tests {
 
 /// Says once per process, when the system gives shared memory no transparent huge pages, what
 /// that costs and how to change it.
+const SHMEM_THP: &str = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
+
+/// The selected value of `shmem_enabled` (the one in brackets), if readable.
+fn shmem_thp() -> Option<String> {
+    let s = std::fs::read_to_string(SHMEM_THP).ok()?;
+    Some(s.split('[').nth(1)?.split(']').next()?.to_string())
+}
+
 fn note_small_pages() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        let path = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
-        let Ok(s) = std::fs::read_to_string(path) else {
-            return;
-        };
-        // The selected value is the one in brackets.
-        let chosen = s.split('[').nth(1).and_then(|r| r.split(']').next());
+        let path = SHMEM_THP;
+        let chosen = shmem_thp();
+        let chosen = chosen.as_deref();
         if matches!(chosen, Some("never" | "deny")) {
             // A hint, not a fault: the daemon's default log level shows it.
             tracing::info!(
                 setting = path,
                 value = chosen.unwrap_or_default(),
                 "host arena in 4 KiB pages: copies out of it run about 10-30% below memcpy (TLB \
-                 misses) and loads from disk about 30% below the device's rate (a 2 MiB read \
-                 scattered over 512 pages) on this kind of machine. Allow shared-memory huge \
-                 pages (echo advise > {path}; kvtier asks for them) or reserve hugetlb pages and \
-                 set host.huge_pages"
+                 misses) on this kind of machine, and disk reads go through 96 MiB of huge-page \
+                 bounce buffers. Allow shared-memory huge pages (echo advise > {path}; kvtier \
+                 asks for them) or reserve hugetlb pages and set host.huge_pages"
             );
         }
     });

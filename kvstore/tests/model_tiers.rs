@@ -81,6 +81,9 @@ fn config(dir: &std::path::Path, write_through: bool, policy: PolicyKind) -> Sto
             admission: Admission::Always,
             write_through,
             max_batch_bytes: 256 << 10,
+            // Reads go through bounce buffers (as with an arena in 4 KiB pages): 8 slots of
+            // 64 KiB, reused within a load.
+            bounce_bytes: 4 << 20,
         }),
         // A put into a full host tier of dirty blocks waits for the writer: on a busy disk
         // that may take longer than the default 5 s (a put refused for room fails the model).

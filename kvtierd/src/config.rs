@@ -865,6 +865,8 @@ impl Config {
                 admission: Admission::parse(&self.disk.admission).unwrap_or_default(),
                 write_through: self.disk.write_through,
                 max_batch_bytes: self.disk.max_batch.0,
+                // The store sets it when the arena is in 4 KiB pages.
+                bounce_bytes: 0,
             })
         } else {
             None

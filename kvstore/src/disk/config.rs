@@ -48,6 +48,11 @@ pub struct DiskConfig {
     pub write_through: bool,
     /// Most bytes one write batch carries (bounds in-flight demotion).
     pub max_batch_bytes: u64,
+    /// Bytes of huge-page bounce buffers that reads go through (0: reads land in their
+    /// destination directly). The store sets it when its arena is in 4 KiB pages: a 2 MiB
+    /// read scattered over 512 pages ran at 0.7 of the device's rate here, into huge pages
+    /// and then copied at 0.9+ (bench/RESULTS.md).
+    pub bounce_bytes: u64,
 }
 
 impl Default for DiskConfig {
@@ -58,6 +63,7 @@ impl Default for DiskConfig {
             files: 1,
             io: IoConfig::default(),
             policy: PolicyKind::default(),
+            bounce_bytes: 0,
             admission: Admission::default(),
             write_through: false,
             max_batch_bytes: 256 << 20,

@@ -33,8 +33,9 @@ use std::time::Instant;
 use hdrhistogram::Histogram;
 use parking_lot::Mutex;
 
+use crate::arena::AlignedBuf;
 use crate::events::{EventKind, Events};
-use crate::io::{self as kio, IoConfig, IoEngine, IoKind, IoReq, ALIGN};
+use crate::io::{self as kio, IoBuf, IoConfig, IoEngine, IoKind, IoReq, ALIGN};
 use crate::key::{BlockKey, Fingerprint};
 use crate::tags::{EngineTag, Tagger};
 use crate::tier::{
@@ -66,6 +67,12 @@ struct Counters {
 pub struct DiskTier {
     /// Swappable (tests wrap it in a fault injector while the store runs).
     engine: parking_lot::RwLock<Arc<dyn IoEngine>>,
+    /// Huge-page bounce buffers that reads go through when the destination is in 4 KiB pages
+    /// (`DiskConfig::bounce_bytes`); one batch uses them at a time, others read directly.
+    /// Dropped after the engine (declared after it), which may have them registered.
+    bounce: Option<Mutex<AlignedBuf>>,
+    /// The bounce buffers' address and length (registered with the arena).
+    bounce_region: Option<(usize, usize)>,
     state: Mutex<State>,
     journal: Mutex<Journal>,
     files: Vec<File>,
@@ -114,7 +121,7 @@ fn lock_dir(dir: &std::path::Path) -> Result<File, DiskError> {
 impl DiskTier {
     /// Opens (recovering) or creates the tier in `cfg.dir`, emitting block events into
     /// `events`. `cfg.io.fixed_buffers` is memory to register with io_uring.
-    pub fn open(cfg: DiskConfig, events: Arc<Events>) -> Result<Self, DiskError> {
+    pub fn open(mut cfg: DiskConfig, events: Arc<Events>) -> Result<Self, DiskError> {
         if cfg.files == 0 || cfg.files > 64 {
             return Err(DiskError::Config(format!(
                 "files = {} must be 1..=64",
@@ -131,6 +138,9 @@ impl DiskTier {
         std::fs::create_dir_all(&cfg.dir).map_err(io_err(&cfg.dir))?;
         let lock = lock_dir(&cfg.dir)?;
         let o = recovery::open(&cfg, pages_per_file, cfg.policy.build())?;
+        let bounce = Self::bounce_pool(cfg.bounce_bytes);
+        let bounce_region = bounce.as_ref().map(|b| (b.as_ptr() as usize, b.len()));
+        cfg.io.fixed_buffers.extend(bounce_region);
         let engine = Self::engine(&o.files, &cfg.io).map_err(io_err(&cfg.dir))?;
         tracing::info!(
             dir = %cfg.dir.display(),
@@ -142,6 +152,8 @@ impl DiskTier {
         let hist = || Histogram::new_with_bounds(1, 60_000_000, 2).map(Mutex::new);
         let tier = Self {
             engine: parking_lot::RwLock::new(engine),
+            bounce: bounce.map(Mutex::new),
+            bounce_region,
             state: Mutex::new(o.state),
             journal: Mutex::new(o.journal),
             files: o.files,
@@ -228,6 +240,24 @@ impl DiskTier {
         }
     }
 
+    /// The bounce buffers: `bytes` rounded up to 2 MiB, in huge pages where the system grants
+    /// them (private memory: `transparent_hugepage/enabled` at `madvise` or `always`); none
+    /// for less than two 2 MiB slots, or if the memory cannot be had (said, and reads go
+    /// direct).
+    fn bounce_pool(bytes: u64) -> Option<AlignedBuf> {
+        const HUGE: u64 = 2 << 20;
+        if bytes < 2 * HUGE {
+            return None;
+        }
+        match AlignedBuf::new_huge(bytes.div_ceil(HUGE).saturating_mul(HUGE) as usize) {
+            Ok(b) => Some(b),
+            Err(e) => {
+                tracing::warn!(bytes, error = %e, "disk tier: no bounce buffers; reads land in 4 KiB pages directly");
+                None
+            }
+        }
+    }
+
     fn engine(files: &[File], io: &IoConfig) -> io::Result<Arc<dyn IoEngine>> {
         let clones = files
             .iter()
@@ -276,7 +306,9 @@ impl DiskTier {
             return out;
         }
         let mut corrupt = Vec::new();
-        self.run(reqs, &self.read_hist, |d| {
+        // A completion, and where its bytes are: in its own buffer (None), or in a bounce
+        // slot, to be copied into its own buffer (hashed in the same pass).
+        let each = |d: &kio::IoDone, bounced: Option<&[u8]>| {
             let (i, key, e) = meta[d.req.tag as usize];
             match &d.result {
                 Ok(()) => {
@@ -284,11 +316,27 @@ impl DiskTier {
                     self.stats
                         .bytes_read
                         .fetch_add(u64::from(d.req.len), Relaxed);
-                    // SAFETY: the read filled at least `len` bytes of this buffer (checked
-                    // against its capacity above), which the request still owns.
-                    let data =
-                        unsafe { std::slice::from_raw_parts(d.req.buf.as_ptr(), e.len as usize) };
-                    if crate::checksum::checksum(data) == e.checksum {
+                    let len = e.len as usize;
+                    let sum = match bounced {
+                        Some(src) => {
+                            // SAFETY: the request's own buffer holds at least `len` bytes
+                            // (checked against its capacity above) and is the holder's alone
+                            // until handed back (`IoBuf::from_raw`'s contract); the bounce slot
+                            // is other memory.
+                            let dst =
+                                unsafe { std::slice::from_raw_parts_mut(d.req.buf.as_ptr(), len) };
+                            crate::checksum::copy_hashed(dst, &src[..len])
+                        }
+                        None => {
+                            // SAFETY: the read filled at least `len` bytes of this buffer
+                            // (checked against its capacity above), which the request still
+                            // owns.
+                            let data =
+                                unsafe { std::slice::from_raw_parts(d.req.buf.as_ptr(), len) };
+                            crate::checksum::checksum(data)
+                        }
+                    };
+                    if sum == e.checksum {
                         out[i] = ReadOutcome::Hit(BlockInfo {
                             len: e.len,
                             ns: e.ns,
@@ -305,7 +353,19 @@ impl DiskTier {
                     tracing::warn!(%key, error = %err, "disk read failed: served as a miss");
                 }
             }
-        });
+        };
+        // Through the bounce buffers when they are free and hold at least two of the largest
+        // read (else straight into the destinations).
+        let longest = reqs.iter().map(|r| r.len as usize).max().unwrap_or(0);
+        match self.bounce.as_ref().and_then(|b| b.try_lock()) {
+            Some(mut pool) if longest > 0 && pool.len() / longest >= 2 => {
+                self.run_bounced(reqs, &mut pool, longest, &self.read_hist, each);
+            }
+            _ => {
+                let mut each = each;
+                self.run(reqs, &self.read_hist, |d| each(d, None));
+            }
+        }
         let mut st = self.state.lock();
         for k in corrupt {
             let ns = st.index.get(&MapKey::from(k)).map_or(0, |e| e.ns);
@@ -601,6 +661,86 @@ impl DiskTier {
         out
     }
 
+    /// [`DiskTier::run`] for reads, through `pool`: each read lands in a free slot of `slot`
+    /// bytes (huge pages: one segment per read for the device, not one per 4 KiB page), is
+    /// copied to its own buffer, and the slot takes the next read. At most as many reads are
+    /// in flight as there are slots (and the engine's queue depth). `each` sees every
+    /// completion with its own buffer back in it and the slot its bytes are in (to copy from,
+    /// before the slot takes the next read).
+    fn run_bounced(
+        &self,
+        reqs: Vec<IoReq>,
+        pool: &mut AlignedBuf,
+        slot: usize,
+        hist: &Mutex<Histogram<u64>>,
+        mut each: impl FnMut(&kio::IoDone, Option<&[u8]>),
+    ) {
+        let n = reqs.len();
+        let engine = self.engine.read().clone();
+        let slots = (pool.len() / slot).min(2 * engine.queue_depth().max(1) as usize);
+        let base = pool.as_mut_ptr();
+        let (tx, rx) = crossbeam_channel::unbounded();
+        // Dropped once every read is submitted: an engine that lost one ends the wait as
+        // `run`'s does (that read is a miss), never hangs it.
+        let mut tx = Some(tx);
+        let start = Instant::now();
+        // Each request's own buffer and tag while its read is in a slot (by position).
+        let mut own: Vec<Option<(IoBuf, u64)>> = Vec::with_capacity(n);
+        let mut waiting = reqs.into_iter().enumerate();
+        // The next reads into the free slots `free` (one engine submission).
+        let mut submit = |free: &mut dyn Iterator<Item = usize>, own: &mut Vec<_>| {
+            let Some(done) = tx.as_ref() else {
+                return;
+            };
+            let mut batch = Vec::new();
+            for s in free {
+                let Some((pos, mut r)) = waiting.next() else {
+                    break;
+                };
+                // SAFETY: slot `s` of the pool is free (never used, or its last read completed
+                // and was copied out), lies within the pool (`s < slots ≤ len / slot`), and
+                // the pool is borrowed mutably for this whole call: nobody else touches it.
+                let b = unsafe { IoBuf::from_raw(base.add(s * slot), slot) };
+                own.push(Some((std::mem::replace(&mut r.buf, b), r.tag)));
+                r.tag = pos as u64;
+                batch.push(r);
+            }
+            if !batch.is_empty() {
+                engine.submit(batch, done.clone());
+            }
+            if own.len() == n {
+                tx = None;
+            }
+        };
+        submit(&mut (0..slots), &mut own);
+        let mut lat = Vec::with_capacity(n);
+        for mut d in rx.iter().take(n) {
+            lat.push(start.elapsed().as_micros() as u64);
+            let pos = d.req.tag as usize;
+            let s = (d.req.buf.as_ptr() as usize).wrapping_sub(base as usize) / slot;
+            let Some((mine, tag)) = own.get_mut(pos).and_then(Option::take) else {
+                continue;
+            };
+            // An engine hands each request's own buffer back (the `IoEngine` contract).
+            debug_assert!(s < slots, "a completion came back with another buffer");
+            let len = d.req.len as usize;
+            let bounced = std::mem::replace(&mut d.req.buf, mine);
+            // SAFETY: the read is done with the slot (`len` ≤ `slot` bytes of it, filled on
+            // success), which lies in the pool this call borrows mutably: nobody else touches
+            // it until the next read is submitted into it below.
+            let src = unsafe { std::slice::from_raw_parts(bounced.as_ptr(), len) };
+            d.req.tag = tag;
+            each(&d, Some(src));
+            if s < slots {
+                submit(&mut std::iter::once(s), &mut own);
+            }
+        }
+        let mut h = hist.lock();
+        for l in lat {
+            let _ = h.record(l.max(1));
+        }
+    }
+
     /// Rewrites the journal with only live records.
     pub fn checkpoint(&self) -> io::Result<()> {
         let mut recs = Vec::new();
@@ -829,7 +969,8 @@ impl LowerTier for DiskTier {
         DiskTier::checkpoint(self)
     }
 
-    fn register_memory(&self, regions: Vec<(usize, usize)>) {
+    fn register_memory(&self, mut regions: Vec<(usize, usize)>) {
+        regions.extend(self.bounce_region);
         self.engine.read().register_buffers(regions);
     }
 

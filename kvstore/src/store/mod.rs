@@ -76,6 +76,8 @@ const DOORKEEPER: usize = 1 << 20;
 /// the simulation, 4: 0.957, 8: 0.976; docqa's disk writes +30%, +40%, +61% against none;
 /// bench/RESULTS.md).
 const CONTINUATION: usize = 4;
+/// Huge-page bounce buffers of the disk tier when the arena is in 4 KiB pages.
+const BOUNCE_BYTES: u64 = 96 << 20;
 
 /// The fingerprint of a freed (reclaimable) namespace id: no namespace hashes to zero.
 const FREE_NS: Fingerprint = Fingerprint(BlockKey(0));
@@ -430,6 +432,13 @@ impl Store {
             // Registering the arena with io_uring faults all of it in: with background
             // population that waits until the populator is done.
             d.io.defer_fixed_buffers = cfg.populate == Populate::Background;
+            if d.bounce_bytes == 0 && arena.small_pages() {
+                // Reads from disk into 4 KiB pages ran at 0.7 of the device's rate here, 0.96
+                // through huge-page bounce buffers (bench/RESULTS.md): 96 MiB (48 reads of
+                // 2 MiB, the queue full while completions are copied out), at most an eighth
+                // of the arena.
+                d.bounce_bytes = BOUNCE_BYTES.min(arena.len() as u64 / 8);
+            }
             admission = d.admission;
             write_through = d.write_through;
             max_batch_bytes = d.max_batch_bytes.max(1);
