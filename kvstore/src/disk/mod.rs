@@ -359,7 +359,16 @@ impl DiskTier {
         let longest = reqs.iter().map(|r| r.len as usize).max().unwrap_or(0);
         match self.bounce.as_ref().and_then(|b| b.try_lock()) {
             Some(mut pool) if longest > 0 && pool.len() / longest >= 2 => {
-                self.run_bounced(reqs, &mut pool, longest, &self.read_hist, each);
+                let mut each = each;
+                let hist = &self.read_hist;
+                self.run_bounced(
+                    reqs,
+                    &mut pool,
+                    longest,
+                    hist,
+                    |_, _| {},
+                    |d, held| each(d, Some(held)),
+                );
             }
             _ => {
                 let mut each = each;
@@ -479,13 +488,33 @@ impl DiskTier {
         // in flight) and must equal its commit checksum: otherwise the host copy was damaged
         // after its commit, and nothing is stored.
         let mut sums = vec![0u64; meta.len()];
-        let done = self.run(reqs, &self.write_hist, |d| {
-            let len = meta[d.req.tag as usize].4 as usize;
-            // SAFETY: the buffer holds at least `len` bytes (checked above); it is only read,
-            // by the disk and by us.
-            let data = unsafe { std::slice::from_raw_parts(d.req.buf.as_ptr(), len) };
-            sums[d.req.tag as usize] = crate::checksum::checksum(data);
-        });
+        // Through the bounce buffers when they are free and hold at least two of the largest
+        // write: each block copied into a slot with its checksum in the same pass, right
+        // before its write from there (the bytes checked are the bytes written).
+        let longest = reqs.iter().map(|r| r.len as usize).max().unwrap_or(0);
+        let done = match self.bounce.as_ref().and_then(|b| b.try_lock()) {
+            Some(mut pool) if longest > 0 && pool.len() / longest >= 2 => {
+                let fill = |r: &IoReq, into: &mut [u8]| {
+                    let len = meta[r.tag as usize].4 as usize;
+                    let io_len = r.len as usize;
+                    // SAFETY: the block's buffer holds at least `io_len` ≥ `len` bytes
+                    // (checked above); it is only read meanwhile.
+                    let from = unsafe { std::slice::from_raw_parts(r.buf.as_ptr(), io_len) };
+                    sums[r.tag as usize] =
+                        crate::checksum::copy_hashed(&mut into[..len], &from[..len]);
+                    // The rest of the last page goes to disk as it is, unhashed.
+                    into[len..io_len].copy_from_slice(&from[len..io_len]);
+                };
+                self.run_bounced(reqs, &mut pool, longest, &self.write_hist, fill, |_, _| {})
+            }
+            _ => self.run(reqs, &self.write_hist, |d| {
+                let len = meta[d.req.tag as usize].4 as usize;
+                // SAFETY: the buffer holds at least `len` bytes (checked above); it is only
+                // read, by the disk and by us.
+                let data = unsafe { std::slice::from_raw_parts(d.req.buf.as_ptr(), len) };
+                sums[d.req.tag as usize] = crate::checksum::checksum(data);
+            }),
+        };
         let mut ok: Vec<bool> = done.iter().map(|d| d.result.is_ok()).collect();
         for d in &done {
             match &d.result {
@@ -661,33 +690,35 @@ impl DiskTier {
         out
     }
 
-    /// [`DiskTier::run`] for reads, through `pool`: each read lands in a free slot of `slot`
-    /// bytes (huge pages: one segment per read for the device, not one per 4 KiB page), is
-    /// copied to its own buffer, and the slot takes the next read. At most as many reads are
-    /// in flight as there are slots (and the engine's queue depth). `each` sees every
-    /// completion with its own buffer back in it and the slot its bytes are in (to copy from,
-    /// before the slot takes the next read).
+    /// [`DiskTier::run`] through `pool`, in slots of `slot` bytes (huge pages: one segment per
+    /// request for the device, not one per 4 KiB page). A write's bytes are copied into a free
+    /// slot by `fill` (given the request, its own buffer still in it) right before it is
+    /// submitted from there; a read lands in a free slot and `each` copies it out. `each` sees
+    /// every completion with its own buffer back in it and the slot's bytes; the slot then
+    /// takes the next request. At most as many requests are in flight as there are slots
+    /// (twice the engine's queue depth at most). The completions, in tag order.
     fn run_bounced(
         &self,
         reqs: Vec<IoReq>,
         pool: &mut AlignedBuf,
         slot: usize,
         hist: &Mutex<Histogram<u64>>,
-        mut each: impl FnMut(&kio::IoDone, Option<&[u8]>),
-    ) {
+        mut fill: impl FnMut(&IoReq, &mut [u8]),
+        mut each: impl FnMut(&kio::IoDone, &[u8]),
+    ) -> Vec<kio::IoDone> {
         let n = reqs.len();
         let engine = self.engine.read().clone();
         let slots = (pool.len() / slot).min(2 * engine.queue_depth().max(1) as usize);
         let base = pool.as_mut_ptr();
         let (tx, rx) = crossbeam_channel::unbounded();
-        // Dropped once every read is submitted: an engine that lost one ends the wait as
-        // `run`'s does (that read is a miss), never hangs it.
+        // Dropped once every request is submitted: an engine that lost one ends the wait as
+        // `run`'s does (a read lost is a miss, a write lost not stored), never hangs it.
         let mut tx = Some(tx);
         let start = Instant::now();
-        // Each request's own buffer and tag while its read is in a slot (by position).
+        // Each request's own buffer and tag while it is in a slot (by position).
         let mut own: Vec<Option<(IoBuf, u64)>> = Vec::with_capacity(n);
         let mut waiting = reqs.into_iter().enumerate();
-        // The next reads into the free slots `free` (one engine submission).
+        // The next requests into the free slots `free` (one engine submission).
         let mut submit = |free: &mut dyn Iterator<Item = usize>, own: &mut Vec<_>| {
             let Some(done) = tx.as_ref() else {
                 return;
@@ -697,9 +728,13 @@ impl DiskTier {
                 let Some((pos, mut r)) = waiting.next() else {
                     break;
                 };
-                // SAFETY: slot `s` of the pool is free (never used, or its last read completed
-                // and was copied out), lies within the pool (`s < slots ≤ len / slot`), and
-                // the pool is borrowed mutably for this whole call: nobody else touches it.
+                // SAFETY: slot `s` of the pool is free (never used, or its last request
+                // completed and was handled), lies within the pool (`s < slots ≤ len /
+                // slot`), and the pool is borrowed mutably for this whole call: nobody else
+                // touches it until the request submitted below completes.
+                let into = unsafe { std::slice::from_raw_parts_mut(base.add(s * slot), slot) };
+                fill(&r, into);
+                // SAFETY: as above; the request owns the slot until its completion.
                 let b = unsafe { IoBuf::from_raw(base.add(s * slot), slot) };
                 own.push(Some((std::mem::replace(&mut r.buf, b), r.tag)));
                 r.tag = pos as u64;
@@ -714,6 +749,7 @@ impl DiskTier {
         };
         submit(&mut (0..slots), &mut own);
         let mut lat = Vec::with_capacity(n);
+        let mut out = Vec::with_capacity(n);
         for mut d in rx.iter().take(n) {
             lat.push(start.elapsed().as_micros() as u64);
             let pos = d.req.tag as usize;
@@ -725,12 +761,13 @@ impl DiskTier {
             debug_assert!(s < slots, "a completion came back with another buffer");
             let len = d.req.len as usize;
             let bounced = std::mem::replace(&mut d.req.buf, mine);
-            // SAFETY: the read is done with the slot (`len` ≤ `slot` bytes of it, filled on
-            // success), which lies in the pool this call borrows mutably: nobody else touches
-            // it until the next read is submitted into it below.
-            let src = unsafe { std::slice::from_raw_parts(bounced.as_ptr(), len) };
+            // SAFETY: the request is done with the slot (`len` ≤ `slot` bytes of it), which
+            // lies in the pool this call borrows mutably: nobody else touches it until the
+            // next request is submitted into it below.
+            let held = unsafe { std::slice::from_raw_parts(bounced.as_ptr(), len) };
             d.req.tag = tag;
-            each(&d, Some(src));
+            each(&d, held);
+            out.push(d);
             if s < slots {
                 submit(&mut std::iter::once(s), &mut own);
             }
@@ -739,6 +776,8 @@ impl DiskTier {
         for l in lat {
             let _ = h.record(l.max(1));
         }
+        out.sort_by_key(|d| d.req.tag);
+        out
     }
 
     /// Rewrites the journal with only live records.
