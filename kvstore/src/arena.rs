@@ -111,8 +111,13 @@ impl Arena {
 
     /// Whether the arena is in 4 KiB pages: no hugetlb pages, and shared memory may not have
     /// transparent huge ones (`shmem_enabled` says `never` or `deny`, or cannot be read).
+    /// The 2 MiB size's own setting (`hugepages-2048kB/shmem_enabled`, Linux 6.11+) wins over
+    /// the global one unless it says `inherit`.
     pub fn small_pages(&self) -> bool {
-        !self.huge_pages && shmem_thp().is_none_or(|v| matches!(v.as_str(), "never" | "deny"))
+        let setting = thp_setting(SHMEM_THP_2M)
+            .filter(|v| v != "inherit")
+            .or_else(|| thp_setting(SHMEM_THP));
+        !self.huge_pages && setting.is_none_or(|v| matches!(v.as_str(), "never" | "deny"))
     }
 
     /// Size in bytes.
@@ -295,6 +300,8 @@ impl<'a> From<&'a [u8]> for ArenaSlice<'a> {
 /// buffers and for O_DIRECT I/O. A plain `Vec<u8>` is not aligned enough for fast copies.
 pub struct AlignedBuf {
     map: MmapMut,
+    /// Where the buffer starts in the mapping.
+    off: usize,
     len: usize,
 }
 
@@ -306,20 +313,30 @@ impl AlignedBuf {
         for page in map.chunks_mut(4096) {
             page[0] = 0;
         }
-        Ok(Self { map, len })
+        Ok(Self { map, off: 0, len })
     }
 
     /// [`AlignedBuf::new`] asking for transparent huge pages before the first touch (granted
     /// for private memory where `transparent_hugepage/enabled` is `madvise` or `always`, the
     /// usual settings; 4 KiB pages otherwise).
+    /// The buffer starts on a 2 MiB boundary (the mapping is 2 MiB longer and the buffer
+    /// begins at its first boundary), so that each 2 MiB of it can be one huge page.
     pub fn new_huge(len: usize) -> io::Result<Self> {
-        let mut map = MmapOptions::new().len(len.max(1)).map_anon()?;
+        const HUGE: usize = 2 << 20;
+        let mut map = MmapOptions::new().len(len.max(1) + HUGE).map_anon()?;
+        let off = (map.as_ptr() as usize).next_multiple_of(HUGE) - map.as_ptr() as usize;
         // Best effort: a kernel without THP says no and the pages are small.
-        let _ = map.advise(memmap2::Advice::HugePage);
-        for page in map.chunks_mut(4096) {
+        let _ = map.advise_range(memmap2::Advice::HugePage, off, len.max(1));
+        for page in map[off..off + len].chunks_mut(4096) {
             page[0] = 0;
         }
-        Ok(Self { map, len })
+        Ok(Self { map, off, len })
+    }
+
+    /// Whether private memory can get transparent huge pages when asked for them
+    /// (`transparent_hugepage/enabled` is `madvise` or `always`).
+    pub fn huge_pages_available() -> bool {
+        thp_setting(ANON_THP).is_some_and(|v| v == "madvise" || v == "always")
     }
 
     /// Fills the buffer with a deterministic pattern derived from `seed`.
@@ -331,13 +348,13 @@ impl AlignedBuf {
 impl std::ops::Deref for AlignedBuf {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        &self.map[..self.len]
+        &self.map[self.off..self.off + self.len]
     }
 }
 
 impl std::ops::DerefMut for AlignedBuf {
     fn deref_mut(&mut self) -> &mut [u8] {
-        &mut self.map[..self.len]
+        &mut self.map[self.off..self.off + self.len]
     }
 }
 
@@ -364,6 +381,20 @@ fn splitmix(mut x: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_huge_buffer_starts_on_a_huge_page_and_is_zeroed() {
+        for len in [4 << 20, (6 << 20) + 4096] {
+            let mut b = AlignedBuf::new_huge(len).unwrap();
+            assert_eq!(b.len(), len);
+            assert_eq!(b.as_ptr() as usize % (2 << 20), 0, "not on a 2 MiB boundary");
+            assert!(b.iter().all(|&x| x == 0));
+            b.fill_pattern(3);
+            let mut want = vec![0u8; len];
+            fill_pattern(&mut want, 3);
+            assert!(b[..] == want[..]);
+        }
+    }
 
     #[test]
     fn arena_is_aligned_shared_and_rounded() {
@@ -469,11 +500,17 @@ mod arena_slice_tests {
 /// Says once per process, when the system gives shared memory no transparent huge pages, what
 /// that costs and how to change it.
 const SHMEM_THP: &str = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
+const SHMEM_THP_2M: &str = "/sys/kernel/mm/transparent_hugepage/hugepages-2048kB/shmem_enabled";
+const ANON_THP: &str = "/sys/kernel/mm/transparent_hugepage/enabled";
 
-/// The selected value of `shmem_enabled` (the one in brackets), if readable.
-fn shmem_thp() -> Option<String> {
-    let s = std::fs::read_to_string(SHMEM_THP).ok()?;
+/// The selected value of a transparent-huge-page setting (the one in brackets), if readable.
+fn thp_setting(path: &str) -> Option<String> {
+    let s = std::fs::read_to_string(path).ok()?;
     Some(s.split('[').nth(1)?.split(']').next()?.to_string())
+}
+
+fn shmem_thp() -> Option<String> {
+    thp_setting(SHMEM_THP)
 }
 
 fn note_small_pages() {

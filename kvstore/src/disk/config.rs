@@ -48,10 +48,12 @@ pub struct DiskConfig {
     pub write_through: bool,
     /// Most bytes one write batch carries (bounds in-flight demotion).
     pub max_batch_bytes: u64,
-    /// Bytes of huge-page bounce buffers that reads go through (0: reads land in their
-    /// destination directly). The store sets it when its arena is in 4 KiB pages: a 2 MiB
-    /// read scattered over 512 pages ran at 0.7 of the device's rate here, into huge pages
-    /// and then copied at 0.9+ (bench/RESULTS.md).
+    /// Bytes of huge-page bounce buffers that reads and writes go through (0: none, the I/O
+    /// goes straight to and from the blocks' memory). A store given 0 chooses: 96 MiB (at
+    /// most an eighth of its arena) when its arena is in 4 KiB pages and private memory can
+    /// have huge ones, else none; a store given more keeps it. A 2 MiB read scattered over
+    /// 512 pages ran at 0.7 of the device's rate here, into huge pages and then copied at
+    /// 0.84-1.04 (bench/RESULTS.md).
     pub bounce_bytes: u64,
 }
 

@@ -73,6 +73,8 @@ pub struct DiskTier {
     bounce: Option<Mutex<AlignedBuf>>,
     /// The bounce buffers' address and length (registered with the arena).
     bounce_region: Option<(usize, usize)>,
+    /// Set once an engine lost requests that were in the bounce buffers: never used again.
+    bounce_lost: std::sync::atomic::AtomicBool,
     state: Mutex<State>,
     journal: Mutex<Journal>,
     files: Vec<File>,
@@ -154,6 +156,7 @@ impl DiskTier {
             engine: parking_lot::RwLock::new(engine),
             bounce: bounce.map(Mutex::new),
             bounce_region,
+            bounce_lost: Default::default(),
             state: Mutex::new(o.state),
             journal: Mutex::new(o.journal),
             files: o.files,
@@ -356,15 +359,14 @@ impl DiskTier {
         };
         // Through the bounce buffers when they are free and hold at least two of the largest
         // read (else straight into the destinations).
-        let longest = reqs.iter().map(|r| r.len as usize).max().unwrap_or(0);
-        match self.bounce.as_ref().and_then(|b| b.try_lock()) {
-            Some(mut pool) if longest > 0 && pool.len() / longest >= 2 => {
+        match self.bounce_for(&reqs) {
+            Some((mut pool, slot)) => {
                 let mut each = each;
                 let hist = &self.read_hist;
                 self.run_bounced(
                     reqs,
                     &mut pool,
-                    longest,
+                    slot,
                     hist,
                     |_, _| {},
                     |d, held| each(d, Some(held)),
@@ -491,9 +493,8 @@ impl DiskTier {
         // Through the bounce buffers when they are free and hold at least two of the largest
         // write: each block copied into a slot with its checksum in the same pass, right
         // before its write from there (the bytes checked are the bytes written).
-        let longest = reqs.iter().map(|r| r.len as usize).max().unwrap_or(0);
-        let done = match self.bounce.as_ref().and_then(|b| b.try_lock()) {
-            Some(mut pool) if longest > 0 && pool.len() / longest >= 2 => {
+        let done = match self.bounce_for(&reqs) {
+            Some((mut pool, slot)) => {
                 let fill = |r: &IoReq, into: &mut [u8]| {
                     let len = meta[r.tag as usize].4 as usize;
                     let io_len = r.len as usize;
@@ -505,7 +506,7 @@ impl DiskTier {
                     // The rest of the last page goes to disk as it is, unhashed.
                     into[len..io_len].copy_from_slice(&from[len..io_len]);
                 };
-                self.run_bounced(reqs, &mut pool, longest, &self.write_hist, fill, |_, _| {})
+                self.run_bounced(reqs, &mut pool, slot, &self.write_hist, fill, |_, _| {})
             }
             _ => self.run(reqs, &self.write_hist, |d| {
                 let len = meta[d.req.tag as usize].4 as usize;
@@ -690,6 +691,33 @@ impl DiskTier {
         out
     }
 
+    /// The bounce buffers for a batch of `reqs`, and their slot size, if they are free, whole
+    /// and hold at least two slots. A slot is the longest request rounded up to a power of
+    /// two up to 2 MiB (it then never straddles two huge pages), or to whole 2 MiB above,
+    /// where that still leaves two slots.
+    fn bounce_for(
+        &self,
+        reqs: &[IoReq],
+    ) -> Option<(parking_lot::MutexGuard<'_, AlignedBuf>, usize)> {
+        const HUGE: usize = 2 << 20;
+        let longest = reqs.iter().map(|r| r.len as usize).max()?;
+        if longest == 0 || self.bounce_lost.load(Relaxed) {
+            return None;
+        }
+        let pool = self.bounce.as_ref()?.try_lock()?;
+        let aligned = if longest <= HUGE {
+            longest.next_power_of_two()
+        } else {
+            longest.next_multiple_of(HUGE)
+        };
+        let slot = if pool.len() / aligned >= 2 {
+            aligned
+        } else {
+            longest
+        };
+        (pool.len() / slot >= 2).then_some((pool, slot))
+    }
+
     /// [`DiskTier::run`] through `pool`, in slots of `slot` bytes (huge pages: one segment per
     /// request for the device, not one per 4 KiB page). A write's bytes are copied into a free
     /// slot by `fill` (given the request, its own buffer still in it) right before it is
@@ -710,47 +738,57 @@ impl DiskTier {
         let engine = self.engine.read().clone();
         let slots = (pool.len() / slot).min(2 * engine.queue_depth().max(1) as usize);
         let base = pool.as_mut_ptr();
-        let (tx, rx) = crossbeam_channel::unbounded();
-        // Dropped once every request is submitted: an engine that lost one ends the wait as
-        // `run`'s does (a read lost is a miss, a write lost not stored), never hangs it.
-        let mut tx = Some(tx);
+        // One channel per submission, its sender given away: an engine that loses requests
+        // (its thread gone) drops their senders, and the wait ends as `run`'s does (a read
+        // lost is a miss, a write lost not stored), never hangs on a sender kept here.
+        let mut rxs: Vec<crossbeam_channel::Receiver<kio::IoDone>> = Vec::new();
         let start = Instant::now();
         // Each request's own buffer and tag while it is in a slot (by position).
         let mut own: Vec<Option<(IoBuf, u64)>> = Vec::with_capacity(n);
         let mut waiting = reqs.into_iter().enumerate();
         // The next requests into the free slots `free` (one engine submission).
-        let mut submit = |free: &mut dyn Iterator<Item = usize>, own: &mut Vec<_>| {
-            let Some(done) = tx.as_ref() else {
-                return;
+        let mut submit =
+            |free: &mut dyn Iterator<Item = usize>,
+             own: &mut Vec<_>,
+             rxs: &mut Vec<crossbeam_channel::Receiver<kio::IoDone>>| {
+                let mut batch = Vec::new();
+                for s in free {
+                    let Some((pos, mut r)) = waiting.next() else {
+                        break;
+                    };
+                    // SAFETY: slot `s` of the pool is free (never used, or its last request
+                    // completed and was handled), lies within the pool (`s < slots ≤ len /
+                    // slot`), and the pool is borrowed mutably for this whole call: nobody else
+                    // touches it until the request submitted below completes.
+                    let into = unsafe { std::slice::from_raw_parts_mut(base.add(s * slot), slot) };
+                    fill(&r, into);
+                    // SAFETY: as above; the request owns the slot until its completion.
+                    let b = unsafe { IoBuf::from_raw(base.add(s * slot), slot) };
+                    own.push(Some((std::mem::replace(&mut r.buf, b), r.tag)));
+                    r.tag = pos as u64;
+                    batch.push(r);
+                }
+                if !batch.is_empty() {
+                    let (tx, rx) = crossbeam_channel::unbounded();
+                    engine.submit(batch, tx);
+                    rxs.push(rx);
+                }
             };
-            let mut batch = Vec::new();
-            for s in free {
-                let Some((pos, mut r)) = waiting.next() else {
-                    break;
-                };
-                // SAFETY: slot `s` of the pool is free (never used, or its last request
-                // completed and was handled), lies within the pool (`s < slots ≤ len /
-                // slot`), and the pool is borrowed mutably for this whole call: nobody else
-                // touches it until the request submitted below completes.
-                let into = unsafe { std::slice::from_raw_parts_mut(base.add(s * slot), slot) };
-                fill(&r, into);
-                // SAFETY: as above; the request owns the slot until its completion.
-                let b = unsafe { IoBuf::from_raw(base.add(s * slot), slot) };
-                own.push(Some((std::mem::replace(&mut r.buf, b), r.tag)));
-                r.tag = pos as u64;
-                batch.push(r);
-            }
-            if !batch.is_empty() {
-                engine.submit(batch, done.clone());
-            }
-            if own.len() == n {
-                tx = None;
-            }
-        };
-        submit(&mut (0..slots), &mut own);
+        submit(&mut (0..slots), &mut own, &mut rxs);
         let mut lat = Vec::with_capacity(n);
         let mut out = Vec::with_capacity(n);
-        for mut d in rx.iter().take(n) {
+        while out.len() < n && !rxs.is_empty() {
+            let mut sel = crossbeam_channel::Select::new();
+            for r in &rxs {
+                sel.recv(r);
+            }
+            let op = sel.select();
+            let i = op.index();
+            let Ok(mut d) = op.recv(&rxs[i]) else {
+                // Every completion of that submission came (or was lost): done with it.
+                rxs.swap_remove(i);
+                continue;
+            };
             lat.push(start.elapsed().as_micros() as u64);
             let pos = d.req.tag as usize;
             let s = (d.req.buf.as_ptr() as usize).wrapping_sub(base as usize) / slot;
@@ -769,8 +807,17 @@ impl DiskTier {
             each(&d, held);
             out.push(d);
             if s < slots {
-                submit(&mut std::iter::once(s), &mut own);
+                submit(&mut std::iter::once(s), &mut own, &mut rxs);
             }
+        }
+        if out.len() < n {
+            // Requests lost by the engine may still be in the kernel's hands, their slots
+            // too: the pool is never used again (freed with the tier, after its engine).
+            self.bounce_lost.store(true, Relaxed);
+            tracing::error!(
+                lost = n - out.len(),
+                "disk I/O engine lost requests: their blocks are misses, and the bounce buffers are retired"
+            );
         }
         let mut h = hist.lock();
         for l in lat {

@@ -39,7 +39,12 @@ fn split_regions(regions: &[(usize, usize)]) -> Vec<(usize, usize)> {
 
 /// Registers regions as the ring's fixed buffers; the regions registered (none on failure).
 fn register(ring: &IoUring, regions: &[(usize, usize)]) -> Vec<(usize, usize)> {
-    let regions = split_regions(regions);
+    register_once(ring, &split_regions(regions), true)
+}
+
+/// [`register`] of regions already split; with `retry`, a failure tries once more without the
+/// last one.
+fn register_once(ring: &IoUring, regions: &[(usize, usize)], retry: bool) -> Vec<(usize, usize)> {
     let iovecs: Vec<libc::iovec> = regions
         .iter()
         .map(|&(s, l)| libc::iovec {
@@ -58,9 +63,15 @@ fn register(ring: &IoUring, regions: &[(usize, usize)]) -> Vec<(usize, usize)> {
             tracing::info!(
                 regions = regions.len(),
                 secs = format!("{:.2}", start.elapsed().as_secs_f64()),
-                "io_uring: host arena registered as fixed buffers"
+                "io_uring: fixed buffers registered (host arena, bounce buffers)"
             );
-            regions
+            regions.to_vec()
+        }
+        Err(e) if retry && regions.len() > 1 => {
+            // The last region is the least needed (the disk tier's bounce buffers go last):
+            // without it the arena may still fit under RLIMIT_MEMLOCK. Once.
+            tracing::warn!(error = %e, "io_uring: fixed buffers not registered; trying again without the last region");
+            register_once(ring, &regions[..regions.len() - 1], false)
         }
         Err(e) => {
             tracing::warn!(error = %e, "io_uring: fixed buffers not registered (RLIMIT_MEMLOCK?); using plain reads/writes");

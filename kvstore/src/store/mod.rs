@@ -432,7 +432,10 @@ impl Store {
             // Registering the arena with io_uring faults all of it in: with background
             // population that waits until the populator is done.
             d.io.defer_fixed_buffers = cfg.populate == Populate::Background;
-            if d.bounce_bytes == 0 && arena.small_pages() {
+            if d.bounce_bytes == 0
+                && arena.small_pages()
+                && crate::arena::AlignedBuf::huge_pages_available()
+            {
                 // Reads from disk into 4 KiB pages ran at 0.7 of the device's rate here, 0.96
                 // through huge-page bounce buffers (bench/RESULTS.md): 96 MiB (48 reads of
                 // 2 MiB, the queue full while completions are copied out), at most an eighth
