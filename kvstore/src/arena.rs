@@ -387,7 +387,11 @@ mod tests {
         for len in [4 << 20, (6 << 20) + 4096] {
             let mut b = AlignedBuf::new_huge(len).unwrap();
             assert_eq!(b.len(), len);
-            assert_eq!(b.as_ptr() as usize % (2 << 20), 0, "not on a 2 MiB boundary");
+            assert_eq!(
+                b.as_ptr() as usize % (2 << 20),
+                0,
+                "not on a 2 MiB boundary"
+            );
             assert!(b.iter().all(|&x| x == 0));
             b.fill_pattern(3);
             let mut want = vec![0u8; len];

@@ -479,6 +479,37 @@ fn loads_through_bounce_buffers_are_exact() {
 }
 
 #[test]
+fn reads_an_engine_loses_are_misses_and_nothing_hangs() {
+    // Straight into the arena, and through bounce buffers (whose pool is then retired).
+    for (engine, bounce) in ENGINES.into_iter().flat_map(|e| [(e, 0), (e, 4u64 << 20)]) {
+        let tmp = dir("lost", engine);
+        let d = tmp.path();
+        write_and_close(d, engine, 40);
+        let mut cfg = config(d, engine, Admission::Always, false);
+        cfg.capacity_bytes = 16 << 20;
+        cfg.disk.as_mut().unwrap().bounce_bytes = bounce;
+        let mut store = cfg.build().unwrap();
+        let faults = with_faults(&mut store);
+        faults.set_plan(FaultPlan {
+            lose_reads: 2,
+            ..Default::default()
+        });
+        let keys: Vec<BlockKey> = (0..40).map(key).collect();
+        // The load ends (a lost read is a miss), within the store's wait at most.
+        let got = store.load(&keys).unwrap().len();
+        assert!(got < 40, "bounce {bounce}: lost reads were served ({got})");
+        assert_eq!(faults.injected(), 2, "bounce {bounce}");
+        // The reader is not stuck, nothing stays pinned: every block loads now.
+        faults.set_plan(FaultPlan::default());
+        let l = store.load(&keys).unwrap();
+        assert_eq!(l.len(), 40, "bounce {bounce}");
+        for (i, k) in keys.iter().enumerate() {
+            assert!(l.block(i) == data(i as u32), "key {k}: wrong bytes");
+        }
+    }
+}
+
+#[test]
 fn remove_during_a_disk_write_is_not_undone() {
     for engine in ENGINES {
         let tmp = dir("remove-inflight", engine);

@@ -27,6 +27,9 @@ pub struct FaultPlan {
     pub short_writes: u32,
     /// Flip a byte in the data of this many successful reads.
     pub corrupt_reads: u32,
+    /// Drop this many reads unanswered, as an engine whose thread died would: no completion,
+    /// the sender gone (never submitted below, so no memory is in the kernel's hands).
+    pub lose_reads: u32,
     /// Delay every completion by this much.
     pub delay: Duration,
 }
@@ -34,6 +37,7 @@ pub struct FaultPlan {
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Action {
     Pass,
+    Lose,
     Torn,
     Short,
     Corrupt,
@@ -85,6 +89,7 @@ impl FaultEngine {
             IoKind::Write if take(&mut p.torn_writes) => (None, Action::Torn),
             IoKind::Write if take(&mut p.short_writes) => (None, Action::Short),
             IoKind::Read if take(&mut p.corrupt_reads) => (None, Action::Corrupt),
+            IoKind::Read if take(&mut p.lose_reads) => (None, Action::Lose),
             _ => (None, Action::Pass),
         };
         if r.0.is_some() || r.1 != Action::Pass || !p.delay.is_zero() {
@@ -120,6 +125,9 @@ impl IoEngine for FaultEngine {
                     req,
                     result: Err(io::Error::from_raw_os_error(errno)),
                 });
+                continue;
+            }
+            if action == Action::Lose {
                 continue;
             }
             let id = self.next.fetch_add(1, Relaxed);
@@ -164,7 +172,7 @@ impl IoEngine for FaultEngine {
                             // bytes and is still owned by the request.
                             unsafe { *d.req.buf.as_ptr().add(mid) ^= 0x5a };
                         }
-                        Action::Pass | Action::Torn => {}
+                        Action::Pass | Action::Torn | Action::Lose => {}
                     }
                 }
                 let _ = done.send(d);
