@@ -67,8 +67,9 @@ struct Counters {
 pub struct DiskTier {
     /// Swappable (tests wrap it in a fault injector while the store runs).
     engine: parking_lot::RwLock<Arc<dyn IoEngine>>,
-    /// Huge-page bounce buffers that reads go through when the destination is in 4 KiB pages
-    /// (`DiskConfig::bounce_bytes`); one batch uses them at a time, others read directly.
+    /// Huge-page bounce buffers that reads and writes go through when the blocks' memory is in
+    /// 4 KiB pages (`DiskConfig::bounce_bytes`); one batch uses them at a time, others go
+    /// direct.
     /// Dropped after the engine (declared after it), which may have them registered.
     bounce: Option<Mutex<AlignedBuf>>,
     /// The bounce buffers' address and length (registered with the arena).
@@ -255,7 +256,7 @@ impl DiskTier {
         match AlignedBuf::new_huge(bytes.div_ceil(HUGE).saturating_mul(HUGE) as usize) {
             Ok(b) => Some(b),
             Err(e) => {
-                tracing::warn!(bytes, error = %e, "disk tier: no bounce buffers; reads land in 4 KiB pages directly");
+                tracing::warn!(bytes, error = %e, "disk tier: no bounce buffers; reads and writes go straight to and from 4 KiB pages");
                 None
             }
         }
