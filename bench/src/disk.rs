@@ -76,10 +76,6 @@ pub fn ensure_fio() -> Result<()> {
     Ok(())
 }
 
-/// Runs fio once; returns bytes/s.
-/// fio uses registered files and fixed buffers, as the disk tier's engine does: the bound, not
-/// a weaker baseline (plain fio 2M qd32 reads ran 0.85-1.0 GB/s here in rounds where these ran
-/// 1.4-1.9, bench/RESULTS.md).
 /// Set once fio failed with registered buffers: every later run goes without them.
 static FIO_PLAIN: AtomicBool = AtomicBool::new(false);
 
@@ -92,8 +88,10 @@ fn fio_label(fixed: &'static str, plain: &'static str) -> &'static str {
     }
 }
 
-/// With `huge`, fio's buffers are huge pages (SysV shared memory from the reserved pool).
-/// Where fio cannot register its buffers (RLIMIT_MEMLOCK of a user without CAP_IPC_LOCK) or
+/// Runs fio once; returns bytes/s. fio uses registered files and fixed buffers, as the disk
+/// tier's engine does: the bound, not a weaker baseline (plain fio 2M qd32 reads ran 0.85-1.0
+/// GB/s here in rounds where these ran 1.4-1.9, bench/RESULTS.md). With `huge`, fio's buffers
+/// are huge pages (SysV shared memory from the reserved pool). Where fio cannot register its buffers (RLIMIT_MEMLOCK of a user without CAP_IPC_LOCK) or
 /// get the huge pages, it runs without them, and says so once on stderr.
 fn fio(file: &Path, rw: &str, bs: u64, qd: u32, bytes: u64, huge: bool) -> Result<f64> {
     let run = |fixed: bool| {
@@ -123,13 +121,11 @@ fn fio(file: &Path, rw: &str, bs: u64, qd: u32, bytes: u64, huge: bool) -> Resul
     };
     let mut out = run(!FIO_PLAIN.load(Relaxed))?;
     if !out.status.success() && !FIO_PLAIN.swap(true, Relaxed) {
-        {
-            eprintln!(
-                "note: fio failed with registered (or huge-page) buffers, so the baseline runs \
-                 without them: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            )
-        }
+        eprintln!(
+            "note: fio failed with registered (or huge-page) buffers, so the baseline runs \
+             without them: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
         out = run(false)?;
     }
     ensure!(
@@ -149,14 +145,6 @@ fn fio(file: &Path, rw: &str, bs: u64, qd: u32, bytes: u64, huge: bool) -> Resul
         .context("fio output has no bw_bytes")?;
     ensure!(bw > 0.0, "fio measured no bandwidth");
     Ok(bw)
-}
-
-const SHMEM_THP: &str = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
-
-/// The selected value of `shmem_enabled` (the one in brackets), if readable.
-fn shmem_thp() -> Option<String> {
-    let s = std::fs::read_to_string(SHMEM_THP).ok()?;
-    Some(s.split('[').nth(1)?.split(']').next()?.to_string())
 }
 
 /// What a sequential case's fio baseline was.
@@ -223,8 +211,12 @@ fn fresh_tier(
             write_through: false,
             max_batch_bytes: 256 << 20,
             // `buf` is in 4 KiB pages: as a store with its arena in them, the tier reads and
-            // writes through its bounce buffers.
-            bounce_bytes: 96 << 20,
+            // writes through bounce buffers where private memory can have huge pages.
+            bounce_bytes: if AlignedBuf::huge_pages_available() {
+                kvstore::disk::BOUNCE_BYTES
+            } else {
+                0
+            },
         },
         Default::default(),
     )?;
@@ -455,15 +447,6 @@ fn prefix_case(args: &DiskArgs, kind: IoEngineKind, rows: &mut Vec<Row>) -> Resu
     let huge = free_huge_pages() >= 40;
     // 2 MiB reads, or one of the whole prefix where it is smaller (the smoke test's).
     let fio_bs = (2u64 << 20).min(total);
-    if let Some(v) = shmem_thp().filter(|v| matches!(v.as_str(), "never" | "deny")) {
-        // The store's arena is a memfd: transparent huge pages only where shared memory may
-        // have them. Said, not changed: a benchmark leaves the system's settings alone.
-        eprintln!(
-            "note: shmem_enabled is {v}: the arena is in 4 KiB pages, so the disk tier reads \
-             through its huge-page bounce buffers (0.69 of the bound here without them; with \
-             `echo advise > {SHMEM_THP}` it reads into the arena directly, bench/RESULTS.md)"
-        );
-    }
     ensure!(
         data_file.metadata().is_ok_and(|m| m.len() >= total),
         "{} does not hold the prefix",
@@ -471,10 +454,19 @@ fn prefix_case(args: &DiskArgs, kind: IoEngineKind, rows: &mut Vec<Row>) -> Resu
     );
     let mut rounds = Vec::new();
     let pb = crate::replay::bar(args.rounds as u64, "prefix loads");
-    for _ in 0..args.rounds {
+    for round in 0..args.rounds {
         pb.inc(1);
         // Restart: host memory empty, the prefix only on disk.
         let store = cfg(false)?.build()?;
+        if round == 0 && store.arena().small_pages() {
+            // The arena is a memfd: transparent huge pages only where shared memory may have
+            // them. Said, not changed: a benchmark leaves the system's settings alone.
+            eprintln!(
+                "note: the arena is in 4 KiB pages (shmem_enabled), so the disk tier reads \
+                 through its huge-page bounce buffers where private memory can have them (0.69 \
+                 of the bound here without them, bench/RESULTS.md)"
+            );
+        }
         let before = fio(&data_file, "read", fio_bs, 32, total, huge)?;
         let t = Instant::now();
         let n = store.load(&keys)?.len();

@@ -114,10 +114,7 @@ impl Arena {
     /// The 2 MiB size's own setting (`hugepages-2048kB/shmem_enabled`, Linux 6.11+) wins over
     /// the global one unless it says `inherit`.
     pub fn small_pages(&self) -> bool {
-        let setting = thp_setting(SHMEM_THP_2M)
-            .filter(|v| v != "inherit")
-            .or_else(|| thp_setting(SHMEM_THP));
-        !self.huge_pages && setting.is_none_or(|v| matches!(v.as_str(), "never" | "deny"))
+        !self.huge_pages && shmem_thp().is_none_or(|v| matches!(v.as_str(), "never" | "deny"))
     }
 
     /// Size in bytes.
@@ -501,8 +498,6 @@ mod arena_slice_tests {
     }
 }
 
-/// Says once per process, when the system gives shared memory no transparent huge pages, what
-/// that costs and how to change it.
 const SHMEM_THP: &str = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
 const SHMEM_THP_2M: &str = "/sys/kernel/mm/transparent_hugepage/hugepages-2048kB/shmem_enabled";
 const ANON_THP: &str = "/sys/kernel/mm/transparent_hugepage/enabled";
@@ -513,10 +508,16 @@ fn thp_setting(path: &str) -> Option<String> {
     Some(s.split('[').nth(1)?.split(']').next()?.to_string())
 }
 
+/// Shared memory's setting for 2 MiB pages: the size's own (Linux 6.11+) unless it says
+/// `inherit`, else the global one.
 fn shmem_thp() -> Option<String> {
-    thp_setting(SHMEM_THP)
+    thp_setting(SHMEM_THP_2M)
+        .filter(|v| v != "inherit")
+        .or_else(|| thp_setting(SHMEM_THP))
 }
 
+/// Says once per process, when the system gives shared memory no transparent huge pages, what
+/// that costs and how to change it.
 fn note_small_pages() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
@@ -529,8 +530,8 @@ fn note_small_pages() {
                 setting = path,
                 value = chosen.unwrap_or_default(),
                 "host arena in 4 KiB pages: copies out of it run about 10-30% below memcpy (TLB \
-                 misses) on this kind of machine, and disk reads go through 96 MiB of huge-page \
-                 bounce buffers. Allow shared-memory huge pages (echo advise > {path}; kvtier \
+                 misses) on this kind of machine, and a disk tier reads and writes through up \
+                 to 96 MiB of huge-page bounce buffers. Allow shared-memory huge pages (echo advise > {path}; kvtier \
                  asks for them) or reserve hugetlb pages and set host.huge_pages"
             );
         }

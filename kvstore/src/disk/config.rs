@@ -28,6 +28,10 @@ impl Admission {
     }
 }
 
+/// Bounce buffers a store gives its disk tier when its arena is in 4 KiB pages (at most an
+/// eighth of the arena): 48 reads of 2 MiB, the queue full while completions are copied out.
+pub const BOUNCE_BYTES: u64 = 96 << 20;
+
 /// Configuration of the disk tier.
 #[derive(Clone, Debug)]
 pub struct DiskConfig {

@@ -43,7 +43,7 @@ use crate::tier::{
 };
 use crate::types::{BlockInfo, FoldMap, MapKey, Tier};
 
-pub use config::{Admission, DiskConfig, DiskError};
+pub use config::{Admission, DiskConfig, DiskError, BOUNCE_BYTES};
 use journal::{Journal, Kind, Record};
 use recovery::io_err;
 use state::{DEntry, DState, State};

@@ -76,8 +76,6 @@ const DOORKEEPER: usize = 1 << 20;
 /// the simulation, 4: 0.957, 8: 0.976; docqa's disk writes +30%, +40%, +61% against none;
 /// bench/RESULTS.md).
 const CONTINUATION: usize = 4;
-/// Huge-page bounce buffers of the disk tier when the arena is in 4 KiB pages.
-const BOUNCE_BYTES: u64 = 96 << 20;
 
 /// The fingerprint of a freed (reclaimable) namespace id: no namespace hashes to zero.
 const FREE_NS: Fingerprint = Fingerprint(BlockKey(0));
@@ -436,11 +434,9 @@ impl Store {
                 && arena.small_pages()
                 && crate::arena::AlignedBuf::huge_pages_available()
             {
-                // Reads from disk into 4 KiB pages ran at 0.7 of the device's rate here, 0.96
-                // through huge-page bounce buffers (bench/RESULTS.md): 96 MiB (48 reads of
-                // 2 MiB, the queue full while completions are copied out), at most an eighth
-                // of the arena.
-                d.bounce_bytes = BOUNCE_BYTES.min(arena.len() as u64 / 8);
+                // Reads from disk into 4 KiB pages ran at 0.7 of the device's rate here, 1.0
+                // through huge-page bounce buffers (bench/RESULTS.md).
+                d.bounce_bytes = crate::disk::BOUNCE_BYTES.min(arena.len() as u64 / 8);
             }
             admission = d.admission;
             write_through = d.write_through;
