@@ -1,0 +1,63 @@
+"""What the vLLM connector's scheduler answers for a request whose disk blocks are still being
+preloaded, under each ``load_policy`` (the unit tests had none for this; the end-to-end tests
+run the default and wait_complete through a real daemon). The store is a stand-in that answers
+as kvtierd does while a hint's preloads are queued: the first two blocks in host memory, the
+last two on disk and moving up."""
+
+import time
+from types import SimpleNamespace
+
+from kvtier.vllm import KvtierScheduler
+
+BS = 32
+
+
+class Preloading:
+    """Two blocks in host memory, two on disk whose preloads are queued."""
+
+    def __init__(self):
+        self.hints = 0
+
+    def lookup(self, keys, *_):
+        return 4, 4, ["host", "host", "disk", "disk"]
+
+    def prefetch(self, keys, *_):
+        self.hints += 1
+        return {"present": 4, "queued": 2, "joined": 0, "held": 2}
+
+
+def scheduler(store, policy, deadline_s=30.0):
+    c = object.__new__(KvtierScheduler)
+    c.__dict__.update(_store=store, _fp=b"\0" * 16, _may_load=True, _block_size=BS,
+                      _policy=policy, _deadline_s=deadline_s, _hint_ttl_s=60.0, _hinted={},
+                      _hybrid=False, _groups=[], _tiers={}, _lookup_start={},
+                      _pending_since={}, _async=True, _prefill_rate=0.0,
+                      _measure_prefill=False, _hint_failed=False)
+    return c
+
+
+def request(rid):
+    return SimpleNamespace(request_id=rid, block_hashes=[bytes([i + 1]) * 32 for i in range(4)],
+                           prompt_token_ids=list(range(4 * BS + 7)))
+
+
+def ask(policy, deadline_s=30.0):
+    s = Preloading()
+    c = scheduler(s, policy, deadline_s)
+    r = request(f"r-{policy}")
+    # Its hint was sent on arrival (`on_new_request`), just now.
+    c._hinted[r.request_id] = time.monotonic()
+    return c.get_num_new_matched_tokens(r, 0), s.hints
+
+
+def test_timeout_and_wait_complete_keep_the_request_queued_while_its_preloads_move():
+    for policy in ("timeout", "wait_complete"):
+        answer, hints = ask(policy)
+        assert answer == (None, False), policy
+        # The wait re-hints (what was cut for room is queued now).
+        assert hints == 1, policy
+
+
+def test_best_effort_loads_what_is_in_host_memory_and_timeout_does_past_its_deadline():
+    assert ask("best_effort")[0] == (2 * BS, True)
+    assert ask("timeout", deadline_s=0.0)[0] == (2 * BS, True)
