@@ -4,6 +4,7 @@ kvtier, on the same requests, configurations interleaved.
 
     .venv-vllm/bin/python bench/serving/run.py --trace T --json [--limit N] [--speedup X]
         [--configs vllm,kvtier-host,kvtier-disk] [--rounds 1] [--minutes 30] [--report DIR]
+        [--connector JSON] [--kvtierd-set KEY=VALUE ...]
 
 T: a Mooncake-format file (`timestamp` ms, `input_length`, `output_length`, `hash_ids` of
 512-token blocks), or `gen:chat`, `gen:agent`, `gen:docqa` (with parameters, as `kvtier-bench
@@ -351,11 +352,12 @@ def start_daemons(cfg: str, plan: dict, tmp: Path, tag: str) -> tuple[list[Kvtie
         return [], []
     if cfg == "kvtier-host":
         return [Kvtierd(plan["kvtierd"], tmp / f"kvtierd-{tag}", max(2 * ws, 64 << 20),
-                        None)], []
+                        None, plan["kvtierd_set"])], []
     host = max(int(ws * plan["host_pct"] / 100), 64 << 20)
     disk = max(2 * ws, 256 << 20)
     if cfg == "kvtier-disk":
-        return [Kvtierd(plan["kvtierd"], tmp / f"kvtierd-{tag}", host, disk)], []
+        return [Kvtierd(plan["kvtierd"], tmp / f"kvtierd-{tag}", host, disk,
+                        plan["kvtierd_set"])], []
     ports = [free_port() for _ in range(2)]
     listen = [f"127.0.0.1:{p}" for p in ports]
     members = "[" + ",".join(f'"{a}"' for a in listen) + "]"
@@ -364,7 +366,7 @@ def start_daemons(cfg: str, plan: dict, tmp: Path, tag: str) -> tuple[list[Kvtie
         for i, addr in enumerate(listen):
             out.append(Kvtierd(plan["kvtierd"], tmp / f"kvtierd-{tag}-{i}", host, disk,
                                ["--set", f"cluster.listen={addr}",
-                                "--set", f"cluster.members={members}"]))
+                                "--set", f"cluster.members={members}"] + plan["kvtierd_set"]))
     except BaseException:
         for d in out:
             d.stop()
@@ -527,6 +529,9 @@ def main() -> None:
     ap.add_argument("--connector", type=json.loads, default={},
                     help="extra keys of the kvtier connector's config (JSON), e.g. "
                          "'{\"preload\": false}'")
+    ap.add_argument("--kvtierd-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a kvtierd config key for every daemon (its --set), e.g. "
+                         "disk.admission=always; repeatable")
     ap.add_argument("--no-build", action="store_true",
                     help="use the kvtier package installed in this interpreter as it is (default: "
                          "build its native code in release mode first)")
@@ -589,6 +594,7 @@ def main() -> None:
         "model": model, "max_len": max_len, "kvtierd": a.kvtierd, "host_pct": a.host_pct,
         "working_set_blocks": ws_blocks, "pool_bytes": pool_blocks * BLOCK_BYTES,
         "batch_tokens": a.batch_tokens, "connector": a.connector,
+        "kvtierd_set": [x for kv in a.kvtierd_set for x in ("--set", kv)],
         "run_timeout_s": max(600.0, 20 * (span_ms / 1000 / speedup + tokens / rate)),
     }
     files = {"reuse": tmp / "trace.jsonl", "no-reuse": tmp / "trace-no-reuse.jsonl",
