@@ -91,8 +91,9 @@ fn fio_label(fixed: &'static str, plain: &'static str) -> &'static str {
 /// Runs fio once; returns bytes/s. fio uses registered files and fixed buffers, as the disk
 /// tier's engine does: the bound, not a weaker baseline (plain fio 2M qd32 reads ran 0.85-1.0
 /// GB/s here in rounds where these ran 1.4-1.9, bench/RESULTS.md). With `huge`, fio's buffers
-/// are huge pages (SysV shared memory from the reserved pool). Where fio cannot register its buffers (RLIMIT_MEMLOCK of a user without CAP_IPC_LOCK) or
-/// get the huge pages, it runs without them, and says so once on stderr.
+/// are huge pages (SysV shared memory from the reserved pool). Where fio cannot register its
+/// buffers (RLIMIT_MEMLOCK of a user without CAP_IPC_LOCK) or get the huge pages, it runs
+/// without them, and says so once on stderr.
 fn fio(file: &Path, rw: &str, bs: u64, qd: u32, bytes: u64, huge: bool) -> Result<f64> {
     let run = |fixed: bool| {
         Command::new("fio")

@@ -114,7 +114,7 @@ impl Arena {
     /// The 2 MiB size's own setting (`hugepages-2048kB/shmem_enabled`, Linux 6.11+) wins over
     /// the global one unless it says `inherit`.
     pub fn small_pages(&self) -> bool {
-        !self.huge_pages && shmem_thp().is_none_or(|v| matches!(v.as_str(), "never" | "deny"))
+        !self.huge_pages && shmem_thp().is_none_or(|(_, v)| matches!(v.as_str(), "never" | "deny"))
     }
 
     /// Size in bytes.
@@ -508,12 +508,13 @@ fn thp_setting(path: &str) -> Option<String> {
     Some(s.split('[').nth(1)?.split(']').next()?.to_string())
 }
 
-/// Shared memory's setting for 2 MiB pages: the size's own (Linux 6.11+) unless it says
-/// `inherit`, else the global one.
-fn shmem_thp() -> Option<String> {
+/// Shared memory's setting for 2 MiB pages and the file it is read from: the size's own
+/// (Linux 6.11+) unless it says `inherit`, else the global one.
+fn shmem_thp() -> Option<(&'static str, String)> {
     thp_setting(SHMEM_THP_2M)
         .filter(|v| v != "inherit")
-        .or_else(|| thp_setting(SHMEM_THP))
+        .map(|v| (SHMEM_THP_2M, v))
+        .or_else(|| thp_setting(SHMEM_THP).map(|v| (SHMEM_THP, v)))
 }
 
 /// Says once per process, when the system gives shared memory no transparent huge pages, what
@@ -521,18 +522,21 @@ fn shmem_thp() -> Option<String> {
 fn note_small_pages() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        let path = SHMEM_THP;
-        let chosen = shmem_thp();
-        let chosen = chosen.as_deref();
-        if matches!(chosen, Some("never" | "deny")) {
-            // A hint, not a fault: the daemon's default log level shows it.
+        let Some((path, value)) = shmem_thp() else {
+            return;
+        };
+        if matches!(value.as_str(), "never" | "deny") {
+            // A hint, not a fault: the daemon's default log level shows it. `path` is the file
+            // the setting came from (the 2 MiB size's own where it does not inherit).
+            let bounce_mib = crate::disk::BOUNCE_BYTES >> 20;
             tracing::info!(
                 setting = path,
-                value = chosen.unwrap_or_default(),
+                value = value.as_str(),
                 "host arena in 4 KiB pages: copies out of it run about 10-30% below memcpy (TLB \
                  misses) on this kind of machine, and a disk tier reads and writes through up \
-                 to 96 MiB of huge-page bounce buffers. Allow shared-memory huge pages (echo advise > {path}; kvtier \
-                 asks for them) or reserve hugetlb pages and set host.huge_pages"
+                 to {bounce_mib} MiB of huge-page bounce buffers. Allow shared-memory huge \
+                 pages (echo advise > {path}; kvtier asks for them) or reserve hugetlb pages \
+                 and set host.huge_pages"
             );
         }
     });
