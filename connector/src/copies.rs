@@ -9,8 +9,16 @@ use std::sync::OnceLock;
 /// Below this many bytes per thread a transfer is not split.
 pub const MIN_BYTES_PER_THREAD: usize = 1 << 20;
 
-/// The most copy threads the default picks (memory bandwidth is saturated well before).
-pub const DEFAULT_MAX_THREADS: usize = 8;
+/// The most copy threads the default picks. A thread copies and hashes, or hashes a shared slot
+/// for a GPU load's check, at 4-5.5 GB/s out of DRAM on an H200 server's Xeon: with 8 threads
+/// that check took 33% of a 4,096-token load beside the DMA, with 16 threads 11%
+/// (`scripts/gpu_check.py`; bench/RESULTS.md).
+pub const DEFAULT_MAX_THREADS: usize = 16;
+
+/// The share of the cores the default leaves to the engine's own threads (one in this many,
+/// rounded down): with every core hashing, the thread that launches the engine's kernels
+/// waited for a core and the layers' compute no longer overlapped the loads.
+pub const ENGINE_CORES_ONE_IN: usize = 8;
 
 /// Copy threads for one backend.
 pub struct Copies {
@@ -47,11 +55,12 @@ impl Copies {
         }
     }
 
-    /// The default thread count: the cores available to this process, at most 8.
+    /// The default thread count: the cores available to this process less one in
+    /// [`ENGINE_CORES_ONE_IN`], at least 1 and at most [`DEFAULT_MAX_THREADS`] (2 cores: 2;
+    /// 16: 14; 128: 16).
     pub fn default_threads() -> usize {
-        std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .clamp(1, DEFAULT_MAX_THREADS)
+        let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+        (n - n / ENGINE_CORES_ONE_IN).clamp(1, DEFAULT_MAX_THREADS)
     }
 
     /// How many threads copies may use.

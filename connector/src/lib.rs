@@ -12,4 +12,6 @@ mod transfer;
 pub use copies::Copies;
 pub use layout::{Copy2D, Dim, LayerView, LayoutError, PagedKv, Piece};
 pub use sidecar::{Sidecar, SidecarStats};
-pub use transfer::{checksum, Backend, LayerSave, PinHandle, Pinned, Stored, Tags, TransferError};
+pub use transfer::{
+    checksum, Backend, LayerSave, PinHandle, Pinned, SlotCheck, Stored, Tags, TransferError,
+};

@@ -317,6 +317,21 @@ fn verified(got: u64, want: u64) -> bool {
     true
 }
 
+/// Whether, and when, a layer-by-layer load verifies each block's checksum in the shared slot
+/// it copies from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotCheck {
+    /// Not here: the caller verifies its own copy (the CPU path hashes the engine's memory).
+    Off,
+    /// Every block verified before any layer is queued: nothing of a failed block is copied,
+    /// and the copies wait for the hashing.
+    First,
+    /// Every layer queued first, the slots hashed while the copies run (the copy engine and
+    /// the cores work at once); a block that failed is copied but not counted as loaded, so
+    /// the engine treats it as failed, as when the CPU path's check fails after its copy.
+    Beside,
+}
+
 /// A sidecar lease released when dropped (an early return cannot leak it); `lapsed` tells
 /// whether the release found it expired (the copies made under it are void).
 struct LeaseGuard<'c> {
@@ -382,8 +397,9 @@ impl Backend {
         ))))
     }
 
-    /// Copies with `threads` threads (0: the cores available to this process, at most 8; 1:
-    /// on the calling thread). Small transfers stay on the calling thread whatever this says.
+    /// Copies with `threads` threads (0: [`Copies::default_threads`], the cores available to
+    /// this process less one in 8, at most 16; 1: on the calling thread). Small transfers stay
+    /// on the calling thread whatever this says.
     pub fn set_copy_threads(&mut self, threads: usize) {
         if threads != self.copies.threads() {
             self.copies = Copies::new(threads);
@@ -922,7 +938,7 @@ impl Backend {
             keys,
             block_ids,
             ttl,
-            false,
+            SlotCheck::Off,
             &mut |layer, blocks| {
                 if layer == 0 {
                     sums = blocks.iter().map(|(_, sum)| *sum).collect();
@@ -950,10 +966,11 @@ impl Backend {
         Ok(ok.iter().take_while(|o| **o).count())
     }
 
-    /// The frame of a layer-by-layer load: pins the blocks, keeps the valid prefix (right
-    /// size, and with `verify_first` checksum verified in the shared slot), calls
-    /// `layer(l, prefix)` for every layer in order, then `done()` while the blocks are still
-    /// pinned (e.g. to wait for queued copies), and releases them. A daemon that is away:
+    /// The frame of a layer-by-layer load: pins the blocks, keeps the prefix of the right
+    /// size, calls `layer(l, prefix)` for every layer in order, then `done()` while the blocks
+    /// are still pinned (e.g. to wait for queued copies), and releases them. `check` says
+    /// whether and when each shared slot's checksum is verified here ([`SlotCheck`]); the
+    /// count returned ends at the first block that failed it. A daemon that is away:
     /// `layer(l, [])` for every layer, 0 loaded.
     #[allow(clippy::too_many_arguments)]
     fn load_layers_with(
@@ -962,7 +979,7 @@ impl Backend {
         keys: &[BlockKey],
         block_ids: &[Vec<usize>],
         ttl: Duration,
-        verify_first: bool,
+        check: SlotCheck,
         layer: &mut EachLayer<'_>,
         done: &mut dyn FnMut() -> Result<(), TransferError>,
     ) -> Result<usize, TransferError> {
@@ -973,16 +990,32 @@ impl Backend {
         let bb = paged.block_bytes();
         let copies = &self.copies;
         let mut layers = |blocks: &[(ArenaSlice<'_>, u64)]| -> Result<usize, TransferError> {
-            // The valid prefix, every block checked before anything is copied (on the copy
-            // threads: hashing a large prefix on one core would dwarf the copies).
             let m = blocks.len().min(keys.len());
-            let sizes: Vec<usize> = blocks[..m].iter().map(|(b, _)| b.len()).collect();
-            let ok = copies.map(&sizes, |i| {
-                let (b, sum) = blocks[i];
-                b.len() == block_ids[i].len() * bb && (!verify_first || verified(b.checksum(), sum))
+            let sized = (0..m)
+                .take_while(|&i| blocks[i].0.len() == block_ids[i].len() * bb)
+                .count();
+            // Each slot's checksum, on the copy threads (hashing a long prefix on one core
+            // would dwarf the copies): the length of the prefix that passed.
+            let verify = |n: usize| -> usize {
+                let sizes: Vec<usize> = blocks[..n].iter().map(|(b, _)| b.len()).collect();
+                let ok = copies.map(&sizes, |i| verified(blocks[i].0.checksum(), blocks[i].1));
+                ok.iter().take_while(|o| **o).count()
+            };
+            let (n, r) = match check {
+                SlotCheck::Off => (sized, Ok(())),
+                SlotCheck::First => (verify(sized), Ok(())),
+                SlotCheck::Beside => {
+                    // Every layer queued first; the slots are hashed while the copies run.
+                    let r = (0..paged.layers()).try_for_each(|l| layer(l, &blocks[..sized]));
+                    (if r.is_ok() { verify(sized) } else { 0 }, r)
+                }
+            };
+            let r = r.and_then(|()| match check {
+                SlotCheck::Beside => Ok(()),
+                SlotCheck::Off | SlotCheck::First => {
+                    (0..paged.layers()).try_for_each(|l| layer(l, &blocks[..n]))
+                }
             });
-            let n = ok.iter().take_while(|o| **o).count();
-            let r = (0..paged.layers()).try_for_each(|l| layer(l, &blocks[..n]));
             // Whatever happened, what was queued finishes before the blocks are released.
             let d = done();
             r?;
@@ -1232,3 +1265,137 @@ pub enum Stored {
 
 /// The checksum a commit carries for `data` (XXH3-64).
 pub use kvstore::checksum;
+
+#[cfg(test)]
+mod slot_check_tests {
+    //! The slot checks of a layer-by-layer load, run on the CPU (the GPU path queues copies
+    //! where these scatter): every check passes what was committed and stops at a slot
+    //! written after its commit, whatever the pieces' and layers' boundaries.
+    use super::*;
+    use crate::layout::{Dim, LayerView};
+    use rand::{Rng, SeedableRng};
+
+    fn paged(mem: &mut [Vec<u8>], shape: &[usize]) -> PagedKv {
+        let mut st = vec![1isize; shape.len()];
+        for j in (0..shape.len() - 1).rev() {
+            st[j] = st[j + 1] * shape[j + 1] as isize;
+        }
+        let views = mem
+            .iter_mut()
+            .map(|m| LayerView {
+                ptr: m.as_mut_ptr() as usize,
+                shape: shape.to_vec(),
+                strides: st.clone(),
+                dims: vec![Dim::Kv, Dim::Blocks, Dim::Tokens, Dim::Inner, Dim::Inner],
+                elem: 2,
+            })
+            .collect();
+        // SAFETY: each view covers exactly its own Vec (contiguous strides, 2-byte elements),
+        // which outlives the PagedKv; nothing else touches them during a copy.
+        unsafe { PagedKv::new(views).expect("valid layout") }
+    }
+
+    fn tensors(rng: &mut rand::rngs::StdRng, layers: usize, shape: &[usize]) -> Vec<Vec<u8>> {
+        (0..layers)
+            .map(|_| {
+                let mut v = vec![0u8; shape.iter().product::<usize>() * 2];
+                rng.fill(&mut v[..]);
+                v
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_slot_check_passes_committed_blocks_and_stops_at_a_changed_one() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(21);
+        // (layers, shape): 7,680 bytes a layer (pieces straddle layers and engine blocks),
+        // and 64 KiB a layer (a piece is a layer, as for Llama-3-8B).
+        for (layers, shape) in [(5, [2, 16, 16, 3, 40]), (2, [2, 4, 16, 8, 128])] {
+            let b = Backend::embedded(
+                kvstore::StoreConfig {
+                    capacity_bytes: 16 << 20,
+                    segment_bytes: 1 << 20,
+                    ..Default::default()
+                }
+                .build()
+                .expect("store"),
+            );
+            let ns = b
+                .register_namespace(&Namespace {
+                    model: format!("test/slot-check/{layers}"),
+                    dtype: "bfloat16".into(),
+                    layout: "kv-first".into(),
+                    block_tokens: 16,
+                    tp: kvstore::TpShard::Rank { size: 1, rank: 0 },
+                    tenant: String::new(),
+                    lora: String::new(),
+                })
+                .unwrap();
+            let mut src = tensors(&mut rng, layers, &shape);
+            let ps = paged(&mut src, &shape);
+            let ids = if shape[1] == 16 {
+                vec![vec![3], vec![0, 1], vec![7, 8, 9], vec![15]]
+            } else {
+                vec![vec![3], vec![0], vec![1, 2], vec![2]]
+            };
+            let keys: Vec<BlockKey> = (0..4u128)
+                .map(|i| BlockKey((i + 5).wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835)))
+                .collect();
+            assert_eq!(b.save(ns, &ps, &keys, &ids).unwrap(), 4);
+            let load = |check: SlotCheck| -> (usize, Vec<usize>) {
+                let mut dst = tensors(&mut rand::rngs::StdRng::seed_from_u64(1), layers, &shape);
+                let pd = paged(&mut dst, &shape);
+                let mut queued = Vec::new();
+                let n = b
+                    .load_layers_with(
+                        &pd,
+                        &keys,
+                        &ids,
+                        Duration::ZERO,
+                        check,
+                        &mut |l, blocks| {
+                            for (i, (s, _)) in blocks.iter().enumerate() {
+                                pd.scatter_layer(&ids[i], *s, l)?;
+                            }
+                            queued.push(blocks.len());
+                            Ok(())
+                        },
+                        &mut || Ok(()),
+                    )
+                    .unwrap();
+                for (i, id) in ids.iter().enumerate().take(n) {
+                    let (mut want, mut got) = (
+                        vec![0u8; id.len() * ps.block_bytes()],
+                        vec![0u8; id.len() * ps.block_bytes()],
+                    );
+                    ps.gather(id, &mut want).unwrap();
+                    pd.gather(id, &mut got).unwrap();
+                    assert!(want == got, "{check:?}: block {i} differs after its load");
+                }
+                (n, queued)
+            };
+            for check in [SlotCheck::Off, SlotCheck::First, SlotCheck::Beside] {
+                assert_eq!(
+                    load(check),
+                    (4, vec![4; layers]),
+                    "{check:?}, {layers} layers"
+                );
+            }
+            // A stalled writer changes the last piece of key 2's slot (another mapping).
+            let kv = b.store().expect("embedded");
+            let at = kv.get(&keys[2]).expect("stored").arena_offset() as usize;
+            let len = ids[2].len() * ps.block_bytes();
+            // SAFETY: a second shared mapping of the store's memfd, as an engine process maps
+            // it; the test writes one byte inside one committed block's slot.
+            let mut other = unsafe {
+                memmap2::MmapMut::map_mut(&std::fs::File::from(
+                    kv.arena().fd().try_clone_to_owned().unwrap(),
+                ))
+            }
+            .expect("map the arena");
+            other[at + len - 3] ^= 0x10;
+            assert_eq!(load(SlotCheck::First), (2, vec![2; layers]));
+            assert_eq!(load(SlotCheck::Beside), (2, vec![4; layers]));
+        }
+    }
+}

@@ -4,7 +4,7 @@
 #![cfg(feature = "cuda")]
 
 use kvtier_connector::cuda::{driver_present, CudaCopier};
-use kvtier_connector::{Dim, LayerView, PagedKv};
+use kvtier_connector::{Dim, LayerView, PagedKv, SlotCheck};
 use rand::{Rng, SeedableRng};
 
 use Dim::{Blocks as B, Inner as I, Kv as K, Tokens as T};
@@ -59,8 +59,17 @@ fn views(ptrs: &[usize], shape: &[usize], st: &[isize], dims: &[Dim], elem: usiz
     unsafe { PagedKv::new(v).expect("valid layout") }
 }
 
-/// (name, shape, dims, physical order, element size).
-type Case = (&'static str, Vec<usize>, Vec<Dim>, Vec<usize>, usize);
+/// (name, shape, dims, physical order, element size, padding per dim (elements the
+/// allocation has beyond the shape: odd strides), offset of the view's start (elements)).
+type Case = (
+    &'static str,
+    Vec<usize>,
+    Vec<Dim>,
+    Vec<usize>,
+    usize,
+    Vec<usize>,
+    usize,
+);
 
 #[test]
 fn gpu_gather_and_scatter_match_the_cpu_path() {
@@ -70,11 +79,13 @@ fn gpu_gather_and_scatter_match_the_cpu_path() {
     let (nb, bs, h, d) = (24, 16, 4, 64);
     let cases: Vec<Case> = vec![
         (
-            "kv-first nhd",
+            "kv-first nhd (FlashAttention)",
             vec![2, nb, bs, h, d],
             vec![K, B, T, I, I],
             vec![0, 1, 2, 3, 4],
             2,
+            vec![0; 5],
+            0,
         ),
         (
             "kv-first hnd",
@@ -82,18 +93,69 @@ fn gpu_gather_and_scatter_match_the_cpu_path() {
             vec![K, B, T, I, I],
             vec![0, 1, 3, 2, 4],
             2,
+            vec![0; 5],
+            0,
         ),
         (
-            "blocks-first",
+            "blocks-first nhd (FlashInfer)",
             vec![nb, 2, bs, h, d],
             vec![B, K, T, I, I],
             vec![0, 1, 2, 3, 4],
             2,
+            vec![0; 5],
+            0,
         ),
-        ("mla", vec![nb, bs, 576], vec![B, T, I], vec![0, 1, 2], 2),
+        (
+            "blocks-first hnd (FlashInfer HND)",
+            vec![nb, 2, bs, h, d],
+            vec![B, K, T, I, I],
+            vec![0, 1, 3, 2, 4],
+            2,
+            vec![0; 5],
+            0,
+        ),
+        (
+            "mla",
+            vec![nb, bs, 576],
+            vec![B, T, I],
+            vec![0, 1, 2],
+            2,
+            vec![0; 3],
+            0,
+        ),
+        (
+            "kv-first, padded head dim and tokens, offset view",
+            vec![2, nb, bs, h, d],
+            vec![K, B, T, I, I],
+            vec![0, 1, 2, 3, 4],
+            2,
+            vec![0, 1, 3, 0, 8],
+            5,
+        ),
+        (
+            "blocks-first hnd, padded heads, odd offset, fp32",
+            vec![nb, 2, bs, h, d],
+            vec![B, K, T, I, I],
+            vec![0, 1, 3, 2, 4],
+            4,
+            vec![2, 0, 1, 1, 3],
+            3,
+        ),
+        (
+            "mla, padded rows, offset",
+            vec![nb, bs, 576],
+            vec![B, T, I],
+            vec![0, 1, 2],
+            2,
+            vec![0, 0, 64],
+            7,
+        ),
     ];
-    for (name, shape, dims, phys, elem) in cases {
-        let (st, n) = strides(&shape, &phys);
+    for (name, shape, dims, phys, elem, pad, off) in cases {
+        let alloc: Vec<usize> = shape.iter().zip(&pad).map(|(s, p)| s + p).collect();
+        let (st, n) = strides(&alloc, &phys);
+        let n = n + off;
+        let at = off * elem;
         let host: Vec<Vec<u8>> = (0..3)
             .map(|_| {
                 let mut v = vec![0u8; n * elem];
@@ -106,10 +168,10 @@ fn gpu_gather_and_scatter_match_the_cpu_path() {
             .iter()
             .map(|s| {
                 let (p, _sync) = cudarc::driver::DevicePtr::device_ptr(s, &stream);
-                p as usize
+                p as usize + at
             })
             .collect();
-        let hptrs: Vec<usize> = host.iter().map(|h| h.as_ptr() as usize).collect();
+        let hptrs: Vec<usize> = host.iter().map(|h| h.as_ptr() as usize + at).collect();
         let gpu = views(&dptrs, &shape, &st, &dims, elem);
         let cpu = views(&hptrs, &shape, &st, &dims, elem);
         let ids = vec![3, 0, 17, 5, 23, 9];
@@ -129,8 +191,24 @@ fn gpu_gather_and_scatter_match_the_cpu_path() {
         unsafe { c.scatter(&gpu, &targets, &want) }.unwrap();
         c.synchronize().unwrap();
         let back: Vec<Vec<u8>> = dev.iter().map(|s| stream.clone_dtoh(s).unwrap()).collect();
-        let bptrs: Vec<usize> = back.iter().map(|h| h.as_ptr() as usize).collect();
+        let bptrs: Vec<usize> = back.iter().map(|h| h.as_ptr() as usize + at).collect();
         let after = views(&bptrs, &shape, &st, &dims, elem);
+        // The padding between rows and before the view is untouched too.
+        let pads_kept = back.iter().zip(&host).all(|(b, h)| {
+            let (mut bb, mut hh) = (b.clone(), h.clone());
+            for v in [&mut bb, &mut hh] {
+                let view = views(&[v.as_mut_ptr() as usize + at], &shape, &st, &dims, elem);
+                let zero = vec![0u8; view.block_bytes()];
+                for blk in 0..view.blocks() {
+                    view.scatter(&[blk], &zero).unwrap();
+                }
+            }
+            bb == hh
+        });
+        assert!(
+            pads_kept,
+            "{name}: a GPU scatter wrote outside the view's elements"
+        );
         let mut again = vec![0u8; want.len()];
         after.gather(&targets, &mut again).unwrap();
         assert!(
@@ -264,10 +342,18 @@ fn gpu_layerwise_save_and_load_through_the_store_are_byte_exact() {
     // SAFETY: `dst` stays alive and nobody else touches it until the load returned and the
     // default stream waited for every layer's event.
     let loaded = unsafe {
-        store.load_layerwise_cuda(&c, &gdst, &keys, &into, Duration::ZERO, &mut |l, n, ev| {
-            c.make_wait(&ev, 0).unwrap();
-            seen.push((l, n));
-        })
+        store.load_layerwise_cuda(
+            &c,
+            &gdst,
+            &keys,
+            &into,
+            Duration::ZERO,
+            SlotCheck::Beside,
+            &mut |l, n, ev| {
+                c.make_wait(&ev, 0).unwrap();
+                seen.push((l, n));
+            },
+        )
     }
     .unwrap();
     assert_eq!(loaded, 6);
@@ -282,4 +368,123 @@ fn gpu_layerwise_save_and_load_through_the_store_are_byte_exact() {
         assert!(a == b, "GPU load differs from the saved block");
     }
     eprintln!("GPU layer-by-layer save and load through the store: byte-exact");
+}
+
+/// A block whose slot was written after its commit (a stalled writer: another mapping of the
+/// arena) fails the GPU load's check, whether the slots are hashed while the copies run
+/// (`Beside`, what engines use) or before any is queued (`First`): the count ends before it,
+/// and the blocks before it are byte-exact.
+#[test]
+fn gpu_loads_count_only_blocks_whose_slot_verifies() {
+    use std::sync::Arc;
+    use std::time::Duration;
+    let Some(c) = copier() else { return };
+    let c = Arc::new(c);
+    let stream = c.stream().clone();
+    let store = kvtier_connector::Backend::embedded(
+        kvstore::StoreConfig {
+            capacity_bytes: 64 << 20,
+            segment_bytes: 4 << 20,
+            ..Default::default()
+        }
+        .build()
+        .unwrap(),
+    );
+    assert!(store.pin_for_cuda(&c).unwrap(), "arena registration failed");
+    let ns = store
+        .register_namespace(&kvstore::Namespace {
+            model: "test/gpu-check".into(),
+            dtype: "bfloat16".into(),
+            layout: "blocks-first".into(),
+            block_tokens: 16,
+            tp: kvstore::TpShard::Rank { size: 1, rank: 0 },
+            tenant: String::new(),
+            lora: String::new(),
+        })
+        .unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(13);
+    let (nb, bs, h, d, layers) = (12, 16, 4, 64, 3);
+    let shape = vec![nb, 2, bs, h, d];
+    let dims = [B, K, T, I, I];
+    let (st, n) = strides(&shape, &[0, 1, 2, 3, 4]);
+    let mut host: Vec<Vec<u8>> = (0..layers)
+        .map(|_| {
+            let mut v = vec![0u8; n * 2];
+            rng.fill(&mut v[..]);
+            v
+        })
+        .collect();
+    let hptrs: Vec<usize> = host.iter_mut().map(|h| h.as_mut_ptr() as usize).collect();
+    let cpu = views(&hptrs, &shape, &st, &dims, 2);
+    let keys: Vec<kvstore::BlockKey> = (0..4u128)
+        .map(|i| {
+            kvstore::BlockKey((i + 70).wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835))
+        })
+        .collect();
+    let ids: Vec<Vec<usize>> = (1..5).map(|i| vec![i]).collect();
+    assert_eq!(store.save(ns, &cpu, &keys, &ids).unwrap(), 4);
+    let kv = store.store().expect("embedded");
+    let offset = kv.get(&keys[2]).expect("stored").arena_offset() as usize;
+    // SAFETY: a second shared mapping of the store's memfd, as an engine process maps it; the
+    // test writes only inside one committed block's slot.
+    let mut other = unsafe {
+        memmap2::MmapMut::map_mut(&std::fs::File::from(
+            kv.arena().fd().try_clone_to_owned().unwrap(),
+        ))
+    }
+    .expect("map the arena");
+    other[offset + 4321] ^= 0x5a;
+    let into: Vec<Vec<usize>> = (6..10).map(|i| vec![i]).collect();
+    for check in [SlotCheck::Beside, SlotCheck::First] {
+        let dst: Vec<_> = (0..layers)
+            .map(|_| stream.alloc_zeros::<u8>(n * 2).unwrap())
+            .collect();
+        stream.synchronize().unwrap();
+        let dptrs: Vec<usize> = dst
+            .iter()
+            .map(|s| cudarc::driver::DevicePtr::device_ptr(s, &stream).0 as usize)
+            .collect();
+        let gdst = views(&dptrs, &shape, &st, &dims, 2);
+        let mut queued = Vec::new();
+        // SAFETY: `dst` stays alive and nobody else touches it until the load returned and
+        // the default stream waited for every layer's event.
+        let loaded = unsafe {
+            store.load_layerwise_cuda(
+                &c,
+                &gdst,
+                &keys,
+                &into,
+                Duration::ZERO,
+                check,
+                &mut |_, n, ev| {
+                    c.make_wait(&ev, 0).unwrap();
+                    queued.push(n);
+                },
+            )
+        }
+        .unwrap();
+        assert_eq!(
+            loaded, 2,
+            "{check:?}: the count ends before the changed block"
+        );
+        let want = if check == SlotCheck::First { 2 } else { 4 };
+        assert_eq!(
+            queued,
+            vec![want; layers],
+            "{check:?}: blocks queued per layer"
+        );
+        let mut back: Vec<Vec<u8>> = dst.iter().map(|s| stream.clone_dtoh(s).unwrap()).collect();
+        let bptrs: Vec<usize> = back.iter_mut().map(|h| h.as_mut_ptr() as usize).collect();
+        let after = views(&bptrs, &shape, &st, &dims, 2);
+        for (from, to) in ids.iter().zip(&into).take(2) {
+            let (mut a, mut b) = (vec![0u8; cpu.block_bytes()], vec![0u8; cpu.block_bytes()]);
+            cpu.gather(from, &mut a).unwrap();
+            after.gather(to, &mut b).unwrap();
+            assert!(
+                a == b,
+                "{check:?}: a verified block differs after its GPU load"
+            );
+        }
+    }
+    eprintln!("GPU loads: a block changed after its commit is not counted (every check)");
 }

@@ -245,18 +245,13 @@ impl<'a> ArenaSlice<'a> {
     }
 
     /// The checksum of the slice as it is now, hashed from private copies of its pieces in a
-    /// 64 KiB buffer (for a check before a copy engine reads the slot itself, which may then
-    /// find other bytes; a copy out checks what it copied instead: `copy_to_hashed`).
+    /// 64 KiB buffer, each piece copied and hashed in one pass (for a check before a copy
+    /// engine reads the slot itself, which may then find other bytes; a copy out checks what
+    /// it copied instead: `copy_to_hashed`).
     pub fn checksum(&self) -> u64 {
-        const CHUNK: usize = crate::checksum::CHUNK;
-        let mut piece = vec![0u8; CHUNK.min(self.len)];
-        let mut h = crate::Checksummer::new();
-        for at in (0..self.len).step_by(CHUNK) {
-            let n = CHUNK.min(self.len - at);
-            self.copy_to(at, &mut piece[..n]);
-            h.update(&piece[..n]);
-        }
-        h.finish()
+        // SAFETY: the slice's range is mapped for its life (the creator's promise); it is
+        // read only through raw loads.
+        unsafe { crate::checksum::checksum_raw(self.ptr, self.len) }
     }
 
     /// Copies `src` into bytes `off..off + src.len()`.
@@ -479,7 +474,9 @@ mod arena_slice_tests {
                 "{n}"
             );
             assert_eq!(o, &data[7..7 + n]);
+            assert_eq!(part.checksum(), crate::checksum(&data[7..7 + n]), "{n}");
         }
+        assert_eq!(s.get(0, 0).unwrap().checksum(), crate::checksum(&[]));
         let mid = s.get(70_000, 10).unwrap();
         assert_eq!(mid.to_vec(), &data[70_000..70_010]);
         assert!(s.get(299_995, 10).is_none() && s.get(usize::MAX, 2).is_none());

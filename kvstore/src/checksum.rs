@@ -45,21 +45,55 @@ fn copy_piece(d: &mut [u8], s: &[u8], nt: bool) -> u64 {
 pub(crate) unsafe fn copy_out_hashed_raw(dst: &mut [u8], src: *const u8) -> u64 {
     let mut l = Leaves::new();
     for (i, d) in dst.chunks_mut(CHUNK).enumerate() {
-        // SAFETY: piece `i` lies within the `dst.len()` bytes the caller vouched for.
-        let s = unsafe { src.add(i * CHUNK) };
-        if d.len() >= fused::MIN_LEN && fused::available() {
+        // SAFETY: piece `i` lies within the `dst.len()` bytes the caller vouched for, apart
+        // from `dst`.
+        l.push(unsafe { copy_piece_raw(d, src.add(i * CHUNK)) });
+    }
+    l.finish()
+}
+
+/// The checksum of `len` bytes at `src` (raw memory, as for [`copy_out_hashed_raw`]) as they
+/// are now (for a check before or beside a copy engine's read of the memory itself): each
+/// piece hashed where it lies through raw loads where the CPU has AVX2, else copied into a
+/// private buffer first.
+///
+/// # Safety
+/// `src` is valid for reads of `len` bytes.
+pub(crate) unsafe fn checksum_raw(src: *const u8, len: usize) -> u64 {
+    let mut piece = Vec::new();
+    let mut l = Leaves::new();
+    for at in (0..len).step_by(CHUNK) {
+        let n = CHUNK.min(len - at);
+        // SAFETY: bytes `at..at + n` lie within the caller's `len`.
+        let s = unsafe { src.add(at) };
+        if n >= fused::MIN_LEN && fused::available() {
             #[cfg(target_arch = "x86_64")]
             {
-                // SAFETY: AVX2 is present; `s` is valid for `d.len()` bytes, apart from `d`.
-                l.push(unsafe { fused::copy_xxh3(d, s, NT_OUT) });
+                // SAFETY: AVX2 is present; `s` is valid for `n` bytes.
+                l.push(unsafe { fused::xxh3_raw(s, n) });
                 continue;
             }
         }
-        // SAFETY: as above.
-        unsafe { std::ptr::copy_nonoverlapping(s, d.as_mut_ptr(), d.len()) };
-        l.push(oneshot(d));
+        piece.resize(n, 0);
+        // SAFETY: `piece` is private, `n` bytes long.
+        l.push(unsafe { copy_piece_raw(&mut piece, s) });
     }
     l.finish()
+}
+
+/// Copies one piece from raw memory and returns its XXH3-64: in one pass where the CPU allows.
+///
+/// # Safety
+/// `s` is valid for reads of `d.len()` bytes and does not overlap `d`.
+unsafe fn copy_piece_raw(d: &mut [u8], s: *const u8) -> u64 {
+    if d.len() >= fused::MIN_LEN && fused::available() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2 is present; `s` is valid for `d.len()` bytes, apart from `d`.
+        return unsafe { fused::copy_xxh3(d, s, NT_OUT) };
+    }
+    // SAFETY: as above.
+    unsafe { std::ptr::copy_nonoverlapping(s, d.as_mut_ptr(), d.len()) };
+    oneshot(d)
 }
 
 /// Bytes per piece of the chunked checksum; the fused copy-and-hash helpers copy this much at a

@@ -16,7 +16,7 @@ Extra config keys (besides the three the factory needs):
          different KV dtypes share one store)
   tenant_secret: the secret of this engine's tenant (kvtierd with server.isolation = "tenant")
   copy_threads: threads a large batch is split across (default 0: the cores available to the
-         process, at most 8; 1: the calling thread only)
+         process less one in 8, at most 16; 1: the calling thread only)
   preload: true (default): batch_exists, which SGLang calls as a request joins the queue,
          also starts moving the hit's pages found only on disk into host memory, so the
          batch_get that follows reads host memory (preload_deadline_ms, default 10000, bounds

@@ -21,7 +21,7 @@ Extra config keys:
   tenant_secret: the secret of this engine's tenant when kvtierd runs with
         server.isolation = "tenant" (default: placed by the process's uid/gid)
   copy_threads: threads a large save or load is split across (default 0: the cores available
-        to the process, at most 8; 1: the calling thread only)
+        to the process less one in 8, at most 16; 1: the calling thread only)
   preload: true (default): when a request arrives (``on_new_request``) its blocks found only
         on disk are promoted into host memory while it waits in the queue (and held there for
         it until it is served or finishes, at least 30 s)

@@ -25,8 +25,9 @@ _LEAKED: list[Any] = []
 class _LayerLoads:
     """One step's synchronous loads, layer by layer on a thread of their own while the forward
     pass runs: ``wait(layer)`` returns once that layer of every loaded block is in the engine's
-    tensors (blocks are verified before any layer is copied); ``finish()`` waits for all and
-    returns the engine blocks that were not loaded."""
+    tensors (CPU) or its copies are queued (GPU); ``finish()`` waits for all and returns the
+    engine blocks that were not loaded, those whose check failed included (CPU: the engine's
+    copy, once every layer is in; GPU: the shared slot, hashed while the copies run)."""
 
     def __init__(self, load_one, transfers: list[_Transfer], layers: int, trace=None):
         self._cv = threading.Condition()

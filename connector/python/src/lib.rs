@@ -372,7 +372,7 @@ impl Cuda {
             .map_err(|e| PyRuntimeError::new_err(e.to_string()))
     }
 
-    /// Waits for every copy queued on kvtier's stream.
+    /// Waits for every copy queued on kvtier's streams.
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
         py.allow_threads(|| self.c.synchronize())
             .map_err(|e| PyRuntimeError::new_err(e.to_string()))
@@ -411,7 +411,7 @@ struct Backend {
 #[pymethods]
 impl Backend {
     /// How many threads large copies are split across (0 at construction: the cores available
-    /// to this process, at most 8).
+    /// to this process less one in 8, at most 16).
     #[getter]
     fn copy_threads(&self) -> usize {
         self.b.copy_threads()
@@ -848,12 +848,14 @@ impl Backend {
         })
     }
 
-    /// `load_layerwise` into GPU tensors: blocks pinned and verified on the host first, each
-    /// layer's copies queued on kvtier's stream, `on_layer(layer, loaded, event)` called (with
-    /// the GIL) once they are queued — `event.wait_on(stream)` makes the engine's stream wait
-    /// for them. Returns after every copy completed: how many leading keys were loaded (0 if
-    /// a lease lapsed: treat them all as failed).
-    #[pyo3(signature = (cuda, paged, keys, block_ids, on_layer, ttl_ms=30_000))]
+    /// `load_layerwise` into GPU tensors: blocks pinned, each layer's copies queued on
+    /// kvtier's stream, `on_layer(layer, queued, event)` called (with the GIL) once they are
+    /// queued — `event.wait_on(stream)` makes the engine's stream wait for them — and each
+    /// block's checksum verified on the host: `verify="beside"` while every layer's copies
+    /// run, `"first"` before any is queued (slower: the copies wait for the hashing; for
+    /// measuring). Returns after every copy completed: how many leading keys were loaded and
+    /// verified (0 if a lease lapsed): treat the rest as failed.
+    #[pyo3(signature = (cuda, paged, keys, block_ids, on_layer, ttl_ms=30_000, verify="beside"))]
     #[allow(clippy::too_many_arguments)] // the Python signature
     fn load_layerwise_cuda(
         &self,
@@ -864,8 +866,18 @@ impl Backend {
         block_ids: Vec<Vec<usize>>,
         on_layer: PyObject,
         ttl_ms: u64,
+        verify: &str,
     ) -> PyResult<usize> {
         let ks = paired_keys(&keys, &block_ids)?;
+        let check = match verify {
+            "beside" => kvtier_connector::SlotCheck::Beside,
+            "first" => kvtier_connector::SlotCheck::First,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "verify={other:?}: expected \"beside\" or \"first\""
+                )))
+            }
+        };
         let ttl = Duration::from_millis(ttl_ms);
         let paged = paged.device()?;
         let c = cuda.c.clone();
@@ -883,6 +895,7 @@ impl Backend {
                         &ks,
                         &block_ids,
                         ttl,
+                        check,
                         &mut |layer, n, ev| {
                             Python::with_gil(|py| {
                                 let event = CudaEvent { ev, c: c.clone() };

@@ -3,8 +3,9 @@
 //! straight to and from the store's (or kvtierd's shared) arena once it is registered
 //! ([`Backend::pin_for_cuda`]). Saves go through the layer-by-layer save (a whole-request save
 //! is every layer at once); a block is committed only after its copies completed. Loads pin
-//! and verify every block on the host first, queue each layer's copies and record an event per
-//! layer, and release the blocks only after every copy completed.
+//! every block, queue each layer's copies and record an event per layer, verify the blocks on
+//! the host while the copies run (or first: [`SlotCheck`]), and release the blocks only after
+//! every copy completed.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,7 +13,7 @@ use std::time::Duration;
 use kvstore::BlockKey;
 
 use super::layer_save::LayerSave;
-use super::{Backend, Kind, TransferError};
+use super::{Backend, Kind, SlotCheck, TransferError};
 use crate::cuda::{CudaCopier, CudaEvent, Registered};
 use crate::layout::PagedKv;
 
@@ -160,17 +161,22 @@ impl Backend {
         }
     }
 
-    /// [`Backend::load_layerwise`] into GPU memory: every block is pinned and its checksum
-    /// verified on the host first; then each layer's copies are queued on `copier`'s stream
-    /// and `on_layer(layer, n, event)` called with an event that completes once they are done
-    /// (the engine's stream waits on it before the layer runs: [`CudaCopier::make_wait`]).
-    /// Returns after every copy completed (the blocks are released only then); 0 loaded if a
-    /// sidecar lease lapsed meanwhile (the engine must treat the blocks as failed).
+    /// [`Backend::load_layerwise`] into GPU memory: every block is pinned, each layer's
+    /// copies are queued on `copier`'s stream and `on_layer(layer, n, event)` called with an
+    /// event that completes once they are done (the engine's stream waits on it before the
+    /// layer runs: [`CudaCopier::make_wait`]). Each block's checksum is verified on the host,
+    /// in the shared slot: with [`SlotCheck::Beside`] (what engines use) while the copies
+    /// run, with [`SlotCheck::First`] before any is queued. Returns after every copy
+    /// completed (the blocks are released only then): how many leading blocks were loaded and
+    /// verified, which with `Beside` may be fewer than `on_layer`'s `n` (the blocks past it
+    /// were copied and failed their check: the engine treats them as failed, as after the CPU
+    /// path's check); 0 if a sidecar lease lapsed meanwhile.
     ///
     /// # Safety
     /// `paged` must describe device memory of `copier`'s GPU that stays valid, and whose
     /// target blocks nobody else reads or writes, until this returns (and, for the engine's
     /// reads, until the events fired).
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn load_layerwise_cuda(
         &self,
         copier: &CudaCopier,
@@ -178,21 +184,23 @@ impl Backend {
         keys: &[BlockKey],
         block_ids: &[Vec<usize>],
         ttl: Duration,
+        check: SlotCheck,
         on_layer: &mut dyn FnMut(usize, usize, CudaEvent),
     ) -> Result<usize, TransferError> {
-        // Verified on the host before the DMA reads the shared slot (`verify_first`): the one
-        // window left is a write into a pinned, committed slot between that check and the copy
-        // engine's read of it. Only a process that maps this arena writable can make it (an
+        // Verified on the host in the shared slot, not in the device copy (hashing that would
+        // need a GPU pass per block): the window left is a write into a pinned, committed slot
+        // between the copy engine's read and the check (`Beside`), or between the check and
+        // that read (`First`). Only a process that maps this arena writable can make it (an
         // engine of the same tenant with `server.isolation = "tenant"`, any engine of the node
         // otherwise, never another tenant's), and only into a slot it no longer owns (its
-        // reservation lapsed and the block was committed by another writer): hashing the
-        // device copy would need a GPU pass per block (ARCHITECTURE.md, "Trust boundary").
+        // reservation lapsed and the block was committed by another writer): ARCHITECTURE.md,
+        // "Trust boundary".
         self.load_layers_with(
             paged,
             keys,
             block_ids,
             ttl,
-            true,
+            check,
             &mut |layer, blocks| {
                 // Every block's layer at once: coalesced 2D copies (the blocks' sizes were
                 // checked against their engine block ids).

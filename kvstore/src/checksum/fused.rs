@@ -64,11 +64,35 @@ pub(super) fn available() -> bool {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 pub(super) unsafe fn copy_xxh3(dst: &mut [u8], src: *const u8, nt: bool) -> u64 {
+    assert!(dst.len() >= MIN_LEN, "copy_xxh3: bad length");
+    let nt = nt && dst.as_mut_ptr().align_offset(32) == 0;
+    // SAFETY: the caller's promises; `dst` is valid for writes of its length.
+    unsafe { kernel::<true>(dst.as_mut_ptr(), src, dst.len(), nt) }
+}
+
+/// `xxh3_64` of `len` bytes (at least [`MIN_LEN`]) at `src`, read only through raw loads (the
+/// same kernel with no destination: each stripe loaded once and hashed from registers).
+///
+/// # Safety
+/// The CPU has AVX2 ([`available`]); `src` is valid for reads of `len` bytes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn xxh3_raw(src: *const u8, len: usize) -> u64 {
+    assert!(len >= MIN_LEN, "xxh3_raw: bad length");
+    // SAFETY: the caller's promises; with `STORE` false the destination is never touched.
+    unsafe { kernel::<false>(std::ptr::null_mut(), src, len, false) }
+}
+
+/// The fused kernel: with `STORE`, copies `len` bytes from `s` to `d` and hashes them; without,
+/// only hashes `s` (`d` unused).
+///
+/// # Safety
+/// As [`copy_xxh3`] (`d` valid for writes of `len` bytes when `STORE`), `len` ≥ [`MIN_LEN`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn kernel<const STORE: bool>(d: *mut u8, s: *const u8, len: usize, nt: bool) -> u64 {
     use std::arch::x86_64::*;
-    let len = dst.len();
-    assert!(len >= MIN_LEN, "copy_xxh3: bad length");
-    let (d, s, k) = (dst.as_mut_ptr(), src, SECRET.as_ptr());
-    let nt = nt && d.align_offset(32) == 0;
+    let k = SECRET.as_ptr();
     let init = [
         PRIME32_3, PRIME64_1, PRIME64_2, PRIME64_3, PRIME64_4, PRIME32_2, PRIME64_5, PRIME32_1,
     ];
@@ -103,10 +127,10 @@ pub(super) unsafe fn copy_xxh3(dst: &mut [u8], src: *const u8, nt: bool) -> u64 
         unsafe {
             let a = _mm256_loadu_si256(s.add(off) as *const __m256i);
             let b = _mm256_loadu_si256(s.add(off + 32) as *const __m256i);
-            if nt {
+            if STORE && nt {
                 _mm256_stream_si256(d.add(off) as *mut __m256i, a);
                 _mm256_stream_si256(d.add(off + 32) as *mut __m256i, b);
-            } else {
+            } else if STORE {
                 _mm256_storeu_si256(d.add(off) as *mut __m256i, a);
                 _mm256_storeu_si256(d.add(off + 32) as *mut __m256i, b);
             }
@@ -143,16 +167,22 @@ pub(super) unsafe fn copy_xxh3(dst: &mut [u8], src: *const u8, nt: bool) -> u64 
         );
     }
     let done = blocks * BLOCK + stripes * STRIPE;
-    // SAFETY: `done..len` is within both (the caller's promise for `src`); no overlap.
-    unsafe { std::ptr::copy_nonoverlapping(s.add(done), d.add(done), len - done) };
-    if nt {
-        _mm_sfence();
-    }
-    // The last stripe (it overlaps what was hashed already), read back from the destination.
+    // The last stripe (it overlaps what was hashed already): read back from the destination
+    // once the tail is copied there, or from the source when nothing is stored.
+    let last = if STORE {
+        // SAFETY: `done..len` is within both (the caller's promise for `src`); no overlap.
+        unsafe { std::ptr::copy_nonoverlapping(s.add(done), d.add(done), len - done) };
+        if nt {
+            _mm_sfence();
+        }
+        d.cast_const()
+    } else {
+        s
+    };
     // SAFETY: see above.
     unsafe {
-        let a = _mm256_loadu_si256(d.add(len - STRIPE) as *const __m256i);
-        let b = _mm256_loadu_si256(d.add(len - STRIPE + 32) as *const __m256i);
+        let a = _mm256_loadu_si256(last.add(len - STRIPE) as *const __m256i);
+        let b = _mm256_loadu_si256(last.add(len - STRIPE + 32) as *const __m256i);
         accumulate(&mut acc, a, b, k.add(192 - STRIPE - 7));
     }
     let mut lanes = [0u64; 8];
@@ -203,6 +233,9 @@ mod tests {
                     let h = unsafe { copy_xxh3(&mut dst[dof..dof + n], s.as_ptr(), nt) };
                     assert_eq!(h, xxh3_64(s), "{n} bytes, offsets {so}/{dof}, nt {nt}");
                     assert_eq!(&dst[dof..dof + n], s, "{n} bytes copied");
+                    // SAFETY: as above.
+                    let h = unsafe { xxh3_raw(s.as_ptr(), n) };
+                    assert_eq!(h, xxh3_64(s), "{n} bytes hashed in place, offset {so}");
                     assert!(dst[..dof].iter().all(|&b| b == 0), "nothing before");
                     assert!(dst[dof + n..].iter().all(|&b| b == 0), "nothing after");
                 }
