@@ -244,10 +244,10 @@ impl<'a> ArenaSlice<'a> {
         unsafe { crate::checksum::copy_out_hashed_raw(dst, self.ptr) }
     }
 
-    /// The checksum of the slice as it is now, hashed from private copies of its pieces in a
-    /// 64 KiB buffer, each piece copied and hashed in one pass (for a check before a copy
-    /// engine reads the slot itself, which may then find other bytes; a copy out checks what
-    /// it copied instead: `copy_to_hashed`).
+    /// The checksum of the slice as it is now, each piece hashed where it lies through raw
+    /// loads (AVX2; without it, from a private copy): for a check before or beside a copy
+    /// engine's read of the slot itself, which may find other bytes (a copy out checks what it
+    /// copied instead: `copy_to_hashed`).
     pub fn checksum(&self) -> u64 {
         // SAFETY: the slice's range is mapped for its life (the creator's promise); it is
         // read only through raw loads.
