@@ -59,6 +59,48 @@ fn views(ptrs: &[usize], shape: &[usize], st: &[isize], dims: &[Dim], elem: usiz
     unsafe { PagedKv::new(v).expect("valid layout") }
 }
 
+/// `layers` buffers of `bytes` random bytes each.
+fn random_layers(rng: &mut rand::rngs::StdRng, layers: usize, bytes: usize) -> Vec<Vec<u8>> {
+    (0..layers)
+        .map(|_| {
+            let mut v = vec![0u8; bytes];
+            rng.fill(&mut v[..]);
+            v
+        })
+        .collect()
+}
+
+/// An embedded store (64 MiB) whose arena is registered with `c`'s driver, and a bf16
+/// namespace of 16-token blocks in it.
+fn pinned_store(
+    c: &std::sync::Arc<CudaCopier>,
+    model: &str,
+    layout: &str,
+) -> (kvtier_connector::Backend, kvstore::NsId) {
+    let store = kvtier_connector::Backend::embedded(
+        kvstore::StoreConfig {
+            capacity_bytes: 64 << 20,
+            segment_bytes: 4 << 20,
+            ..Default::default()
+        }
+        .build()
+        .unwrap(),
+    );
+    assert!(store.pin_for_cuda(c).unwrap(), "arena registration failed");
+    let ns = store
+        .register_namespace(&kvstore::Namespace {
+            model: model.into(),
+            dtype: "bfloat16".into(),
+            layout: layout.into(),
+            block_tokens: 16,
+            tp: kvstore::TpShard::Rank { size: 1, rank: 0 },
+            tenant: String::new(),
+            lora: String::new(),
+        })
+        .unwrap();
+    (store, ns)
+}
+
 /// (name, shape, dims, physical order, element size, padding per dim (elements the
 /// allocation has beyond the shape: odd strides), offset of the view's start (elements)).
 type Case = (
@@ -156,13 +198,7 @@ fn gpu_gather_and_scatter_match_the_cpu_path() {
         let (st, n) = strides(&alloc, &phys);
         let n = n + off;
         let at = off * elem;
-        let host: Vec<Vec<u8>> = (0..3)
-            .map(|_| {
-                let mut v = vec![0u8; n * elem];
-                rng.fill(&mut v[..]);
-                v
-            })
-            .collect();
+        let host = random_layers(&mut rng, 3, n * elem);
         let dev: Vec<_> = host.iter().map(|h| stream.clone_htod(h).unwrap()).collect();
         let dptrs: Vec<usize> = dev
             .iter()
@@ -259,39 +295,13 @@ fn gpu_layerwise_save_and_load_through_the_store_are_byte_exact() {
     let Some(c) = copier() else { return };
     let c = Arc::new(c);
     let stream = c.stream().clone();
-    let store = kvtier_connector::Backend::embedded(
-        kvstore::StoreConfig {
-            capacity_bytes: 64 << 20,
-            segment_bytes: 4 << 20,
-            ..Default::default()
-        }
-        .build()
-        .unwrap(),
-    );
-    assert!(store.pin_for_cuda(&c).unwrap(), "arena registration failed");
-    let ns = store
-        .register_namespace(&kvstore::Namespace {
-            model: "test/gpu".into(),
-            dtype: "bfloat16".into(),
-            layout: "kv-first".into(),
-            block_tokens: 16,
-            tp: kvstore::TpShard::Rank { size: 1, rank: 0 },
-            tenant: String::new(),
-            lora: String::new(),
-        })
-        .unwrap();
+    let (store, ns) = pinned_store(&c, "test/gpu", "kv-first");
     let mut rng = rand::rngs::StdRng::seed_from_u64(12);
     let (nb, bs, h, d, layers) = (16, 16, 4, 64, 4);
     let shape = vec![2, nb, bs, h, d];
     let (st, n) = strides(&shape, &[0, 1, 2, 3, 4]);
     let dims = [K, B, T, I, I];
-    let host: Vec<Vec<u8>> = (0..layers)
-        .map(|_| {
-            let mut v = vec![0u8; n * 2];
-            rng.fill(&mut v[..]);
-            v
-        })
-        .collect();
+    let host: Vec<Vec<u8>> = random_layers(&mut rng, layers, n * 2);
     let src: Vec<_> = host.iter().map(|h| stream.clone_htod(h).unwrap()).collect();
     let dst: Vec<_> = (0..layers)
         .map(|_| stream.alloc_zeros::<u8>(n * 2).unwrap())
@@ -381,39 +391,13 @@ fn gpu_loads_count_only_blocks_whose_slot_verifies() {
     let Some(c) = copier() else { return };
     let c = Arc::new(c);
     let stream = c.stream().clone();
-    let store = kvtier_connector::Backend::embedded(
-        kvstore::StoreConfig {
-            capacity_bytes: 64 << 20,
-            segment_bytes: 4 << 20,
-            ..Default::default()
-        }
-        .build()
-        .unwrap(),
-    );
-    assert!(store.pin_for_cuda(&c).unwrap(), "arena registration failed");
-    let ns = store
-        .register_namespace(&kvstore::Namespace {
-            model: "test/gpu-check".into(),
-            dtype: "bfloat16".into(),
-            layout: "blocks-first".into(),
-            block_tokens: 16,
-            tp: kvstore::TpShard::Rank { size: 1, rank: 0 },
-            tenant: String::new(),
-            lora: String::new(),
-        })
-        .unwrap();
+    let (store, ns) = pinned_store(&c, "test/gpu-check", "blocks-first");
     let mut rng = rand::rngs::StdRng::seed_from_u64(13);
     let (nb, bs, h, d, layers) = (12, 16, 4, 64, 3);
     let shape = vec![nb, 2, bs, h, d];
     let dims = [B, K, T, I, I];
     let (st, n) = strides(&shape, &[0, 1, 2, 3, 4]);
-    let mut host: Vec<Vec<u8>> = (0..layers)
-        .map(|_| {
-            let mut v = vec![0u8; n * 2];
-            rng.fill(&mut v[..]);
-            v
-        })
-        .collect();
+    let mut host: Vec<Vec<u8>> = random_layers(&mut rng, layers, n * 2);
     let hptrs: Vec<usize> = host.iter_mut().map(|h| h.as_mut_ptr() as usize).collect();
     let cpu = views(&hptrs, &shape, &st, &dims, 2);
     let keys: Vec<kvstore::BlockKey> = (0..4u128)
