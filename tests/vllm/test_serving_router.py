@@ -42,12 +42,12 @@ def backend(name, seen):
     return srv, f"http://127.0.0.1:{srv.server_address[1]}"
 
 
-def kvtierd(data_dir, listen, members):
+def kvtierd(data_dir, listen, members, *extra):
     p = subprocess.Popen(
         [str(REPO / "target" / "debug" / "kvtierd"), "--data-dir", str(data_dir),
          "--host-capacity", "256M", "--set", "disk.enabled=false", "--grpc", "127.0.0.1:0",
          "--metrics", "127.0.0.1:0", "--set", "host.segment=16M", "--set", "log=warn",
-         "--set", f"cluster.listen={listen}", "--set", f"cluster.members={members}"],
+         "--set", f"cluster.listen={listen}", "--set", f"cluster.members={members}", *extra],
         stdout=subprocess.PIPE, text=True)
     line = p.stdout.readline()
     assert line.startswith("kvtierd ready:"), line
@@ -66,7 +66,11 @@ def test_the_router_sends_a_prompt_where_its_prefix_is(tmp_path):
     ports = free_ports(2)
     listen = [f"127.0.0.1:{p}" for p in ports]
     members = "[" + ",".join(f'"{a}"' for a in listen) + "]"
-    nodes = [kvtierd(tmp_path / f"n{i}", listen[i], members) for i in range(2)]
+    # Saved blocks are not pushed to their owners here: pushed, each of b's blocks that
+    # placement gives to a would sit in a's host tier too, and where a owned all four (one
+    # port draw in sixteen) both nodes held the prompt and the router rightly saw a tie.
+    nodes = [kvtierd(tmp_path / f"n{i}", listen[i], members, "--set",
+                     "cluster.push_queue_bytes=0") for i in range(2)]
     seen = []
     servers = [backend(n, seen) for n in "ab"]
     router = None
@@ -87,6 +91,8 @@ def test_the_router_sends_a_prompt_where_its_prefix_is(tmp_path):
             r = kvrouter.lookup(nodes[0][1]["grpc"], keys, cluster=True)
             if any(n["node"] == listen[1] and n["n"] == 4 and not n["error"]
                    for n in r["nodes"]):
+                # ... and b alone holds it.
+                assert [n["n"] for n in r["nodes"] if n["local"]] == [0], r
                 break
             # Each lookup is a round trip through node a to node b: the loop is paced by them.
             assert time.monotonic() < end, r
