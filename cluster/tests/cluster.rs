@@ -85,7 +85,8 @@ async fn a_prefix_saved_on_one_node_loads_byte_exact_on_another() {
 async fn a_wrong_secret_is_refused_and_its_blocks_stay_local() {
     let nodes = cluster(2, &["right", "wrong"]).await;
     let id = register(&nodes);
-    let (keys, data) = blocks(8, 2);
+    // Some block is B's, so A tries to push it.
+    let (keys, data) = blocks_owned_by(8, 2, &nodes[0].remote.placement(), &nodes[1].addr);
     for (k, d) in keys.iter().zip(&data) {
         nodes[0].store.put(id, *k, d).unwrap();
     }

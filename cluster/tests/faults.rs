@@ -47,7 +47,7 @@ fn owner_of<'a>(nodes: &'a [Node], k: &BlockKey) -> &'a Node {
 async fn a_stalled_peer_costs_its_own_keys_and_strikes_never_the_healthy_peers() {
     let (nodes, proxy) = with_a_proxy(4).await;
     let id = register(&nodes);
-    let (keys, data) = blocks(24, 9);
+    let (keys, data) = blocks_owned_by(24, 9, &nodes[0].remote.placement(), &nodes[3].addr);
     for (k, d) in keys.iter().zip(&data) {
         nodes[0].store.put(id, *k, d).unwrap();
     }
@@ -283,7 +283,17 @@ async fn a_node_that_joins_costs_no_hits() {
         .map(|(i, l)| node(l, &addrs[i], &addrs[..3], "s"))
         .collect();
     let id = register(&nodes);
-    let (keys, data) = blocks(24, 13);
+    let members: Vec<kvtier_cluster::Member> = addrs
+        .iter()
+        .map(|a| kvtier_cluster::Member::new(a.clone(), 1.0))
+        .collect();
+    // D, once it joins, owns some of these blocks.
+    let (keys, data) = blocks_owned_by(
+        24,
+        13,
+        &kvtier_cluster::Placement::new(members.clone()),
+        &addrs[3],
+    );
     for (k, d) in keys.iter().zip(&data) {
         nodes[0].store.put(id, *k, d).unwrap();
     }
@@ -291,10 +301,6 @@ async fn a_node_that_joins_costs_no_hits() {
     // D joins: it owns a share of blocks it has never seen.
     nodes.push(node(fourth, &addrs[3], &addrs, "s"));
     nodes[3].store.register_namespace(&ns()).unwrap();
-    let members: Vec<kvtier_cluster::Member> = addrs
-        .iter()
-        .map(|a| kvtier_cluster::Member::new(a.clone(), 1.0))
-        .collect();
     for n in &nodes[..3] {
         n.remote.set_members(members.clone());
     }
@@ -373,7 +379,7 @@ async fn a_node_that_stops_cleanly_hands_its_blocks_over() {
 async fn a_push_whose_slot_changed_after_its_commit_is_refused_and_counted_damaged() {
     let nodes = cluster(2, &["s"]).await;
     let id = register(&nodes);
-    let (keys, data) = blocks(8, 21);
+    let (keys, data) = blocks_owned_by(8, 21, &nodes[0].remote.placement(), &nodes[1].addr);
     let i = (0..keys.len())
         .find(|&i| owner_of(&nodes, &keys[i]).addr == nodes[1].addr)
         .unwrap();

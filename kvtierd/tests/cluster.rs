@@ -513,7 +513,8 @@ fn etcd_membership_follows_leases_and_survives_etcd_going_away() {
 /// through D (the previous owners are asked) and loads through C. C stops cleanly (SIGTERM: it
 /// leaves etcd, then hands its host blocks to their next owners): every one still loads
 /// through E, a node that joins after, though C, the only node that held C's blocks, is
-/// gone.
+/// gone. (Peer deadlines of 5 s: each check is one lookup or load, and on a loaded machine a
+/// debug build's first round, half the deadline, must not turn a slow peer into a miss.)
 #[test]
 fn a_join_and_a_clean_stop_cost_no_hits() {
     let Some(etcd) = Etcd::start() else {
@@ -522,9 +523,9 @@ fn a_join_and_a_clean_stop_cost_no_hits() {
     let m = format!("cluster.etcd=[\"{}\"]", etcd.url);
     let p = free_ports(5);
     let addr = |i: usize| format!("127.0.0.1:{}", p[i]);
-    let mut s = node_with("mv-s", p[0], &m, "s3cret", true);
-    let b = node_with("mv-b", p[1], &m, "s3cret", true);
-    let c = node_with("mv-c", p[2], &m, "s3cret", true);
+    let mut s = node_timed("mv-s", p[0], &m, "s3cret", true, 5000);
+    let b = node_timed("mv-b", p[1], &m, "s3cret", true, 5000);
+    let c = node_timed("mv-c", p[2], &m, "s3cret", true, 5000);
     for x in [&s, &b, &c] {
         wait_until("every node sees three members", 20, || members(x) == 3);
     }
@@ -549,7 +550,7 @@ fn a_join_and_a_clean_stop_cost_no_hits() {
         wait_until("S leaves the placement", 30, || members(x) == 2);
     }
     // D joins.
-    let d = node_with("mv-d", p[3], &m, "s3cret", true);
+    let d = node_timed("mv-d", p[3], &m, "s3cret", true, 5000);
     for x in [&b, &c, &d] {
         wait_until("every node sees B, C, D", 30, || members(x) == 3);
     }
@@ -576,7 +577,7 @@ fn a_join_and_a_clean_stop_cost_no_hits() {
     for x in [&b, &d] {
         wait_until("C leaves the placement", 30, || members(x) == 2);
     }
-    let e = node_with("mv-e", p[4], &m, "s3cret", true);
+    let e = node_timed("mv-e", p[4], &m, "s3cret", true, 5000);
     for x in [&b, &d, &e] {
         wait_until("every node sees B, D, E", 30, || members(x) == 3);
     }

@@ -3,23 +3,13 @@ node and tier that hold a prefix, and score() prefers the engine whose node has 
 
 import json
 import pathlib
-import socket
 import subprocess
 import time
 
 from kvtier import Sidecar, engine_key, namespace_fingerprint, router
+from ports import free_ports
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-
-
-def free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def start(data_dir, port, members):
@@ -27,7 +17,7 @@ def start(data_dir, port, members):
         [str(REPO / "target" / "debug" / "kvtierd"), "--data-dir", str(data_dir),
          "--host-capacity", "128M", "--no-disk", "--grpc", "127.0.0.1:0",
          "--metrics", "127.0.0.1:0", "--set", "host.segment=16M", "--set", "log=warn",
-         "--set", f"cluster.listen=127.0.0.1:{port}",
+         "--set", f"cluster.listen=127.0.0.1:{port}", "--set", "cluster.push_queue_bytes=0",
          "--set", "cluster.members=[" + ",".join(f'"127.0.0.1:{m}"' for m in members) + "]"],
         stdout=subprocess.PIPE, text=True)
     f = dict(w.split("=", 1) for w in p.stdout.readline().split() if "=" in w)
@@ -43,8 +33,8 @@ def test_lookup_and_score_find_the_node_with_the_prefix(tmp_path):
         enc, fp = namespace_fingerprint(model="router/model", dtype="bf16", layout="nhd",
                                         block_tokens=16, tp_size=1, tp_rank=0)
         ns = side.register_namespace(enc)
-        # Twelve blocks: the chance that B owns every one (and, once A's pushes land, holds
-        # the whole prefix in host memory too) is 1/4096.
+        # Twelve blocks, on A only: saved blocks are not pushed to their owners here (pushed,
+        # B would hold those it owns, and the whole prefix where it owns all twelve).
         keys = [engine_key(fp, bytes([i]) * 32) for i in range(12)]
         for k in keys:
             assert side.put(ns, k, b"k" * 8192)

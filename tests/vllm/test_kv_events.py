@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from kvtier import PagedKv, Sidecar, engine_key, namespace_fingerprint
-from test_vllm_e2e import free_ports
+from ports import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCK_TOKENS = 16
@@ -571,8 +571,8 @@ def test_a_pushed_block_is_announced_remote_and_its_owner_announces_it_cpu(tmp_p
         side_a, side_b = Sidecar(a.socket, "events-test"), Sidecar(b.socket, "events-test")
         sub_a, sub_b = subscriber(a.events, side_a), subscriber(b.events, side_b)
         ns, fp = setup_ns(side_a, "events-remote")
-        # Twelve blocks: that B owns none of them is a 1/4096 chance.
-        keys = [engine_key(fp, bytes([i]) * 32) for i in range(12)]
+        # 24 blocks: that B owns none of them (and receives no push) is one chance in 2**24.
+        keys = [engine_key(fp, bytes([i]) * 32) for i in range(24)]
         for k in keys:
             assert side_a.put(ns, k, b"r" * 8192)
         dec = msgspec.msgpack.Decoder(type=KVEventBatch)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kvtier import Sidecar, router as kvrouter
 from kvtier.vllm import namespace, prompt_keys
-from test_vllm_e2e import free_ports
+from ports import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 BS = 32

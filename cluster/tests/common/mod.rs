@@ -144,6 +144,21 @@ pub fn blocks(n: usize, seed: u8) -> (Vec<BlockKey>, Vec<Vec<u8>>) {
     (keys, data)
 }
 
+/// [`blocks`] of the first seed from `seed` on whose keys `placement` gives `owner` at least one
+/// (placement hashes the members' addresses, which are random ports: a test about one
+/// member's blocks must not depend on the draw).
+pub fn blocks_owned_by(
+    n: usize,
+    seed: u8,
+    placement: &kvtier_cluster::Placement,
+    owner: &str,
+) -> (Vec<BlockKey>, Vec<Vec<u8>>) {
+    (seed..=u8::MAX)
+        .map(|s| blocks(n, s))
+        .find(|(keys, _)| keys.iter().any(|k| placement.owner(k) == Some(owner)))
+        .expect("some seed gives the owner a block")
+}
+
 pub fn register(nodes: &[Node]) -> NsId {
     let mut id = None;
     for n in nodes {

@@ -187,11 +187,12 @@ impl Inner {
             for ((tries, d), o) in batch.iter().zip(outcomes) {
                 match o {
                     WriteOutcome::Written | WriteOutcome::Present => {
-                        self.stats.pushes.fetch_add(1, Relaxed);
                         // Now also loadable from the remote tier (its owner publishes its
                         // own copy, and that copy's removal, as its host or disk tier's).
+                        // The event goes first: whoever sees the push counted sees its event.
                         self.events
                             .emit(EventKind::Stored, d.key, tier.kind(), d.ns);
+                        self.stats.pushes.fetch_add(1, Relaxed);
                     }
                     WriteOutcome::Cancelled => {}
                     WriteOutcome::Busy | WriteOutcome::Failed if *tries < PUSH_RETRIES => {
