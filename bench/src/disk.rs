@@ -209,6 +209,7 @@ fn fresh_tier(
             },
             policy: PolicyKind::Lru,
             admission: Admission::Always,
+            admit_all_below: kvstore::DEFAULT_ADMIT_ALL_BELOW,
             write_through: false,
             max_batch_bytes: 256 << 20,
             // `buf` is in 4 KiB pages: as a store with its arena in them, the tier reads and

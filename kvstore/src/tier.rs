@@ -212,6 +212,11 @@ pub trait LowerTier: Send + Sync {
     fn namespace_usage(&self) -> Vec<NsUsage>;
     /// Counters.
     fn stats(&self) -> TierStats;
+    /// Bytes in use and capacity, cheaply (no histograms), where the tier has a fixed
+    /// capacity of its own: seen-twice admission admits every block while there is room.
+    fn fill(&self) -> Option<(u64, u64)> {
+        None
+    }
     /// Records a namespace id durably, if the tier persists ids (the disk tier does).
     fn note_namespace(&self, _id: u16, _fp: Fingerprint) -> io::Result<()> {
         Ok(())
@@ -275,6 +280,9 @@ impl<T: LowerTier + ?Sized> LowerTier for std::sync::Arc<T> {
     }
     fn stats(&self) -> TierStats {
         (**self).stats()
+    }
+    fn fill(&self) -> Option<(u64, u64)> {
+        (**self).fill()
     }
     fn note_namespace(&self, id: u16, fp: Fingerprint) -> io::Result<()> {
         (**self).note_namespace(id, fp)

@@ -45,6 +45,9 @@ fn config(
                 ..Default::default()
             },
             admission,
+            // Seen-twice from the first block (the tests of that rule); see
+            // `seen_twice_admits_every_block_while_the_disk_has_room`.
+            admit_all_below: 0.0,
             write_through,
             max_batch_bytes: 1 << 20,
             ..Default::default()
@@ -189,6 +192,39 @@ fn restart_recovers_blocks_and_namespaces() {
         assert!(e.contains("pages") && e.contains("capacity_bytes"), "{e}");
         std::fs::remove_dir_all(d).unwrap();
     }
+}
+
+#[test]
+fn seen_twice_admits_every_block_while_the_disk_has_room() {
+    let engine = IoEngineKind::Psync;
+    let tmp = dir("admit-room", engine);
+    let mut cfg = config(tmp.path(), engine, Admission::SeenTwice, false);
+    cfg.policy = PolicyKind::Lru;
+    cfg.disk.as_mut().unwrap().admit_all_below = 0.25;
+    let store = cfg.build().unwrap();
+    let n = ns(&store);
+    // One-off blocks, 600 of ~50 KiB through a 4 MiB host tier: the first ones leave host
+    // memory while the 32 MiB disk is under a quarter full, the later ones after.
+    for i in 0..600 {
+        store.put(n, key(i), &data(i)).unwrap();
+    }
+    assert!(store.sync(SYNC));
+    let st = store.stats();
+    let disk = st.disk().unwrap();
+    assert!(
+        disk.blocks >= 100,
+        "one-off blocks not admitted into free room: {st:?}"
+    );
+    assert!(st.admission_rejects > 0, "{st:?}");
+    // Past the fraction by at most the batches in flight when it was crossed.
+    assert!(
+        disk.used_bytes <= disk.capacity_bytes / 4 + (2 << 20),
+        "{} of {} bytes",
+        disk.used_bytes,
+        disk.capacity_bytes
+    );
+    // The first block left host memory into free room: it loads from disk.
+    assert_eq!(store.match_prefix(&[key(0)]).tiers, vec![Tier::Disk]);
 }
 
 #[test]

@@ -79,6 +79,7 @@ fn config(dir: &std::path::Path, write_through: bool, policy: PolicyKind) -> Sto
             },
             policy,
             admission: Admission::Always,
+            admit_all_below: kvstore::DEFAULT_ADMIT_ALL_BELOW,
             write_through,
             max_batch_bytes: 256 << 10,
             // Reads go through bounce buffers (as with an arena in 4 KiB pages): 8 slots of

@@ -341,6 +341,9 @@ pub struct DiskSection {
     pub policy: String,
     /// seen-twice or always.
     pub admission: String,
+    /// seen-twice admits every block while the disk is less full than this fraction of its
+    /// capacity (writing into free room displaces nothing); 0: seen-twice from the first block.
+    pub admit_all_below: f64,
     /// Write at commit instead of at host eviction.
     pub write_through: bool,
     /// Bytes per write-back batch.
@@ -361,6 +364,7 @@ impl Default for DiskSection {
             sqpoll: false,
             policy: "duel".into(),
             admission: "seen-twice".into(),
+            admit_all_below: kvstore::DEFAULT_ADMIT_ALL_BELOW,
             write_through: false,
             max_batch: Size(256 << 20),
             fault_delay_ms: 0,
@@ -631,6 +635,11 @@ impl Config {
             self.disk.admission
         );
         ensure!(
+            (0.0..=1.0).contains(&self.disk.admit_all_below),
+            "disk.admit_all_below = {}: a fraction of the disk's capacity, 0 to 1",
+            self.disk.admit_all_below
+        );
+        ensure!(
             self.server.lease_ttl_ms > 0,
             "server.lease_ttl_ms must be positive"
         );
@@ -863,6 +872,7 @@ impl Config {
                 },
                 policy: PolicyKind::parse(&self.disk.policy).unwrap_or_default(),
                 admission: Admission::parse(&self.disk.admission).unwrap_or_default(),
+                admit_all_below: self.disk.admit_all_below,
                 write_through: self.disk.write_through,
                 max_batch_bytes: self.disk.max_batch.0,
                 // The store sets it when the arena is in 4 KiB pages.
@@ -1259,6 +1269,7 @@ mod tests {
             "queue_depth",
             "sqpoll",
             "admission",
+            "admit_all_below",
             "write_through",
             "max_batch",
             "grpc",

@@ -349,11 +349,13 @@ def test_pages_continuing_a_prefix_sglang_holds_are_kept_on_disk(tmp_path):
     """With SGLang's hicache_storage_pass_prefix_keys, batch_exists learns which pages continue
     a prefix (SGLang asks only beyond its own hit): seen-twice disk admission keeps them when
     host memory evicts them, the first time. Pages asked without a prefix, or after a prefix
-    kvtier does not hold, are one-offs: evicted, never written."""
+    kvtier does not hold, are one-offs: evicted, never written. (Seen-twice from the first
+    page: by default it admits every page while the disk has room.)"""
     p = subprocess.Popen(
         [str(REPO / "target" / "debug" / "kvtierd"), "--data-dir", str(tmp_path),
          "--host-capacity", "32M", "--disk-capacity", "128M", "--grpc", "127.0.0.1:0",
-         "--metrics", "127.0.0.1:0", "--set", "host.segment=16M", "--set", "log=warn"],
+         "--metrics", "127.0.0.1:0", "--set", "host.segment=16M", "--set", "log=warn",
+         "--set", "disk.admit_all_below=0"],
         stdout=subprocess.PIPE, text=True)
     try:
         line = p.stdout.readline()

@@ -118,6 +118,8 @@ pub struct RunCfg {
     pub host_policy: PolicyKind,
     /// Disk admission.
     pub admission: Admission,
+    /// Seen-twice admits every block while the disk is less full than this fraction.
+    pub admit_all_below: f64,
     /// Write-through.
     pub write_through: bool,
     /// Pace by timestamps divided by this factor (None: as fast as possible).
@@ -222,6 +224,7 @@ pub fn run_embedded(
             io: IoConfig::default(),
             policy: cfg.policy,
             admission: cfg.admission,
+            admit_all_below: cfg.admit_all_below,
             write_through: cfg.write_through,
             ..Default::default()
         }),
@@ -526,6 +529,8 @@ pub fn run_sidecar(
                     "seen-twice"
                 }
             ),
+            "--set".into(),
+            format!("disk.admit_all_below={}", cfg.admit_all_below),
             "--set".into(),
             format!("disk.write_through={}", cfg.write_through),
         ]);

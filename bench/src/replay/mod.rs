@@ -58,6 +58,10 @@ pub struct ReplayArgs {
     /// Disk admission: seen-twice or always.
     #[arg(long, default_value = "seen-twice")]
     pub admission: String,
+    /// Seen-twice admits every block while the disk is less full than this fraction
+    /// (`disk.admit_all_below`; 0: seen-twice from the first block).
+    #[arg(long, default_value_t = kvstore::DEFAULT_ADMIT_ALL_BELOW)]
+    pub admit_all_below: f64,
     /// Write admitted blocks to disk at commit instead of at eviction.
     #[arg(long)]
     pub write_through: bool,
@@ -286,6 +290,7 @@ pub fn run(args: ReplayArgs) -> Result<()> {
         policy,
         host_policy,
         admission,
+        admit_all_below: args.admit_all_below,
         write_through: args.write_through,
         pace,
         dir: args.dir.clone(),
@@ -745,6 +750,7 @@ mod tests {
                 policy: PolicyKind::S3Fifo,
                 host_policy: PolicyKind::S3Fifo,
                 admission: Admission::Always,
+                admit_all_below: kvstore::DEFAULT_ADMIT_ALL_BELOW,
                 write_through: false,
                 pace: None,
                 dir: dir.clone(),
@@ -779,6 +785,7 @@ mod tests {
                 policy: PolicyKind::Lru,
                 host_policy: PolicyKind::Lru,
                 admission: Admission::Always,
+                admit_all_below: kvstore::DEFAULT_ADMIT_ALL_BELOW,
                 write_through: true,
                 pace: Some(1000.0),
                 dir,

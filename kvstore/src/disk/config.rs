@@ -28,6 +28,9 @@ impl Admission {
     }
 }
 
+/// [`DiskConfig::admit_all_below`]'s default: seen-twice once the disk is nine tenths full.
+pub const DEFAULT_ADMIT_ALL_BELOW: f64 = 0.9;
+
 /// Bounce buffers a store gives its disk tier when its arena is in 4 KiB pages (at most an
 /// eighth of the arena): 48 reads of 2 MiB, the queue full while completions are copied out.
 pub const BOUNCE_BYTES: u64 = 96 << 20;
@@ -47,6 +50,11 @@ pub struct DiskConfig {
     pub policy: PolicyKind,
     /// Which host blocks get written to disk.
     pub admission: Admission,
+    /// Seen-twice admission admits every block while the disk holds less than this fraction
+    /// of its capacity: writing into free room displaces nothing, and a block refused once is
+    /// recomputed when it comes back (a turn's newest blocks, which leave host memory before
+    /// the next turn reads them). 0: seen-twice from the first block.
+    pub admit_all_below: f64,
     /// Write admitted blocks to disk when they are committed (write-through) instead of when the
     /// host tier evicts them (write-back). Either way the tiering worker writes them.
     pub write_through: bool,
@@ -71,6 +79,7 @@ impl Default for DiskConfig {
             policy: PolicyKind::default(),
             bounce_bytes: 0,
             admission: Admission::default(),
+            admit_all_below: DEFAULT_ADMIT_ALL_BELOW,
             write_through: false,
             max_batch_bytes: 256 << 20,
         }

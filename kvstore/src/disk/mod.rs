@@ -43,7 +43,7 @@ use crate::tier::{
 };
 use crate::types::{BlockInfo, FoldMap, MapKey, Tier};
 
-pub use config::{Admission, DiskConfig, DiskError, BOUNCE_BYTES};
+pub use config::{Admission, DiskConfig, DiskError, BOUNCE_BYTES, DEFAULT_ADMIT_ALL_BELOW};
 use journal::{Journal, Kind, Record};
 use recovery::io_err;
 use state::{DEntry, DState, State};
@@ -136,6 +136,12 @@ impl DiskTier {
             return Err(DiskError::Config(format!(
                 "capacity_bytes = {} gives {} pages per file; need 2..=2^32",
                 cfg.capacity_bytes, pages_per_file
+            )));
+        }
+        if !(0.0..=1.0).contains(&cfg.admit_all_below) {
+            return Err(DiskError::Config(format!(
+                "admit_all_below = {} must be within 0..=1",
+                cfg.admit_all_below
             )));
         }
         std::fs::create_dir_all(&cfg.dir).map_err(io_err(&cfg.dir))?;
@@ -987,6 +993,11 @@ impl LowerTier for DiskTier {
         m.into_iter()
             .map(|(ns, (blocks, bytes))| NsUsage { ns, blocks, bytes })
             .collect()
+    }
+
+    fn fill(&self) -> Option<(u64, u64)> {
+        let used = self.state.lock().used_bytes;
+        Some((used, self.pages_per_file * PAGE * self.files.len() as u64))
     }
 
     fn stats(&self) -> TierStats {

@@ -34,7 +34,7 @@ mod write;
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::hash::BuildHasherDefault;
 use std::sync::atomic::{
-    AtomicU32, AtomicU64,
+    AtomicBool, AtomicU32, AtomicU64,
     Ordering::{Relaxed, SeqCst},
 };
 use std::sync::Arc;
@@ -350,6 +350,10 @@ pub(crate) struct Inner {
     doorkeeper: Mutex<Doorkeeper>,
     pub(crate) events: Arc<Events>,
     pub(crate) admission: Admission,
+    /// Seen-twice admits every block while the lower tier is less full than this fraction.
+    admit_all_below: f64,
+    /// Whether it is now (updated after each write batch).
+    lower_has_room: AtomicBool,
     pub(crate) write_through: bool,
     pub(crate) max_batch_bytes: u64,
     pub(crate) verify_reads: bool,
@@ -424,6 +428,7 @@ impl Store {
         let mut tiers: Vec<Box<dyn LowerTier>> = Vec::new();
         let (mut admission, mut write_through, mut max_batch_bytes) =
             (Admission::Always, false, 256 << 20);
+        let mut admit_all_below = 0.0;
         let retain_file = cfg.disk.as_ref().map(|d| d.dir.join(retain::FILE));
         if let Some(mut d) = cfg.disk.take() {
             d.io.fixed_buffers = vec![(arena.base() as usize, arena.len())];
@@ -439,6 +444,7 @@ impl Store {
                 d.bounce_bytes = crate::disk::BOUNCE_BYTES.min(arena.len() as u64 / 8);
             }
             admission = d.admission;
+            admit_all_below = d.admit_all_below;
             write_through = d.write_through;
             max_batch_bytes = d.max_batch_bytes.max(1);
             tiers.push(Box::new(
@@ -524,6 +530,8 @@ impl Store {
             doorkeeper: Mutex::new(level::LEAF, "doorkeeper", Doorkeeper::default()),
             events,
             admission,
+            admit_all_below,
+            lower_has_room: AtomicBool::new(false),
             write_through,
             max_batch_bytes,
             verify_reads: cfg.verify_reads,
@@ -548,6 +556,7 @@ impl Store {
             demand_total: AtomicU64::new(0),
             warned_classes: std::sync::atomic::AtomicBool::new(false),
         });
+        inner.note_lower_fill();
         let threads = tiering::Threads::start(&inner, background)
             .map_err(|e| ConfigError::Thread(e.to_string()))?;
         inner.restore_retentions();
@@ -988,9 +997,22 @@ impl Inner {
         match self.admission {
             Admission::Always => true,
             Admission::SeenTwice => {
-                accessed || self.doorkeeper.lock().set.contains(&(key.0 as u64))
+                accessed
+                    || self.lower_has_room.load(Relaxed)
+                    || self.doorkeeper.lock().set.contains(&(key.0 as u64))
             }
         }
+    }
+
+    /// Reads how full the tier demotions go to is, for [`Inner::admitted`]: called once the
+    /// tiers are open and after each write batch (writes are what fill it), with no lock held.
+    pub(crate) fn note_lower_fill(&self) {
+        let room = self
+            .demote_to
+            .and_then(|i| self.tiers.get(i))
+            .and_then(|t| t.fill())
+            .is_some_and(|(used, cap)| (used as f64) < self.admit_all_below * cap as f64);
+        self.lower_has_room.store(room, Relaxed);
     }
 
     /// An engine asks for `keys` (a request's blocks in prefix order: a hint, or a lookup

@@ -389,6 +389,7 @@ fn a_flush_writes_retained_blocks_that_admission_refused() {
     let mut c = cfg(Some(&d), false);
     if let Some(disk) = c.disk.as_mut() {
         disk.admission = Admission::SeenTwice;
+        disk.admit_all_below = 0.0;
     }
     {
         let s = c.clone().build().unwrap();

@@ -168,6 +168,7 @@ impl Inner {
                 .is_some_and(|e| e.ready() && Some(&e.slot()) == slots.get(&mk))
         };
         let outcomes = tier.write(items, &still_wanted);
+        self.note_lower_fill();
         for (d, o) in live.iter().zip(outcomes) {
             self.settle(d, o);
         }
