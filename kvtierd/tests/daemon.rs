@@ -136,9 +136,11 @@ fn sigterm_then_restart_keeps_disk_blocks() {
 
 #[test]
 fn a_session_retained_before_sigterm_is_retained_after_the_restart() {
-    // Seen-twice admission (the default): blocks put once would not go to disk at the
-    // shutdown's flush; retained ones do, and the retention comes back with them.
-    let d = Kvtierd::start("retain-restart", &[], true);
+    // Seen-twice admission from the first block (by default it admits every block while
+    // the disk has room): blocks put once would not go to disk at the shutdown's flush;
+    // retained ones do, and the retention comes back with them.
+    let args = ["--set", "disk.admit_all_below=0"];
+    let d = Kvtierd::start("retain-restart", &args, true);
     let keys: Vec<BlockKey> = (0..12).map(key).collect();
     let mut c = d.client();
     let ns = c.register_namespace(&namespace()).unwrap();
@@ -149,7 +151,7 @@ fn a_session_retained_before_sigterm_is_retained_after_the_restart() {
     assert_eq!(r.retained, 12, "{r:?}");
     drop(c);
     assert!(d.term().success(), "kvtierd did not exit 0 on SIGTERM");
-    let d = Kvtierd::start("retain-restart", &[], false);
+    let d = Kvtierd::start("retain-restart", &args, false);
     assert_eq!(metric(&d.metrics, "kvtier_retentions"), 1.0);
     let bytes: u64 = (0..12).map(|i| data(i).len() as u64).sum();
     assert_eq!(metric(&d.metrics, "kvtier_retained_bytes"), bytes as f64);
