@@ -122,6 +122,11 @@ fn lock_dir(dir: &std::path::Path) -> Result<File, DiskError> {
 }
 
 impl DiskTier {
+    /// Bytes of block data across all files.
+    fn capacity_bytes(&self) -> u64 {
+        self.pages_per_file * PAGE * self.files.len() as u64
+    }
+
     /// Opens (recovering) or creates the tier in `cfg.dir`, emitting block events into
     /// `events`. `cfg.io.fixed_buffers` is memory to register with io_uring.
     pub fn open(mut cfg: DiskConfig, events: Arc<Events>) -> Result<Self, DiskError> {
@@ -997,7 +1002,7 @@ impl LowerTier for DiskTier {
 
     fn fill(&self) -> Option<(u64, u64)> {
         let used = self.state.lock().used_bytes;
-        Some((used, self.pages_per_file * PAGE * self.files.len() as u64))
+        Some((used, self.capacity_bytes()))
     }
 
     fn stats(&self) -> TierStats {
@@ -1011,7 +1016,7 @@ impl LowerTier for DiskTier {
             tier: Some(Tier::Disk),
             engine: self.engine.read().name(),
             queue_depth: self.engine.read().queue_depth(),
-            capacity_bytes: self.pages_per_file * PAGE * self.files.len() as u64,
+            capacity_bytes: self.capacity_bytes(),
             used_bytes: st.used_bytes,
             blocks: st.blocks,
             recovered_blocks: s.recovered.load(Relaxed),
