@@ -291,7 +291,7 @@ impl Inner {
             class: class as u8,
             idx,
         };
-        let (mk, e) = sh.map.slot_entry_mut(h, slot)?;
+        let (mk, mut e) = sh.map.slot_entry_mut(h, slot)?;
         let key = BlockKey::from(mk);
         if e.pins != 0 || !e.ready() {
             return None;
@@ -321,6 +321,7 @@ impl Inner {
         }
         let (len, ns) = (e.len, e.ns);
         let e_copy = e.copy();
+        drop(e);
         sh.map.remove(&mk);
         drop(sh);
         self.events.emit(EventKind::Removed, key, Tier::Host, ns);

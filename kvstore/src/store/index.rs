@@ -142,6 +142,30 @@ impl Entry {
     pub(crate) fn ready(&self) -> bool {
         self.life() == Life::Ready
     }
+
+    /// The entry as two words, as a table bucket stores it (`table::Cell`): the class byte is
+    /// bits 48-55 of the second word.
+    pub(crate) fn to_words(self) -> [u64; 2] {
+        [
+            u64::from(self.idx) | u64::from(self.len) << 32,
+            u64::from(self.pins)
+                | u64::from(self.ns) << 32
+                | u64::from(self.class) << 48
+                | u64::from(self.state) << 56,
+        ]
+    }
+
+    /// [`Entry::to_words`] undone.
+    pub(crate) fn from_words(w: [u64; 2]) -> Self {
+        Entry {
+            idx: w[0] as u32,
+            len: (w[0] >> 32) as u32,
+            pins: w[1] as u32,
+            ns: (w[1] >> 32) as u16,
+            class: (w[1] >> 48) as u8,
+            state: (w[1] >> 56) as u8,
+        }
+    }
 }
 
 /// One shard of the index.
@@ -180,7 +204,7 @@ impl Shard {
     /// Pins a Ready block (one more reader); `None` if absent or not Ready.
     pub(crate) fn pin(&mut self, key: MapKey) -> Result<Option<Entry>, StoreError> {
         match self.map.get_mut(&key) {
-            Some(e) if e.ready() => {
+            Some(mut e) if e.ready() => {
                 e.pins = e.pins.checked_add(1).ok_or(StoreError::TooManyPins)?;
                 Ok(Some(*e))
             }
@@ -191,7 +215,7 @@ impl Shard {
     /// A load's pin, in one probe: pins a Ready block and marks it accessed (and no longer
     /// "preloaded, not used yet"); otherwise says where the block is in its life.
     pub(crate) fn pin_read(&mut self, h: u32, key: MapKey) -> Result<PinRead, StoreError> {
-        let Some(e) = self.map.get_hashed_mut(h, &key) else {
+        let Some(mut e) = self.map.get_hashed_mut(h, &key) else {
             return Ok(PinRead::Absent);
         };
         match e.life() {
@@ -211,7 +235,7 @@ impl Shard {
     /// Drops one pin of the block that was in `slot` under `key`; true when that freed the slot
     /// (the block had been removed while pinned and this was its last pin).
     pub(crate) fn unpin(&mut self, key: MapKey, slot: Slot) -> bool {
-        if let Some(e) = self.map.get_mut(&key) {
+        if let Some(mut e) = self.map.get_mut(&key) {
             if e.slot() == slot {
                 debug_assert!(e.pins > 0, "unpin without a pin");
                 e.pins = e.pins.saturating_sub(1);
@@ -236,7 +260,7 @@ impl Shard {
 
     /// Removes a block from view (see [`Removed`]).
     pub(crate) fn remove(&mut self, key: MapKey) -> Removed {
-        let Some(e) = self.map.get_mut(&key) else {
+        let Some(mut e) = self.map.get_mut(&key) else {
             return Removed::Absent;
         };
         match e.life() {
@@ -246,13 +270,14 @@ impl Shard {
             }
             Life::Cancelled => Removed::Absent,
             Life::Ready => {
-                let e = *e;
+                let gone = *e;
+                drop(e);
                 self.map.remove(&key);
-                if e.pins > 0 {
-                    self.doomed.insert(e.slot(), e.pins);
-                    Removed::Doomed(e.len, e.ns)
+                if gone.pins > 0 {
+                    self.doomed.insert(gone.slot(), gone.pins);
+                    Removed::Doomed(gone.len, gone.ns)
                 } else {
-                    Removed::Freed(e.slot(), e.len, e.ns)
+                    Removed::Freed(gone.slot(), gone.len, gone.ns)
                 }
             }
         }
@@ -261,7 +286,7 @@ impl Shard {
     /// Ends a write (a put's or a promotion's) of `key` into `slot`: Ready if still wanted,
     /// else the entry is dropped and the caller frees the slot. Returns the entry published.
     pub(crate) fn publish(&mut self, key: MapKey, slot: Slot, copy: Copy) -> Option<Entry> {
-        let e = self.map.get_mut(&key).filter(|e| e.slot() == slot)?;
+        let mut e = self.map.get_mut(&key).filter(|e| e.slot() == slot)?;
         match e.life() {
             Life::Filling | Life::Promoting => {
                 e.set_life(Life::Ready);
@@ -269,6 +294,7 @@ impl Shard {
                 Some(*e)
             }
             _ => {
+                drop(e);
                 // Cancelled: the removal wins. A promotion's pins belong to its waiters, who
                 // will find the key gone.
                 self.map.remove(&key);
@@ -365,13 +391,13 @@ mod tests {
         };
         assert!(preloaded);
         assert_eq!(got.pins, 1);
-        let now = sh.map[&mk(5)];
+        let now = sh.map.get(&mk(5)).unwrap();
         assert!(now.accessed() && !now.preloaded() && now.pins == 1);
         assert!(matches!(
             sh.pin_read(h(5), mk(5)),
             Ok(PinRead::Pinned(_, false))
         ));
-        assert_eq!(sh.map[&mk(5)].pins, 2);
+        assert_eq!(sh.map.get(&mk(5)).unwrap().pins, 2);
     }
 
     #[test]
@@ -380,6 +406,6 @@ mod tests {
         sh.map
             .insert(mk(3), Entry::new(S, 10, 0, Life::Ready, u32::MAX));
         assert_eq!(sh.pin(mk(3)), Err(StoreError::TooManyPins));
-        assert_eq!(sh.map[&mk(3)].pins, u32::MAX);
+        assert_eq!(sh.map.get(&mk(3)).unwrap().pins, u32::MAX);
     }
 }

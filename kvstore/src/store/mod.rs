@@ -635,7 +635,7 @@ impl Store {
                     .map
                     .iter()
                     .filter(|(_, e)| e.ready())
-                    .map(|(k, e)| (BlockKey::from(*k), NsId(u32::from(e.ns)))),
+                    .map(|(k, e)| (BlockKey::from(k), NsId(u32::from(e.ns)))),
             );
         }
         out

@@ -336,7 +336,7 @@ impl Inner {
             let Ok(Some(e)) = sh.pin(mk) else {
                 return false;
             };
-            if let Some(x) = sh.map.get_mut(&mk) {
+            if let Some(mut x) = sh.map.get_mut(&mk) {
                 x.set_preloaded(true);
             }
             e
@@ -389,7 +389,7 @@ impl Inner {
         let n = gone.len();
         for (mk, h) in gone {
             let key = BlockKey::from(mk);
-            if let Some(e) = self.shard(key).lock().map.get_mut(&mk) {
+            if let Some(mut e) = self.shard(key).lock().map.get_mut(&mk) {
                 if e.slot() == h.slot {
                     e.set_preloaded(false);
                 }

@@ -84,25 +84,29 @@ const PREFETCH_FROM_BUCKETS: usize = 1 << 16;
 /// than the caches, prefetches the home bucket of the key `PREFETCH_AHEAD` places ahead of the
 /// one it is at (no lock: `table::Hint`), so the keys' cache misses overlap instead of each
 /// waiting behind the previous key's lock (a locked instruction waits for every load before
-/// it). It hands out each key's hash, computed once.
+/// it). It hands out each key's hash, computed once, and holds the epoch in which the walk
+/// reads the index without locks (`table::Hint::read`).
 pub(crate) struct Prefetcher {
     /// Keys before this one have been prefetched (none when `on` is false)…
     prefetched: usize,
     /// …and their hashes kept here, at their position modulo 16.
     hashes: [u32; 16],
     on: bool,
+    guard: crossbeam_epoch::Guard,
 }
 
 const _: () = assert!(PREFETCH_AHEAD < 16);
 
 impl Prefetcher {
     pub(crate) fn new(inner: &Inner, keys: &[BlockKey]) -> Self {
+        let guard = crossbeam_epoch::pin();
         // The first shard's size stands for every shard's (keys spread evenly).
-        let buckets = inner.hints[0].capacity() * inner.shards.len();
+        let buckets = inner.hints[0].capacity(&guard) * inner.shards.len();
         Prefetcher {
             prefetched: 0,
             hashes: [0; 16],
             on: keys.len() > 1 && buckets >= PREFETCH_FROM_BUCKETS,
+            guard,
         }
     }
 
@@ -115,7 +119,7 @@ impl Prefetcher {
         let ahead = keys.len().min(pos + PREFETCH_AHEAD + 1);
         while self.prefetched < ahead {
             let h = super::table::hash(MapKey::from(keys[self.prefetched]));
-            inner.hints[inner.shard_of(h)].prefetch(h);
+            inner.hints[inner.shard_of(h)].prefetch(h, &self.guard);
             self.hashes[self.prefetched % 16] = h;
             self.prefetched += 1;
         }
@@ -123,8 +127,9 @@ impl Prefetcher {
     }
 }
 
-/// The host index's entries of a prefix's keys, each looked up under its shard's lock as a
-/// walk along the prefix reaches it (with a [`Prefetcher`]).
+/// The host index's entries of a prefix's keys, each read as a walk along the prefix reaches
+/// it (with a [`Prefetcher`]): without the shard's lock (`table::Hint::read`), or under it
+/// when a write got in the way.
 pub(crate) struct HostView<'a> {
     inner: &'a Inner,
     keys: &'a [BlockKey],
@@ -141,14 +146,15 @@ impl<'a> HostView<'a> {
     }
 
     /// The entry of `keys[pos]` (positions asked in increasing order).
+    #[inline]
     pub(crate) fn get(&mut self, pos: usize) -> Option<Entry> {
         let mk = MapKey::from(*self.keys.get(pos)?);
         let h = self.prefetcher.hash(self.inner, self.keys, pos);
-        self.inner.shards[self.inner.shard_of(h)]
-            .lock()
-            .map
-            .get_hashed(h, &mk)
-            .copied()
+        let shard = self.inner.shard_of(h);
+        if let Some(e) = self.inner.hints[shard].read(h, &mk, &self.prefetcher.guard) {
+            return e;
+        }
+        self.inner.shards[shard].lock().map.get_hashed(h, &mk)
     }
 }
 
@@ -511,8 +517,8 @@ impl Inner {
         keys: &[BlockKey],
         remote: bool,
     ) -> (PrefixMatch, Vec<Option<(usize, BlockInfo)>>) {
-        let mut tiers = Vec::new();
-        let mut below = Vec::new();
+        let mut tiers = Vec::with_capacity(keys.len());
+        let mut below = Vec::with_capacity(keys.len());
         let mut far = None;
         let mut host = HostView::new(self, keys);
         for pos in 0..keys.len() {
@@ -803,7 +809,7 @@ impl Inner {
 
     /// A promoted block (published Ready with our pin on it).
     fn pinned_now(&self, key: BlockKey, slot: Slot) -> Option<Pinned> {
-        let e = *self
+        let e = self
             .shard(key)
             .lock()
             .map

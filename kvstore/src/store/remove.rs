@@ -39,7 +39,7 @@ impl Store {
                     .map
                     .iter()
                     .filter(|(_, e)| u32::from(e.ns) == ns.0 && e.life() != Life::Cancelled)
-                    .map(|(k, _)| *k)
+                    .map(|(k, _)| k)
                     .collect();
                 for k in keys {
                     match sh.remove(k) {

@@ -685,7 +685,7 @@ impl Inner {
                 continue;
             }
             let mut sh = self.shard(k).lock();
-            let Some(e) = sh.map.get_mut(&mk).filter(|e| e.ready()) else {
+            let Some(mut e) = sh.map.get_mut(&mk).filter(|e| e.ready()) else {
                 out.not_in_host += 1;
                 continue;
             };
@@ -693,6 +693,7 @@ impl Inner {
                 _ if e.pins > 0 && e.copy() != Copy::Demoting => out.busy += 1,
                 Copy::Clean => {
                     let (slot, len, ns) = (e.slot(), e.len, e.ns);
+                    drop(e);
                     sh.map.remove(&mk);
                     drop(sh);
                     self.free_slot(slot);
@@ -710,6 +711,7 @@ impl Inner {
                     e.set_drop_when_written(true);
                     e.pins += 1;
                     let (slot, len, ns) = (e.slot(), e.len, e.ns);
+                    drop(e);
                     drop(sh);
                     let class = slot.class as usize;
                     queue.push(Demote {

@@ -288,7 +288,7 @@ fn check_balanced(s: &Store, owners: &[u64]) {
                 ready_bytes += u64::from(e.len);
             }
             assert!(
-                per_slot.insert((e.class, e.idx), *k).is_none(),
+                per_slot.insert((e.class, e.idx), k).is_none(),
                 "two blocks in one slot"
             );
         }

@@ -3,22 +3,37 @@
 //! words and the 16-byte entry; an empty bucket is one whose entry names class 255, which no
 //! store has: at most 255 classes, numbered from 0).
 //!
-//! Why not `hashbrown` (what it replaced): two things a 10 M-block node needs.
+//! Why not `hashbrown` (what it replaced): three things a 10 M-block node needs.
 //! - **Memory.** The capacity is not a power of two: the table grows by a third when 90% full,
 //!   so it runs between 68% and 90% full (hashbrown: 44–88%, plus a control byte a bucket).
 //!   Robin Hood keeps probes short at that load, a miss included (a probe stops at the first
 //!   bucket whose key sits closer to its home than the probe has come).
 //! - **Prefetching.** A key's home bucket is a function of its hash and the table's size, which
-//!   the table publishes in a [`Hint`] outside the shard's lock: a batched lookup prefetches
-//!   the home bucket of every key first, then takes each shard's lock once and probes, so the
-//!   cache misses of 64 keys overlap instead of queueing one after the other behind a lock.
+//!   the table publishes in a [`Hint`] outside the shard's lock: a walk along a prefix
+//!   prefetches the home buckets of the keys ahead of the one it is at.
+//! - **Reads without the lock.** A lookup that changes nothing (a prefix match, a peer's probe)
+//!   reads the table through its [`Hint`] with no lock and no atomic read-modify-write
+//!   ([`Hint::read`]): each bucket is four atomic words (plain moves on x86), every change to
+//!   the table runs inside a *write section* that makes the shard's sequence number odd, and a
+//!   reader keeps what it read only if the number was even and unchanged around its probe (a
+//!   seqlock; Boehm, "Can seqlocks get along with programming language memory models?",
+//!   2012). A reader that meets a write asks again under the lock, so it never waits on a
+//!   writer and never takes a torn bucket. A table that grows retires its old buckets through
+//!   `crossbeam-epoch`, so a reader still probing them reads memory that is still allocated.
+//!   Per key, the lock's two locked instructions were most of a cached lookup, and they
+//!   serialised the cache misses of a long prefix (a locked instruction waits for every load
+//!   before it).
 //!
 //! A key's index hash is 32 bits ([`hash`]): its low bits pick the shard, and its home bucket
 //! is `fastrange(hash, capacity)`, which the high bits decide. 32 bits place a key exactly in
 //! any table under 2^32 buckets, and a size class remembers each slot's key by these 4 bytes.
 
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{
+    fence, AtomicU64, Ordering::Acquire, Ordering::Relaxed, Ordering::Release,
+};
 use std::sync::Arc;
+
+use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned, Shared};
 
 use super::index::{Entry, Life, Slot};
 use crate::key::BlockKey;
@@ -34,14 +49,12 @@ const MIN_CAPACITY: usize = 16;
 /// Buckets a probe compares keys in before it checks whether it can stop early.
 const CHEAP_PROBES: usize = 4;
 
+/// A bucket's contents, as a value.
 #[derive(Clone, Copy)]
-#[repr(C)]
 struct Bucket {
     key: MapKey,
     e: Entry,
 }
-
-const _: () = assert!(std::mem::size_of::<Bucket>() == 32);
 
 impl Bucket {
     fn empty() -> Self {
@@ -59,8 +72,64 @@ impl Bucket {
             ),
         }
     }
+}
+
+/// A bucket as stored: the key's two words and the entry's two ([`Entry::to_words`]), each
+/// read and written atomically (relaxed), so that a reader without the lock races with no
+/// write (see the module's doc).
+#[repr(C, align(32))]
+struct Cell([AtomicU64; 4]);
+
+const _: () = assert!(std::mem::size_of::<Cell>() == 32);
+
+impl Cell {
+    fn new(b: Bucket) -> Self {
+        let e = b.e.to_words();
+        Cell([
+            AtomicU64::new(b.key.0[0]),
+            AtomicU64::new(b.key.0[1]),
+            AtomicU64::new(e[0]),
+            AtomicU64::new(e[1]),
+        ])
+    }
+    #[inline]
+    fn key(&self) -> MapKey {
+        MapKey([self.0[0].load(Relaxed), self.0[1].load(Relaxed)])
+    }
+    #[inline]
+    fn entry(&self) -> Entry {
+        Entry::from_words([self.0[2].load(Relaxed), self.0[3].load(Relaxed)])
+    }
+    #[inline]
     fn is_empty(&self) -> bool {
-        self.e.class == EMPTY
+        (self.0[3].load(Relaxed) >> 48) as u8 == EMPTY
+    }
+    fn load(&self) -> Bucket {
+        Bucket {
+            key: self.key(),
+            e: self.entry(),
+        }
+    }
+    /// Only inside a write section (`Table::write`).
+    fn store(&self, b: Bucket) {
+        self.0[0].store(b.key.0[0], Relaxed);
+        self.0[1].store(b.key.0[1], Relaxed);
+        self.store_entry(b.e);
+    }
+    /// Only inside a write section (`Table::write`).
+    fn store_entry(&self, e: Entry) {
+        let w = e.to_words();
+        self.0[2].store(w[0], Relaxed);
+        self.0[3].store(w[1], Relaxed);
+    }
+}
+
+/// A table's buckets (replaced whole when it grows).
+struct Cells(Box<[Cell]>);
+
+impl Cells {
+    fn new(cap: usize) -> Self {
+        Cells((0..cap).map(|_| Cell::new(Bucket::empty())).collect())
     }
 }
 
@@ -71,36 +140,109 @@ pub(crate) fn hash(key: MapKey) -> u32 {
 }
 
 /// The home bucket of a key with hash `h` in a table of `cap` buckets (`cap` < 2^32).
+#[inline]
 fn home(h: u32, cap: usize) -> usize {
     ((u64::from(h) * cap as u64) >> 32) as usize
 }
 
-/// Where a shard's buckets are, for prefetching without the shard's lock. Read racily on
-/// purpose: a stale pair (the table grew meanwhile) only prefetches the wrong line, and a
-/// prefetch never faults, so nothing depends on it being right.
+/// Distance of the key in `cells[i]` from its home.
+fn dist(cells: &[Cell], i: usize) -> usize {
+    let cap = cells.len();
+    let h = home(hash(cells[i].key()), cap);
+    (i + cap - h) % cap
+}
+
+/// What a probe found.
+enum Probe {
+    Hit(usize),
+    Miss,
+    /// The buckets changed under a reader without the lock (it went round the whole table).
+    Torn,
+}
+
+/// The first bucket on the probe path of hash `h` that `hit` accepts. Under the lock the
+/// answer is exact; without it (racing a write) it may be anything, `Torn` included, but the
+/// probe always ends and reads only inside `cells`.
+#[inline]
+fn probe(cells: &[Cell], h: u32, hit: impl Fn(&Cell) -> bool) -> Probe {
+    let cap = cells.len();
+    if cap == 0 {
+        return Probe::Miss;
+    }
+    let mut i = home(h, cap);
+    let mut d = 0;
+    while d < cap {
+        let c = &cells[i];
+        if c.is_empty() {
+            return Probe::Miss;
+        }
+        if hit(c) {
+            return Probe::Hit(i);
+        }
+        // Robin Hood: every key between its home and here sits at least as far from its
+        // own home as the probe has come, so one closer to home ends the search. Asked
+        // only from the `CHEAP_PROBES`th bucket on (it costs a hash): most keys are found
+        // before, and a miss ends a few buckets later.
+        if d >= CHEAP_PROBES && dist(cells, i) < d {
+            return Probe::Miss;
+        }
+        i += 1;
+        if i == cap {
+            i = 0;
+        }
+        d += 1;
+    }
+    Probe::Torn
+}
+
+/// A write section ([`Table::write`]) begins: the sequence number turns odd.
+fn write_begin(seq: &AtomicU64) {
+    let s = seq.load(Relaxed);
+    debug_assert!(s % 2 == 0, "write sections do not nest");
+    seq.store(s + 1, Relaxed);
+    // The bucket stores after this fence are ordered after the odd number: a reader that
+    // sees one of them sees the odd number (or a later one) on its second read.
+    fence(Release);
+}
+
+/// A write section ends: the sequence number is even again.
+fn write_end(seq: &AtomicU64) {
+    let s = seq.load(Relaxed);
+    seq.store(s + 1, Release);
+}
+
+/// What the rest of the store sees of a shard's table outside its lock: where its buckets
+/// are (for prefetching, and for [`Hint::read`]) and its sequence number.
 #[derive(Default)]
 pub(crate) struct Hint {
-    base: AtomicUsize,
-    cap: AtomicUsize,
+    cells: Atomic<Cells>,
+    /// Odd while a write section runs; bumped at its start and end.
+    seq: AtomicU64,
 }
 
 impl Hint {
-    /// The table's buckets (as last published).
-    pub(crate) fn capacity(&self) -> usize {
-        self.cap.load(Relaxed)
+    /// The table's buckets (as last published). `guard`: the caller's epoch.
+    pub(crate) fn capacity(&self, guard: &Guard) -> usize {
+        // SAFETY: the pointer is either null or a `Cells` that the table published and retires
+        // only through the epoch, which `guard` holds open.
+        unsafe { self.cells.load(Acquire, guard).as_ref() }.map_or(0, |c| c.0.len())
     }
 
-    /// Starts loading the home bucket of the key with hash `h` into the cache.
+    /// Starts loading the home bucket of the key with hash `h` into the cache. `guard`: the
+    /// caller's epoch (see [`Hint::read`]).
     #[inline]
-    pub(crate) fn prefetch(&self, h: u32) {
-        let (base, cap) = (self.base.load(Relaxed), self.cap.load(Relaxed));
-        if cap == 0 {
+    pub(crate) fn prefetch(&self, h: u32, guard: &Guard) {
+        // SAFETY: as in `capacity`: null or published, and not freed while `guard` lives.
+        let Some(cells) = (unsafe { self.cells.load(Acquire, guard).as_ref() }) else {
+            return;
+        };
+        if cells.0.is_empty() {
             return;
         }
-        let addr = base.wrapping_add(home(h, cap) * std::mem::size_of::<Bucket>());
+        let addr = &cells.0[home(h, cells.0.len())] as *const Cell;
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `_mm_prefetch` only hints the cache; it never faults and reads nothing the
-        // program sees, whatever the address (which may be stale: see `Hint`).
+        // program sees.
         unsafe {
             use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
             _mm_prefetch::<_MM_HINT_T0>(addr as *const i8);
@@ -108,29 +250,128 @@ impl Hint {
         #[cfg(not(target_arch = "x86_64"))]
         let _ = addr;
     }
+
+    /// The entry of `key` (hash `h`), read without the shard's lock: `Some(answer)` when no
+    /// write section ran during the read (the answer is what the table held at one moment
+    /// within it), `None` when one did (ask again under the lock). Never waits. `guard`: an
+    /// epoch pinned by the caller, kept for a whole walk along a prefix.
+    #[inline]
+    pub(crate) fn read(&self, h: u32, key: &MapKey, guard: &Guard) -> Option<Option<Entry>> {
+        let s = self.seq.load(Acquire);
+        if s % 2 == 1 {
+            return None;
+        }
+        // SAFETY: as in `capacity`: null or published, and not freed while `guard` lives.
+        let cells = unsafe { self.cells.load(Acquire, guard).as_ref() };
+        let found = match cells {
+            None => Probe::Miss,
+            Some(c) => probe(&c.0, h, |c| c.key() == *key),
+        };
+        let e = match found {
+            Probe::Hit(i) => cells.map(|c| c.0[i].entry()),
+            Probe::Miss => None,
+            Probe::Torn => return None,
+        };
+        // The bucket loads above are ordered before the second read of the number: if one of
+        // them saw a store of a write section, this read sees that section's odd number or a
+        // later one.
+        fence(Acquire);
+        (self.seq.load(Relaxed) == s).then_some(e)
+    }
 }
 
-/// The table. Same shape of API as the `HashMap` it replaced.
+/// A block's entry to change in place, under the shard's lock: a copy that goes back into
+/// its bucket, in a write section of its own, when dropped (and only if it changed).
+pub(crate) struct EntryMut<'a> {
+    cell: &'a Cell,
+    seq: &'a AtomicU64,
+    e: Entry,
+    was: Entry,
+}
+
+impl std::ops::Deref for EntryMut<'_> {
+    type Target = Entry;
+    fn deref(&self) -> &Entry {
+        &self.e
+    }
+}
+
+impl std::ops::DerefMut for EntryMut<'_> {
+    fn deref_mut(&mut self) -> &mut Entry {
+        &mut self.e
+    }
+}
+
+impl Drop for EntryMut<'_> {
+    fn drop(&mut self) {
+        if self.e != self.was {
+            write_begin(self.seq);
+            self.cell.store_entry(self.e);
+            write_end(self.seq);
+        }
+    }
+}
+
+impl<'a> EntryMut<'a> {
+    fn new(cell: &'a Cell, seq: &'a AtomicU64) -> Self {
+        let e = cell.entry();
+        EntryMut {
+            cell,
+            seq,
+            e,
+            was: e,
+        }
+    }
+}
+
+/// The table (owned by its shard, which holds the lock for every call). Same shape of API
+/// as the `HashMap` it replaced, except that entries come out as copies ([`Entry`]) or as
+/// [`EntryMut`] to change.
+#[derive(Default)]
 pub(crate) struct Table {
-    buckets: Box<[Bucket]>,
     len: usize,
     hint: Arc<Hint>,
 }
 
-impl Default for Table {
-    fn default() -> Self {
-        Table {
-            buckets: Box::new([]),
-            len: 0,
-            hint: Arc::default(),
+impl Drop for Table {
+    fn drop(&mut self) {
+        // SAFETY: readers without the lock reach the buckets only through the store that owns
+        // this table (`Inner::hints`), which is being dropped: none is left. Freed now rather
+        // than through the epoch so that a dropped store's memory is back at once.
+        unsafe {
+            let old = self
+                .hint
+                .cells
+                .swap(Shared::null(), Relaxed, epoch::unprotected());
+            if !old.is_null() {
+                drop(old.into_owned());
+            }
         }
     }
 }
 
 impl Table {
-    /// The table's prefetch hint (shared: the store keeps one per shard outside its lock).
+    /// The table's hint (shared: the store keeps one per shard outside its lock).
     pub(crate) fn hint(&self) -> Arc<Hint> {
         self.hint.clone()
+    }
+
+    /// The buckets.
+    fn cells(&self) -> &[Cell] {
+        // SAFETY: only this table replaces its buckets (in `grow`, with `&mut self`), so the
+        // ones loaded here stay allocated for as long as `self` is borrowed; null or published.
+        match unsafe { self.hint.cells.load(Relaxed, epoch::unprotected()).as_ref() } {
+            Some(c) => &c.0,
+            None => &[],
+        }
+    }
+
+    /// Runs `f` in a write section: the only way the buckets change.
+    fn write<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
+        write_begin(&self.hint.seq);
+        let r = f(self);
+        write_end(&self.hint.seq);
+        r
     }
 
     #[cfg(test)]
@@ -143,77 +384,50 @@ impl Table {
         self.len == 0
     }
 
-    /// Distance of the entry in bucket `i` from its home.
-    fn dist(&self, i: usize) -> usize {
-        let cap = self.buckets.len();
-        let h = home(hash(self.buckets[i].key), cap);
-        (i + cap - h) % cap
-    }
-
-    /// The first bucket on the probe path of hash `h` that `hit` accepts.
-    #[inline]
-    fn probe(&self, h: u32, hit: impl Fn(&Bucket) -> bool) -> Option<usize> {
-        let cap = self.buckets.len();
-        if self.len == 0 {
-            return None;
-        }
-        let mut i = home(h, cap);
-        let mut d = 0;
-        loop {
-            let b = &self.buckets[i];
-            if b.is_empty() {
-                return None;
-            }
-            if hit(b) {
-                return Some(i);
-            }
-            // Robin Hood: every key between its home and here sits at least as far from its
-            // own home as the probe has come, so one closer to home ends the search. Asked
-            // only from the `CHEAP_PROBES`th bucket on (it costs a hash): most keys are found
-            // before, and a miss ends a few buckets later.
-            if d >= CHEAP_PROBES && self.dist(i) < d {
-                return None;
-            }
-            i += 1;
-            if i == cap {
-                i = 0;
-            }
-            d += 1;
-        }
-    }
-
     /// The bucket holding `key` (hash `h`).
     #[inline]
     fn find(&self, h: u32, key: &MapKey) -> Option<usize> {
-        self.probe(h, |b| b.key == *key)
+        if self.len == 0 {
+            return None;
+        }
+        match probe(self.cells(), h, |c| c.key() == *key) {
+            Probe::Hit(i) => Some(i),
+            Probe::Miss | Probe::Torn => None,
+        }
     }
 
     /// The entry of `key`, given its [`hash`].
     #[inline]
-    pub(crate) fn get_hashed(&self, h: u32, key: &MapKey) -> Option<&Entry> {
-        self.find(h, key).map(|i| &self.buckets[i].e)
+    pub(crate) fn get_hashed(&self, h: u32, key: &MapKey) -> Option<Entry> {
+        self.find(h, key).map(|i| self.cells()[i].entry())
     }
 
     /// The entry of `key` to change, given its [`hash`].
     #[inline]
-    pub(crate) fn get_hashed_mut(&mut self, h: u32, key: &MapKey) -> Option<&mut Entry> {
-        self.find(h, key).map(|i| &mut self.buckets[i].e)
+    pub(crate) fn get_hashed_mut(&mut self, h: u32, key: &MapKey) -> Option<EntryMut<'_>> {
+        let i = self.find(h, key)?;
+        Some(EntryMut::new(&self.cells()[i], &self.hint.seq))
     }
 
-    pub(crate) fn get(&self, key: &MapKey) -> Option<&Entry> {
+    pub(crate) fn get(&self, key: &MapKey) -> Option<Entry> {
         self.get_hashed(hash(*key), key)
     }
 
-    pub(crate) fn get_mut(&mut self, key: &MapKey) -> Option<&mut Entry> {
+    pub(crate) fn get_mut(&mut self, key: &MapKey) -> Option<EntryMut<'_>> {
         self.get_hashed_mut(hash(*key), key)
     }
 
     /// The key and entry that hold `slot`, given the key's hash (what a size class remembers
     /// of a slot's block): the bucket is on the probe path of the hash's home, like the key's.
-    pub(crate) fn slot_entry_mut(&mut self, h: u32, slot: Slot) -> Option<(MapKey, &mut Entry)> {
-        let i = self.probe(h, |b| b.e.slot() == slot)?;
-        let b = &mut self.buckets[i];
-        Some((b.key, &mut b.e))
+    pub(crate) fn slot_entry_mut(&mut self, h: u32, slot: Slot) -> Option<(MapKey, EntryMut<'_>)> {
+        if self.len == 0 {
+            return None;
+        }
+        let Probe::Hit(i) = probe(self.cells(), h, |c| c.entry().slot() == slot) else {
+            return None;
+        };
+        let c = &self.cells()[i];
+        Some((c.key(), EntryMut::new(c, &self.hint.seq)))
     }
 
     pub(crate) fn contains_key(&self, key: &MapKey) -> bool {
@@ -225,100 +439,124 @@ impl Table {
         debug_assert!(e.class != EMPTY, "class 255 marks an empty bucket");
         let h = hash(key);
         if let Some(i) = self.find(h, &key) {
-            return Some(std::mem::replace(&mut self.buckets[i].e, e));
+            let c = &self.cells()[i];
+            let old = c.entry();
+            self.write(|t| t.cells()[i].store_entry(e));
+            return Some(old);
         }
-        if (self.len + 1) * MAX_LOAD.1 > self.buckets.len() * MAX_LOAD.0 {
-            self.grow();
-        }
-        self.place(h, Bucket { key, e });
-        self.len += 1;
+        self.write(|t| {
+            if (t.len + 1) * MAX_LOAD.1 > t.cells().len() * MAX_LOAD.0 {
+                t.grow();
+            }
+            place(t.cells(), h, Bucket { key, e });
+            t.len += 1;
+        });
         None
     }
 
-    /// Puts a bucket whose key is absent into the table (which has an empty bucket).
-    fn place(&mut self, h: u32, mut b: Bucket) {
-        let cap = self.buckets.len();
-        let mut i = home(h, cap);
-        let mut d = 0;
-        loop {
-            if self.buckets[i].is_empty() {
-                self.buckets[i] = b;
-                return;
-            }
-            let theirs = self.dist(i);
-            if theirs < d {
-                // Take the bucket from the richer key and carry it on.
-                std::mem::swap(&mut self.buckets[i], &mut b);
-                d = theirs;
-            }
-            i += 1;
-            if i == cap {
-                i = 0;
-            }
-            d += 1;
-        }
-    }
-
     fn grow(&mut self) {
-        let cap = (self.buckets.len() * GROWTH.0 / GROWTH.1).max(MIN_CAPACITY);
-        let old = std::mem::replace(&mut self.buckets, vec![Bucket::empty(); cap].into());
-        for b in old.iter().filter(|b| !b.is_empty()) {
-            self.place(hash(b.key), *b);
+        let cap = (self.cells().len() * GROWTH.0 / GROWTH.1).max(MIN_CAPACITY);
+        let new = Cells::new(cap);
+        for c in self.cells().iter().filter(|c| !c.is_empty()) {
+            let b = c.load();
+            place(&new.0, hash(b.key), b);
         }
-        self.hint
-            .base
-            .store(self.buckets.as_ptr() as usize, Relaxed);
-        self.hint.cap.store(cap, Relaxed);
+        // SAFETY: `unprotected` is enough for a swap by the one writer of the pointer (this
+        // table, under `&mut self`): the old buckets are not read through it here.
+        let unprotected = unsafe { epoch::unprotected() };
+        let old = self.hint.cells.swap(Owned::new(new), Release, unprotected);
+        if old.is_null() {
+            return;
+        }
+        retire(old);
     }
 
     /// Removes `key`; returns its entry.
     pub(crate) fn remove(&mut self, key: &MapKey) -> Option<Entry> {
         let mut i = self.find(hash(*key), key)?;
-        let gone = self.buckets[i].e;
-        let cap = self.buckets.len();
-        // Backward shift: pull each following displaced key one bucket nearer its home.
-        loop {
-            let next = if i + 1 == cap { 0 } else { i + 1 };
-            if self.buckets[next].is_empty() || self.dist(next) == 0 {
-                self.buckets[i] = Bucket::empty();
-                break;
+        let gone = self.cells()[i].entry();
+        self.write(|t| {
+            let cells = t.cells();
+            let cap = cells.len();
+            // Backward shift: pull each following displaced key one bucket nearer its home.
+            loop {
+                let next = if i + 1 == cap { 0 } else { i + 1 };
+                if cells[next].is_empty() || dist(cells, next) == 0 {
+                    cells[i].store(Bucket::empty());
+                    break;
+                }
+                cells[i].store(cells[next].load());
+                i = next;
             }
-            self.buckets[i] = self.buckets[next];
-            i = next;
-        }
-        self.len -= 1;
+            t.len -= 1;
+        });
         Some(gone)
     }
 
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (&MapKey, &Entry)> {
-        self.buckets
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (MapKey, Entry)> + '_ {
+        self.cells()
             .iter()
-            .filter(|b| !b.is_empty())
-            .map(|b| (&b.key, &b.e))
+            .filter(|c| !c.is_empty())
+            .map(|c| (c.key(), c.entry()))
     }
 
-    pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = (&MapKey, &mut Entry)> {
-        self.buckets
-            .iter_mut()
-            .filter(|b| !b.is_empty())
-            .map(|b| (&b.key, &mut b.e))
+    pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = (MapKey, EntryMut<'_>)> {
+        let seq = &self.hint.seq;
+        self.cells()
+            .iter()
+            .filter(|c| !c.is_empty())
+            .map(move |c| (c.key(), EntryMut::new(c, seq)))
     }
 
-    pub(crate) fn values(&self) -> impl Iterator<Item = &Entry> {
+    pub(crate) fn values(&self) -> impl Iterator<Item = Entry> + '_ {
         self.iter().map(|(_, e)| e)
     }
 
     #[cfg(test)]
     fn capacity(&self) -> usize {
-        self.buckets.len()
+        self.cells().len()
     }
 }
 
-#[cfg(test)]
-impl std::ops::Index<&MapKey> for Table {
-    type Output = Entry;
-    fn index(&self, key: &MapKey) -> &Entry {
-        self.get(key).expect("no entry for the key")
+/// Puts a bucket whose key is absent into `cells` (which have an empty bucket); inside a
+/// write section.
+fn place(cells: &[Cell], h: u32, mut b: Bucket) {
+    let cap = cells.len();
+    let mut i = home(h, cap);
+    let mut d = 0;
+    loop {
+        if cells[i].is_empty() {
+            cells[i].store(b);
+            return;
+        }
+        let theirs = dist(cells, i);
+        if theirs < d {
+            // Take the bucket from the richer key and carry it on.
+            let was = cells[i].load();
+            cells[i].store(b);
+            b = was;
+            d = theirs;
+        }
+        i += 1;
+        if i == cap {
+            i = 0;
+        }
+        d += 1;
+    }
+}
+
+/// Frees a table's old buckets once no reader without the lock can be probing them.
+fn retire(old: Shared<'_, Cells>) {
+    let guard = epoch::pin();
+    // SAFETY: `old` was just unlinked from the hint (no new reader can load it), it was
+    // allocated by `Owned::new`, and it is retired once.
+    unsafe { guard.defer_destroy(old) };
+    guard.flush();
+    drop(guard);
+    // With no reader pinned, two more advances of the epoch free the buckets now rather than
+    // at some later pin: a grown table's old buckets are three quarters of its size.
+    for _ in 0..2 {
+        epoch::pin().flush();
     }
 }
 
@@ -353,7 +591,7 @@ mod tests {
             match (r >> 40) % 8 {
                 0..=3 => assert_eq!(t.insert(key, entry(step)), m.insert(key, entry(step))),
                 4..=5 => assert_eq!(t.remove(&key), m.remove(&key)),
-                _ => assert_eq!(t.get(&key), m.get(&key)),
+                _ => assert_eq!(t.get(&key), m.get(&key).copied()),
             }
             assert_eq!(t.len(), m.len());
         }
@@ -362,11 +600,11 @@ mod tests {
         got.sort_unstable();
         want.sort_unstable();
         assert_eq!(got, want);
-        for (k, e) in t.iter_mut() {
+        for (k, mut e) in t.iter_mut() {
             e.pins = k.0[0] as u32;
         }
         for (k, _) in m.iter() {
-            assert_eq!(t[k].pins, k.0[0] as u32);
+            assert_eq!(t.get(k).map(|e| e.pins), Some(k.0[0] as u32));
         }
     }
 
@@ -415,13 +653,131 @@ mod tests {
     fn the_hint_follows_growth() {
         let mut t = Table::default();
         let h = t.hint();
-        assert_eq!(h.cap.load(Relaxed), 0);
-        h.prefetch(42); // nothing to prefetch: no fault, no effect
+        let guard = epoch::pin();
+        assert_eq!(h.capacity(&guard), 0);
+        h.prefetch(42, &guard); // nothing to prefetch: no fault, no effect
+        assert_eq!(h.read(42, &MapKey([1, 1]), &guard), Some(None));
         for i in 0..100u64 {
-            t.insert(MapKey([i, i]), entry(1));
+            t.insert(MapKey([i, i]), entry(i as u32));
         }
-        assert_eq!(h.cap.load(Relaxed), t.capacity());
-        assert_eq!(h.base.load(Relaxed), t.buckets.as_ptr() as usize);
-        h.prefetch(hash(MapKey([3, 3])));
+        assert_eq!(h.capacity(&guard), t.capacity());
+        h.prefetch(hash(MapKey([3, 3])), &guard);
+        // Grown several times: the reads without the lock find every key, and no other.
+        for i in 0..100u64 {
+            let k = MapKey([i, i]);
+            assert_eq!(h.read(hash(k), &k, &guard), Some(Some(entry(i as u32))));
+        }
+        let k = MapKey([100, 100]);
+        assert_eq!(h.read(hash(k), &k, &guard), Some(None));
+    }
+
+    /// An entry whose two words agree with each other and with its key (`len` in the first
+    /// word, `pins` in the second, both `k + round`), so a torn read shows.
+    fn stamped(k: u64, round: u32) -> Entry {
+        let v = k as u32 + round;
+        Entry::new(
+            Slot {
+                class: 1,
+                idx: k as u32,
+            },
+            v,
+            0,
+            Life::Ready,
+            v,
+        )
+    }
+
+    /// Readers without the lock against a writer that grows the table, shifts buckets (inserts
+    /// and removals of other keys) and rewrites entries: a read that returns an answer returns
+    /// the whole entry of the key asked, never another key's, never a torn one, never a miss
+    /// of a key that is always present, never a hit of one that never was. Waits on counts,
+    /// not time.
+    #[test]
+    fn reads_without_the_lock_are_whole_or_retried() {
+        use std::sync::atomic::{AtomicBool, AtomicU64};
+        use std::sync::Mutex;
+        const STABLE: u64 = 512;
+        const READS: u64 = 300_000;
+        let table = Arc::new(Mutex::new(Table::default()));
+        let hint = table.lock().unwrap().hint();
+        {
+            let mut t = table.lock().unwrap();
+            for k in 0..STABLE {
+                t.insert(MapKey([k, 1]), stamped(k, 0));
+            }
+        }
+        let done = Arc::new(AtomicBool::new(false));
+        let (whole, retried) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let writer = {
+            let (table, done) = (table.clone(), done.clone());
+            std::thread::spawn(move || {
+                let mut round = 0u32;
+                let mut churn = 0u64;
+                while !done.load(Relaxed) {
+                    round += 1;
+                    let mut t = table.lock().unwrap();
+                    // Rewrite some stable entries in place…
+                    for k in (u64::from(round) % 7..STABLE).step_by(7) {
+                        if let Some(mut e) = t.get_mut(&MapKey([k, 1])) {
+                            *e = stamped(k, round);
+                        }
+                    }
+                    // …and move buckets around them: inserts (growing the table now and
+                    // then) and removals of other keys, with backward shifts.
+                    for _ in 0..64 {
+                        churn += 1;
+                        t.insert(MapKey([churn, 2]), stamped(churn, 0));
+                        if churn > 3_000 {
+                            t.remove(&MapKey([churn - 3_000, 2]));
+                        }
+                    }
+                }
+                round
+            })
+        };
+        let readers: Vec<_> = (0..2)
+            .map(|r| {
+                let (hint, whole, retried) = (hint.clone(), whole.clone(), retried.clone());
+                std::thread::spawn(move || {
+                    let mut x = 0x9E37_79B9u64 + r;
+                    for _ in 0..READS {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        let guard = epoch::pin();
+                        // Keys `[k, 1]` below STABLE are always there; `[k, 3]` never were.
+                        let (k, absent) = (x % STABLE, x & (1 << 40) != 0);
+                        let key = MapKey([k, if absent { 3 } else { 1 }]);
+                        match hint.read(hash(key), &key, &guard) {
+                            None => {
+                                retried.fetch_add(1, Relaxed);
+                            }
+                            Some(got) => {
+                                whole.fetch_add(1, Relaxed);
+                                if absent {
+                                    assert_eq!(got, None, "a hit of a key never stored");
+                                    continue;
+                                }
+                                let e = got.expect("a miss of a key always present");
+                                assert_eq!((e.idx, e.class), (k as u32, 1), "another key's entry");
+                                assert_eq!(e.len, e.pins, "a torn entry");
+                                assert!(e.len >= k as u32);
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        for r in readers {
+            r.join().unwrap();
+        }
+        done.store(true, Relaxed);
+        let rounds = writer.join().unwrap();
+        let (whole, retried) = (whole.load(Relaxed), retried.load(Relaxed));
+        assert_eq!(whole + retried, 2 * READS);
+        assert!(rounds > 1, "the writer ran");
+        // How many needed the lock depends on how the threads met (most, in a debug build
+        // whose writer is always in a write section); some did not.
+        assert!(whole > 0, "{whole} whole reads, {retried} retried");
     }
 }

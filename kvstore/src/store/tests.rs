@@ -297,7 +297,7 @@ fn repeated_keys_are_pinned_once() {
         .unwrap();
     assert_eq!(l.n, 1);
     assert_eq!(s.stats().leased_blocks, 1);
-    let e = *s
+    let e = s
         .inner
         .shard(k(1))
         .lock()

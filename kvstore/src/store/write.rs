@@ -105,7 +105,7 @@ impl Inner {
             return Err(StoreError::UnknownNamespace(ns.0));
         }
         let mk = MapKey::from(key);
-        let existing = |e: Option<&Entry>| {
+        let existing = |e: Option<Entry>| {
             e.map(|e| {
                 if e.ready() {
                     Reserve::AlreadyPresent
@@ -192,7 +192,7 @@ impl Inner {
                         ns: r.ns,
                     };
                     let through_admitted = self.write_through && self.admitted(key, false);
-                    if let Some(e) = sh.map.get_mut(&mk) {
+                    if let Some(mut e) = sh.map.get_mut(&mk) {
                         // Each queue holds its own pin until it is done with the block.
                         if self.push_to.is_some() && r.push {
                             e.pins += 1;

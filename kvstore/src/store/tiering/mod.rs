@@ -169,11 +169,11 @@ impl Inner {
             let mut queue = Vec::new();
             {
                 let mut sh = s.lock();
-                for (k, e) in sh.map.iter_mut() {
-                    let key = BlockKey::from(*k);
+                for (k, mut e) in sh.map.iter_mut() {
+                    let key = BlockKey::from(k);
                     if e.ready()
                         && e.copy() == Copy::Dirty
-                        && (retained.contains_key(k) || self.admitted(key, e.accessed()))
+                        && (retained.contains_key(&k) || self.admitted(key, e.accessed()))
                     {
                         e.set_copy(Copy::Demoting);
                         e.pins += 1;

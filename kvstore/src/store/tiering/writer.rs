@@ -185,27 +185,31 @@ impl Inner {
         let mut dropped = None;
         let freed = {
             let mut sh = self.shard(d.key).lock();
-            if let Some(e) = sh.map.get_mut(&mk).filter(|e| e.slot() == d.slot) {
-                e.set_copy(match o {
-                    WriteOutcome::Written | WriteOutcome::Present => Copy::Clean,
-                    // Another write of it is in flight, or an older copy is being removed:
-                    // dirty again, written at a later eviction.
-                    WriteOutcome::Busy | WriteOutcome::Cancelled => Copy::Dirty,
-                    WriteOutcome::Failed => Copy::Unwritable,
-                    WriteOutcome::Corrupt => Copy::Unwritable,
-                });
-                if o == WriteOutcome::Corrupt {
-                    damaged = true;
-                    if let Removed::Doomed(len, _) = sh.remove(mk) {
-                        self.stats.blocks.fetch_sub(1, Relaxed);
-                        self.stats.used_bytes.fetch_sub(u64::from(len), Relaxed);
-                    }
+            let found = match sh.map.get_mut(&mk).filter(|e| e.slot() == d.slot) {
+                Some(mut e) => {
+                    e.set_copy(match o {
+                        WriteOutcome::Written | WriteOutcome::Present => Copy::Clean,
+                        // Another write of it is in flight, or an older copy is being removed:
+                        // dirty again, written at a later eviction.
+                        WriteOutcome::Busy | WriteOutcome::Cancelled => Copy::Dirty,
+                        WriteOutcome::Failed => Copy::Unwritable,
+                        WriteOutcome::Corrupt => Copy::Unwritable,
+                    });
+                    true
+                }
+                None => false,
+            };
+            if found && o == WriteOutcome::Corrupt {
+                damaged = true;
+                if let Removed::Doomed(len, _) = sh.remove(mk) {
+                    self.stats.blocks.fetch_sub(1, Relaxed);
+                    self.stats.used_bytes.fetch_sub(u64::from(len), Relaxed);
                 }
             }
             // Demoted by the application ([`Store::demote`]): written, and nobody else holds
             // it, so the host copy goes now.
             let drop_now = match sh.map.get_mut(&mk).filter(|e| e.slot() == d.slot) {
-                Some(e) if e.drop_when_written() => {
+                Some(mut e) if e.drop_when_written() => {
                     e.set_drop_when_written(false);
                     e.copy() == Copy::Clean && e.pins == 1 && e.ready()
                 }
