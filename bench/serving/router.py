@@ -7,6 +7,13 @@ sends each completion to one server, by policy:
                come back yet): cost = blocks to compute here + queued blocks. Ties go to the
                server with fewer requests in flight, then round-robin. The same trade as
                Dynamo's KV router (prefix overlap against load), in kvtier's cost units.
+               With --engine-blocks N the router also keeps, per server, the last N blocks
+               of the prompts it sent there (an LRU, as SGLang's cache-aware router keeps a
+               tree of them): its estimate of that server's own prefix cache. The leading
+               blocks a server holds by that estimate cost it nothing (`score`'s `gpu`),
+               where kvtier's host memory costs a load, so a conversation's next turn goes
+               back to the engine that holds it rather than tying with every node kvtier
+               holds it on.
   round-robin  one server after the other.
 
     python router.py --policy prefix --backends URL,URL --cluster ADDR,ADDR --via GRPC \\
@@ -23,6 +30,7 @@ import argparse
 import asyncio
 import itertools
 import json
+from collections import OrderedDict
 import sys
 import time
 
@@ -45,35 +53,73 @@ class Router:
         self.stats = {"sent": [0] * len(self.backends), "lookups": 0, "lookup_errors": 0,
                       "lookup_s": 0.0, "prompt_blocks": 0, "chosen_cost_blocks": 0.0}
         self.session: aiohttp.ClientSession | None = None
+        # Per server: block key -> None, least recently sent first (--engine-blocks).
+        self.engine_blocks = a.engine_blocks
+        self.sent_blocks: list[OrderedDict] = [OrderedDict() for _ in self.backends]
+        self.stats["engine_cache_blocks"] = 0
 
-    def _costs(self, ids: list[int]) -> list[float]:
-        """Blocks to compute on each server (kvtier's cost) for this prompt; blocking."""
-        from kvtier import router
+    def _engine_prefix(self, i: int, keys: list) -> int:
+        """Leading `keys` that server `i` holds by the router's estimate."""
+        held = self.sent_blocks[i]
+        n = 0
+        for k in keys:
+            if k not in held:
+                break
+            n += 1
+        return n
+
+    def _sent(self, i: int, keys: list) -> None:
+        """`keys` went to server `i`: the most recent now; the least recent past the bound go."""
+        if not self.engine_blocks:
+            return
+        held = self.sent_blocks[i]
+        for k in keys:
+            held[k] = None
+            held.move_to_end(k)
+        while len(held) > self.engine_blocks:
+            held.popitem(last=False)
+
+    def _keys(self, ids: list[int]) -> list:
+        """The prompt's block keys (vLLM's hashes, as kvtier names them); blocking."""
         from kvtier.vllm import prompt_keys
 
-        keys = prompt_keys(ids, model=self.model, block_size=self.bs)
+        return [bytes(k) for k in prompt_keys(ids, model=self.model, block_size=self.bs)]
+
+    def _costs(self, keys: list) -> list[float]:
+        """Blocks to compute on each server (kvtier's cost) for this prompt; blocking."""
+        from kvtier import router
+
         if not keys:
             return [0.0] * len(self.backends)
         engines = {str(i): c for i, c in enumerate(self.cluster)}
-        got = router.score(engines, keys=keys, via=self.via, timeout=self.timeout)
+        gpu = ({str(i): self._engine_prefix(i, keys) for i in range(len(self.backends))}
+               if self.engine_blocks else None)
+        got = router.score(engines, keys=keys, via=self.via, gpu=gpu, timeout=self.timeout)
         self.stats["prompt_blocks"] += len(keys)
         return [got[str(i)] for i in range(len(self.backends))]
 
     async def choose(self, body: dict) -> tuple[int, float]:
+        i, work, keys = await self._choose(body)
+        self._sent(i, keys)
+        return i, work
+
+    async def _choose(self, body: dict) -> tuple[int, float, list]:
         if self.policy == "round-robin":
-            return next(self.rr), 0.0
+            return next(self.rr), 0.0, []
         ids = body.get("prompt")
         if not (isinstance(ids, list) and all(isinstance(t, int) for t in ids)):
-            return next(self.rr), 0.0
+            return next(self.rr), 0.0, []
         t = time.monotonic()
         self.stats["lookups"] += 1
+        keys: list = []
         try:
-            costs = await asyncio.wait_for(asyncio.to_thread(self._costs, ids),
+            keys = await asyncio.to_thread(self._keys, ids)
+            costs = await asyncio.wait_for(asyncio.to_thread(self._costs, keys),
                                            self.timeout + 1)
         except Exception as e:  # noqa: BLE001 - kvtier not answering never stops traffic
             self.stats["lookup_errors"] += 1
             print(f"router: lookup failed ({e!r}): round-robin", file=sys.stderr)
-            return next(self.rr), 0.0
+            return next(self.rr), 0.0, keys
         finally:
             self.stats["lookup_s"] += time.monotonic() - t
         total = [c + q for c, q in zip(costs, self.queued_blocks)]
@@ -85,8 +131,10 @@ class Router:
             if len(tied) > 1:
                 while (i := next(self.rr)) not in tied:
                     pass
-                return i, costs[i]
-        return tied[0], costs[tied[0]]
+                return i, costs[i], keys
+        if self.engine_blocks:
+            self.stats["engine_cache_blocks"] += self._engine_prefix(tied[0], keys)
+        return tied[0], costs[tied[0]], keys
 
     async def completions(self, req: web.Request) -> web.StreamResponse:
         raw = await req.read()
@@ -145,6 +193,9 @@ async def main() -> None:
     ap.add_argument("--via", default="", help="a kvtierd admin gRPC address (prefix policy)")
     ap.add_argument("--model", default="", help="the model as the servers name it (its path)")
     ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--engine-blocks", type=int, default=0,
+                    help="blocks each server's own prefix cache holds (its KV pool): the router "
+                         "estimates what each holds from what it sent there (0: no estimate)")
     ap.add_argument("--lookup-timeout", type=float, default=2.0)
     ap.add_argument("--read-timeout", type=float, default=600.0,
                     help="seconds a server may stay silent within one response")
@@ -156,7 +207,7 @@ async def main() -> None:
     r = Router(a)
     if a.policy == "prefix":
         # vLLM's hashing (prompt_keys) imports much of vLLM: once, before taking traffic.
-        r._costs([0] * a.block_size)
+        r._costs(r._keys([0] * a.block_size))
         r.stats["prompt_blocks"] = 0
     # No bound on a whole streamed completion (a queued request's first token may take
     # minutes under overload), one on connecting and on each read: a server that stops

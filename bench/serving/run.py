@@ -32,7 +32,8 @@ PYTHONHASHSEED, a KV pool of `--pool-pct` of the working set, `--kv-cache-memory
                computing on a core of its own with a kvtierd of its own (kvtier-disk's sizes),
                the two kvtierds in one cluster, behind bench/serving/router.py: by prefix (where
                `kvtier.router.score` says the prompt's prefix is cheapest, plus the blocks
-               already queued on each server) or round-robin. The trace's arrivals come twice
+               already queued on each server; the blocks the router last sent to a server, up
+               to its pool, count as in that server's own cache) or round-robin. The trace's arrivals come twice
                as often (two servers' worth of load).
 vllm and kvtier-disk also run on a no-reuse copy of the trace (every block id made unique:
 same lengths, same arrivals) as a control, unless `--no-control`.
@@ -320,10 +321,11 @@ class RouterProc:
     """bench/serving/router.py in front of the pair of servers."""
 
     def __init__(self, policy: str, servers: list[Server], daemons: list[Kvtierd],
-                 cluster: list[str], model: Path, log: Path):
+                 cluster: list[str], model: Path, log: Path, engine_blocks: int):
         cmd = [str(PY), str(Path(__file__).resolve().parent / "router.py"), "--policy", policy,
                "--backends", ",".join(s.url for s in servers), "--cluster", ",".join(cluster),
-               "--via", daemons[0].grpc, "--model", str(model), "--block-size", str(BT)]
+               "--via", daemons[0].grpc, "--model", str(model), "--block-size", str(BT),
+               "--engine-blocks", str(engine_blocks)]
         self.log = open(log, "w")
         self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                   env=ENV)
@@ -397,8 +399,9 @@ def run_one(cfg: str, trace: Path, n: int, plan: dict, tmp: Path, tag: str) -> d
                 s.complete(warm_prompt(i, 2 * BT + 5))
         url = servers[0].url
         if pair:
+            # The router's estimate of each server's own prefix cache: its KV pool's blocks.
             router = RouterProc(PAIR[cfg], servers, daemons, listen, plan["model"],
-                                tmp / f"router-{tag}.log")
+                                tmp / f"router-{tag}.log", plan["pool_bytes"] // BLOCK_BYTES)
             url = router.url
         before = [s.scrape() for s in servers]
         kv_before = [d.scrape() for d in daemons]

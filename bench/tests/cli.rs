@@ -42,6 +42,7 @@ fn host_bench_prints_json_last_line() {
             "put 256KiB x2t",
             "get 256KiB x2t",
             "match_prefix chain 100 x1t",
+            "match_prefix chain 100 x2t",
             "metadata 10000 blocks",
             "metadata 10000 blocks evicting",
             "lookup 64 keys p50 at 10000 blocks",

@@ -1,8 +1,9 @@
 """bench/serving/router.py, the harness's router for configuration 4 of the served-traffic
 benchmark, against two real kvtierd nodes in one cluster: a prompt whose prefix one node holds
-goes to the server of that node; prompts no node holds alternate; a kvtierd that does not answer
-never stops traffic. The two "servers" are HTTP endpoints that say who they are (the router
-only forwards; what vLLM does with a request is test_serving_smoke's)."""
+goes to the server of that node; prompts no node holds alternate, or with --engine-blocks go
+back to the server the router sent them to; a kvtierd that does not answer never stops traffic.
+The two "servers" are HTTP endpoints that say who they are (the router only forwards; what vLLM
+does with a request is test_serving_smoke's)."""
 
 import json
 import os
@@ -116,6 +117,31 @@ def test_the_router_sends_a_prompt_where_its_prefix_is(tmp_path):
         assert seen[0] == ("b", held)
         stats = json.loads(urllib.request.urlopen(url + "/router/stats", timeout=10).read())
         assert stats["sent"] == [1, 4] and stats["lookup_errors"] == 0, stats
+
+        # With an estimate of each server's own prefix cache (--engine-blocks: what the router
+        # sent there), a prompt no kvtierd holds goes back to the server it went to first,
+        # whose cache holds it, where the router above alternates between two equal servers.
+        sticky = subprocess.Popen(
+            [sys.executable, str(REPO / "bench" / "serving" / "router.py"), "--policy",
+             "prefix", "--backends", ",".join(u for _, u in servers), "--cluster",
+             ",".join(listen), "--via", nodes[0][1]["grpc"], "--model", "m", "--block-size",
+             str(BS), "--engine-blocks", "64"],
+            stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONHASHSEED="0"))
+        try:
+            line = sticky.stdout.readline()
+            assert line.startswith("router ready:"), line
+            surl = line.split("url=", 1)[1].strip()
+            again = list(range(9000, 9000 + 3 * BS))
+            first = post(surl, again)
+            assert [post(surl, again) for _ in range(3)] == [first] * 3
+            # What kvtier holds still counts: b's host memory beats a's estimate of nothing.
+            assert post(surl, held) == "b"
+            st = json.loads(urllib.request.urlopen(surl + "/router/stats", timeout=10).read())
+            # Three requests chosen for the 3 blocks the estimate gave their server.
+            assert st["engine_cache_blocks"] == 9 and st["lookup_errors"] == 0, st
+        finally:
+            sticky.kill()
+            sticky.wait()
 
         # kvtierd gone: the router still serves, round-robin, and counts it.
         for p, _ in nodes:
