@@ -666,6 +666,9 @@ impl Inner {
                 continue 'keys;
             }
         }
+        // Its epoch pin is not held through the waits below: a pinned reader keeps a grown
+        // table's old buckets from being freed.
+        drop(prefetcher);
         // Submit our promotions, then wait for them and for others', with one deadline.
         let from: Vec<Tier> = batches
             .iter()
