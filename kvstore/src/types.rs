@@ -89,9 +89,12 @@ fn fold(a: u64, b: u64) -> u64 {
 /// shards instead of queueing on one lock.
 pub(crate) fn key_mix(k: BlockKey) -> u64 {
     let (s0, s1) = fold_seed();
+    // The last multiplier is odd: `s1` and the constant are both odd, so their xor was even,
+    // and with some secrets (its trailing zeros) the product's low bits, which pick the
+    // shard, took a few values for sequential keys (shards left empty).
     fold(
         fold(s0 ^ (k.0 >> 64) as u64, s1) ^ k.0 as u64,
-        s1 ^ 0x9E37_79B9_7F4A_7C15,
+        (s1 ^ 0x9E37_79B9_7F4A_7C15) | 1,
     )
 }
 
