@@ -131,10 +131,11 @@ class Router:
             if len(tied) > 1:
                 while (i := next(self.rr)) not in tied:
                     pass
-                return i, costs[i], keys
+                tied = [i]
+        i = tied[0]
         if self.engine_blocks:
-            self.stats["engine_cache_blocks"] += self._engine_prefix(tied[0], keys)
-        return tied[0], costs[tied[0]], keys
+            self.stats["engine_cache_blocks"] += self._engine_prefix(i, keys)
+        return i, costs[i], keys
 
     async def completions(self, req: web.Request) -> web.StreamResponse:
         raw = await req.read()

@@ -84,18 +84,20 @@ fn fold(a: u64, b: u64) -> u64 {
     (p as u64) ^ ((p >> 64) as u64)
 }
 
+/// The last step of [`key_mix`] and [`FoldHasher`]: `x` folded with a multiplier derived from
+/// the secret word `k`. The multiplier is odd: `k` and the constant are both odd, so their xor
+/// alone was even, and with some secrets (its trailing zeros) the product's low bits, which
+/// pick a shard or a bucket, took a few values for sequential keys (index shards left empty).
+fn fold_last(x: u64, k: u64) -> u64 {
+    fold(x, (k ^ 0x9E37_79B9_7F4A_7C15) | 1)
+}
+
 /// A keyed mix of a block key's two words (the same secret as [`FoldHasher`]): what picks a
 /// key's index shard, so keys an engine chose with few varying bits still spread over all
 /// shards instead of queueing on one lock.
 pub(crate) fn key_mix(k: BlockKey) -> u64 {
     let (s0, s1) = fold_seed();
-    // The last multiplier is odd: `s1` and the constant are both odd, so their xor was even,
-    // and with some secrets (its trailing zeros) the product's low bits, which pick the
-    // shard, took a few values for sequential keys (shards left empty).
-    fold(
-        fold(s0 ^ (k.0 >> 64) as u64, s1) ^ k.0 as u64,
-        (s1 ^ 0x9E37_79B9_7F4A_7C15) | 1,
-    )
+    fold_last(fold(s0 ^ (k.0 >> 64) as u64, s1) ^ k.0 as u64, s1)
 }
 
 /// A fast keyed hasher for block keys. Keys come from engines, which kvtierd does not trust:
@@ -119,7 +121,7 @@ impl Default for FoldHasher {
 
 impl Hasher for FoldHasher {
     fn finish(&self) -> u64 {
-        fold(self.state, self.k ^ 0x9E37_79B9_7F4A_7C15)
+        fold_last(self.state, self.k)
     }
     fn write(&mut self, bytes: &[u8]) {
         for c in bytes.chunks(8) {

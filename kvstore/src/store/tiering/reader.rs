@@ -351,8 +351,7 @@ impl Inner {
                     let e = {
                         let mut sh = self.shard(p.key).lock();
                         let e = sh.publish(mk, p.slot, Copy::Clean);
-                        if let (Some(_), Some(_), Some(x)) = (preload, e, sh.map.get_mut(&mk)) {
-                            let mut x = x;
+                        if let (Some(_), Some(_), Some(mut x)) = (preload, e, sh.map.get_mut(&mk)) {
                             x.set_preloaded(true);
                         }
                         e
