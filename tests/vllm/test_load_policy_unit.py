@@ -58,6 +58,13 @@ def test_timeout_and_wait_complete_keep_the_request_queued_while_its_preloads_mo
         assert hints == 1, policy
 
 
-def test_best_effort_loads_what_is_in_host_memory_and_timeout_does_past_its_deadline():
+def test_best_effort_loads_what_is_in_host_memory():
     assert ask("best_effort")[0] == (2 * BS, True)
-    assert ask("timeout", deadline_s=0.0)[0] == (2 * BS, True)
+
+
+def test_timeout_past_its_deadline_loads_the_disk_blocks_too():
+    # A request first asked after waiting out its turn in vLLM's queue: it waits no longer,
+    # and its load reads the two disk blocks itself rather than leaving them to be computed.
+    answer, hints = ask("timeout", deadline_s=0.0)
+    assert answer == (4 * BS, True)
+    assert hints == 0

@@ -96,10 +96,13 @@ class KvtierScheduler(_Side):
                     # now, its load reading the disk blocks itself (issue 31: on the agent
                     # trace with a small host tier, requests waited out the deadline and then
                     # recomputed 90% of their disk hits).
-                else:
-                    # Past the deadline with its preloads still moving: the disk is slower or
-                    # busier than the deadline allows. What has arrived; vLLM computes the rest.
-                    n = host
+                # Past the deadline (counted from the request's arrival, so a request that
+                # waited out its turn in vLLM's queue is past it when first asked): it waits no
+                # longer, and it loads every block the lookup priced as cheaper to load than
+                # to compute, its load reading those not preloaded yet from disk itself
+                # (joining their queued preloads). Computing them instead, as this branch did
+                # before, threw away disk hits under a backlog: chat at twice the prefill rate
+                # (issue 31, bench/RESULTS.md) computed 1,400 of its 2,900 reused blocks again.
         # Read-your-writes: the blocks right after the hit are being saved by another engine
         # now (a turn routed here while the previous turn's saves are still being written).
         # They are hits in a moment: the request waits for them as it waits for preloads (the
