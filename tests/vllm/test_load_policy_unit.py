@@ -29,7 +29,7 @@ class Preloading:
 def scheduler(store, policy, deadline_s=30.0):
     c = object.__new__(KvtierScheduler)
     c.__dict__.update(_store=store, _fp=b"\0" * 16, _may_load=True, _block_size=BS,
-                      _policy=policy, _deadline_s=deadline_s, _hint_ttl_s=60.0, _hinted={},
+                      _policy=policy, _deadline_s=deadline_s, _hint_ttl_s=60.0, _hinted={}, _moving={},
                       _hybrid=False, _groups=[], _tiers={}, _lookup_start={},
                       _pending_since={}, _async=True, _prefill_rate=0.0,
                       _measure_prefill=False, _hint_failed=False)
@@ -62,9 +62,34 @@ def test_best_effort_loads_what_is_in_host_memory():
     assert ask("best_effort")[0] == (2 * BS, True)
 
 
-def test_timeout_past_its_deadline_loads_the_disk_blocks_too():
-    # A request first asked after waiting out its turn in vLLM's queue: it waits no longer,
-    # and its load reads the two disk blocks itself rather than leaving them to be computed.
+def test_timeout_past_its_deadline_computes_what_never_moved_up():
+    # Its preloads moved nothing up (a stalled disk): what is in host memory loads, vLLM
+    # computes the rest.
     answer, hints = ask("timeout", deadline_s=0.0)
-    assert answer == (4 * BS, True)
-    assert hints == 0
+    assert answer == (2 * BS, True)
+    assert hints == 1
+
+
+class Arriving(Preloading):
+    """Three blocks were moving up when the request arrived; one still is."""
+
+    def prefetch(self, keys, *_):
+        self.hints += 1
+        return {"present": 4, "queued": 1, "joined": 0, "held": 2}
+
+
+def test_timeout_past_its_deadline_loads_the_disk_blocks_when_its_preloads_arrive():
+    # A request first asked after waiting out its turn in vLLM's queue, its preloads arriving:
+    # it waits no longer, and its load reads the block still on disk itself rather than
+    # leaving the two past the host prefix to be computed.
+    s = Arriving()
+    c = scheduler(s, "timeout", deadline_s=0.0)
+    r = request("queued-behind-others")
+    c._hinted[r.request_id] = time.monotonic()
+    c._moving[r.request_id] = 3  # the reply to its hint on arrival
+    assert c.get_num_new_matched_tokens(r, 0) == (4 * BS, True)
+    # With no progress since arrival, the same request computes them.
+    c = scheduler(s, "timeout", deadline_s=0.0)
+    c._hinted[r.request_id] = time.monotonic()
+    c._moving[r.request_id] = 1
+    assert c.get_num_new_matched_tokens(r, 0) == (2 * BS, True)

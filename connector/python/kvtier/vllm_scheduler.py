@@ -27,6 +27,8 @@ class KvtierScheduler(_Side):
         self._block_ids: dict[str, list[int]] = {}
         self._loading: dict[str, tuple[int, list[int]]] = {}  # first block index, engine blocks
         self._hinted: dict[str, float] = {}  # request → when its preload hint was sent
+        # Request → most of its blocks a hint reply said were moving up (queued or joined).
+        self._moving: dict[str, int] = {}
         # Synchronous loads: the requests the last step built loads.
         self._sync_loading: list[str] = []
         self._tiers: dict[str, list[str]] = {}  # request → tier of each block at its lookup
@@ -51,13 +53,16 @@ class KvtierScheduler(_Side):
     def _hint(self, req_id: str, keys: list[bytes], deadline_s: float) -> dict | None:
         """Sends the hint; the store's reply (what it found and did), or None if it failed."""
         try:
-            return self._store.prefetch(keys, 0, max(1, int(deadline_s * 1000)),
-                                        self._tag(req_id))
+            r = self._store.prefetch(keys, 0, max(1, int(deadline_s * 1000)),
+                                     self._tag(req_id))
         except Exception:  # noqa: BLE001 - a hint is an optimisation: never fail the request
             if not self._hint_failed:
                 self._hint_failed = True
                 log.exception("kvtier: preload hint failed (hints are off until it works)")
             return None
+        moving = int(r["queued"]) + int(r["joined"])
+        self._moving[req_id] = max(self._moving.get(req_id, 0), moving)
+        return r
 
     def on_new_request(self, request) -> None:
         """The request's block hashes are known on arrival: hint them, so the blocks found only
@@ -96,13 +101,21 @@ class KvtierScheduler(_Side):
                     # now, its load reading the disk blocks itself (issue 31: on the agent
                     # trace with a small host tier, requests waited out the deadline and then
                     # recomputed 90% of their disk hits).
-                # Past the deadline (counted from the request's arrival, so a request that
-                # waited out its turn in vLLM's queue is past it when first asked): it waits no
-                # longer, and it loads every block the lookup priced as cheaper to load than
-                # to compute, its load reading those not preloaded yet from disk itself
-                # (joining their queued preloads). Computing them instead, as this branch did
-                # before, threw away disk hits under a backlog: chat at twice the prefill rate
-                # (issue 31, bench/RESULTS.md) computed 1,400 of its 2,900 reused blocks again.
+                else:
+                    # Past the deadline (counted from arrival: a request that waited out its
+                    # turn in vLLM's queue is past it when first asked), it waits no longer.
+                    # If its preloads have moved blocks up meanwhile, the disk is delivering:
+                    # it loads every block the lookup priced as cheaper to load than to
+                    # compute, its load reading those still on disk itself (joining their
+                    # queued preloads). Computing them, as it did before, threw away disk
+                    # hits under a backlog (issue 31: chat at twice the prefill rate computed
+                    # 132k prompt tokens with a disk tier against 86k host-only). If none has
+                    # moved up, the disk is stalled or far slower than the deadline allows:
+                    # what is in host memory loads and vLLM computes the rest.
+                    before = self._moving.get(rid, 0)
+                    r = self._hint(rid, keys[:n], max(self._hint_ttl_s - waited, 1.0))
+                    if r is None or int(r["queued"]) + int(r["joined"]) >= before:
+                        n = host
         # Read-your-writes: the blocks right after the hit are being saved by another engine
         # now (a turn routed here while the previous turn's saves are still being written).
         # They are hits in a moment: the request waits for them as it waits for preloads (the
@@ -160,6 +173,7 @@ class KvtierScheduler(_Side):
         """The request no longer needs its hint (its load is done, it loads nothing, or it
         finished): what the hint still holds or has waiting is let go now, so it no longer
         takes the preload room of the requests behind it."""
+        self._moving.pop(rid, None)
         if self._hinted.pop(rid, None) is not None:
             try:
                 self._store.cancel_prefetch(self._tag(rid))
