@@ -27,11 +27,11 @@ Extra config keys:
         it until it is served or finishes, at least 30 s)
   load_policy: what ``get_num_new_matched_tokens`` does while a request's preloads are still
         arriving: "timeout" (default: the request waits in the queue while its preloads move
-        into host memory, at most ``load_deadline_ms`` since its arrival; then, if its preloads
-        moved blocks up meanwhile, it loads them all, reading those still on disk itself, else
-        (a stalled disk) it loads what is in host memory and computes the rest; when none of
-        its blocks is being preloaded (no preload room) it does not wait: it loads them all
-        at once),
+        into host memory, at most ``load_deadline_ms`` since its arrival; then, while preloads
+        are landing (a hint found more of its blocks in host memory than before, within the
+        last deadline), it loads them all, reading those still on disk itself, else (a stalled
+        disk) it loads what is in host memory and computes the rest; when none of its blocks
+        is being preloaded (no preload room) it does not wait: it loads them all at once),
         "wait_complete" (waits until all have arrived, at most 60 s),
         "best_effort" (never waits: loads what is in host memory now)
   load_deadline_ms: see load_policy (default 2000)

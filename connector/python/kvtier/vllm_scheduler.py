@@ -27,8 +27,11 @@ class KvtierScheduler(_Side):
         self._block_ids: dict[str, list[int]] = {}
         self._loading: dict[str, tuple[int, list[int]]] = {}  # first block index, engine blocks
         self._hinted: dict[str, float] = {}  # request → when its preload hint was sent
-        # Request → most of its blocks a hint reply said were moving up (queued or joined).
-        self._moving: dict[str, int] = {}
+        # Request → most of its blocks a hint reply found in host memory; and when a reply
+        # last found more than the request's earlier replies (preloads landing: the disk is
+        # delivering).
+        self._in_host: dict[str, int] = {}
+        self._delivered_at: float | None = None
         # Synchronous loads: the requests the last step built loads.
         self._sync_loading: list[str] = []
         self._tiers: dict[str, list[str]] = {}  # request → tier of each block at its lookup
@@ -60,8 +63,10 @@ class KvtierScheduler(_Side):
                 self._hint_failed = True
                 log.exception("kvtier: preload hint failed (hints are off until it works)")
             return None
-        moving = int(r["queued"]) + int(r["joined"])
-        self._moving[req_id] = max(self._moving.get(req_id, 0), moving)
+        now, before = int(r["in_host"]), self._in_host.get(req_id)
+        if before is not None and now > before:
+            self._delivered_at = time.monotonic()
+        self._in_host[req_id] = max(before or 0, now)
         return r
 
     def on_new_request(self, request) -> None:
@@ -104,17 +109,20 @@ class KvtierScheduler(_Side):
                 else:
                     # Past the deadline (counted from arrival: a request that waited out its
                     # turn in vLLM's queue is past it when first asked), it waits no longer.
-                    # If its preloads have moved blocks up meanwhile, the disk is delivering:
-                    # it loads every block the lookup priced as cheaper to load than to
-                    # compute, its load reading those still on disk itself (joining their
-                    # queued preloads). Computing them, as it did before, threw away disk
-                    # hits under a backlog (issue 31: chat at twice the prefill rate computed
-                    # 132k prompt tokens with a disk tier against 86k host-only). If none has
-                    # moved up, the disk is stalled or far slower than the deadline allows:
-                    # what is in host memory loads and vLLM computes the rest.
-                    before = self._moving.get(rid, 0)
+                    # While preloads are landing (some request's hint found more of its blocks
+                    # in host memory than before, within the last deadline's time, or the
+                    # last second), the disk is delivering: it
+                    # loads every block the lookup priced as cheaper to load than to compute,
+                    # its load reading those still on disk itself (joining their queued
+                    # preloads). Computing them, as it did before, threw away disk hits under
+                    # a backlog (issue 31: chat at twice the prefill rate computed 132k prompt
+                    # tokens with a disk tier against 86k host-only). With none landing, the
+                    # disk is stalled or far slower than the deadline allows: what is in host
+                    # memory loads and vLLM computes the rest.
                     r = self._hint(rid, keys[:n], max(self._hint_ttl_s - waited, 1.0))
-                    if r is None or int(r["queued"]) + int(r["joined"]) >= before:
+                    last = self._delivered_at
+                    if r is None or last is None or time.monotonic() - last > max(
+                            self._deadline_s, 1.0):
                         n = host
         # Read-your-writes: the blocks right after the hit are being saved by another engine
         # now (a turn routed here while the previous turn's saves are still being written).
@@ -173,7 +181,7 @@ class KvtierScheduler(_Side):
         """The request no longer needs its hint (its load is done, it loads nothing, or it
         finished): what the hint still holds or has waiting is let go now, so it no longer
         takes the preload room of the requests behind it."""
-        self._moving.pop(rid, None)
+        self._in_host.pop(rid, None)
         if self._hinted.pop(rid, None) is not None:
             try:
                 self._store.cancel_prefetch(self._tag(rid))
