@@ -26,7 +26,8 @@ def store_and_keys(n=4):
 
 def scheduler(store, asynchronous=True):
     c = object.__new__(KvtierScheduler)
-    c.__dict__.update(_store=store, _hinted={}, _in_host={}, _delivered_at=None, _async=asynchronous, _loads=[],
+    c.__dict__.update(_store=store, _hinted={}, _in_host={}, _delivered_at=None,
+                      _async=asynchronous, _loads=[],
                       _sync_loading=[], _saving=set(), _reqs={}, _lookup_start={},
                       _loading={}, _saved={}, _block_ids={}, _tiers={}, _hybrid=False,
                       _groups=[], _hint_failed=False, _prefill_rate=0.0, _measure_prefill=False,

@@ -29,7 +29,8 @@ class Preloading:
 def scheduler(store, policy, deadline_s=30.0):
     c = object.__new__(KvtierScheduler)
     c.__dict__.update(_store=store, _fp=b"\0" * 16, _may_load=True, _block_size=BS,
-                      _policy=policy, _deadline_s=deadline_s, _hint_ttl_s=60.0, _hinted={}, _in_host={}, _delivered_at=None,
+                      _policy=policy, _deadline_s=deadline_s, _hint_ttl_s=60.0, _hinted={},
+                      _in_host={}, _delivered_at=None,
                       _hybrid=False, _groups=[], _tiers={}, _lookup_start={},
                       _pending_since={}, _async=True, _prefill_rate=0.0,
                       _measure_prefill=False, _hint_failed=False)

@@ -30,7 +30,8 @@ class MidSave:
 def scheduler(store, policy="timeout", deadline_s=30.0):
     c = object.__new__(KvtierScheduler)
     c.__dict__.update(_store=store, _fp=b"\0" * 16, _may_load=True, _block_size=BS,
-                      _policy=policy, _deadline_s=deadline_s, _hinted={}, _in_host={}, _delivered_at=None, _hybrid=False,
+                      _policy=policy, _deadline_s=deadline_s, _hinted={}, _in_host={},
+                      _delivered_at=None, _hybrid=False,
                       _groups=[], _tiers={}, _lookup_start={}, _pending_since={},
                       _async=True, _prefill_rate=0.0, _measure_prefill=False)
     return c

@@ -30,7 +30,8 @@ def store_and_keys(n=4):
 
 def scheduler(store, fp):
     c = object.__new__(KvtierScheduler)
-    c.__dict__.update(_store=store, _fp=fp, _hinted={}, _in_host={}, _delivered_at=None, _saving=set(), _reqs={},
+    c.__dict__.update(_store=store, _fp=fp, _hinted={}, _in_host={}, _delivered_at=None,
+                      _saving=set(), _reqs={},
                       _lookup_start={}, _loading={}, _saved={}, _block_ids={}, _tiers={},
                       _hybrid=False, _groups=[], _block_size=BS, _after_save={},
                       _pending_since={},

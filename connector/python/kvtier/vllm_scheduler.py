@@ -111,14 +111,13 @@ class KvtierScheduler(_Side):
                     # turn in vLLM's queue is past it when first asked), it waits no longer.
                     # While preloads are landing (some request's hint found more of its blocks
                     # in host memory than before, within the last deadline's time, or the
-                    # last second), the disk is delivering: it
-                    # loads every block the lookup priced as cheaper to load than to compute,
-                    # its load reading those still on disk itself (joining their queued
-                    # preloads). Computing them, as it did before, threw away disk hits under
-                    # a backlog (issue 31: chat at twice the prefill rate computed 132k prompt
-                    # tokens with a disk tier against 86k host-only). With none landing, the
-                    # disk is stalled or far slower than the deadline allows: what is in host
-                    # memory loads and vLLM computes the rest.
+                    # last second), the disk is delivering: it loads every block the lookup
+                    # priced as cheaper to load than to compute, its load reading those still
+                    # on disk itself (joining their queued preloads). Computing them, as it did
+                    # before, threw away disk hits under a backlog (issue 31: chat at twice the
+                    # prefill rate computed 132k prompt tokens with a disk tier against 86k
+                    # host-only). With none landing, the disk is stalled or far slower than the
+                    # deadline allows: what is in host memory loads and vLLM computes the rest.
                     r = self._hint(rid, keys[:n], max(self._hint_ttl_s - waited, 1.0))
                     last = self._delivered_at
                     if r is None or last is None or time.monotonic() - last > max(
