@@ -110,8 +110,8 @@ class KvtierScheduler(_Side):
                     # Past the deadline (counted from arrival: a request that waited out its
                     # turn in vLLM's queue is past it when first asked), it waits no longer.
                     # While preloads are landing (some request's hint found more of its blocks
-                    # in host memory than before, within the last deadline's time, or the
-                    # last second), the disk is delivering: it loads every block the lookup
+                    # in host memory than before, within the last deadline or second, whichever
+                    # is longer), the disk is delivering: it loads every block the lookup
                     # priced as cheaper to load than to compute, its load reading those still
                     # on disk itself (joining their queued preloads). Computing them, as it did
                     # before, threw away disk hits under a backlog (issue 31: chat at twice the
