@@ -470,9 +470,9 @@ fn lookup_latency(store: &kvstore::Store, blocks: u64) -> (f64, f64) {
 }
 
 pub(crate) fn human(b: u64) -> String {
-    if b >= 1 << 20 && b % (1 << 20) == 0 {
+    if b >= 1 << 20 && b.is_multiple_of(1 << 20) {
         format!("{}MiB", b >> 20)
-    } else if b >= 1 << 10 && b % (1 << 10) == 0 {
+    } else if b >= 1 << 10 && b.is_multiple_of(1 << 10) {
         format!("{}KiB", b >> 10)
     } else {
         format!("{b}B")
@@ -480,7 +480,7 @@ pub(crate) fn human(b: u64) -> String {
 }
 
 fn human_count(n: u64) -> String {
-    if n >= 1_000_000 && n % 1_000_000 == 0 {
+    if n >= 1_000_000 && n.is_multiple_of(1_000_000) {
         format!("{}M", n / 1_000_000)
     } else {
         n.to_string()

@@ -688,7 +688,7 @@ async fn run() -> Result<()> {
 fn unhex(h: &str) -> Result<Vec<u8>> {
     let h = h.trim();
     anyhow::ensure!(
-        h.len() % 2 == 0 && !h.is_empty() && h.len() <= 128,
+        h.len().is_multiple_of(2) && !h.is_empty() && h.len() <= 128,
         "{h:?} is not a hex block hash (2 to 128 hex digits)"
     );
     (0..h.len())

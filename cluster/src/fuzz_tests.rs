@@ -26,7 +26,7 @@ fn pieces(bytes: &[u8]) -> Vec<u8> {
         let n = u16::from_le_bytes([bytes[at + 1], bytes[at + 2]]) as usize;
         at += 3;
         let end = (at + n).min(bytes.len());
-        if kind % 2 == 0 {
+        if kind.is_multiple_of(2) {
             out.extend_from_slice(&((end - at) as u32).to_le_bytes());
         }
         out.extend_from_slice(&bytes[at..end]);

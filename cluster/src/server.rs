@@ -133,7 +133,7 @@ where
         let Some(permit) = setting_up.enter(peer.ip()) else {
             // A flood of connections that never authenticate: the newest are closed at once
             // (peers retry; a pooled authenticated connection is not affected).
-            if stats.refused.fetch_add(1, Relaxed) % 1000 == 0 {
+            if stats.refused.fetch_add(1, Relaxed).is_multiple_of(1000) {
                 tracing::warn!(%peer, "cluster: too many connections setting up: refused");
             }
             drop(sock);

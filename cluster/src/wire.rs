@@ -126,7 +126,7 @@ pub fn pack_keys(keys: &[BlockKey]) -> Vec<u8> {
 
 /// Unpacks keys; `None` unless a whole number of 16-byte keys, at most [`MAX_KEYS`].
 pub fn unpack_keys(b: &[u8]) -> Option<Vec<BlockKey>> {
-    if b.len() % 16 != 0 || b.len() / 16 > MAX_KEYS {
+    if !b.len().is_multiple_of(16) || b.len() / 16 > MAX_KEYS {
         return None;
     }
     Some(

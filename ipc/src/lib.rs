@@ -83,7 +83,7 @@ pub fn pack_keys(keys: &[BlockKey]) -> Vec<u8> {
 /// Keys from their packed form; an error naming the problem if the length is not a multiple of
 /// 16.
 pub fn unpack_keys(b: &[u8]) -> Result<Vec<BlockKey>, String> {
-    if b.len() % BlockKey::LEN != 0 {
+    if !b.len().is_multiple_of(BlockKey::LEN) {
         return Err(format!(
             "keys: {} bytes is not a whole number of 16-byte keys",
             b.len()

@@ -8,7 +8,9 @@
 //! kvstore --example hashbench`). With AVX2, those helpers copy and hash a piece in one pass
 //! (`fused`: each stripe loaded once, stored and hashed from the same registers, so the
 //! checksum is of the bytes the destination got): 256 KiB pieces out of DRAM at 0.91 of memcpy
-//! here, against 0.75 copying then hashing the destination. The value does not depend on how a caller splits the bytes.
+//! here, against 0.75 copying then hashing the destination; with AVX-512F, where the CPU has
+//! it, 0.86 against 0.74 for the AVX2 kernel on a later day (bench/RESULTS.md). The value does
+//! not depend on how a caller splits the bytes, nor on the kernel.
 //! (Disk format 1 used the plain XXH3-64 of the whole block: a format-1 disk tier is started
 //! empty, see `disk::recovery`.) Keys keep using xxhash-rust's XXH3-128.
 

@@ -14,7 +14,7 @@ fn key(i: u64) -> BlockKey {
 
 fn len_of(i: u64) -> usize {
     // Two size classes, and lengths that are not multiples of 8 or 4096.
-    if i % 4 == 0 {
+    if i.is_multiple_of(4) {
         300_001
     } else {
         40_000 + (i as usize % 13) * 1_001

@@ -793,9 +793,9 @@ fn engine_tags_survive_restarts_with_their_blocks() {
         |i: u32, b: u8| EngineHash::new(&[&[b][..], &i.to_be_bytes(), &[7; 27]].concat()).unwrap();
     // Even blocks have a tag; multiples of 4 also a parent.
     let tag_of = move |i: u32| {
-        (i % 2 == 0).then(|| EngineTag {
+        i.is_multiple_of(2).then(|| EngineTag {
             hash: hash(i, 1),
-            parent: (i % 4 == 0).then(|| hash(i, 2)),
+            parent: i.is_multiple_of(4).then(|| hash(i, 2)),
         })
     };
     let by_key: HashMap<BlockKey, EngineTag> =

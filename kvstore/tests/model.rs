@@ -27,7 +27,7 @@ fn key(i: u32) -> BlockKey {
 }
 
 fn len_of(i: u32) -> usize {
-    if i % 3 == 0 {
+    if i.is_multiple_of(3) {
         200_000
     } else {
         1000 + i as usize * 1000

@@ -837,7 +837,7 @@ impl Config {
     pub fn store(&self) -> Result<StoreConfig> {
         let seg = self.host.segment.0;
         ensure!(
-            seg >= 4096 && seg % 4096 == 0,
+            seg >= 4096 && seg.is_multiple_of(4096),
             "host.segment = {seg}: use a multiple of 4096 (default 64M)"
         );
         let host = match self.host.capacity {

@@ -5,7 +5,9 @@
 //! for bytes the destination does not hold) and the destination is never read back (but for
 //! XXH3's last stripe, 64 bytes a piece, read after the stores are fenced). The arithmetic is
 //! xxHash's own AVX2 kernel (`XXH3_accumulate_512_avx2`, `XXH3_scrambleAcc_avx2`), seed 0 and
-//! the default secret; the tests check every length against `xxh3_64`.
+//! the default secret; the tests check every length against `xxh3_64`. Where the CPU has
+//! AVX-512F, the same kernel on 64-byte registers (`XXH3_accumulate_512_avx512`): a stripe is
+//! one load, one store and one register's arithmetic.
 
 /// XXH3's default secret (`XXH3_kSecret`).
 const SECRET: [u8; 192] = [
@@ -66,8 +68,35 @@ pub(super) fn available() -> bool {
 pub(super) unsafe fn copy_xxh3(dst: &mut [u8], src: *const u8, nt: bool) -> u64 {
     assert!(dst.len() >= MIN_LEN, "copy_xxh3: bad length");
     let nt = nt && dst.as_mut_ptr().align_offset(32) == 0;
+    if avx512() {
+        let nt = nt && dst.as_mut_ptr().align_offset(64) == 0;
+        // SAFETY: the caller's promises, and the CPU has AVX-512F (`avx512`).
+        return unsafe { kernel512::<true>(dst.as_mut_ptr(), src, dst.len(), nt) };
+    }
     // SAFETY: the caller's promises; `dst` is valid for writes of its length.
     unsafe { kernel::<true>(dst.as_mut_ptr(), src, dst.len(), nt) }
+}
+
+/// Whether the AVX-512 kernel runs here: the CPU has AVX-512F, and neither the environment
+/// (`KVTIER_CHECKSUM_KERNEL=avx2`, read once: to time both kernels on one machine) nor a test
+/// asked for the AVX2 one. Both give the same value.
+#[cfg(target_arch = "x86_64")]
+fn avx512() -> bool {
+    static CHOSEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    !FORCE_AVX2.load(std::sync::atomic::Ordering::Relaxed)
+        && *CHOSEN.get_or_init(|| {
+            std::env::var("KVTIER_CHECKSUM_KERNEL").as_deref() != Ok("avx2")
+                && std::arch::is_x86_feature_detected!("avx512f")
+        })
+}
+
+#[cfg(target_arch = "x86_64")]
+static FORCE_AVX2: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes [`copy_xxh3`] and [`xxh3_raw`] use the AVX2 kernel (`true`) or the best one (`false`).
+#[cfg(all(test, target_arch = "x86_64"))]
+fn force_avx2(on: bool) {
+    FORCE_AVX2.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// `xxh3_64` of `len` bytes (at least [`MIN_LEN`]) at `src`, read only through raw loads (the
@@ -79,6 +108,10 @@ pub(super) unsafe fn copy_xxh3(dst: &mut [u8], src: *const u8, nt: bool) -> u64 
 #[target_feature(enable = "avx2")]
 pub(super) unsafe fn xxh3_raw(src: *const u8, len: usize) -> u64 {
     assert!(len >= MIN_LEN, "xxh3_raw: bad length");
+    if avx512() {
+        // SAFETY: as below, and the CPU has AVX-512F (`avx512`).
+        return unsafe { kernel512::<false>(std::ptr::null_mut(), src, len, false) };
+    }
     // SAFETY: the caller's promises; with `STORE` false the destination is never touched.
     unsafe { kernel::<false>(std::ptr::null_mut(), src, len, false) }
 }
@@ -191,6 +224,11 @@ unsafe fn kernel<const STORE: bool>(d: *mut u8, s: *const u8, len: usize, nt: bo
         _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, acc[0]);
         _mm256_storeu_si256(lanes.as_mut_ptr().add(4) as *mut __m256i, acc[1]);
     }
+    merge(lanes, len)
+}
+
+/// XXH3's final merge of the eight accumulator lanes of a `len`-byte input.
+fn merge(lanes: [u64; 8], len: usize) -> u64 {
     let secret64 = |at: usize| {
         let mut b = [0u8; 8];
         b.copy_from_slice(&SECRET[at..at + 8]);
@@ -206,6 +244,97 @@ unsafe fn kernel<const STORE: bool>(d: *mut u8, s: *const u8, len: usize, nt: bo
     result ^= result >> 37;
     result = result.wrapping_mul(0x1656_6791_9E37_79F9);
     result ^ (result >> 32)
+}
+
+/// [`kernel`] with AVX-512F: a stripe is one 64-byte register (loaded, stored and hashed from
+/// it), the accumulator one register; the arithmetic is xxHash's `XXH3_accumulate_512_avx512`
+/// and `XXH3_scrambleAcc_avx512`, so the value is the same.
+///
+/// # Safety
+/// As [`kernel`], and the CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn kernel512<const STORE: bool>(d: *mut u8, s: *const u8, len: usize, nt: bool) -> u64 {
+    use std::arch::x86_64::*;
+    let k = SECRET.as_ptr();
+    let init = [
+        PRIME32_3, PRIME64_1, PRIME64_2, PRIME64_3, PRIME64_4, PRIME32_2, PRIME64_5, PRIME32_1,
+    ];
+    // SAFETY (every pointer below): as in `kernel`, whose offsets these are.
+    // SAFETY: `init` holds 8 u64s (64 bytes).
+    let mut acc = unsafe { _mm512_loadu_si512(init.as_ptr() as *const _) };
+    let accumulate = |acc: &mut __m512i, data: __m512i, sec: *const u8| {
+        // SAFETY: see above; AVX-512F is enabled for this function.
+        unsafe {
+            let key = _mm512_loadu_si512(sec as *const _);
+            let dk = _mm512_xor_si512(data, key);
+            let dk_hi = _mm512_shuffle_epi32::<0b00_11_00_01>(dk);
+            let product = _mm512_mul_epu32(dk, dk_hi);
+            let swapped = _mm512_shuffle_epi32::<0b01_00_11_10>(data);
+            let sum = _mm512_add_epi64(*acc, swapped);
+            *acc = _mm512_add_epi64(product, sum);
+        }
+    };
+    let copy_stripe = |acc: &mut __m512i, off: usize, sec: *const u8| {
+        // SAFETY: see above.
+        unsafe {
+            let a = _mm512_loadu_si512(s.add(off) as *const _);
+            if STORE && nt {
+                _mm512_stream_si512(d.add(off) as *mut _, a);
+            } else if STORE {
+                _mm512_storeu_si512(d.add(off) as *mut _, a);
+            }
+            accumulate(acc, a, sec);
+        }
+    };
+    let blocks = (len - 1) / BLOCK;
+    let prime = _mm512_set1_epi32(PRIME32_1 as i32);
+    for n in 0..blocks {
+        for st in 0..STRIPES_PER_BLOCK {
+            copy_stripe(&mut acc, n * BLOCK + st * STRIPE, k.wrapping_add(st * 8));
+        }
+        // Scramble, with the secret's last 64 bytes.
+        // SAFETY: see above.
+        unsafe {
+            let shifted = _mm512_srli_epi64::<47>(acc);
+            let data = _mm512_xor_si512(acc, shifted);
+            let key = _mm512_loadu_si512(k.add(128) as *const _);
+            let dk = _mm512_xor_si512(data, key);
+            let dk_hi = _mm512_shuffle_epi32::<0b00_11_00_01>(dk);
+            let lo = _mm512_mul_epu32(dk, prime);
+            let hi = _mm512_mul_epu32(dk_hi, prime);
+            acc = _mm512_add_epi64(lo, _mm512_slli_epi64::<32>(hi));
+        }
+    }
+    let stripes = ((len - 1) - BLOCK * blocks) / STRIPE;
+    for st in 0..stripes {
+        copy_stripe(
+            &mut acc,
+            blocks * BLOCK + st * STRIPE,
+            k.wrapping_add(st * 8),
+        );
+    }
+    let done = blocks * BLOCK + stripes * STRIPE;
+    // The last stripe, as in `kernel`.
+    let last = if STORE {
+        // SAFETY: `done..len` is within both (the caller's promise for `src`); no overlap.
+        unsafe { std::ptr::copy_nonoverlapping(s.add(done), d.add(done), len - done) };
+        if nt {
+            _mm_sfence();
+        }
+        d.cast_const()
+    } else {
+        s
+    };
+    // SAFETY: see above.
+    unsafe {
+        let a = _mm512_loadu_si512(last.add(len - STRIPE) as *const _);
+        accumulate(&mut acc, a, k.add(192 - STRIPE - 7));
+    }
+    let mut lanes = [0u64; 8];
+    // SAFETY: `lanes` holds 64 bytes.
+    unsafe { _mm512_storeu_si512(lanes.as_mut_ptr() as *mut _, acc) };
+    merge(lanes, len)
 }
 
 #[cfg(test)]
@@ -224,8 +353,18 @@ mod tests {
         lens.extend([
             2047, 2048, 2049, 4096, 65_535, 65_536, 65_537, 100_000, 131_072, 199_000,
         ]);
-        for &n in &lens {
-            for (so, dof) in [(0, 0), (1, 0), (0, 3), (7, 32), (32, 32)] {
+        // Both kernels where the CPU has AVX-512 (other tests running meanwhile may get
+        // either: both give the same value).
+        for avx2_only in [true, false] {
+            force_avx2(avx2_only);
+            check_kernel(&src, &mut dst, &lens);
+        }
+        force_avx2(false);
+    }
+
+    fn check_kernel(src: &[u8], dst: &mut [u8], lens: &[usize]) {
+        for &n in lens {
+            for (so, dof) in [(0, 0), (1, 0), (0, 3), (7, 32), (32, 32), (0, 64), (64, 64)] {
                 for nt in [false, true] {
                     dst.iter_mut().for_each(|b| *b = 0);
                     let s = &src[so..so + n];

@@ -131,13 +131,16 @@ pub(crate) fn check(req: &IoReq, files: usize) -> io::Result<()> {
             req.file
         ));
     }
-    if req.offset % ALIGN as u64 != 0 || req.len as usize % ALIGN != 0 || req.len == 0 {
+    if !req.offset.is_multiple_of(ALIGN as u64)
+        || !(req.len as usize).is_multiple_of(ALIGN)
+        || req.len == 0
+    {
         return bad(format!(
             "offset {} and length {} must be non-zero multiples of {ALIGN}",
             req.offset, req.len
         ));
     }
-    if req.buf.as_ptr() as usize % ALIGN != 0 || req.len as usize > req.buf.cap() {
+    if !(req.buf.as_ptr() as usize).is_multiple_of(ALIGN) || req.len as usize > req.buf.cap() {
         return bad(format!(
             "buffer at {:p} ({} bytes) must be {ALIGN}-aligned and hold {} bytes",
             req.buf.as_ptr(),

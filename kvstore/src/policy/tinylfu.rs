@@ -411,7 +411,7 @@ mod tests {
         for _ in 0..200_000 {
             x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
             let id = ((x >> 33) % 64) as u32;
-            if x % 3 == 0 {
+            if x.is_multiple_of(3) {
                 p.access(id, 0);
             } else {
                 let v = p.evict(&mut |_| Some(0)).expect("victim");

@@ -157,7 +157,7 @@ impl StoreConfig {
 
     pub(crate) fn validate(&self) -> Result<(), ConfigError> {
         if self.segment_bytes == 0
-            || self.segment_bytes % PAGE as u64 != 0
+            || !self.segment_bytes.is_multiple_of(PAGE as u64)
             || self.segment_bytes > u64::from(u32::MAX)
         {
             return Err(ConfigError::BadSegment(self.segment_bytes));

@@ -198,7 +198,7 @@ fn probe(cells: &[Cell], h: u32, hit: impl Fn(&Cell) -> bool) -> Probe {
 /// A write section ([`Table::write`]) begins: the sequence number turns odd.
 fn write_begin(seq: &AtomicU64) {
     let s = seq.load(Relaxed);
-    debug_assert!(s % 2 == 0, "write sections do not nest");
+    debug_assert!(s.is_multiple_of(2), "write sections do not nest");
     seq.store(s + 1, Relaxed);
     // The bucket stores after this fence are ordered after the odd number: a reader that
     // sees one of them sees the odd number (or a later one) on its second read.
