@@ -14,6 +14,10 @@ sends each completion to one server, by policy:
                where kvtier's host memory costs a load, so a conversation's next turn goes
                back to the engine that holds it rather than tying with every node kvtier
                holds it on.
+  least-work   the server with the least prefill work queued (as prefix, with every block
+               of every prompt counted as computed: no kvtier lookup). Against prefix, it tells
+               how much of prefix routing's gain is balance and how much is kvtier's knowledge
+               of where each prefix is.
   round-robin  one server after the other.
 
     python router.py --policy prefix --backends URL,URL --cluster ADDR,ADDR --via GRPC \\
@@ -109,6 +113,9 @@ class Router:
         ids = body.get("prompt")
         if not (isinstance(ids, list) and all(isinstance(t, int) for t in ids)):
             return next(self.rr), 0.0, []
+        if self.policy == "least-work":
+            blocks = float(len(ids) // self.bs)
+            return self._cheapest([blocks] * len(self.backends)), blocks, []
         t = time.monotonic()
         self.stats["lookups"] += 1
         keys: list = []
@@ -122,6 +129,14 @@ class Router:
             return next(self.rr), 0.0, keys
         finally:
             self.stats["lookup_s"] += time.monotonic() - t
+        i = self._cheapest(costs)
+        if self.engine_blocks:
+            self.stats["engine_cache_blocks"] += self._engine_prefix(i, keys)
+        return i, costs[i], keys
+
+    def _cheapest(self, costs: list[float]) -> int:
+        """The server where `costs` plus the work queued there is least; ties go to fewer
+        requests in flight, then round-robin."""
         total = [c + q for c, q in zip(costs, self.queued_blocks)]
         best = min(total)
         tied = [i for i, c in enumerate(total) if c <= best + 1e-9]
@@ -132,10 +147,7 @@ class Router:
                 while (i := next(self.rr)) not in tied:
                     pass
                 tied = [i]
-        i = tied[0]
-        if self.engine_blocks:
-            self.stats["engine_cache_blocks"] += self._engine_prefix(i, keys)
-        return i, costs[i], keys
+        return tied[0]
 
     async def completions(self, req: web.Request) -> web.StreamResponse:
         raw = await req.read()
@@ -187,7 +199,7 @@ class Router:
 
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--policy", choices=("prefix", "round-robin"), required=True)
+    ap.add_argument("--policy", choices=("prefix", "least-work", "round-robin"), required=True)
     ap.add_argument("--backends", required=True, help="the servers' base URLs, comma-separated")
     ap.add_argument("--cluster", default="",
                     help="each server's kvtierd cluster.listen address, in --backends' order")

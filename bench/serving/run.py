@@ -33,8 +33,11 @@ PYTHONHASHSEED, a KV pool of `--pool-pct` of the working set, `--kv-cache-memory
                the two kvtierds in one cluster, behind bench/serving/router.py: by prefix (where
                `kvtier.router.score` says the prompt's prefix is cheapest, plus the blocks
                already queued on each server; the blocks the router last sent to a server, up
-               to its pool, count as in that server's own cache) or round-robin. The trace's arrivals come twice
-               as often (two servers' worth of load).
+               to its pool, count as in that server's own cache) or round-robin. The trace's
+               arrivals come twice as often (two servers' worth of load).
+  prefix-no-estimate, least-work (the same pair, to tell where routing's gain comes from):
+               prefix routing without the estimate of each server's own cache, and routing by
+               queued work alone (every prompt block counted as computed, no kvtier lookup).
 vllm and kvtier-disk also run on a no-reuse copy of the trace (every block id made unique:
 same lengths, same arrivals) as a control, unless `--no-control`.
 Not run here, reported with the reason: vLLM's OffloadingConnector and LMCache (both assert
@@ -86,7 +89,7 @@ ENV = dict(os.environ, PYTHONHASHSEED="0", VLLM_LOGGING_LEVEL="WARNING",
 ENV.pop("VLLM_CPU_KVCACHE_SPACE", None)
 CONFIGS = ("vllm", "kvtier-host", "kvtier-disk")
 # Configuration 4, asked for by name (`--configs prefix-routed,round-robin`): two servers.
-PAIR_CONFIGS = ("prefix-routed", "round-robin")
+PAIR_CONFIGS = ("prefix-routed", "round-robin", "prefix-no-estimate", "least-work")
 NOT_RUN = {
     "vllm OffloadingConnector": "asserts CUDA tensors in the CPU build "
     "(vllm/v1/kv_offload/cpu/gpu_worker.py): needs a GPU",
@@ -343,7 +346,8 @@ class RouterProc:
         self.log.close()
 
 
-PAIR = {"prefix-routed": "prefix", "round-robin": "round-robin"}
+PAIR = {"prefix-routed": "prefix", "round-robin": "round-robin", "prefix-no-estimate": "prefix",
+        "least-work": "least-work"}
 
 
 def start_daemons(cfg: str, plan: dict, tmp: Path, tag: str) -> tuple[list[Kvtierd], list[str]]:
@@ -400,8 +404,9 @@ def run_one(cfg: str, trace: Path, n: int, plan: dict, tmp: Path, tag: str) -> d
         url = servers[0].url
         if pair:
             # The router's estimate of each server's own prefix cache: its KV pool's blocks.
+            engine_blocks = 0 if cfg == "prefix-no-estimate" else plan["pool_bytes"] // BLOCK_BYTES
             router = RouterProc(PAIR[cfg], servers, daemons, listen, plan["model"],
-                                tmp / f"router-{tag}.log", plan["pool_bytes"] // BLOCK_BYTES)
+                                tmp / f"router-{tag}.log", engine_blocks)
             url = router.url
         before = [s.scrape() for s in servers]
         kv_before = [d.scrape() for d in daemons]
@@ -511,7 +516,7 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=30,
                     help="budget of the whole run, for the default --limit")
     ap.add_argument("--configs", default=",".join(CONFIGS),
-                    help=f"some of {', '.join(CONFIGS + PAIR_CONFIGS)} (the last two: two "
+                    help=f"some of {', '.join(CONFIGS + PAIR_CONFIGS)} (the last four: two "
                          "servers, a kvtierd each in one cluster, behind the harness's router)")
     ap.add_argument("--no-control", action="store_true",
                     help="skip the no-reuse control")
@@ -671,6 +676,12 @@ def main() -> None:
          "request_throughput", "req/s", True)
     case("prefill tokens prefix routing vs round-robin", "reuse", "prefix-routed",
          "round-robin", "computed_tokens", "tokens")
+    case("ttft p50 prefix routing without estimate vs round-robin", "reuse",
+         "prefix-no-estimate", "round-robin", "ttft_p50_s", "s")
+    case("ttft p50 least work vs round-robin", "reuse", "least-work", "round-robin",
+         "ttft_p50_s", "s")
+    case("ttft p50 prefix routing vs least work", "reuse", "prefix-routed", "least-work",
+         "ttft_p50_s", "s")
     case("ttft p50 kvtier vs vllm no-reuse", "no-reuse", "kvtier-disk", "vllm", "ttft_p50_s",
          "s")
     case("throughput kvtier vs vllm no-reuse", "no-reuse", "kvtier-disk", "vllm",
@@ -719,7 +730,8 @@ def write_report(out: Path, summary: dict, results: dict) -> None:
     lines += [f"| {r['case']} | {r['value']:.4f} {r['unit']} | {r['baseline']:.4f} | "
               f"{r['ratio']:.3f} |" for r in summary["results"]]
     colors = {"vllm": "#444444", "kvtier-host": "#1f77b4", "kvtier-disk": "#d62728",
-              "prefix-routed": "#9467bd", "round-robin": "#8c564b"}
+              "prefix-routed": "#9467bd", "round-robin": "#8c564b",
+              "prefix-no-estimate": "#e377c2", "least-work": "#17becf"}
     for t in ("reuse", "no-reuse"):
         curves = {c: sorted(x for r in rs for x in r["ttfts"])
                   for (tt, c), rs in results.items() if tt == t}

@@ -160,3 +160,68 @@ def test_the_router_sends_a_prompt_where_its_prefix_is(tmp_path):
             if p.poll() is None:
                 p.terminate()
                 p.wait(timeout=60)
+
+
+def test_least_work_sends_a_prompt_where_less_prefill_waits():
+    """`--policy least-work` (the harness's control for prefix routing): no kvtier lookup,
+    each prompt goes to the server with the fewest prompt blocks waiting for a first token."""
+    seen, gate, arrived = [], threading.Event(), threading.Condition()
+
+    def held_backend(name):
+        class H(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - http.server's name
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with arrived:
+                    seen.append((name, body["prompt"]))
+                    arrived.notify_all()
+                if body["prompt"][0] == 1:  # held until the test lets it go
+                    assert gate.wait(60)
+                out = json.dumps({"backend": name}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *a):
+                pass
+
+        srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        return srv, f"http://127.0.0.1:{srv.server_address[1]}"
+
+    servers = [held_backend(n) for n in "ab"]
+    router = subprocess.Popen(
+        [sys.executable, str(REPO / "bench" / "serving" / "router.py"), "--policy",
+         "least-work", "--backends", ",".join(u for _, u in servers), "--block-size", str(BS)],
+        stdout=subprocess.PIPE, text=True)
+    waiting = []
+    try:
+        line = router.stdout.readline()
+        assert line.startswith("router ready:"), line
+        url = line.split("url=", 1)[1].strip()
+
+        def send_held(blocks):
+            t = threading.Thread(target=post, args=(url, [1] * (blocks * BS)), daemon=True)
+            t.start()
+            waiting.append(t)
+            with arrived:
+                assert arrived.wait_for(lambda: len(seen) == len(waiting), 30), seen
+                return seen[-1][0]
+
+        # Ten blocks wait on one server, two on the other: new prompts go to the second,
+        # however many, while its queue stays the shorter (round-robin would alternate).
+        big = send_held(10)
+        small = send_held(2)
+        assert big != small
+        assert [post(url, [2] * (3 * BS)) for _ in range(3)] == [small] * 3
+        stats = json.loads(urllib.request.urlopen(url + "/router/stats", timeout=10).read())
+        assert stats["lookups"] == 0, stats
+    finally:
+        gate.set()
+        for t in waiting:
+            t.join(60)
+        router.kill()
+        router.wait()
+        for s, _ in servers:
+            s.shutdown()
