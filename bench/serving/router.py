@@ -4,9 +4,11 @@ sends each completion to one server, by policy:
   prefix       where kvtier says the prompt's prefix is cheapest (`kvtier.router.score`, one
                cluster Lookup through the first node), plus the prefill work already waiting
                on each server (the cost of each request sent there whose first token has not
-               come back yet): cost = blocks to compute here + queued blocks. Ties go to the
-               server with fewer requests in flight, then round-robin. The same trade as
-               Dynamo's KV router (prefix overlap against load), in kvtier's cost units.
+               come back yet) and, unless --no-decode-load, the decode load (the prompt blocks
+               of every request sent there and not finished): cost = blocks to compute here +
+               queued blocks + active blocks. Ties go to the server with fewer requests in
+               flight, then round-robin. Dynamo's KV router cost (`overlap_score_weight *
+               prefill_blocks + decode_blocks`, weight 1), in kvtier's cost units.
                With --engine-blocks N the router also keeps, per server, the last N blocks
                of the prompts it sent there (an LRU, as SGLang's cache-aware router keeps a
                tree of them): its estimate of that server's own prefix cache. The leading
@@ -54,6 +56,9 @@ class Router:
         self.rr = itertools.cycle(range(len(self.backends)))
         self.inflight = [0] * len(self.backends)
         self.queued_blocks = [0.0] * len(self.backends)
+        # Per server: prompt blocks of the requests sent there and not finished (decode load).
+        self.active_blocks = [0.0] * len(self.backends)
+        self.decode_load = a.policy == "prefix" and not a.no_decode_load
         self.stats = {"sent": [0] * len(self.backends), "lookups": 0, "lookup_errors": 0,
                       "lookup_s": 0.0, "prompt_blocks": 0, "chosen_cost_blocks": 0.0}
         self.session: aiohttp.ClientSession | None = None
@@ -102,10 +107,11 @@ class Router:
         self.stats["prompt_blocks"] += len(keys)
         return [got[str(i)] for i in range(len(self.backends))]
 
-    async def choose(self, body: dict) -> tuple[int, float]:
+    async def choose(self, body: dict) -> tuple[int, float, float]:
+        """The server for this request, the prefill work it queues there, and its blocks."""
         i, work, keys = await self._choose(body)
         self._sent(i, keys)
-        return i, work
+        return i, work, float(len(keys))
 
     async def _choose(self, body: dict) -> tuple[int, float, list]:
         if self.policy == "round-robin":
@@ -138,6 +144,8 @@ class Router:
         """The server where `costs` plus the work queued there is least; ties go to fewer
         requests in flight, then round-robin."""
         total = [c + q for c, q in zip(costs, self.queued_blocks)]
+        if self.decode_load:
+            total = [t + a for t, a in zip(total, self.active_blocks)]
         best = min(total)
         tied = [i for i, c in enumerate(total) if c <= best + 1e-9]
         if len(tied) > 1:
@@ -155,11 +163,12 @@ class Router:
             body = json.loads(raw)
         except ValueError:
             return web.Response(status=400, text="router: the body is not JSON")
-        i, work = await self.choose(body)
+        i, work, blocks = await self.choose(body)
         self.stats["sent"][i] += 1
         self.stats["chosen_cost_blocks"] += work
         self.inflight[i] += 1
         self.queued_blocks[i] += work
+        self.active_blocks[i] += blocks
         queued = [work]
 
         def prefilled():
@@ -171,6 +180,7 @@ class Router:
             return await self._forward(req, self.backends[i], raw, prefilled)
         finally:
             self.inflight[i] -= 1
+            self.active_blocks[i] -= blocks
             prefilled()
 
     async def _forward(self, req: web.Request, base: str, raw: bytes,
@@ -209,6 +219,8 @@ async def main() -> None:
     ap.add_argument("--engine-blocks", type=int, default=0,
                     help="blocks each server's own prefix cache holds (its KV pool): the router "
                          "estimates what each holds from what it sent there (0: no estimate)")
+    ap.add_argument("--no-decode-load", action="store_true",
+                    help="prefix: leave the decode load (active blocks) out of the cost")
     ap.add_argument("--lookup-timeout", type=float, default=2.0)
     ap.add_argument("--read-timeout", type=float, default=600.0,
                     help="seconds a server may stay silent within one response")

@@ -23,11 +23,23 @@ REPO = Path(__file__).resolve().parents[2]
 BS = 32
 
 
-def backend(name, seen):
+def backend(name, seen, gate=None):
+    """A server that answers who it is. With `gate`, a prompt whose last token is 1 streams
+    its first bytes at once and the rest once `gate` is set (a request in its decode)."""
     class H(BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802 - http.server's name
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             seen.append((name, body["prompt"]))
+            if gate is not None and body["prompt"][-1] == 1:
+                # HTTP/1.0 without a length: the body ends when the connection closes.
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(b'{"backend": ')
+                self.wfile.flush()
+                assert gate.wait(60)
+                self.wfile.write(json.dumps(name).encode() + b"}")
+                return
             out = json.dumps({"backend": name}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
@@ -72,8 +84,8 @@ def test_the_router_sends_a_prompt_where_its_prefix_is(tmp_path):
     # port draw in sixteen) both nodes held the prompt and the router rightly saw a tie.
     nodes = [kvtierd(tmp_path / f"n{i}", listen[i], members, "--set",
                      "cluster.push_queue_bytes=0") for i in range(2)]
-    seen = []
-    servers = [backend(n, seen) for n in "ab"]
+    seen, gate = [], threading.Event()
+    servers = [backend(n, seen, gate) for n in "ab"]
     router = None
     try:
         # Node b holds a 4-block prompt under the keys the vLLM connector would use.
@@ -142,6 +154,42 @@ def test_the_router_sends_a_prompt_where_its_prefix_is(tmp_path):
         finally:
             sticky.kill()
             sticky.wait()
+
+        # The decode load (Dynamo's cost: prefill blocks + active blocks): a request still
+        # streaming from b (first token out, its 4 blocks active there) makes b dearer by 4
+        # blocks, and the prompt b holds goes to a, whose remote load of it costs 2 blocks
+        # more than b's host memory. With --no-decode-load it stays on b.
+        bare = subprocess.Popen(
+            [sys.executable, str(REPO / "bench" / "serving" / "router.py"), "--policy",
+             "prefix", "--backends", ",".join(u for _, u in servers), "--cluster",
+             ",".join(listen), "--via", nodes[0][1]["grpc"], "--model", "m", "--block-size",
+             str(BS), "--no-decode-load"],
+            stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONHASHSEED="0"))
+        streams = []
+        try:
+            line = bare.stdout.readline()
+            assert line.startswith("router ready:"), line
+            burl = line.split("url=", 1)[1].strip()
+            for u in (url, burl):
+                r = urllib.request.urlopen(urllib.request.Request(
+                    u + "/v1/completions", data=json.dumps(
+                        {"model": "tiny", "prompt": held[:-1] + [1], "max_tokens": 1}).encode(),
+                    headers={"Content-Type": "application/json"}), timeout=60)
+                streams.append(r)
+                # The first bytes are here: the router has counted its prefill done.
+                assert r.read(1) == b"{"
+                assert seen[-1] == ("b", held[:-1] + [1])
+            assert post(url, held) == "a"
+            assert post(burl, held) == "b"
+            gate.set()
+            for r in streams:
+                assert json.loads(b"{" + r.read())["backend"] == "b"
+        finally:
+            gate.set()
+            for r in streams:
+                r.close()
+            bare.kill()
+            bare.wait()
 
         # kvtierd gone: the router still serves, round-robin, and counts it.
         for p, _ in nodes:
