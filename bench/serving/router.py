@@ -4,11 +4,12 @@ sends each completion to one server, by policy:
   prefix       where kvtier says the prompt's prefix is cheapest (`kvtier.router.score`, one
                cluster Lookup through the first node), plus the prefill work already waiting
                on each server (the cost of each request sent there whose first token has not
-               come back yet) and, unless --no-decode-load, the decode load (the prompt blocks
-               of every request sent there and not finished): cost = blocks to compute here +
-               queued blocks + active blocks. Ties go to the server with fewer requests in
-               flight, then round-robin. Dynamo's KV router cost (`overlap_score_weight *
-               prefill_blocks + decode_blocks`, weight 1), in kvtier's cost units.
+               come back yet): cost = blocks to compute here + queued blocks. Ties go to the
+               server with fewer requests in flight, then round-robin. With --decode-load, the
+               prompt blocks of every request sent there and not finished are added too
+               (Dynamo's KV router cost, `overlap_score_weight * prefill_blocks +
+               decode_blocks` with weight 1, in kvtier's cost units): off by default, since it
+               was slower on both the chat and the agent trace here (bench/RESULTS.md).
                With --engine-blocks N the router also keeps, per server, the last N blocks
                of the prompts it sent there (an LRU, as SGLang's cache-aware router keeps a
                tree of them): its estimate of that server's own prefix cache. The leading
@@ -58,7 +59,7 @@ class Router:
         self.queued_blocks = [0.0] * len(self.backends)
         # Per server: prompt blocks of the requests sent there and not finished (decode load).
         self.active_blocks = [0.0] * len(self.backends)
-        self.decode_load = a.policy == "prefix" and not a.no_decode_load
+        self.decode_load = a.policy == "prefix" and a.decode_load
         self.stats = {"sent": [0] * len(self.backends), "lookups": 0, "lookup_errors": 0,
                       "lookup_s": 0.0, "prompt_blocks": 0, "chosen_cost_blocks": 0.0}
         self.session: aiohttp.ClientSession | None = None
@@ -219,8 +220,8 @@ async def main() -> None:
     ap.add_argument("--engine-blocks", type=int, default=0,
                     help="blocks each server's own prefix cache holds (its KV pool): the router "
                          "estimates what each holds from what it sent there (0: no estimate)")
-    ap.add_argument("--no-decode-load", action="store_true",
-                    help="prefix: leave the decode load (active blocks) out of the cost")
+    ap.add_argument("--decode-load", action="store_true",
+                    help="prefix: add the decode load (active blocks) to the cost")
     ap.add_argument("--lookup-timeout", type=float, default=2.0)
     ap.add_argument("--read-timeout", type=float, default=600.0,
                     help="seconds a server may stay silent within one response")

@@ -32,14 +32,14 @@ PYTHONHASHSEED, a KV pool of `--pool-pct` of the working set, `--kv-cache-memory
                computing on a core of its own with a kvtierd of its own (kvtier-disk's sizes),
                the two kvtierds in one cluster, behind bench/serving/router.py: by prefix (where
                `kvtier.router.score` says the prompt's prefix is cheapest, plus the blocks
-               already queued on each server and those of its requests still running, as
-               Dynamo's KV router counts load; the blocks the router last sent to a server, up
+               already queued on each server; the blocks the router last sent to a server, up
                to its pool, count as in that server's own cache) or round-robin. The trace's
                arrivals come twice as often (two servers' worth of load).
-  prefix-no-estimate, prefix-no-decode, least-work (the same pair, to tell where routing's
+  prefix-no-estimate, prefix-decode, least-work (the same pair, to tell where routing's
                gain comes from): prefix routing without the estimate of each server's own
-               cache, or without the decode load, and routing by queued work alone (every
-               prompt block counted as computed, no kvtier lookup).
+               cache, or with the decode load added to its cost (router.py --decode-load), and
+               routing by queued work alone (every prompt block counted as computed, no kvtier
+               lookup).
 vllm and kvtier-disk also run on a no-reuse copy of the trace (every block id made unique:
 same lengths, same arrivals) as a control, unless `--no-control`.
 Not run here, reported with the reason: vLLM's OffloadingConnector and LMCache (both assert
@@ -91,7 +91,7 @@ ENV = dict(os.environ, PYTHONHASHSEED="0", VLLM_LOGGING_LEVEL="WARNING",
 ENV.pop("VLLM_CPU_KVCACHE_SPACE", None)
 CONFIGS = ("vllm", "kvtier-host", "kvtier-disk")
 # Configuration 4, asked for by name (`--configs prefix-routed,round-robin`): two servers.
-PAIR_CONFIGS = ("prefix-routed", "round-robin", "prefix-no-estimate", "prefix-no-decode",
+PAIR_CONFIGS = ("prefix-routed", "round-robin", "prefix-no-estimate", "prefix-decode",
                 "least-work")
 NOT_RUN = {
     "vllm OffloadingConnector": "asserts CUDA tensors in the CPU build "
@@ -351,7 +351,7 @@ class RouterProc:
 
 
 PAIR = {"prefix-routed": "prefix", "round-robin": "round-robin", "prefix-no-estimate": "prefix",
-        "prefix-no-decode": "prefix", "least-work": "least-work"}
+        "prefix-decode": "prefix", "least-work": "least-work"}
 
 
 def start_daemons(cfg: str, plan: dict, tmp: Path, tag: str) -> tuple[list[Kvtierd], list[str]]:
@@ -411,7 +411,7 @@ def run_one(cfg: str, trace: Path, n: int, plan: dict, tmp: Path, tag: str) -> d
             engine_blocks = 0 if cfg == "prefix-no-estimate" else plan["pool_bytes"] // BLOCK_BYTES
             router = RouterProc(PAIR[cfg], servers, daemons, listen, plan["model"],
                                 tmp / f"router-{tag}.log", engine_blocks,
-                                ["--no-decode-load"] if cfg == "prefix-no-decode" else [])
+                                ["--decode-load"] if cfg == "prefix-decode" else [])
             url = router.url
         before = [s.scrape() for s in servers]
         kv_before = [d.scrape() for d in daemons]
@@ -683,8 +683,8 @@ def main() -> None:
          "round-robin", "computed_tokens", "tokens")
     case("ttft p50 prefix routing without estimate vs round-robin", "reuse",
          "prefix-no-estimate", "round-robin", "ttft_p50_s", "s")
-    case("ttft p50 prefix routing without decode load vs round-robin", "reuse",
-         "prefix-no-decode", "round-robin", "ttft_p50_s", "s")
+    case("ttft p50 prefix routing with decode load vs round-robin", "reuse",
+         "prefix-decode", "round-robin", "ttft_p50_s", "s")
     case("ttft p50 least work vs round-robin", "reuse", "least-work", "round-robin",
          "ttft_p50_s", "s")
     case("ttft p50 prefix routing vs least work", "reuse", "prefix-routed", "least-work",
@@ -738,7 +738,7 @@ def write_report(out: Path, summary: dict, results: dict) -> None:
               f"{r['ratio']:.3f} |" for r in summary["results"]]
     colors = {"vllm": "#444444", "kvtier-host": "#1f77b4", "kvtier-disk": "#d62728",
               "prefix-routed": "#9467bd", "round-robin": "#8c564b",
-              "prefix-no-estimate": "#e377c2", "prefix-no-decode": "#bcbd22",
+              "prefix-no-estimate": "#e377c2", "prefix-decode": "#bcbd22",
               "least-work": "#17becf"}
     for t in ("reuse", "no-reuse"):
         curves = {c: sorted(x for r in rs for x in r["ttfts"])

@@ -155,15 +155,15 @@ def test_the_router_sends_a_prompt_where_its_prefix_is(tmp_path):
             sticky.kill()
             sticky.wait()
 
-        # The decode load (Dynamo's cost: prefill blocks + active blocks): a request still
+        # --decode-load (Dynamo's cost: prefill blocks + active blocks): a request still
         # streaming from b (first token out, its 4 blocks active there) makes b dearer by 4
         # blocks, and the prompt b holds goes to a, whose remote load of it costs 2 blocks
-        # more than b's host memory. With --no-decode-load it stays on b.
+        # more than b's host memory. Without it (the default) it stays on b.
         bare = subprocess.Popen(
             [sys.executable, str(REPO / "bench" / "serving" / "router.py"), "--policy",
              "prefix", "--backends", ",".join(u for _, u in servers), "--cluster",
              ",".join(listen), "--via", nodes[0][1]["grpc"], "--model", "m", "--block-size",
-             str(BS), "--no-decode-load"],
+             str(BS), "--decode-load"],
             stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONHASHSEED="0"))
         streams = []
         try:
@@ -179,8 +179,8 @@ def test_the_router_sends_a_prompt_where_its_prefix_is(tmp_path):
                 # The first bytes are here: the router has counted its prefill done.
                 assert r.read(1) == b"{"
                 assert seen[-1] == ("b", held[:-1] + [1])
-            assert post(url, held) == "a"
-            assert post(burl, held) == "b"
+            assert post(url, held) == "b"
+            assert post(burl, held) == "a"
             gate.set()
             for r in streams:
                 assert json.loads(b"{" + r.read())["backend"] == "b"
