@@ -23,14 +23,23 @@ REPO = Path(__file__).resolve().parents[2]
 BS = 32
 
 
-def backend(name, seen, gate=None):
+def backend(name, seen, gate=None, first_at_once=True, arrived=None):
     """A server that answers who it is. With `gate`, a prompt whose last token is 1 streams
-    its first bytes at once and the rest once `gate` is set (a request in its decode)."""
+    its first bytes at once and the rest once `gate` is set (a request in its decode), or, if
+    not `first_at_once`, nothing until then (a request still waiting for its prefill).
+    `arrived` (a Condition) is notified of each request."""
     class H(BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802 - http.server's name
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            seen.append((name, body["prompt"]))
-            if gate is not None and body["prompt"][-1] == 1:
+            if arrived is None:
+                seen.append((name, body["prompt"]))
+            else:
+                with arrived:
+                    seen.append((name, body["prompt"]))
+                    arrived.notify_all()
+            if gate is not None and body["prompt"][-1] == 1 and not first_at_once:
+                assert gate.wait(60)
+            elif gate is not None and body["prompt"][-1] == 1:
                 # HTTP/1.0 without a length: the body ends when the connection closes.
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -214,31 +223,7 @@ def test_least_work_sends_a_prompt_where_less_prefill_waits():
     """`--policy least-work` (the harness's control for prefix routing): no kvtier lookup,
     each prompt goes to the server with the fewest prompt blocks waiting for a first token."""
     seen, gate, arrived = [], threading.Event(), threading.Condition()
-
-    def held_backend(name):
-        class H(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 - http.server's name
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with arrived:
-                    seen.append((name, body["prompt"]))
-                    arrived.notify_all()
-                if body["prompt"][0] == 1:  # held until the test lets it go
-                    assert gate.wait(60)
-                out = json.dumps({"backend": name}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-            def log_message(self, *a):
-                pass
-
-        srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
-        return srv, f"http://127.0.0.1:{srv.server_address[1]}"
-
-    servers = [held_backend(n) for n in "ab"]
+    servers = [backend(n, seen, gate, first_at_once=False, arrived=arrived) for n in "ab"]
     router = subprocess.Popen(
         [sys.executable, str(REPO / "bench" / "serving" / "router.py"), "--policy",
          "least-work", "--backends", ",".join(u for _, u in servers), "--block-size", str(BS)],

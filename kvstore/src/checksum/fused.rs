@@ -170,48 +170,30 @@ unsafe fn kernel<const STORE: bool>(d: *mut u8, s: *const u8, len: usize, nt: bo
             accumulate(acc, a, b, sec);
         }
     };
-    let blocks = (len - 1) / BLOCK;
-    for n in 0..blocks {
-        for st in 0..STRIPES_PER_BLOCK {
-            copy_stripe(&mut acc, n * BLOCK + st * STRIPE, k.wrapping_add(st * 8));
-        }
-        // Scramble, with the secret's last 64 bytes.
-        let prime = _mm256_set1_epi32(PRIME32_1 as i32);
-        for (i, a) in acc.iter_mut().enumerate() {
-            // SAFETY: see above.
-            unsafe {
-                let shifted = _mm256_srli_epi64::<47>(*a);
-                let data = _mm256_xor_si256(*a, shifted);
-                let key = _mm256_loadu_si256(k.add(128 + 32 * i) as *const __m256i);
-                let dk = _mm256_xor_si256(data, key);
-                let dk_hi = _mm256_shuffle_epi32::<0b00_11_00_01>(dk);
-                let lo = _mm256_mul_epu32(dk, prime);
-                let hi = _mm256_mul_epu32(dk_hi, prime);
-                *a = _mm256_add_epi64(lo, _mm256_slli_epi64::<32>(hi));
+    let prime = _mm256_set1_epi32(PRIME32_1 as i32);
+    let done = walk(
+        len,
+        &mut acc,
+        |acc, off, sec| copy_stripe(acc, off, k.wrapping_add(sec)),
+        |acc| {
+            // Scramble, with the secret's last 64 bytes.
+            for (i, a) in acc.iter_mut().enumerate() {
+                // SAFETY: see above.
+                unsafe {
+                    let shifted = _mm256_srli_epi64::<47>(*a);
+                    let data = _mm256_xor_si256(*a, shifted);
+                    let key = _mm256_loadu_si256(k.add(128 + 32 * i) as *const __m256i);
+                    let dk = _mm256_xor_si256(data, key);
+                    let dk_hi = _mm256_shuffle_epi32::<0b00_11_00_01>(dk);
+                    let lo = _mm256_mul_epu32(dk, prime);
+                    let hi = _mm256_mul_epu32(dk_hi, prime);
+                    *a = _mm256_add_epi64(lo, _mm256_slli_epi64::<32>(hi));
+                }
             }
-        }
-    }
-    let stripes = ((len - 1) - BLOCK * blocks) / STRIPE;
-    for st in 0..stripes {
-        copy_stripe(
-            &mut acc,
-            blocks * BLOCK + st * STRIPE,
-            k.wrapping_add(st * 8),
-        );
-    }
-    let done = blocks * BLOCK + stripes * STRIPE;
-    // The last stripe (it overlaps what was hashed already): read back from the destination
-    // once the tail is copied there, or from the source when nothing is stored.
-    let last = if STORE {
-        // SAFETY: `done..len` is within both (the caller's promise for `src`); no overlap.
-        unsafe { std::ptr::copy_nonoverlapping(s.add(done), d.add(done), len - done) };
-        if nt {
-            _mm_sfence();
-        }
-        d.cast_const()
-    } else {
-        s
-    };
+        },
+    );
+    // SAFETY: the caller's promises (`done` ≤ `len`).
+    let last = unsafe { finish_tail::<STORE>(d, s, done, len, nt) };
     // SAFETY: see above.
     unsafe {
         let a = _mm256_loadu_si256(last.add(len - STRIPE) as *const __m256i);
@@ -225,6 +207,59 @@ unsafe fn kernel<const STORE: bool>(d: *mut u8, s: *const u8, len: usize, nt: bo
         _mm256_storeu_si256(lanes.as_mut_ptr().add(4) as *mut __m256i, acc[1]);
     }
     merge(lanes, len)
+}
+
+/// XXH3's walk over a long input, for both kernels: per whole block of stripes, `stripe(acc,
+/// offset, secret offset)` for each of its 16 stripes, then `scramble(acc)`; then the whole
+/// stripes of the last, partial block. Returns where the tail starts. (XXH3's last stripe,
+/// which overlaps, is the caller's.)
+#[inline(always)]
+fn walk<A>(
+    len: usize,
+    acc: &mut A,
+    mut stripe: impl FnMut(&mut A, usize, usize),
+    mut scramble: impl FnMut(&mut A),
+) -> usize {
+    let blocks = (len - 1) / BLOCK;
+    for n in 0..blocks {
+        for st in 0..STRIPES_PER_BLOCK {
+            stripe(acc, n * BLOCK + st * STRIPE, st * 8);
+        }
+        scramble(acc);
+    }
+    let stripes = ((len - 1) - BLOCK * blocks) / STRIPE;
+    for st in 0..stripes {
+        stripe(acc, blocks * BLOCK + st * STRIPE, st * 8);
+    }
+    blocks * BLOCK + stripes * STRIPE
+}
+
+/// The kernels' tail: with `STORE`, copies bytes `done..len` (after the last whole stripe) and
+/// fences the non-temporal stores; returns where XXH3's last stripe (which overlaps what was
+/// hashed already) is read from: the destination once the tail is there, or the source when
+/// nothing is stored.
+///
+/// # Safety
+/// As the kernels': `s` valid for reads and, with `STORE`, `d` for writes of `len` bytes, apart;
+/// `done` ≤ `len`.
+#[cfg(target_arch = "x86_64")]
+unsafe fn finish_tail<const STORE: bool>(
+    d: *mut u8,
+    s: *const u8,
+    done: usize,
+    len: usize,
+    nt: bool,
+) -> *const u8 {
+    if !STORE {
+        return s;
+    }
+    // SAFETY: `done..len` is within both (the caller's promise); no overlap.
+    unsafe { std::ptr::copy_nonoverlapping(s.add(done), d.add(done), len - done) };
+    if nt {
+        // SAFETY: SSE is part of x86-64; a fence has no other requirement.
+        unsafe { std::arch::x86_64::_mm_sfence() };
+    }
+    d.cast_const()
 }
 
 /// XXH3's final merge of the eight accumulator lanes of a `len`-byte input.
@@ -287,45 +322,28 @@ unsafe fn kernel512<const STORE: bool>(d: *mut u8, s: *const u8, len: usize, nt:
             accumulate(acc, a, sec);
         }
     };
-    let blocks = (len - 1) / BLOCK;
     let prime = _mm512_set1_epi32(PRIME32_1 as i32);
-    for n in 0..blocks {
-        for st in 0..STRIPES_PER_BLOCK {
-            copy_stripe(&mut acc, n * BLOCK + st * STRIPE, k.wrapping_add(st * 8));
-        }
-        // Scramble, with the secret's last 64 bytes.
-        // SAFETY: see above.
-        unsafe {
-            let shifted = _mm512_srli_epi64::<47>(acc);
-            let data = _mm512_xor_si512(acc, shifted);
-            let key = _mm512_loadu_si512(k.add(128) as *const _);
-            let dk = _mm512_xor_si512(data, key);
-            let dk_hi = _mm512_shuffle_epi32::<0b00_11_00_01>(dk);
-            let lo = _mm512_mul_epu32(dk, prime);
-            let hi = _mm512_mul_epu32(dk_hi, prime);
-            acc = _mm512_add_epi64(lo, _mm512_slli_epi64::<32>(hi));
-        }
-    }
-    let stripes = ((len - 1) - BLOCK * blocks) / STRIPE;
-    for st in 0..stripes {
-        copy_stripe(
-            &mut acc,
-            blocks * BLOCK + st * STRIPE,
-            k.wrapping_add(st * 8),
-        );
-    }
-    let done = blocks * BLOCK + stripes * STRIPE;
-    // The last stripe, as in `kernel`.
-    let last = if STORE {
-        // SAFETY: `done..len` is within both (the caller's promise for `src`); no overlap.
-        unsafe { std::ptr::copy_nonoverlapping(s.add(done), d.add(done), len - done) };
-        if nt {
-            _mm_sfence();
-        }
-        d.cast_const()
-    } else {
-        s
-    };
+    let done = walk(
+        len,
+        &mut acc,
+        |acc, off, sec| copy_stripe(acc, off, k.wrapping_add(sec)),
+        |acc| {
+            // Scramble, with the secret's last 64 bytes.
+            // SAFETY: see above.
+            unsafe {
+                let shifted = _mm512_srli_epi64::<47>(*acc);
+                let data = _mm512_xor_si512(*acc, shifted);
+                let key = _mm512_loadu_si512(k.add(128) as *const _);
+                let dk = _mm512_xor_si512(data, key);
+                let dk_hi = _mm512_shuffle_epi32::<0b00_11_00_01>(dk);
+                let lo = _mm512_mul_epu32(dk, prime);
+                let hi = _mm512_mul_epu32(dk_hi, prime);
+                *acc = _mm512_add_epi64(lo, _mm512_slli_epi64::<32>(hi));
+            }
+        },
+    );
+    // SAFETY: the caller's promises (`done` ≤ `len`).
+    let last = unsafe { finish_tail::<STORE>(d, s, done, len, nt) };
     // SAFETY: see above.
     unsafe {
         let a = _mm512_loadu_si512(last.add(len - STRIPE) as *const _);
