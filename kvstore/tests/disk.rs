@@ -216,9 +216,14 @@ fn seen_twice_admits_every_block_while_the_disk_has_room() {
         "one-off blocks not admitted into free room: {st:?}"
     );
     assert!(st.admission_rejects > 0, "{st:?}");
-    // Past the fraction by at most the batches in flight when it was crossed.
+    // Past the fraction by at most what was admitted before the writer's next look at the
+    // fill (it looks after each batch): the demotion queue (below 4 batches, plus one
+    // allocation's push of under a batch and a block) and the batch being written (a batch and
+    // a block). 2 MiB was exceeded by 0.25 MB in 1 of 4 runs of this file on 2 busy cores.
+    let batch = 1u64 << 20;
+    let block = 64u64 << 10;
     assert!(
-        disk.used_bytes <= disk.capacity_bytes / 4 + (2 << 20),
+        disk.used_bytes <= disk.capacity_bytes / 4 + 6 * batch + 2 * block,
         "{} of {} bytes",
         disk.used_bytes,
         disk.capacity_bytes
