@@ -68,8 +68,9 @@ pub(super) fn available() -> bool {
 pub(super) unsafe fn copy_xxh3(dst: &mut [u8], src: *const u8, nt: bool) -> u64 {
     assert!(dst.len() >= MIN_LEN, "copy_xxh3: bad length");
     let nt = nt && dst.as_mut_ptr().align_offset(32) == 0;
-    if avx512() {
-        let nt = nt && dst.as_mut_ptr().align_offset(64) == 0;
+    // Non-temporal 64-byte stores need 64-byte alignment: a destination aligned to 32 only
+    // keeps the AVX2 kernel's streaming stores rather than losing them.
+    if avx512() && !(nt && dst.as_mut_ptr().align_offset(64) != 0) {
         // SAFETY: the caller's promises, and the CPU has AVX-512F (`avx512`).
         return unsafe { kernel512::<true>(dst.as_mut_ptr(), src, dst.len(), nt) };
     }
