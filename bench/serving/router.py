@@ -17,6 +17,13 @@ sends each completion to one server, by policy:
                where kvtier's host memory costs a load, so a conversation's next turn goes
                back to the engine that holds it rather than tying with every node kvtier
                holds it on.
+               With --queue prompt the work queued on a server counts every prompt block of
+               each request waiting there for its first token (as least-work counts it), not
+               kvtier's cost of it: a request whose prefix loads still takes its server's time
+               (the load, the scheduler's steps, the decodes it shares a step with). With
+               --inflight-weight W each request in flight on a server (prefilling or
+               decoding) adds W blocks: a server busy decoding prefills slower, since vLLM
+               runs the decodes in every step beside the prefill.
   least-work   the server with the least prefill work queued (as prefix, with every block
                of every prompt counted as computed: no kvtier lookup). Against prefix, it tells
                how much of prefix routing's gain is balance and how much is kvtier's knowledge
@@ -60,6 +67,8 @@ class Router:
         # Per server: prompt blocks of the requests sent there and not finished (decode load).
         self.active_blocks = [0.0] * len(self.backends)
         self.decode_load = a.policy == "prefix" and a.decode_load
+        self.queue_prompt = a.policy == "prefix" and a.queue == "prompt"
+        self.inflight_weight = a.inflight_weight if a.policy == "prefix" else 0.0
         self.stats = {"sent": [0] * len(self.backends), "lookups": 0, "lookup_errors": 0,
                       "lookup_s": 0.0, "prompt_blocks": 0, "chosen_cost_blocks": 0.0}
         self.session: aiohttp.ClientSession | None = None
@@ -109,7 +118,7 @@ class Router:
         return [got[str(i)] for i in range(len(self.backends))]
 
     async def choose(self, body: dict) -> tuple[int, float, float]:
-        """The server for this request, the prefill work it queues there, and its blocks."""
+        """The server for this request, its cost there, and its blocks."""
         i, work, keys = await self._choose(body)
         self._sent(i, keys)
         return i, work, float(len(keys))
@@ -147,6 +156,8 @@ class Router:
         total = [c + q for c, q in zip(costs, self.queued_blocks)]
         if self.decode_load:
             total = [t + a for t, a in zip(total, self.active_blocks)]
+        if self.inflight_weight:
+            total = [t + self.inflight_weight * n for t, n in zip(total, self.inflight)]
         best = min(total)
         tied = [i for i, c in enumerate(total) if c <= best + 1e-9]
         if len(tied) > 1:
@@ -168,6 +179,8 @@ class Router:
         self.stats["sent"][i] += 1
         self.stats["chosen_cost_blocks"] += work
         self.inflight[i] += 1
+        if self.queue_prompt and blocks:
+            work = blocks
         self.queued_blocks[i] += work
         self.active_blocks[i] += blocks
         queued = [work]
@@ -222,6 +235,11 @@ async def main() -> None:
                          "estimates what each holds from what it sent there (0: no estimate)")
     ap.add_argument("--decode-load", action="store_true",
                     help="prefix: add the decode load (active blocks) to the cost")
+    ap.add_argument("--queue", choices=("cost", "prompt"), default="cost",
+                    help="prefix: count a queued request as kvtier's cost of it (cost) or as "
+                         "all its prompt blocks (prompt)")
+    ap.add_argument("--inflight-weight", type=float, default=0.0,
+                    help="prefix: blocks of cost per request in flight on a server")
     ap.add_argument("--lookup-timeout", type=float, default=2.0)
     ap.add_argument("--read-timeout", type=float, default=600.0,
                     help="seconds a server may stay silent within one response")

@@ -40,6 +40,9 @@ PYTHONHASHSEED, a KV pool of `--pool-pct` of the working set, `--kv-cache-memory
                cache, or with the decode load added to its cost (router.py --decode-load), and
                routing by queued work alone (every prompt block counted as computed, no kvtier
                lookup).
+  prefix-balanced, prefix-inflight: prefix routing with the queued work counted in whole
+               prompt blocks (router.py --queue prompt), and with one block more per request in
+               flight on a server (--inflight-weight 1).
 vllm and kvtier-disk also run on a no-reuse copy of the trace (every block id made unique:
 same lengths, same arrivals) as a control, unless `--no-control`.
 Not run here, reported with the reason: vLLM's OffloadingConnector and LMCache (both assert
@@ -92,7 +95,11 @@ ENV.pop("VLLM_CPU_KVCACHE_SPACE", None)
 CONFIGS = ("vllm", "kvtier-host", "kvtier-disk")
 # Configuration 4, asked for by name (`--configs prefix-routed,round-robin`): two servers.
 PAIR_CONFIGS = ("prefix-routed", "round-robin", "prefix-no-estimate", "prefix-decode",
-                "least-work")
+                "least-work", "prefix-balanced", "prefix-inflight")
+# The router's flags per pair configuration beyond its policy.
+ROUTER_ARGS = {"prefix-decode": ["--decode-load"],
+               "prefix-balanced": ["--queue", "prompt"],
+               "prefix-inflight": ["--queue", "prompt", "--inflight-weight", "1"]}
 NOT_RUN = {
     "vllm OffloadingConnector": "asserts CUDA tensors in the CPU build "
     "(vllm/v1/kv_offload/cpu/gpu_worker.py): needs a GPU",
@@ -351,7 +358,8 @@ class RouterProc:
 
 
 PAIR = {"prefix-routed": "prefix", "round-robin": "round-robin", "prefix-no-estimate": "prefix",
-        "prefix-decode": "prefix", "least-work": "least-work"}
+        "prefix-decode": "prefix", "least-work": "least-work", "prefix-balanced": "prefix",
+        "prefix-inflight": "prefix"}
 
 
 def start_daemons(cfg: str, plan: dict, tmp: Path, tag: str) -> tuple[list[Kvtierd], list[str]]:
@@ -411,7 +419,7 @@ def run_one(cfg: str, trace: Path, n: int, plan: dict, tmp: Path, tag: str) -> d
             engine_blocks = 0 if cfg == "prefix-no-estimate" else plan["pool_bytes"] // BLOCK_BYTES
             router = RouterProc(PAIR[cfg], servers, daemons, listen, plan["model"],
                                 tmp / f"router-{tag}.log", engine_blocks,
-                                ["--decode-load"] if cfg == "prefix-decode" else [])
+                                ROUTER_ARGS.get(cfg, []))
             url = router.url
         before = [s.scrape() for s in servers]
         kv_before = [d.scrape() for d in daemons]
@@ -689,6 +697,10 @@ def main() -> None:
          "ttft_p50_s", "s")
     case("ttft p50 prefix routing vs least work", "reuse", "prefix-routed", "least-work",
          "ttft_p50_s", "s")
+    case("ttft p50 prefix routing balanced vs round-robin", "reuse", "prefix-balanced",
+         "round-robin", "ttft_p50_s", "s")
+    case("ttft p50 prefix routing balanced with in-flight vs round-robin", "reuse",
+         "prefix-inflight", "round-robin", "ttft_p50_s", "s")
     case("ttft p50 kvtier vs vllm no-reuse", "no-reuse", "kvtier-disk", "vllm", "ttft_p50_s",
          "s")
     case("throughput kvtier vs vllm no-reuse", "no-reuse", "kvtier-disk", "vllm",
@@ -739,7 +751,8 @@ def write_report(out: Path, summary: dict, results: dict) -> None:
     colors = {"vllm": "#444444", "kvtier-host": "#1f77b4", "kvtier-disk": "#d62728",
               "prefix-routed": "#9467bd", "round-robin": "#8c564b",
               "prefix-no-estimate": "#e377c2", "prefix-decode": "#bcbd22",
-              "least-work": "#17becf"}
+              "least-work": "#17becf", "prefix-balanced": "#ff7f0e",
+              "prefix-inflight": "#2ca02c"}
     for t in ("reuse", "no-reuse"):
         curves = {c: sorted(x for r in rs for x in r["ttfts"])
                   for (tt, c), rs in results.items() if tt == t}

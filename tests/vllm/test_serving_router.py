@@ -23,11 +23,12 @@ REPO = Path(__file__).resolve().parents[2]
 BS = 32
 
 
-def backend(name, seen, gate=None, first_at_once=True, arrived=None):
+def backend(name, seen, gate=None, first_at_once=True, arrived=None, hold=None):
     """A server that answers who it is. With `gate`, a prompt whose last token is 1 streams
     its first bytes at once and the rest once `gate` is set (a request in its decode), or, if
     not `first_at_once`, nothing until then (a request still waiting for its prefill).
-    `arrived` (a Condition) is notified of each request."""
+    With `hold`, a prompt whose last token is 2 gets nothing until `hold` is set (waiting for
+    its prefill). `arrived` (a Condition) is notified of each request."""
     class H(BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802 - http.server's name
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -37,7 +38,9 @@ def backend(name, seen, gate=None, first_at_once=True, arrived=None):
                 with arrived:
                     seen.append((name, body["prompt"]))
                     arrived.notify_all()
-            if gate is not None and body["prompt"][-1] == 1 and not first_at_once:
+            if hold is not None and body["prompt"][-1] == 2:
+                assert hold.wait(60)
+            elif gate is not None and body["prompt"][-1] == 1 and not first_at_once:
                 assert gate.wait(60)
             elif gate is not None and body["prompt"][-1] == 1:
                 # HTTP/1.0 without a length: the body ends when the connection closes.
@@ -76,6 +79,22 @@ def kvtierd(data_dir, listen, members, *extra):
     return p, dict(w.split("=", 1) for w in line.split() if "=" in w)
 
 
+def start_router(servers, listen, nodes, *extra):
+    """router.py --policy prefix over `servers` and the cluster of `nodes`, with `extra` flags:
+    the process and its URL."""
+    p = subprocess.Popen(
+        [sys.executable, str(REPO / "bench" / "serving" / "router.py"), "--policy", "prefix",
+         "--backends", ",".join(u for _, u in servers), "--cluster", ",".join(listen), "--via",
+         nodes[0][1]["grpc"], "--model", "m", "--block-size", str(BS), *extra],
+        stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONHASHSEED="0"))
+    line = p.stdout.readline()
+    if not line.startswith("router ready:"):
+        p.kill()
+        p.wait()
+        raise AssertionError(line)
+    return p, line.split("url=", 1)[1].strip()
+
+
 def post(url, prompt):
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(
         {"model": "tiny", "prompt": prompt, "max_tokens": 1}).encode(),
@@ -93,8 +112,8 @@ def test_the_router_sends_a_prompt_where_its_prefix_is(tmp_path):
     # port draw in sixteen) both nodes held the prompt and the router rightly saw a tie.
     nodes = [kvtierd(tmp_path / f"n{i}", listen[i], members, "--set",
                      "cluster.push_queue_bytes=0") for i in range(2)]
-    seen, gate = [], threading.Event()
-    servers = [backend(n, seen, gate) for n in "ab"]
+    seen, gate, hold, arrived = [], threading.Event(), threading.Event(), threading.Condition()
+    servers = [backend(n, seen, gate, arrived=arrived, hold=hold) for n in "ab"]
     router = None
     try:
         # Node b holds a 4-block prompt under the keys the vLLM connector would use.
@@ -199,6 +218,47 @@ def test_the_router_sends_a_prompt_where_its_prefix_is(tmp_path):
                 r.close()
             bare.kill()
             bare.wait()
+
+        # --queue prompt: a request waiting on b for its prefill counts all 4 of its prompt
+        # blocks there, where the default counts kvtier's cost of them (0.4: b's host memory
+        # holds them). So the prompt b holds goes to a (a remote load, 2.4 < 0.4 + 4), where
+        # the default router keeps it on b (0.4 + 0.4). --inflight-weight 3: a request in its
+        # decode on b (first token out, nothing queued) makes b dearer by 3 blocks: a again.
+        routers, waiting = [], []
+        try:
+            for extra in (["--queue", "prompt"], ["--inflight-weight", "3"]):
+                routers.append(start_router(servers, listen, nodes, *extra))
+            qurl, iurl = (u for _, u in routers)
+            for u in (url, qurl):
+                t = threading.Thread(target=post, args=(u, held[:-1] + [2]), daemon=True)
+                t.start()
+                waiting.append(t)
+                with arrived:
+                    assert arrived.wait_for(lambda: seen[-1][1][-1] == 2, 30), seen
+                    assert seen.pop() == ("b", held[:-1] + [2])
+            assert post(url, held) == "b"
+            assert post(qurl, held) == "a"
+            assert post(iurl, held) == "b"
+            gate.clear()
+            r = urllib.request.urlopen(urllib.request.Request(
+                iurl + "/v1/completions", data=json.dumps(
+                    {"model": "tiny", "prompt": held[:-1] + [1], "max_tokens": 1}).encode(),
+                headers={"Content-Type": "application/json"}), timeout=60)
+            waiting.append(r)
+            assert r.read(1) == b"{"
+            assert seen[-1] == ("b", held[:-1] + [1])
+            assert post(iurl, held) == "a"
+        finally:
+            hold.set()
+            gate.set()
+            for w in waiting:
+                if isinstance(w, threading.Thread):
+                    w.join(60)
+                else:
+                    w.close()
+            for p, _ in routers:
+                p.kill()
+                p.wait()
 
         # kvtierd gone: the router still serves, round-robin, and counts it.
         for p, _ in nodes:
