@@ -95,6 +95,17 @@ def start_router(servers, listen, nodes, *extra):
     return p, line.split("url=", 1)[1].strip()
 
 
+def stream(url, prompt):
+    """A completion whose first bytes have come back (the router has counted its prefill
+    done): the open response, to read the rest of or close."""
+    r = urllib.request.urlopen(urllib.request.Request(
+        url + "/v1/completions", data=json.dumps(
+            {"model": "tiny", "prompt": prompt, "max_tokens": 1}).encode(),
+        headers={"Content-Type": "application/json"}), timeout=60)
+    assert r.read(1) == b"{"
+    return r
+
+
 def post(url, prompt):
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(
         {"model": "tiny", "prompt": prompt, "max_tokens": 1}).encode(),
@@ -199,13 +210,7 @@ def test_the_router_sends_a_prompt_where_its_prefix_is(tmp_path):
             assert line.startswith("router ready:"), line
             burl = line.split("url=", 1)[1].strip()
             for u in (url, burl):
-                r = urllib.request.urlopen(urllib.request.Request(
-                    u + "/v1/completions", data=json.dumps(
-                        {"model": "tiny", "prompt": held[:-1] + [1], "max_tokens": 1}).encode(),
-                    headers={"Content-Type": "application/json"}), timeout=60)
-                streams.append(r)
-                # The first bytes are here: the router has counted its prefill done.
-                assert r.read(1) == b"{"
+                streams.append(stream(u, held[:-1] + [1]))
                 assert seen[-1] == ("b", held[:-1] + [1])
             assert post(url, held) == "b"
             assert post(burl, held) == "a"
@@ -240,12 +245,7 @@ def test_the_router_sends_a_prompt_where_its_prefix_is(tmp_path):
             assert post(qurl, held) == "a"
             assert post(iurl, held) == "b"
             gate.clear()
-            r = urllib.request.urlopen(urllib.request.Request(
-                iurl + "/v1/completions", data=json.dumps(
-                    {"model": "tiny", "prompt": held[:-1] + [1], "max_tokens": 1}).encode(),
-                headers={"Content-Type": "application/json"}), timeout=60)
-            waiting.append(r)
-            assert r.read(1) == b"{"
+            waiting.append(stream(iurl, held[:-1] + [1]))
             assert seen[-1] == ("b", held[:-1] + [1])
             assert post(iurl, held) == "a"
         finally:
