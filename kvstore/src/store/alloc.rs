@@ -44,13 +44,18 @@ impl Inner {
         until: Instant,
     ) -> Result<(Slot, u32), StoreError> {
         let mut waited = false;
+        // `class_for` refused lengths over `u32::MAX`.
+        let len32 = u32::try_from(len).map_err(|_| StoreError::TooLarge {
+            len,
+            max: u32::MAX as usize,
+        })?;
         self.note_demand(class);
         loop {
             let seen = self.progress.current();
             // A class holding fewer segments than its share of recent demand takes one from
             // the class most above its share before evicting its own blocks, so block sizes do
             // not starve each other.
-            if let Some(found) = self.try_alloc_free(class, key) {
+            if let Some(found) = self.try_alloc_free(class, key, len32) {
                 return Ok(found);
             }
             if let Some(from) = self.over_provisioned(class) {
@@ -65,7 +70,7 @@ impl Inner {
                 }
             }
             let mut demote = Vec::new();
-            let found = self.try_alloc(class, key, &mut demote);
+            let found = self.try_alloc(class, key, len32, &mut demote);
             if !demote.is_empty() {
                 self.enqueue_demotions(demote);
             }
@@ -167,9 +172,9 @@ impl Inner {
                     continue;
                 }
                 let page = c.page_of(idx, self.seg_pages);
-                let h = c.hashes[idx as usize];
+                let (h, len) = (c.hashes[idx as usize], c.lens[idx as usize]);
                 if self
-                    .try_evict(h, from, idx, page, &mut queued, demote)
+                    .try_evict(h, len, from, idx, page, &mut queued, demote)
                     .is_some()
                 {
                     c.release(idx);
@@ -197,7 +202,7 @@ impl Inner {
     }
 
     /// A free slot, a pooled segment or an empty segment of another class; no eviction.
-    fn try_alloc_free(&self, class: usize, key: BlockKey) -> Option<(Slot, u32)> {
+    fn try_alloc_free(&self, class: usize, key: BlockKey, len: u32) -> Option<(Slot, u32)> {
         let mut c = self.classes[class].lock();
         let c = &mut *c;
         let pooled = self.pooled_segment(c);
@@ -212,7 +217,7 @@ impl Inner {
             c.add_segment(seg);
             c.free.pop()?
         };
-        c.take(idx, super::table::hash(MapKey::from(key)));
+        c.take(idx, super::table::hash(MapKey::from(key)), len);
         Some((
             Slot {
                 class: class as u8,
@@ -227,6 +232,7 @@ impl Inner {
         &self,
         class: usize,
         key: BlockKey,
+        len: u32,
         demote: &mut Vec<Demote>,
     ) -> Option<(Slot, u32)> {
         let mut c = self.classes[class].lock();
@@ -245,6 +251,7 @@ impl Inner {
             let super::slab::Class {
                 policy,
                 hashes,
+                lens,
                 chunks,
                 per_seg,
                 slot_bytes,
@@ -253,8 +260,8 @@ impl Inner {
             let mut queued = 0u64;
             policy.evict(&mut |idx| {
                 let page = page_of(chunks, *per_seg, *slot_bytes, idx, self.seg_pages);
-                let h = hashes[idx as usize];
-                self.try_evict(h, class, idx, page, &mut queued, demote)
+                let (h, len) = (hashes[idx as usize], lens[idx as usize]);
+                self.try_evict(h, len, class, idx, page, &mut queued, demote)
                     .map(|key| key.0 as u64)
             })
         }?;
@@ -262,8 +269,9 @@ impl Inner {
         if c.is_used(idx) {
             // An evicted slot is reused directly: it stays counted as live.
             c.hashes[idx as usize] = h;
+            c.lens[idx as usize] = len;
         } else {
-            c.take(idx, h);
+            c.take(idx, h, len);
         }
         let slot = Slot {
             class: class as u8,
@@ -277,9 +285,11 @@ impl Inner {
     /// block is instead queued for the worker (pinned, Demoting), up to `max_batch_bytes` per
     /// allocation while the worker's queue has room. The slot's block is found from its key's
     /// index hash `h` (what the class remembers of it); returns the evicted block's key.
+    #[allow(clippy::too_many_arguments)]
     fn try_evict(
         &self,
         h: u32,
+        len: u32,
         class: usize,
         idx: u32,
         page: u32,
@@ -291,23 +301,27 @@ impl Inner {
             class: class as u8,
             idx,
         };
-        let (mk, mut e) = sh.map.slot_entry_mut(h, slot)?;
+        let super::index::Shard { map, pins } = &mut *sh;
+        let (mk, mut e) = map.slot_entry_mut(h, slot)?;
         let key = BlockKey::from(mk);
-        if e.pins != 0 || !e.ready() {
+        if e.pinned() || !e.ready() {
             return None;
         }
         if self.demote_to.is_some() && e.copy() == Copy::Dirty {
             if self.admitted(key, e.accessed()) {
                 if *queued < self.max_batch_bytes && self.work.demote.room(self.max_batch_bytes) {
-                    *queued += u64::from(e.len);
+                    // Unpinned (above): the first pin cannot overflow.
+                    if pins.add(&mut e).is_err() {
+                        return None;
+                    }
+                    *queued += u64::from(len);
                     e.set_copy(Copy::Demoting);
-                    e.pins += 1;
                     demote.push(Demote {
                         key,
                         slot: e.slot(),
                         page,
                         cap: self.class_sizes[class],
-                        len: e.len,
+                        len,
                         ns: e.ns,
                     });
                 }
@@ -319,10 +333,10 @@ impl Inner {
         if e.copy() == Copy::Demoting {
             return None;
         }
-        let (len, ns) = (e.len, e.ns);
+        let ns = e.ns;
         let e_copy = e.copy();
         drop(e);
-        sh.map.remove(&mk);
+        map.remove(&mk);
         drop(sh);
         self.events.emit(EventKind::Removed, key, Tier::Host, ns);
         self.stats.evictions.fetch_add(1, Relaxed);
@@ -366,9 +380,9 @@ impl Inner {
                         continue;
                     }
                     let page = c.page_of(idx, self.seg_pages);
-                    let h = c.hashes[idx as usize];
+                    let (h, len) = (c.hashes[idx as usize], c.lens[idx as usize]);
                     if self
-                        .try_evict(h, ci, idx, page, &mut queued, demote)
+                        .try_evict(h, len, ci, idx, page, &mut queued, demote)
                         .is_some()
                     {
                         c.release(idx);
@@ -385,9 +399,30 @@ impl Inner {
         None
     }
 
-    /// Gives a slot back to its class and wakes waiters.
+    /// The length of the block in `slot` (as its class remembers it).
+    pub(crate) fn len_of(&self, slot: Slot) -> u32 {
+        self.classes[slot.class as usize].lock().lens[slot.idx as usize]
+    }
+
+    /// Gives a slot back to its class and wakes waiters: a slot whose block was never
+    /// published (an aborted or cancelled write or promotion).
     pub(crate) fn free_slot(&self, slot: Slot) {
         self.classes[slot.class as usize].lock().release(slot.idx);
+        self.progress.bump();
+    }
+
+    /// Gives back the slot of a block that was published (Ready) and is gone from the index:
+    /// its bytes leave `used_bytes` now. (`used_bytes` counts a block from its publication to
+    /// the free of its slot: a block removed while pinned counts until its last unpin, as its
+    /// bytes are still held.)
+    pub(crate) fn free_published(&self, slot: Slot) {
+        let len = {
+            let mut c = self.classes[slot.class as usize].lock();
+            let len = c.lens[slot.idx as usize];
+            c.release(slot.idx);
+            len
+        };
+        self.stats.used_bytes.fetch_sub(u64::from(len), Relaxed);
         self.progress.bump();
     }
 }

@@ -1,5 +1,7 @@
-//! The host tier's index: per shard, key → [`Entry`] (16 bytes, in a [`Table`]), and the slots of removed but
-//! still pinned blocks. The transitions are plain functions on a [`Shard`] (the caller holds
+//! The host tier's index: per shard, key → [`Entry`] (8 bytes, in a [`Table`]), and the pin
+//! counts of pinned blocks by slot ([`Pins`]: an entry says only *whether* its block is
+//! pinned), removed but still pinned ones included. A block's length lives with its slot (the
+//! size class's `lens`), not here. The transitions are plain functions on a [`Shard`] (the caller holds
 //! its lock), so the pin/lease/evict protocol can be model-checked on its own
 //! (`shuttle_tests.rs` runs them, with the rest of the store, under shuttle).
 //!
@@ -16,11 +18,9 @@
 //! below: evicting it only drops the host copy) or `Unwritable` (its write failed for good:
 //! dropped on eviction, a later miss, never wrong data).
 
-use std::collections::HashMap;
-
 use super::table::Table;
 use crate::error::StoreError;
-use crate::types::MapKey;
+use crate::types::{FoldMap, MapKey};
 
 /// Where a block is in its life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,27 +55,29 @@ pub(crate) struct Slot {
     pub idx: u32,
 }
 
-/// Per-block metadata in the index: 16 bytes, so a map bucket with its key is 32 bytes.
+/// Per-block metadata in the index: 8 bytes, so a table bucket with its key is 24 bytes. What
+/// is rare or belongs to the slot is elsewhere: a pinned block's pin count in its shard's
+/// [`Pins`], the block's length and checksum in its size class.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Entry {
     pub idx: u32,
-    pub len: u32,
-    pub pins: u32,
     pub ns: u16,
     pub class: u8,
     /// Bits 0-1: life; 2-3: copy; 4: accessed (read while in host memory); 5: preloaded and not
-    /// used yet; 6: demoted (leaves host memory once its write below is done).
+    /// used yet; 6: demoted (leaves host memory once its write below is done); 7: pinned (its
+    /// count is in the shard's [`Pins`]).
     state: u8,
 }
 
-const _: () = assert!(std::mem::size_of::<Entry>() == 16);
+const _: () = assert!(std::mem::size_of::<Entry>() == 8);
+
+/// The state bit of a pinned block.
+const PINNED: u8 = 128;
 
 impl Entry {
-    pub(crate) fn new(slot: Slot, len: u32, ns: u16, life: Life, pins: u32) -> Self {
+    pub(crate) fn new(slot: Slot, ns: u16, life: Life) -> Self {
         let mut e = Entry {
             idx: slot.idx,
-            len,
-            pins,
             ns,
             class: slot.class,
             state: 0,
@@ -142,29 +144,73 @@ impl Entry {
     pub(crate) fn ready(&self) -> bool {
         self.life() == Life::Ready
     }
-
-    /// The entry as two words, as a table bucket stores it (`table::Cell`): the class byte is
-    /// bits 48-55 of the second word.
-    pub(crate) fn to_words(self) -> [u64; 2] {
-        [
-            u64::from(self.idx) | u64::from(self.len) << 32,
-            u64::from(self.pins)
-                | u64::from(self.ns) << 32
-                | u64::from(self.class) << 48
-                | u64::from(self.state) << 56,
-        ]
+    /// Whether the block holds a pin (its count: [`Pins::count`]).
+    pub(crate) fn pinned(&self) -> bool {
+        self.state & PINNED != 0
+    }
+    fn set_pinned(&mut self, on: bool) {
+        if on {
+            self.state |= PINNED;
+        } else {
+            self.state &= !PINNED;
+        }
     }
 
-    /// [`Entry::to_words`] undone.
-    pub(crate) fn from_words(w: [u64; 2]) -> Self {
+    /// The entry as one word, as a table bucket stores it (`table::Cell`): the class byte is
+    /// bits 48-55.
+    pub(crate) fn to_word(self) -> u64 {
+        u64::from(self.idx)
+            | u64::from(self.ns) << 32
+            | u64::from(self.class) << 48
+            | u64::from(self.state) << 56
+    }
+
+    /// [`Entry::to_word`] undone.
+    pub(crate) fn from_word(w: u64) -> Self {
         Entry {
-            idx: w[0] as u32,
-            len: (w[0] >> 32) as u32,
-            pins: w[1] as u32,
-            ns: (w[1] >> 32) as u16,
-            class: (w[1] >> 48) as u8,
-            state: (w[1] >> 56) as u8,
+            idx: w as u32,
+            ns: (w >> 32) as u16,
+            class: (w >> 48) as u8,
+            state: (w >> 56) as u8,
         }
+    }
+}
+
+/// The pin counts of a shard's pinned blocks, by slot (a slot holds one block at a time, and a
+/// pinned slot is never freed). A count is here while above zero: a block's entry marks it
+/// pinned, and a block removed while pinned (doomed) keeps its count here, with no entry,
+/// until its last unpin frees the slot. Pins are few and short (a load, a lease, a queued
+/// write), so they cost nothing at rest.
+#[derive(Default)]
+pub(crate) struct Pins(FoldMap<Slot, u32>);
+
+impl Pins {
+    /// One more pin on the block of entry `e` (the caller's copy, stored back by it).
+    pub(crate) fn add(&mut self, e: &mut Entry) -> Result<(), StoreError> {
+        let n = self.0.entry(e.slot()).or_insert(0);
+        *n = n.checked_add(1).ok_or(StoreError::TooManyPins)?;
+        e.set_pinned(true);
+        Ok(())
+    }
+
+    /// The pins on the block of entry `e`.
+    pub(crate) fn count(&self, e: &Entry) -> u32 {
+        if e.pinned() {
+            self.0.get(&e.slot()).copied().unwrap_or(0)
+        } else {
+            0
+        }
+    }
+
+    /// Forgets the pins of `slot`, whose entry goes and whose slot the caller frees.
+    pub(crate) fn forget(&mut self, slot: Slot) {
+        self.0.remove(&slot);
+    }
+
+    /// Slots with pins (live or doomed).
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.0.len()
     }
 }
 
@@ -172,8 +218,8 @@ impl Entry {
 #[derive(Default)]
 pub(crate) struct Shard {
     pub map: Table,
-    /// Removed while pinned: slot → pins left. Freed on the last unpin.
-    pub doomed: HashMap<Slot, u32>,
+    /// Pin counts, those of removed blocks (freed on their last unpin) included.
+    pub pins: Pins,
 }
 
 /// What [`Shard::pin_read`] found.
@@ -194,10 +240,10 @@ pub(crate) enum Removed {
     Absent,
     /// It was being written: its commit will free it.
     Cancelled,
-    /// Gone; its slot is free now (the caller frees it in its class).
-    Freed(Slot, u32, u16),
-    /// Gone from view; its slot is freed by the last unpin.
-    Doomed(u32, u16),
+    /// Gone; its slot is free now (the caller frees it in its class). The namespace.
+    Freed(Slot, u16),
+    /// Gone from view; its slot is freed by the last unpin. The namespace.
+    Doomed(u16),
 }
 
 impl Shard {
@@ -205,7 +251,7 @@ impl Shard {
     pub(crate) fn pin(&mut self, key: MapKey) -> Result<Option<Entry>, StoreError> {
         match self.map.get_mut(&key) {
             Some(mut e) if e.ready() => {
-                e.pins = e.pins.checked_add(1).ok_or(StoreError::TooManyPins)?;
+                self.pins.add(&mut e)?;
                 Ok(Some(*e))
             }
             _ => Ok(None),
@@ -215,7 +261,8 @@ impl Shard {
     /// A load's pin, in one probe: pins a Ready block and marks it accessed (and no longer
     /// "preloaded, not used yet"); otherwise says where the block is in its life.
     pub(crate) fn pin_read(&mut self, h: u32, key: MapKey) -> Result<PinRead, StoreError> {
-        let Some(mut e) = self.map.get_hashed_mut(h, &key) else {
+        let Shard { map, pins } = self;
+        let Some(mut e) = map.get_hashed_mut(h, &key) else {
             return Ok(PinRead::Absent);
         };
         match e.life() {
@@ -223,7 +270,7 @@ impl Shard {
             Life::Promoting => Ok(PinRead::Promoting),
             Life::Cancelled => Ok(PinRead::Cancelled),
             Life::Ready => {
-                e.pins = e.pins.checked_add(1).ok_or(StoreError::TooManyPins)?;
+                pins.add(&mut e)?;
                 let preloaded = e.preloaded();
                 e.set_accessed();
                 e.set_preloaded(false);
@@ -235,26 +282,22 @@ impl Shard {
     /// Drops one pin of the block that was in `slot` under `key`; true when that freed the slot
     /// (the block had been removed while pinned and this was its last pin).
     pub(crate) fn unpin(&mut self, key: MapKey, slot: Slot) -> bool {
-        if let Some(mut e) = self.map.get_mut(&key) {
-            if e.slot() == slot {
-                debug_assert!(e.pins > 0, "unpin without a pin");
-                e.pins = e.pins.saturating_sub(1);
-                return false;
-            }
+        let Some(p) = self.pins.0.get_mut(&slot) else {
+            debug_assert!(false, "unpin of an unpinned slot");
+            return false;
+        };
+        *p -= 1;
+        if *p > 0 {
+            return false;
         }
-        match self.doomed.get_mut(&slot) {
-            Some(p) => {
-                *p -= 1;
-                if *p == 0 {
-                    self.doomed.remove(&slot);
-                    return true;
-                }
+        self.pins.0.remove(&slot);
+        match self.map.get_mut(&key) {
+            Some(mut e) if e.slot() == slot => {
+                e.set_pinned(false);
                 false
             }
-            None => {
-                debug_assert!(false, "unpin of an unknown slot");
-                false
-            }
+            // Removed while pinned (doomed): this was its last pin.
+            _ => true,
         }
     }
 
@@ -273,11 +316,10 @@ impl Shard {
                 let gone = *e;
                 drop(e);
                 self.map.remove(&key);
-                if gone.pins > 0 {
-                    self.doomed.insert(gone.slot(), gone.pins);
-                    Removed::Doomed(gone.len, gone.ns)
+                if gone.pinned() {
+                    Removed::Doomed(gone.ns)
                 } else {
-                    Removed::Freed(gone.slot(), gone.len, gone.ns)
+                    Removed::Freed(gone.slot(), gone.ns)
                 }
             }
         }
@@ -296,8 +338,9 @@ impl Shard {
             _ => {
                 drop(e);
                 // Cancelled: the removal wins. A promotion's pins belong to its waiters, who
-                // will find the key gone.
+                // will find the key gone; the caller frees the slot.
                 self.map.remove(&key);
+                self.pins.forget(slot);
                 None
             }
         }
@@ -311,9 +354,18 @@ impl Shard {
             .is_some_and(|e| !e.ready() && e.slot() == slot)
         {
             self.map.remove(&key);
+            self.pins.forget(slot);
             return true;
         }
         false
+    }
+
+    /// Inserts the entry of a block being promoted, holding one pin (its promoter's).
+    pub(crate) fn insert_promoting(&mut self, key: MapKey, slot: Slot, ns: u16) {
+        let mut e = Entry::new(slot, ns, Life::Promoting);
+        // A free slot has no pins: the first cannot overflow.
+        let _ = self.pins.add(&mut e);
+        self.map.insert(key, e);
     }
 }
 
@@ -329,7 +381,7 @@ mod tests {
 
     #[test]
     fn entry_state_packs() {
-        let mut e = Entry::new(S, 10, 3, Life::Filling, 0);
+        let mut e = Entry::new(S, 3, Life::Filling);
         assert_eq!(
             (e.life(), e.copy(), e.accessed()),
             (Life::Filling, Copy::Dirty, false)
@@ -349,23 +401,52 @@ mod tests {
     #[test]
     fn remove_while_pinned_defers_the_free_to_the_last_unpin() {
         let mut sh = Shard::default();
-        sh.map.insert(mk(1), Entry::new(S, 10, 0, Life::Ready, 0));
+        sh.map.insert(mk(1), Entry::new(S, 0, Life::Ready));
         assert!(sh.pin(mk(1)).unwrap().is_some());
         assert!(sh.pin(mk(1)).unwrap().is_some());
-        assert_eq!(sh.remove(mk(1)), Removed::Doomed(10, 0));
+        assert_eq!(sh.remove(mk(1)), Removed::Doomed(0));
         assert!(
             sh.pin(mk(1)).unwrap().is_none(),
             "removed blocks cannot be pinned"
         );
         assert!(!sh.unpin(mk(1), S));
         assert!(sh.unpin(mk(1), S), "last unpin frees");
-        assert!(sh.doomed.is_empty());
+        assert_eq!(sh.pins.len(), 0);
+    }
+
+    #[test]
+    fn a_pin_count_follows_its_slot_not_its_key() {
+        let mut sh = Shard::default();
+        sh.map.insert(mk(1), Entry::new(S, 0, Life::Ready));
+        assert!(sh.pin(mk(1)).unwrap().unwrap().pinned());
+        assert!(!sh.unpin(mk(1), S));
+        assert!(
+            !sh.map.get(&mk(1)).unwrap().pinned(),
+            "a live block's last unpin clears its mark"
+        );
+        assert_eq!(sh.pins.len(), 0);
+        // Removed while pinned, then stored again in another slot: the old slot's last unpin
+        // frees it, and the new block's pin is its own.
+        assert!(sh.pin(mk(1)).unwrap().is_some());
+        assert_eq!(sh.remove(mk(1)), Removed::Doomed(0));
+        let s2 = Slot { class: 1, idx: 8 };
+        sh.map.insert(mk(1), Entry::new(s2, 0, Life::Ready));
+        assert!(sh.pin(mk(1)).unwrap().is_some());
+        assert!(sh.unpin(mk(1), S), "the doomed slot's last pin frees it");
+        assert_eq!(sh.pins.count(&sh.map.get(&mk(1)).unwrap()), 1);
+        assert!(!sh.unpin(mk(1), s2));
+        assert_eq!(sh.pins.len(), 0);
+        // A promotion's pin goes with an abort.
+        sh.insert_promoting(mk(2), s2, 0);
+        assert_eq!(sh.pins.len(), 1);
+        assert!(sh.abort(mk(2), s2));
+        assert_eq!(sh.pins.len(), 0);
     }
 
     #[test]
     fn removal_wins_over_a_write_in_flight() {
         let mut sh = Shard::default();
-        sh.map.insert(mk(2), Entry::new(S, 10, 0, Life::Filling, 0));
+        sh.map.insert(mk(2), Entry::new(S, 0, Life::Filling));
         assert!(sh.pin(mk(2)).unwrap().is_none(), "invisible until commit");
         assert_eq!(sh.remove(mk(2)), Removed::Cancelled);
         assert!(sh.publish(mk(2), S, Copy::Dirty).is_none());
@@ -377,35 +458,36 @@ mod tests {
         let mut sh = Shard::default();
         let h = |i| crate::store::table::hash(mk(i));
         assert_eq!(sh.pin_read(h(4), mk(4)), Ok(PinRead::Absent));
-        sh.map.insert(mk(4), Entry::new(S, 10, 0, Life::Filling, 0));
+        sh.map.insert(mk(4), Entry::new(S, 0, Life::Filling));
         assert_eq!(sh.pin_read(h(4), mk(4)), Ok(PinRead::Filling));
         sh.map.get_mut(&mk(4)).unwrap().set_life(Life::Promoting);
         assert_eq!(sh.pin_read(h(4), mk(4)), Ok(PinRead::Promoting));
         assert_eq!(sh.remove(mk(4)), Removed::Cancelled);
         assert_eq!(sh.pin_read(h(4), mk(4)), Ok(PinRead::Cancelled));
-        let mut e = Entry::new(S, 10, 0, Life::Ready, 0);
+        let mut e = Entry::new(S, 0, Life::Ready);
         e.set_preloaded(true);
         sh.map.insert(mk(5), e);
         let PinRead::Pinned(got, preloaded) = sh.pin_read(h(5), mk(5)).unwrap() else {
             panic!("a Ready block is pinned");
         };
         assert!(preloaded);
-        assert_eq!(got.pins, 1);
+        assert_eq!(sh.pins.count(&got), 1);
         let now = sh.map.get(&mk(5)).unwrap();
-        assert!(now.accessed() && !now.preloaded() && now.pins == 1);
+        assert!(now.accessed() && !now.preloaded() && sh.pins.count(&now) == 1);
         assert!(matches!(
             sh.pin_read(h(5), mk(5)),
             Ok(PinRead::Pinned(_, false))
         ));
-        assert_eq!(sh.map.get(&mk(5)).unwrap().pins, 2);
+        assert_eq!(sh.pins.count(&sh.map.get(&mk(5)).unwrap()), 2);
     }
 
     #[test]
     fn pins_saturate_with_an_error() {
         let mut sh = Shard::default();
-        sh.map
-            .insert(mk(3), Entry::new(S, 10, 0, Life::Ready, u32::MAX));
+        sh.map.insert(mk(3), Entry::new(S, 0, Life::Ready));
+        assert!(sh.pin(mk(3)).unwrap().is_some());
+        *sh.pins.0.get_mut(&S).unwrap() = u32::MAX;
         assert_eq!(sh.pin(mk(3)), Err(StoreError::TooManyPins));
-        assert_eq!(sh.map.get(&mk(3)).unwrap().pins, u32::MAX);
+        assert_eq!(sh.pins.count(&sh.map.get(&mk(3)).unwrap()), u32::MAX);
     }
 }

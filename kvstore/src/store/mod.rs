@@ -85,7 +85,9 @@ const FREE_NS: Fingerprint = Fingerprint(BlockKey(0));
 pub struct StoreStats {
     /// Bytes of host block memory (whole segments).
     pub capacity_bytes: u64,
-    /// Bytes of committed block payload in host memory.
+    /// Bytes of committed block payload in host memory: a block removed while pinned (a load
+    /// or lease in progress) counts until its last unpin frees its slot, as its bytes are
+    /// still held (`blocks` no longer counts it).
     pub used_bytes: u64,
     /// Committed, visible blocks in host memory.
     pub blocks: u64,
@@ -645,11 +647,25 @@ impl Store {
     /// path.
     pub fn namespace_stats(&self) -> Vec<NamespaceStats> {
         let mut m: BTreeMap<u16, NamespaceStats> = BTreeMap::new();
+        let mut ready: Vec<(u8, u32, u16)> = Vec::new();
         for s in self.inner.shards.iter() {
-            for e in s.lock().map.values().filter(|e| e.ready()) {
-                let x = m.entry(e.ns).or_default();
+            ready.extend(
+                s.lock()
+                    .map
+                    .values()
+                    .filter(|e| e.ready())
+                    .map(|e| (e.class, e.idx, e.ns)),
+            );
+        }
+        // The lengths from the classes, one lock each, after the shards' (a class's lock comes
+        // first in the order): a snapshot, as the scan is.
+        ready.sort_unstable();
+        for run in ready.chunk_by(|a, b| a.0 == b.0) {
+            let c = self.inner.classes[run[0].0 as usize].lock();
+            for &(_, idx, ns) in run {
+                let x = m.entry(ns).or_default();
                 x.host_blocks += 1;
-                x.host_bytes += u64::from(e.len);
+                x.host_bytes += u64::from(c.lens[idx as usize]);
             }
         }
         for t in &self.inner.tiers {

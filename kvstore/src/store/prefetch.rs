@@ -49,7 +49,7 @@ use std::time::Instant;
 use crate::key::BlockKey;
 use crate::types::{FoldMap, MapKey};
 
-use super::index::{Entry, Life};
+use super::index::{Life, Slot};
 use super::tiering::{Hint, Promote};
 use super::{Inner, Store};
 
@@ -322,10 +322,18 @@ impl Inner {
         self.work.reads.room_changed();
     }
 
-    /// Holds `key`, Ready in host memory, for the hint's load until `deadline` (one pin, so
-    /// eviction leaves it); false if it is held already or no longer Ready. Lock order: the
-    /// holds, then the shard (nothing takes them the other way round).
-    fn hold_in_host(&self, key: BlockKey, deadline: Instant, owner: u64, tag: u64) -> bool {
+    /// Holds `key`, Ready in host memory in `slot` with `bytes` bytes, for the hint's load
+    /// until `deadline` (one pin, so eviction leaves it); false if it is held already, no
+    /// longer Ready, or no longer in that slot. Lock order: the holds, then the shard (nothing
+    /// takes them the other way round).
+    fn hold_in_host(
+        &self,
+        key: BlockKey,
+        (slot, bytes): (Slot, u64),
+        deadline: Instant,
+        owner: u64,
+        tag: u64,
+    ) -> bool {
         let mk = MapKey::from(key);
         let mut holds = self.preloads.lock();
         if holds.contains(&mk) {
@@ -333,6 +341,10 @@ impl Inner {
         }
         let e = {
             let mut sh = self.shard(key).lock();
+            match sh.map.get(&mk) {
+                Some(e) if e.slot() == slot => {}
+                _ => return false,
+            }
             let Ok(Some(e)) = sh.pin(mk) else {
                 return false;
             };
@@ -341,7 +353,6 @@ impl Inner {
             }
             e
         };
-        let bytes = u64::from(e.len);
         holds.insert(
             mk,
             Held {
@@ -482,9 +493,12 @@ impl Inner {
                 .lock()
                 .map
                 .get(&mk)
-                .map(|e| (e.life(), u64::from(e.len)));
+                .map(|e| (e.life(), e.slot()));
             match found {
-                Some((Life::Ready, len)) => {
+                Some((Life::Ready, slot)) => {
+                    // Read after the shard's lock (the class's comes first in the order):
+                    // `hold_in_host` holds the block only if it is still in this slot.
+                    let len = u64::from(self.len_of(slot));
                     out.present += 1;
                     out.in_host += 1;
                     // Held for the load, so that the hints of requests further back in the
@@ -495,7 +509,7 @@ impl Inner {
                         }
                         full = true;
                         cut.get_or_insert(i);
-                    } else if self.hold_in_host(*k, deadline, quota.owner, tag) {
+                    } else if self.hold_in_host(*k, (slot, len), deadline, quota.owner, tag) {
                         planned += len;
                         out.held += 1;
                     }
@@ -545,8 +559,7 @@ impl Inner {
                     out.joined += 1;
                     continue;
                 }
-                sh.map
-                    .insert(mk, Entry::new(slot, info.len, info.ns, Life::Promoting, 1));
+                sh.insert_promoting(mk, slot, info.ns);
             }
             let item = Promote {
                 key: *k,

@@ -209,12 +209,8 @@ fn a_hint_holds_blocks_already_in_host_memory_until_the_load() {
     let st = s.stats().prefetch;
     assert_eq!((st.held_bytes, st.wasted_bytes), (0, 0));
     let pins = |k: BlockKey| {
-        s.inner
-            .shard(k)
-            .lock()
-            .map
-            .get(&MapKey::from(k))
-            .map(|e| e.pins)
+        let sh = s.inner.shard(k).lock();
+        sh.map.get(&MapKey::from(k)).map(|e| sh.pins.count(&e))
     };
     assert_eq!(pins(cold), Some(0), "no longer held: its pin is gone");
     assert!(keys.iter().all(|k| pins(*k).unwrap_or(0) == 0));

@@ -550,10 +550,13 @@ impl Inner {
             .map(|(pos, k)| match host.get(pos).filter(|e| e.ready()) {
                 Some(e) => {
                     let slot = e.slot();
-                    let checksum = self.classes[slot.class as usize].lock().sums[slot.idx as usize];
+                    let (len, checksum) = {
+                        let c = self.classes[slot.class as usize].lock();
+                        (c.lens[slot.idx as usize], c.sums[slot.idx as usize])
+                    };
                     Some((
                         BlockInfo {
-                            len: e.len,
+                            len,
                             ns: e.ns,
                             checksum,
                         },
@@ -645,8 +648,7 @@ impl Inner {
                     self.free_slot(slot);
                     continue;
                 }
-                sh.map
-                    .insert(mk, Entry::new(slot, info.len, info.ns, Life::Promoting, 1));
+                sh.insert_promoting(mk, slot, info.ns);
                 drop(sh);
                 let b = match batches.iter().position(|(t, _)| *t == ti) {
                     Some(b) => b,
@@ -794,10 +796,11 @@ impl Inner {
     /// (The policy learns of the access once the load is done: [`Inner::pin_prefix_in`].)
     fn pinned(&self, key: BlockKey, e: &Entry) -> Pinned {
         let slot = e.slot();
-        let (page, checksum) = {
+        let (page, len, checksum) = {
             let c = self.classes[slot.class as usize].lock();
             (
                 c.page_of(slot.idx, self.seg_pages),
+                c.lens[slot.idx as usize],
                 c.sums[slot.idx as usize],
             )
         };
@@ -805,7 +808,7 @@ impl Inner {
             key,
             slot,
             page,
-            len: e.len,
+            len,
             checksum,
         }
     }
@@ -867,9 +870,10 @@ impl Inner {
                 Removed::Absent
             }
         };
-        if let Removed::Doomed(len, ns) | Removed::Freed(_, len, ns) = removed {
+        // We hold a pin: the block is doomed, its slot freed by the last unpin.
+        debug_assert!(!matches!(removed, Removed::Freed(..)));
+        if let Removed::Doomed(ns) | Removed::Freed(_, ns) = removed {
             self.stats.blocks.fetch_sub(1, Relaxed);
-            self.stats.used_bytes.fetch_sub(u64::from(len), Relaxed);
             self.events.emit(EventKind::Removed, p.key, Tier::Host, ns);
         }
     }
@@ -878,7 +882,7 @@ impl Inner {
     pub(crate) fn unpin(&self, key: BlockKey, slot: Slot) {
         let freed = self.shard(key).lock().unpin(MapKey::from(key), slot);
         if freed {
-            self.free_slot(slot);
+            self.free_published(slot);
         } else {
             self.progress.bump();
         }

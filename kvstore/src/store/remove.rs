@@ -43,21 +43,20 @@ impl Store {
                     .collect();
                 for k in keys {
                     match sh.remove(k) {
-                        Removed::Freed(slot, len, ns) => {
+                        Removed::Freed(slot, ns) => {
                             free.push(slot);
-                            events.push((k, len, ns));
+                            events.push((k, ns));
                         }
-                        Removed::Doomed(len, ns) => events.push((k, len, ns)),
+                        Removed::Doomed(ns) => events.push((k, ns)),
                         Removed::Cancelled | Removed::Absent => {}
                     }
                 }
             }
             for slot in free {
-                inner.free_slot(slot);
+                inner.free_published(slot);
             }
-            for (k, len, ns) in events {
+            for (k, ns) in events {
                 inner.stats.blocks.fetch_sub(1, Relaxed);
-                inner.stats.used_bytes.fetch_sub(u64::from(len), Relaxed);
                 inner
                     .events
                     .emit(EventKind::Removed, BlockKey::from(k), Tier::Host, ns);
@@ -76,17 +75,16 @@ impl Store {
 impl Inner {
     pub(crate) fn remove_host(&self, key: &BlockKey) -> bool {
         let r = self.shard(*key).lock().remove(MapKey::from(*key));
-        let (len, ns) = match r {
+        let ns = match r {
             Removed::Absent => return false,
             Removed::Cancelled => return true,
-            Removed::Freed(slot, len, ns) => {
-                self.free_slot(slot);
-                (len, ns)
+            Removed::Freed(slot, ns) => {
+                self.free_published(slot);
+                ns
             }
-            Removed::Doomed(len, ns) => (len, ns),
+            Removed::Doomed(ns) => ns,
         };
         self.stats.blocks.fetch_sub(1, Relaxed);
-        self.stats.used_bytes.fetch_sub(u64::from(len), Relaxed);
         self.events.emit(EventKind::Removed, *key, Tier::Host, ns);
         true
     }

@@ -489,9 +489,12 @@ impl Inner {
             if seen.insert(mk, ()).is_some() {
                 break;
             }
-            match self.shard(*k).lock().pin(mk) {
+            let host = self.shard(*k).lock().pin(mk);
+            match host {
                 Ok(Some(e)) => {
-                    pinned.push((Pin::Host(*k, e.slot()), u64::from(e.len)));
+                    // Pinned: its slot (and the length its class keeps for it) stays.
+                    let len = self.len_of(e.slot());
+                    pinned.push((Pin::Host(*k, e.slot()), u64::from(len)));
                     continue;
                 }
                 Ok(None) => {}
@@ -685,20 +688,20 @@ impl Inner {
                 continue;
             }
             let mut sh = self.shard(k).lock();
-            let Some(mut e) = sh.map.get_mut(&mk).filter(|e| e.ready()) else {
+            let super::index::Shard { map, pins } = &mut *sh;
+            let Some(mut e) = map.get_mut(&mk).filter(|e| e.ready()) else {
                 out.not_in_host += 1;
                 continue;
             };
             match e.copy() {
-                _ if e.pins > 0 && e.copy() != Copy::Demoting => out.busy += 1,
+                _ if e.pinned() && e.copy() != Copy::Demoting => out.busy += 1,
                 Copy::Clean => {
-                    let (slot, len, ns) = (e.slot(), e.len, e.ns);
+                    let (slot, ns) = (e.slot(), e.ns);
                     drop(e);
-                    sh.map.remove(&mk);
+                    map.remove(&mk);
                     drop(sh);
-                    self.free_slot(slot);
+                    self.free_published(slot);
                     self.stats.blocks.fetch_sub(1, Relaxed);
-                    self.stats.used_bytes.fetch_sub(u64::from(len), Relaxed);
                     self.events.emit(EventKind::Removed, k, Tier::Host, ns);
                     out.freed += 1;
                 }
@@ -707,17 +710,29 @@ impl Inner {
                     out.queued += 1;
                 }
                 Copy::Dirty if self.demote_to.is_some() => {
+                    // Unpinned (above): the first pin cannot overflow.
+                    if pins.add(&mut e).is_err() {
+                        out.busy += 1;
+                        continue;
+                    }
                     e.set_copy(Copy::Demoting);
                     e.set_drop_when_written(true);
-                    e.pins += 1;
-                    let (slot, len, ns) = (e.slot(), e.len, e.ns);
+                    let (slot, ns) = (e.slot(), e.ns);
                     drop(e);
                     drop(sh);
                     let class = slot.class as usize;
+                    // Pinned for the writer: its slot and length stay.
+                    let (page, len) = {
+                        let c = self.classes[class].lock();
+                        (
+                            c.page_of(slot.idx, self.seg_pages),
+                            c.lens[slot.idx as usize],
+                        )
+                    };
                     queue.push(Demote {
                         key: k,
                         slot,
-                        page: self.classes[class].lock().page_of(slot.idx, self.seg_pages),
+                        page,
                         cap: self.class_sizes[class],
                         len,
                         ns,

@@ -278,20 +278,29 @@ fn check_balanced(s: &Store, owners: &[u64]) {
     let mut ready_bytes = 0u64;
     let mut ready = 0u64;
     let mut per_slot: HashMap<(u8, u32), MapKey> = HashMap::new();
+    let mut ready_slots = Vec::new();
     for sh in inner.shards.iter() {
         let sh = sh.lock();
+        assert_eq!(sh.pins.len(), 0, "pins left with nobody using a block");
         for (k, e) in sh.map.iter() {
-            assert_eq!(e.pins, 0, "block {:?} still pinned with nobody using it", k);
+            assert!(
+                !e.pinned(),
+                "block {:?} still pinned with nobody using it",
+                k
+            );
             entries += 1;
             if e.ready() {
                 ready += 1;
-                ready_bytes += u64::from(e.len);
+                ready_slots.push(e.slot());
             }
             assert!(
                 per_slot.insert((e.class, e.idx), k).is_none(),
                 "two blocks in one slot"
             );
         }
+    }
+    for slot in ready_slots {
+        ready_bytes += u64::from(inner.len_of(slot));
     }
     let used: u64 = inner.classes.iter().map(|c| c.lock().used_slots()).sum();
     assert_eq!(used, entries, "used slots vs index entries");

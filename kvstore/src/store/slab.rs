@@ -22,6 +22,10 @@ pub(crate) struct Class {
     pub hashes: Vec<u32>,
     /// Commit checksum (xxh3-64) of the block in each slot (valid once committed).
     pub sums: Vec<u64>,
+    /// Length in bytes of the block in each slot (valid while `used`). Here rather than in the
+    /// index's entry: read where the slot's page and checksum are (a load, under this lock),
+    /// and on eviction and free, which hold this lock anyway.
+    pub lens: Vec<u32>,
     /// Whether each slot is in use (reserved or committed): a bit per slot.
     used: Vec<u64>,
     pub policy: Box<dyn EvictionPolicy>,
@@ -60,6 +64,7 @@ impl Class {
             free: Vec::new(),
             hashes: Vec::new(),
             sums: Vec::new(),
+            lens: Vec::new(),
             used: Vec::new(),
             policy,
         }
@@ -91,10 +96,12 @@ impl Class {
             let cap = (self.hashes.capacity() * 2).clamp(n, self.max_slots.max(n));
             reserve_total(&mut self.hashes, cap);
             reserve_total(&mut self.sums, cap);
+            reserve_total(&mut self.lens, cap);
             reserve_total(&mut self.used, cap.div_ceil(64));
             self.policy.reserve(cap);
             self.hashes.resize(end as usize, 0);
             self.sums.resize(end as usize, 0);
+            self.lens.resize(end as usize, 0);
             self.used.resize((end as usize).div_ceil(64), 0);
         }
         self.free.extend((start..end).rev());
@@ -113,9 +120,10 @@ impl Class {
         self.used.iter().map(|w| u64::from(w.count_ones())).sum()
     }
 
-    /// Marks a free slot used by the block whose key has index hash `hash`.
-    pub(crate) fn take(&mut self, idx: u32, hash: u32) {
+    /// Marks a free slot used by a block of `len` bytes whose key has index hash `hash`.
+    pub(crate) fn take(&mut self, idx: u32, hash: u32, len: u32) {
         self.hashes[idx as usize] = hash;
+        self.lens[idx as usize] = len;
         self.used[idx as usize / 64] |= 1 << (idx % 64);
         self.live[(idx / self.per_seg) as usize] += 1;
     }
@@ -170,7 +178,7 @@ mod tests {
         assert_eq!(c.free.len(), 16);
         let idx = c.free.pop().unwrap();
         assert_eq!(idx, 0);
-        c.take(idx, 9);
+        c.take(idx, 9, 1);
         assert_eq!(c.page_of(idx, 256), 3 * 256);
         assert_eq!(c.page_of(5, 256), 3 * 256 + 5 * 16);
         assert_eq!(c.chunks_by_liveness(true), Vec::<u32>::new());
@@ -193,13 +201,14 @@ mod tests {
             for seg in 0..5 {
                 c.add_segment(seg);
                 while let Some(idx) = c.free.pop() {
-                    c.take(idx, idx);
+                    c.take(idx, idx, 1);
                     c.policy.insert(idx, u64::from(idx));
                 }
             }
             assert_eq!(c.hashes.len(), 80);
             assert_eq!(c.hashes.capacity(), 80, "{}", p.name());
             assert_eq!(c.sums.capacity(), 80);
+            assert_eq!(c.lens.capacity(), 80);
             assert_eq!(c.used.capacity(), 2);
         }
     }

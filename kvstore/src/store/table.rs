@@ -1,6 +1,6 @@
 //! An index shard's table: block key → [`Entry`], open addressing with Robin Hood linear
-//! probing and backward-shift deletion, in one flat array of 32-byte buckets (the key's two
-//! words and the 16-byte entry; an empty bucket is one whose entry names class 255, which no
+//! probing and backward-shift deletion, in one flat array of 24-byte buckets (the key's two
+//! words and the 8-byte entry; an empty bucket is one whose entry names class 255, which no
 //! store has: at most 255 classes, numbered from 0).
 //!
 //! Why not `hashbrown` (what it replaced): three things a 10 M-block node needs.
@@ -13,7 +13,7 @@
 //!   prefetches the home buckets of the keys ahead of the one it is at.
 //! - **Reads without the lock.** A lookup that changes nothing (a prefix match, a peer's probe)
 //!   reads the table through its [`Hint`] with no lock and no atomic read-modify-write
-//!   ([`Hint::read`]): each bucket is four atomic words (plain moves on x86), every change to
+//!   ([`Hint::read`]): each bucket is three atomic words (plain moves on x86), every change to
 //!   the table runs inside a *write section* that makes the shard's sequence number odd, and a
 //!   reader keeps what it read only if the number was even and unchanged around its probe (a
 //!   seqlock; Boehm, "Can seqlocks get along with programming language memory models?",
@@ -66,30 +66,27 @@ impl Bucket {
                     idx: 0,
                 },
                 0,
-                0,
                 Life::Filling,
-                0,
             ),
         }
     }
 }
 
-/// A bucket as stored: the key's two words and the entry's two ([`Entry::to_words`]), each
+/// A bucket as stored: the key's two words and the entry's one ([`Entry::to_word`]), each
 /// read and written atomically (relaxed), so that a reader without the lock races with no
-/// write (see the module's doc).
-#[repr(C, align(32))]
-struct Cell([AtomicU64; 4]);
+/// write (see the module's doc). 24 bytes: a quarter of the buckets straddle two cache lines,
+/// and a line holds 2.67 buckets where it held 2.
+#[repr(C)]
+struct Cell([AtomicU64; 3]);
 
-const _: () = assert!(std::mem::size_of::<Cell>() == 32);
+const _: () = assert!(std::mem::size_of::<Cell>() == 24);
 
 impl Cell {
     fn new(b: Bucket) -> Self {
-        let e = b.e.to_words();
         Cell([
             AtomicU64::new(b.key.0[0]),
             AtomicU64::new(b.key.0[1]),
-            AtomicU64::new(e[0]),
-            AtomicU64::new(e[1]),
+            AtomicU64::new(b.e.to_word()),
         ])
     }
     #[inline]
@@ -98,11 +95,11 @@ impl Cell {
     }
     #[inline]
     fn entry(&self) -> Entry {
-        Entry::from_words([self.0[2].load(Relaxed), self.0[3].load(Relaxed)])
+        Entry::from_word(self.0[2].load(Relaxed))
     }
     #[inline]
     fn is_empty(&self) -> bool {
-        (self.0[3].load(Relaxed) >> 48) as u8 == EMPTY
+        (self.0[2].load(Relaxed) >> 48) as u8 == EMPTY
     }
     fn load(&self) -> Bucket {
         Bucket {
@@ -118,9 +115,7 @@ impl Cell {
     }
     /// Only inside a write section (`Table::write`).
     fn store_entry(&self, e: Entry) {
-        let w = e.to_words();
-        self.0[2].store(w[0], Relaxed);
-        self.0[3].store(w[1], Relaxed);
+        self.0[2].store(e.to_word(), Relaxed);
     }
 }
 
@@ -566,7 +561,7 @@ mod tests {
     use std::collections::HashMap;
 
     fn entry(i: u32) -> Entry {
-        Entry::new(Slot { class: 0, idx: i }, i, 0, Life::Ready, 0)
+        Entry::new(Slot { class: 0, idx: i }, 0, Life::Ready)
     }
 
     /// The table against a `HashMap` over random inserts, replacements and removals, with
@@ -601,10 +596,10 @@ mod tests {
         want.sort_unstable();
         assert_eq!(got, want);
         for (k, mut e) in t.iter_mut() {
-            e.pins = k.0[0] as u32;
+            e.ns = k.0[0] as u16;
         }
         for (k, _) in m.iter() {
-            assert_eq!(t.get(k).map(|e| e.pins), Some(k.0[0] as u32));
+            assert_eq!(t.get(k).map(|e| e.ns), Some(k.0[0] as u16));
         }
     }
 
@@ -612,7 +607,7 @@ mod tests {
     fn a_slot_leads_back_to_its_key() {
         let mut t = Table::default();
         for i in 0..5_000u32 {
-            let e = Entry::new(Slot { class: 2, idx: i }, 1, 0, Life::Ready, 0);
+            let e = Entry::new(Slot { class: 2, idx: i }, 1, Life::Ready);
             t.insert(MapKey([u64::from(i), 9]), e);
         }
         for i in 0..5_000u32 {
@@ -671,19 +666,17 @@ mod tests {
         assert_eq!(h.read(hash(k), &k, &guard), Some(None));
     }
 
-    /// An entry whose two words agree with each other and with its key (`len` in the first
-    /// word, `pins` in the second, both `k + round`), so a torn read shows.
+    /// An entry that names its key (`idx` is `k`) and the round that wrote it (`ns`), so a
+    /// read that pairs a key with another bucket's entry shows. (The entry is one word: what
+    /// can tear is the key against the entry.)
     fn stamped(k: u64, round: u32) -> Entry {
-        let v = k as u32 + round;
         Entry::new(
             Slot {
                 class: 1,
                 idx: k as u32,
             },
-            v,
-            0,
+            round as u16,
             Life::Ready,
-            v,
         )
     }
 
@@ -760,8 +753,7 @@ mod tests {
                                 }
                                 let e = got.expect("a miss of a key always present");
                                 assert_eq!((e.idx, e.class), (k as u32, 1), "another key's entry");
-                                assert_eq!(e.len, e.pins, "a torn entry");
-                                assert!(e.len >= k as u32);
+                                assert!(e.ready(), "a torn entry");
                             }
                         }
                     }

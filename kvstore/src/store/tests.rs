@@ -297,14 +297,12 @@ fn repeated_keys_are_pinned_once() {
         .unwrap();
     assert_eq!(l.n, 1);
     assert_eq!(s.stats().leased_blocks, 1);
-    let e = s
-        .inner
-        .shard(k(1))
-        .lock()
-        .map
-        .get(&crate::types::MapKey::from(k(1)))
-        .unwrap();
-    assert_eq!(e.pins, 1, "a repeated key took several pins");
+    let pins = {
+        let sh = s.inner.shard(k(1)).lock();
+        let e = sh.map.get(&crate::types::MapKey::from(k(1))).unwrap();
+        sh.pins.count(&e)
+    };
+    assert_eq!(pins, 1, "a repeated key took several pins");
     s.release(l.id.unwrap());
     // A load stops at a repeated key: no prefix repeats a block.
     s.put(n, k(2), &[2u8; 100]).unwrap();
@@ -443,4 +441,26 @@ fn a_load_waits_for_a_save_in_progress_and_an_aborted_one_is_a_miss() {
         assert_eq!(b.join().unwrap(), 5);
     });
     assert_eq!(s.match_prefix(&keys).pending, 0);
+}
+
+#[test]
+fn a_block_removed_while_leased_counts_its_bytes_until_released() {
+    let (s, n) = small(PolicyKind::Lru);
+    s.put(n, k(1), &[1u8; 100]).unwrap();
+    s.put(n, k(2), &[2u8; 300]).unwrap();
+    let l = s.lease(&[k(1)], Duration::from_secs(60)).unwrap();
+    assert!(s.remove(&k(1)));
+    assert!(s.remove(&k(2)));
+    let st = s.stats();
+    assert_eq!(st.blocks, 0);
+    assert_eq!(st.used_bytes, 100, "the leased block's bytes are still held");
+    // Stored again while the old copy is held: a new slot, counted on its own.
+    s.put(n, k(1), &[3u8; 100]).unwrap();
+    assert_eq!(s.stats().used_bytes, 200);
+    assert!(s.release(l.id.unwrap()));
+    let st = s.stats();
+    assert_eq!((st.blocks, st.used_bytes), (1, 100));
+    let mut buf = vec![0u8; 100];
+    assert_eq!(s.get_into(&k(1), &mut buf).unwrap(), Some(100));
+    assert_eq!(buf, vec![3u8; 100], "the new bytes, not the removed block's");
 }

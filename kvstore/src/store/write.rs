@@ -139,10 +139,8 @@ impl Inner {
             self.free_slot(slot);
             return Ok(r);
         }
-        sh.map.insert(
-            mk,
-            Entry::new(slot, len as u32, ns.0 as u16, Life::Filling, 0),
-        );
+        sh.map
+            .insert(mk, Entry::new(slot, ns.0 as u16, Life::Filling));
         Ok(Reserve::Slot(Reservation {
             inner: self.clone(),
             key,
@@ -192,15 +190,14 @@ impl Inner {
                         ns: r.ns,
                     };
                     let through_admitted = self.write_through && self.admitted(key, false);
-                    if let Some(mut e) = sh.map.get_mut(&mk) {
+                    let super::index::Shard { map, pins } = &mut *sh;
+                    if let Some(mut e) = map.get_mut(&mk) {
                         // Each queue holds its own pin until it is done with the block.
-                        if self.push_to.is_some() && r.push {
-                            e.pins += 1;
+                        if self.push_to.is_some() && r.push && pins.add(&mut e).is_ok() {
                             push = Some(d);
                         }
-                        if through_admitted {
+                        if through_admitted && pins.add(&mut e).is_ok() {
                             e.set_copy(Copy::Demoting);
-                            e.pins += 1;
                             through = Some(d);
                         }
                     }

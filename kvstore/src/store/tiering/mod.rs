@@ -169,30 +169,39 @@ impl Inner {
             let mut queue = Vec::new();
             {
                 let mut sh = s.lock();
-                for (k, mut e) in sh.map.iter_mut() {
+                let super::index::Shard { map, pins } = &mut *sh;
+                for (k, mut e) in map.iter_mut() {
                     let key = BlockKey::from(k);
                     if e.ready()
                         && e.copy() == Copy::Dirty
                         && (retained.contains_key(&k) || self.admitted(key, e.accessed()))
+                        && pins.add(&mut e).is_ok()
                     {
                         e.set_copy(Copy::Demoting);
-                        e.pins += 1;
                         tracing::trace!(%key, "flush: queued");
-                        queue.push((key, e.slot(), e.len, e.ns));
+                        queue.push((key, e.slot(), e.ns));
                     }
                 }
             }
             let demote = queue
                 .into_iter()
-                .map(|(key, slot, len, ns)| Demote {
-                    key,
-                    slot,
-                    page: self.classes[slot.class as usize]
-                        .lock()
-                        .page_of(slot.idx, self.seg_pages),
-                    cap: self.class_sizes[slot.class as usize],
-                    len,
-                    ns,
+                .map(|(key, slot, ns)| {
+                    // Pinned for the writer: its slot and length stay.
+                    let (page, len) = {
+                        let c = self.classes[slot.class as usize].lock();
+                        (
+                            c.page_of(slot.idx, self.seg_pages),
+                            c.lens[slot.idx as usize],
+                        )
+                    };
+                    Demote {
+                        key,
+                        slot,
+                        page,
+                        cap: self.class_sizes[slot.class as usize],
+                        len,
+                        ns,
+                    }
                 })
                 .collect::<Vec<_>>();
             if !demote.is_empty() {

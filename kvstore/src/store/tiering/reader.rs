@@ -366,7 +366,7 @@ impl Inner {
                     }
                     if let Some(e) = e {
                         self.stats.blocks.fetch_add(1, Relaxed);
-                        self.stats.used_bytes.fetch_add(u64::from(e.len), Relaxed);
+                        self.stats.used_bytes.fetch_add(u64::from(p.len), Relaxed);
                         self.stats.promotions.fetch_add(1, Relaxed);
                         self.events.emit(EventKind::Stored, p.key, Tier::Host, e.ns);
                         true

@@ -201,32 +201,34 @@ impl Inner {
             };
             if found && o == WriteOutcome::Corrupt {
                 damaged = true;
-                if let Removed::Doomed(len, _) = sh.remove(mk) {
+                // Our pin holds it: doomed, its bytes counted until the last unpin frees it.
+                if let Removed::Doomed(_) = sh.remove(mk) {
                     self.stats.blocks.fetch_sub(1, Relaxed);
-                    self.stats.used_bytes.fetch_sub(u64::from(len), Relaxed);
                 }
             }
             // Demoted by the application ([`Store::demote`]): written, and nobody else holds
             // it, so the host copy goes now.
-            let drop_now = match sh.map.get_mut(&mk).filter(|e| e.slot() == d.slot) {
+            let super::super::index::Shard { map, pins } = &mut *sh;
+            let drop_now = match map.get_mut(&mk).filter(|e| e.slot() == d.slot) {
                 Some(mut e) if e.drop_when_written() => {
                     e.set_drop_when_written(false);
-                    e.copy() == Copy::Clean && e.pins == 1 && e.ready()
+                    e.copy() == Copy::Clean && pins.count(&e) == 1 && e.ready()
                 }
                 _ => false,
             };
             if drop_now {
-                if let Some(e) = sh.map.remove(&mk) {
-                    dropped = Some((e.len, e.ns));
+                // Ours was its one pin.
+                if let Some(e) = map.remove(&mk) {
+                    pins.forget(d.slot);
+                    dropped = Some(e.ns);
                 }
                 true
             } else {
                 sh.unpin(mk, d.slot)
             }
         };
-        if let Some((len, ns)) = dropped {
+        if let Some(ns) = dropped {
             self.stats.blocks.fetch_sub(1, Relaxed);
-            self.stats.used_bytes.fetch_sub(u64::from(len), Relaxed);
             self.events.emit(EventKind::Removed, d.key, Tier::Host, ns);
         }
         if damaged {
@@ -236,7 +238,8 @@ impl Inner {
                 .emit(EventKind::Removed, d.key, Tier::Host, d.ns);
         }
         if freed {
-            self.free_slot(d.slot);
+            // A published block's slot (dropped now, or doomed and this was its last pin).
+            self.free_published(d.slot);
         }
     }
 }
