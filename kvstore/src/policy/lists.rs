@@ -1,14 +1,16 @@
 //! Intrusive doubly linked lists over dense ids: `N` lists share one link table, and an id is
-//! in at most one of them. Heads are the most recently inserted end. The byte that says which
-//! list an id is in has 6 bits to spare, which the policy may use ([`Lists::aux`]: S3-FIFO's
-//! frequency), so a block costs 9 bytes however the policy counts.
+//! in at most one of them. Heads are the most recently inserted end. The half byte that says
+//! which list an id is in has 2 bits to spare, which the policy may use ([`Lists::aux`]:
+//! S3-FIFO's frequency 0..=3, SIEVE's visited bit), so a block costs 8.5 bytes however the
+//! policy counts.
 
 pub(super) const NIL: u32 = u32::MAX;
 
 pub(super) struct Lists<const N: usize> {
     /// `(prev, next)` per id; `prev` points toward the head.
     links: Vec<(u32, u32)>,
-    /// Bits 0-1: 0 in no list, `l + 1` in list `l`; bits 2-7: the policy's ([`Lists::aux`]).
+    /// Two ids a byte, id `i` in the half at bit `4 * (i % 2)`: bits 0-1 0 in no list,
+    /// `l + 1` in list `l`; bits 2-3 the policy's ([`Lists::aux`]).
     tag: Vec<u8>,
     head: [u32; N],
     tail: [u32; N],
@@ -36,46 +38,60 @@ impl<const N: usize> Lists<N> {
     /// Makes room for `id` in the tables.
     pub(super) fn ensure(&mut self, id: u32) {
         let i = id as usize;
-        if self.tag.len() <= i {
-            self.tag.resize(i + 1, 0);
+        if self.links.len() <= i {
             self.links.resize(i + 1, (NIL, NIL));
+            self.tag.resize(i / 2 + 1, 0);
         }
     }
 
     /// Sizes the tables for ids `0..ids` exactly.
     pub(super) fn reserve(&mut self, ids: usize) {
-        super::reserve_total(&mut self.tag, ids);
+        super::reserve_total(&mut self.tag, ids.div_ceil(2));
         super::reserve_total(&mut self.links, ids);
+    }
+
+    /// The 4 tag bits of `id` (0 for an id never seen).
+    fn tag_of(&self, id: u32) -> u8 {
+        self.tag
+            .get(id as usize / 2)
+            .map_or(0, |t| (t >> (4 * (id % 2))) & 15)
+    }
+
+    /// Sets the 4 tag bits of `id` (room made for it).
+    fn set_tag(&mut self, id: u32, v: u8) {
+        let shift = 4 * (id % 2);
+        let t = &mut self.tag[id as usize / 2];
+        *t = (*t & !(15 << shift)) | ((v & 15) << shift);
     }
 
     /// The list `id` is in.
     pub(super) fn list_of(&self, id: u32) -> Option<usize> {
         #[allow(clippy::let_unit_value)]
         let () = Self::FITS;
-        match self.tag.get(id as usize).map(|t| t & LIST) {
-            Some(t) if t > 0 => Some(t as usize - 1),
-            _ => None,
+        match self.tag_of(id) & LIST {
+            0 => None,
+            t => Some(t as usize - 1),
         }
     }
 
-    /// The policy's 6 bits of `id` (0 for an id never seen). They stay through moves and
+    /// The policy's 2 bits of `id` (0 for an id never seen). They stay through moves and
     /// unlinking: the policy resets them when it wants.
     pub(super) fn aux(&self, id: u32) -> u8 {
-        self.tag.get(id as usize).map_or(0, |t| t >> 2)
+        self.tag_of(id) >> 2
     }
 
-    /// Sets the policy's bits of `id` (`v` < 64).
+    /// Sets the policy's bits of `id` (`v` < 4).
     pub(super) fn set_aux(&mut self, id: u32, v: u8) {
-        debug_assert!(v < 64);
+        debug_assert!(v < 4);
         self.ensure(id);
-        let t = &mut self.tag[id as usize];
-        *t = (*t & LIST) | (v << 2);
+        let t = self.tag_of(id);
+        self.set_tag(id, (t & LIST) | (v << 2));
     }
 
     /// Ids the tables have room for.
     #[cfg(test)]
     pub(super) fn ids(&self) -> usize {
-        self.tag.len()
+        self.links.len()
     }
 
     pub(super) fn len(&self, l: usize) -> usize {
@@ -113,7 +129,8 @@ impl<const N: usize> Lists<N> {
             self.links[n as usize].0 = p;
         }
         self.links[id as usize] = (NIL, NIL);
-        self.tag[id as usize] &= !LIST;
+        let t = self.tag_of(id);
+        self.set_tag(id, t & !LIST);
         self.len[l] -= 1;
     }
 
@@ -129,7 +146,8 @@ impl<const N: usize> Lists<N> {
             self.links[old as usize].0 = id;
         }
         self.head[l] = id;
-        self.tag[id as usize] |= l as u8 + 1;
+        let t = self.tag_of(id);
+        self.set_tag(id, t | (l as u8 + 1));
         self.len[l] += 1;
     }
 
@@ -145,7 +163,8 @@ impl<const N: usize> Lists<N> {
             self.links[old as usize].1 = id;
         }
         self.tail[l] = id;
-        self.tag[id as usize] |= l as u8 + 1;
+        let t = self.tag_of(id);
+        self.set_tag(id, t | (l as u8 + 1));
         self.len[l] += 1;
     }
 }
@@ -188,13 +207,17 @@ mod tests {
         assert_eq!((x.back(0), x.len(0), x.list_of(5)), (Some(5), 1, Some(0)));
         x.unlink(5);
         assert_eq!(x.back(0), None);
-        // The spare bits ride along through moves and unlinking, apart from the list's.
-        x.set_aux(1, 63);
+        // The spare bits ride along through moves and unlinking, apart from the list's, and
+        // apart from the other id in the same byte (0 shares 1's).
+        x.set_aux(1, 3);
         x.push_front(0, 1);
-        assert_eq!((x.aux(1), x.list_of(1)), (63, Some(0)));
+        assert_eq!((x.aux(1), x.list_of(1)), (3, Some(0)));
+        assert_eq!((x.aux(0), x.list_of(0)), (0, Some(1)));
         x.unlink(1);
-        assert_eq!((x.aux(1), x.list_of(1)), (63, None));
-        x.set_aux(1, 2);
-        assert_eq!((x.aux(1), x.aux(1000)), (2, 0));
+        assert_eq!((x.aux(1), x.list_of(1)), (3, None));
+        x.set_aux(0, 2);
+        x.set_aux(1, 1);
+        assert_eq!((x.aux(0), x.list_of(0), x.aux(1)), (2, Some(1), 1));
+        assert_eq!((x.aux(1), x.aux(1000)), (1, 0));
     }
 }

@@ -332,6 +332,7 @@ pub struct S3Fifo {
 /// agent and document-QA traces (bench/RESULTS.md, wave 2).
 const SMALL_PERCENT: usize = 25;
 const MAX_FREQ: u8 = 3;
+const _: () = assert!(MAX_FREQ < 4, "a frequency is two bits of the list tag");
 /// Bounds of the adaptive variant's small-queue share.
 const ADAPT_MIN: f64 = 0.01;
 const ADAPT_MAX: f64 = 0.9;

@@ -16,18 +16,17 @@ pub(crate) struct Class {
     /// Slots in use (reserved or committed) per chunk.
     pub live: Vec<u32>,
     pub free: Vec<u32>,
-    /// The index hash (`table::hash`) of the block's key in each slot (valid while `used`):
+    /// The index hash (`table::hash`) of the block's key in each slot (valid while in use):
     /// enough to find the block's entry (the shard, then the bucket holding this slot), in
     /// a quarter of the bytes of the key.
     pub hashes: Vec<u32>,
     /// Commit checksum (xxh3-64) of the block in each slot (valid once committed).
     pub sums: Vec<u64>,
-    /// Length in bytes of the block in each slot (valid while `used`). Here rather than in the
+    /// Length in bytes of the block in each slot, 0 for a free slot (a block is never empty):
+    /// so it also says which slots are in use (reserved or committed). Here rather than in the
     /// index's entry: read where the slot's page and checksum are (a load, under this lock),
     /// and on eviction and free, which hold this lock anyway.
     pub lens: Vec<u32>,
-    /// Whether each slot is in use (reserved or committed): a bit per slot.
-    used: Vec<u64>,
     pub policy: Box<dyn EvictionPolicy>,
     /// The most slots this class can ever have: the whole arena cut into its slots (a chunk
     /// exists only while it holds a segment or waits in `free_chunks` for the next one).
@@ -65,7 +64,6 @@ impl Class {
             hashes: Vec::new(),
             sums: Vec::new(),
             lens: Vec::new(),
-            used: Vec::new(),
             policy,
         }
     }
@@ -97,34 +95,30 @@ impl Class {
             reserve_total(&mut self.hashes, cap);
             reserve_total(&mut self.sums, cap);
             reserve_total(&mut self.lens, cap);
-            reserve_total(&mut self.used, cap.div_ceil(64));
             self.policy.reserve(cap);
             self.hashes.resize(end as usize, 0);
             self.sums.resize(end as usize, 0);
             self.lens.resize(end as usize, 0);
-            self.used.resize((end as usize).div_ceil(64), 0);
         }
         self.free.extend((start..end).rev());
     }
 
     /// Whether slot `idx` is in use.
     pub(crate) fn is_used(&self, idx: u32) -> bool {
-        self.used
-            .get(idx as usize / 64)
-            .is_some_and(|w| w & (1 << (idx % 64)) != 0)
+        self.lens.get(idx as usize).is_some_and(|&l| l != 0)
     }
 
     /// Slots in use.
     #[cfg(all(test, kvtier_shuttle))]
     pub(crate) fn used_slots(&self) -> u64 {
-        self.used.iter().map(|w| u64::from(w.count_ones())).sum()
+        self.lens.iter().filter(|&&l| l != 0).count() as u64
     }
 
     /// Marks a free slot used by a block of `len` bytes whose key has index hash `hash`.
     pub(crate) fn take(&mut self, idx: u32, hash: u32, len: u32) {
         self.hashes[idx as usize] = hash;
+        debug_assert!(len > 0, "an empty block");
         self.lens[idx as usize] = len;
-        self.used[idx as usize / 64] |= 1 << (idx % 64);
         self.live[(idx / self.per_seg) as usize] += 1;
     }
 
@@ -132,7 +126,7 @@ impl Class {
     pub(crate) fn release(&mut self, idx: u32) {
         self.policy.remove(idx);
         if self.is_used(idx) {
-            self.used[idx as usize / 64] &= !(1 << (idx % 64));
+            self.lens[idx as usize] = 0;
             self.live[(idx / self.per_seg) as usize] -= 1;
             self.free.push(idx);
         }
@@ -209,7 +203,6 @@ mod tests {
             assert_eq!(c.hashes.capacity(), 80, "{}", p.name());
             assert_eq!(c.sums.capacity(), 80);
             assert_eq!(c.lens.capacity(), 80);
-            assert_eq!(c.used.capacity(), 2);
         }
     }
 }

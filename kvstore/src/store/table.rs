@@ -4,8 +4,9 @@
 //! store has: at most 255 classes, numbered from 0).
 //!
 //! Why not `hashbrown` (what it replaced): three things a 10 M-block node needs.
-//! - **Memory.** The capacity is not a power of two: the table grows by a third when 90% full,
-//!   so it runs between 68% and 90% full (hashbrown: 44–88%, plus a control byte a bucket).
+//! - **Memory.** The capacity is not a power of two: the table grows by a seventh when 90%
+//!   full, so it runs between 78% and 90% full (hashbrown: 44–88%, plus a control byte a
+//!   bucket).
 //!   Robin Hood keeps probes short at that load, a miss included (a probe stops at the first
 //!   bucket whose key sits closer to its home than the probe has come).
 //! - **Prefetching.** A key's home bucket is a function of its hash and the table's size, which
@@ -43,8 +44,11 @@ use crate::types::{key_mix, MapKey};
 const EMPTY: u8 = u8::MAX;
 /// Grow when more than 9 in 10 buckets would be full…
 const MAX_LOAD: (usize, usize) = (9, 10);
-/// …to a capacity 4/3 the old one (68% full after).
-const GROWTH: (usize, usize) = (4, 3);
+/// …to a capacity 8/7 the old one (79% full after). A table of N keys then holds on average
+/// 1.07 N / 0.9 buckets over the sizes it passes through (4/3, before: 1.16 N / 0.9, 2 bytes a
+/// block more at 24 bytes a bucket), for 7 moves of a key per insert, amortized, instead of 3.
+/// The moves are a shard's alone, under its lock, and a store at its size stops growing.
+const GROWTH: (usize, usize) = (8, 7);
 const MIN_CAPACITY: usize = 16;
 /// Buckets a probe compares keys in before it checks whether it can stop early.
 const CHEAP_PROBES: usize = 4;
@@ -626,7 +630,7 @@ mod tests {
     }
 
     #[test]
-    fn runs_between_68_and_90_percent_full() {
+    fn runs_between_78_and_90_percent_full() {
         let mut t = Table::default();
         let mut lowest = 1.0f64;
         for i in 0..100_000u64 {
@@ -637,7 +641,7 @@ mod tests {
                 lowest = lowest.min(load);
             }
         }
-        assert!(lowest > 0.67, "lowest load {lowest}");
+        assert!(lowest > 0.78, "lowest load {lowest}");
         for i in 0..100_000u64 {
             assert_eq!(t.get(&MapKey([i, !i])).map(|e| e.idx), Some(i as u32));
         }

@@ -453,7 +453,10 @@ fn a_block_removed_while_leased_counts_its_bytes_until_released() {
     assert!(s.remove(&k(2)));
     let st = s.stats();
     assert_eq!(st.blocks, 0);
-    assert_eq!(st.used_bytes, 100, "the leased block's bytes are still held");
+    assert_eq!(
+        st.used_bytes, 100,
+        "the leased block's bytes are still held"
+    );
     // Stored again while the old copy is held: a new slot, counted on its own.
     s.put(n, k(1), &[3u8; 100]).unwrap();
     assert_eq!(s.stats().used_bytes, 200);
@@ -462,5 +465,9 @@ fn a_block_removed_while_leased_counts_its_bytes_until_released() {
     assert_eq!((st.blocks, st.used_bytes), (1, 100));
     let mut buf = vec![0u8; 100];
     assert_eq!(s.get_into(&k(1), &mut buf).unwrap(), Some(100));
-    assert_eq!(buf, vec![3u8; 100], "the new bytes, not the removed block's");
+    assert_eq!(
+        buf,
+        vec![3u8; 100],
+        "the new bytes, not the removed block's"
+    );
 }
