@@ -147,15 +147,17 @@ unsafe impl Sync for Cells {}
 impl Cells {
     fn new(cap: usize) -> Self {
         use std::alloc::{alloc, handle_alloc_error, Layout};
-        let bytes = cap * std::mem::size_of::<Cell>();
-        let align = if bytes >= HUGE {
-            HUGE
-        } else {
-            std::mem::align_of::<Cell>()
+        let layout = Layout::array::<Cell>(cap.max(1)).and_then(|l| {
+            if l.size() >= HUGE {
+                l.align_to(HUGE)
+            } else {
+                Ok(l)
+            }
+        });
+        let Ok(layout) = layout else {
+            panic!("an index table of {cap} buckets is larger than memory");
         };
-        let Ok(layout) = Layout::from_size_align(bytes.max(1), align) else {
-            panic!("an index table of {cap} buckets");
-        };
+        let bytes = layout.size();
         // SAFETY: the layout's size is not zero.
         let raw = unsafe { alloc(layout) } as *mut Cell;
         let Some(ptr) = std::ptr::NonNull::new(raw) else {

@@ -321,15 +321,24 @@ impl Inner {
             let mk = MapKey::from(p.key);
             let published = match read(i, p) {
                 Some(info) => {
-                    if let Some((deadline, owner, tag)) = preload {
-                        // Recorded before it is visible: a load that finds it preloaded
-                        // always finds the hold to release. Counted under the holds' lock:
-                        // a cancel that ends the hold at once subtracts only what was added
-                        // (counted after the insert, an owner's count kept a hold's bytes
-                        // for good: found by the shuttle tests).
-                        let old = {
-                            let mut holds = self.preloads.lock();
-                            let old = holds.insert(
+                    let e = if let Some((deadline, owner, tag)) = preload {
+                        // Held with the publication, under the holds' lock and then the
+                        // shard's: a load that finds the block preloaded finds the hold to
+                        // release (it takes the holds' lock after), and a hold never owns
+                        // the pin of a promotion that did not publish (a removal while it
+                        // was promoting forgets that pin: a hold recorded before, ended
+                        // meanwhile by a reap, would unpin a slot already given to another
+                        // block). Counted under the holds' lock: a cancel that ends the hold
+                        // at once subtracts only what was added.
+                        let mut holds = self.preloads.lock();
+                        let mut sh = self.shard(p.key).lock();
+                        let e = sh.publish(mk, p.slot, Copy::Clean);
+                        let mut old = None;
+                        if e.is_some() {
+                            if let Some(mut x) = sh.map.get_mut(&mk) {
+                                x.set_preloaded(true);
+                            }
+                            old = holds.insert(
                                 mk,
                                 Held {
                                     slot: p.slot,
@@ -341,29 +350,17 @@ impl Inner {
                                 },
                             );
                             self.add_hold_bytes(owner, u64::from(info.len));
-                            old
-                        };
+                        }
+                        drop(sh);
+                        drop(holds);
                         if let Some(old) = old {
                             // The hold of a copy removed while held.
                             self.drop_hold(p.key, old);
                         }
-                    }
-                    let e = {
-                        let mut sh = self.shard(p.key).lock();
-                        let e = sh.publish(mk, p.slot, Copy::Clean);
-                        if let (Some(_), Some(_), Some(mut x)) = (preload, e, sh.map.get_mut(&mk)) {
-                            x.set_preloaded(true);
-                        }
                         e
+                    } else {
+                        self.shard(p.key).lock().publish(mk, p.slot, Copy::Clean)
                     };
-                    if preload.is_some() && e.is_none() {
-                        // Removed meanwhile: nothing to hold.
-                        let h = self.preloads.lock().remove(&mk);
-                        if let Some(h) = h {
-                            self.held_bytes.fetch_sub(h.bytes, Relaxed);
-                            self.work.reads.sub_held(h.owner, h.bytes);
-                        }
-                    }
                     if let Some(e) = e {
                         self.stats.blocks.fetch_add(1, Relaxed);
                         self.stats.used_bytes.fetch_add(u64::from(p.len), Relaxed);
