@@ -870,12 +870,17 @@ impl Inner {
                 Removed::Absent
             }
         };
-        // We hold a pin: the block is doomed, its slot freed by the last unpin.
-        debug_assert!(!matches!(removed, Removed::Freed(..)));
-        if let Removed::Doomed(ns) | Removed::Freed(_, ns) = removed {
-            self.stats.blocks.fetch_sub(1, Relaxed);
-            self.events.emit(EventKind::Removed, p.key, Tier::Host, ns);
-        }
+        // We hold a pin, so it is doomed: its slot is freed by the last unpin.
+        let ns = match removed {
+            Removed::Doomed(ns) => ns,
+            Removed::Freed(slot, ns) => {
+                self.free_published(slot);
+                ns
+            }
+            Removed::Absent | Removed::Cancelled => return,
+        };
+        self.stats.blocks.fetch_sub(1, Relaxed);
+        self.events.emit(EventKind::Removed, p.key, Tier::Host, ns);
     }
 
     /// Drops one pin of a host block (freeing its slot if it was removed meanwhile).
