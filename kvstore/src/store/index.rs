@@ -247,6 +247,14 @@ pub(crate) enum Removed {
 }
 
 impl Shard {
+    /// An empty shard whose table publishes itself in `hints[at]` (see [`Table::with_hint`]).
+    pub(crate) fn with_hint(hints: std::sync::Arc<[super::table::Hint]>, at: usize) -> Self {
+        Shard {
+            map: Table::with_hint(hints, at),
+            pins: Pins::default(),
+        }
+    }
+
     /// Pins a Ready block (one more reader); `None` if absent or not Ready.
     pub(crate) fn pin(&mut self, key: MapKey) -> Result<Option<Entry>, StoreError> {
         match self.map.get_mut(&key) {

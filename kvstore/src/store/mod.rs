@@ -341,7 +341,7 @@ pub(crate) struct Inner {
     pub(crate) populated: AtomicU32,
     pub(crate) shards: Box<[Mutex<Shard>]>,
     /// Per shard, where its table is, read without its lock to prefetch (`table::Hint`).
-    pub(crate) hints: Box<[Arc<table::Hint>]>,
+    pub(crate) hints: Arc<[table::Hint]>,
     shard_bits: u32,
     namespaces: RwLock<Vec<Fingerprint>>,
     registering: Mutex<()>,
@@ -485,10 +485,10 @@ impl Store {
                 )
             })
             .collect();
+        let hints = table::new_hints(cfg.shards);
         let shards: Box<[Mutex<Shard>]> = (0..cfg.shards)
-            .map(|_| Mutex::new(level::SHARD, "shard", Shard::default()))
+            .map(|i| Mutex::new(level::SHARD, "shard", Shard::with_hint(hints.clone(), i)))
             .collect();
-        let hints = shards.iter().map(|s| s.lock().map.hint()).collect();
         let background = cfg.populate == Populate::Background;
         let pool: Vec<u32> = if background {
             Vec::new()

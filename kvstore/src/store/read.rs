@@ -111,9 +111,19 @@ impl Prefetcher {
     }
 
     /// The hash of `keys[pos]` (`table::hash`), prefetching ahead of it.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn hash(&mut self, inner: &Inner, keys: &[BlockKey], pos: usize) -> u32 {
-        if !self.on || pos + 16 <= self.prefetched {
+        if !self.on {
+            return super::table::hash(MapKey::from(keys[pos]));
+        }
+        self.ahead(inner, keys, pos)
+    }
+
+    /// [`Prefetcher::hash`] when prefetching: out of line, as the walk through a small
+    /// index (no prefetching) is a loop of a few dozen instructions a key.
+    #[inline(never)]
+    fn ahead(&mut self, inner: &Inner, keys: &[BlockKey], pos: usize) -> u32 {
+        if pos + 16 <= self.prefetched {
             return super::table::hash(MapKey::from(keys[pos]));
         }
         let ahead = keys.len().min(pos + PREFETCH_AHEAD + 1);
@@ -146,7 +156,7 @@ impl<'a> HostView<'a> {
     }
 
     /// The entry of `keys[pos]` (positions asked in increasing order).
-    #[inline]
+    #[inline(always)]
     pub(crate) fn get(&mut self, pos: usize) -> Option<Entry> {
         let mk = MapKey::from(*self.keys.get(pos)?);
         let h = self.prefetcher.hash(self.inner, self.keys, pos);
@@ -154,7 +164,14 @@ impl<'a> HostView<'a> {
         if let Some(e) = self.inner.hints[shard].read(h, &mk, &self.prefetcher.guard) {
             return e;
         }
-        self.inner.shards[shard].lock().map.get_hashed(h, &mk)
+        self.locked(shard, h, &mk)
+    }
+
+    /// [`HostView::get`] when a write got in the way: under the shard's lock.
+    #[cold]
+    #[inline(never)]
+    fn locked(&self, shard: usize, h: u32, mk: &MapKey) -> Option<Entry> {
+        self.inner.shards[shard].lock().map.get_hashed(h, mk)
     }
 }
 
@@ -511,26 +528,34 @@ impl Inner {
 
     /// The longest present prefix: the local chain first, then (with `remote`) one batched
     /// question to the remote tier for the rest. Beside it, for each block below host memory,
-    /// its tier's index and what that tier says of it.
+    /// its tier's index and what that tier says of it (`below` is as long as the prefix, or
+    /// empty when every block of it is in host memory).
     pub(crate) fn match_prefix_in(
         &self,
         keys: &[BlockKey],
         remote: bool,
     ) -> (PrefixMatch, Vec<Option<(usize, BlockInfo)>>) {
         let mut tiers = Vec::with_capacity(keys.len());
-        let mut below = Vec::with_capacity(keys.len());
+        // Filled from the first block below host memory on (most prefixes have none).
+        let mut below = Vec::new();
         let mut far = None;
         let mut host = HostView::new(self, keys);
         for pos in 0..keys.len() {
             if host.get(pos).is_some_and(|e| e.ready()) {
                 tiers.push(Tier::Host);
-                below.push(None);
+                if !below.is_empty() {
+                    below.push(None);
+                }
                 continue;
             }
             let Some((i, info)) = self.find_below_or_far(keys, pos, remote, &mut far) else {
                 break;
             };
             tiers.push(self.tiers[i].kind());
+            if below.is_empty() {
+                below.reserve(keys.len());
+                below.resize(pos, None);
+            }
             below.push(Some((i, info)));
         }
         // Read-your-writes: the run of keys being written right after the present prefix.

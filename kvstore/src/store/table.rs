@@ -30,7 +30,8 @@
 //! any table under 2^32 buckets, and a size class remembers each slot's key by these 4 bytes.
 
 use std::sync::atomic::{
-    fence, AtomicU64, Ordering::Acquire, Ordering::Relaxed, Ordering::Release,
+    fence, AtomicPtr, AtomicU64, AtomicUsize, Ordering::Acquire, Ordering::Relaxed,
+    Ordering::Release,
 };
 use std::sync::Arc;
 
@@ -233,7 +234,7 @@ enum Probe {
 /// The first bucket on the probe path of hash `h` that `hit` accepts. Under the lock the
 /// answer is exact; without it (racing a write) it may be anything, `Torn` included, but the
 /// probe always ends and reads only inside `cells`.
-#[inline]
+#[inline(always)]
 fn probe(cells: &[Cell], h: u32, hit: impl Fn(&Cell) -> bool) -> Probe {
     let cap = cells.len();
     if cap == 0 {
@@ -282,32 +283,59 @@ fn write_end(seq: &AtomicU64) {
 }
 
 /// What the rest of the store sees of a shard's table outside its lock: where its buckets
-/// are (for prefetching, and for [`Hint::read`]) and its sequence number.
+/// are (for prefetching, and for [`Hint::read`]) and its sequence number. The store keeps all
+/// its shards' hints in one array ([`new_hints`]), a line each: a reader goes from the store to
+/// the hint to the bucket, and a writer's sequence number shares no line with another shard's.
 #[derive(Default)]
+#[repr(align(64))]
 pub(crate) struct Hint {
+    /// The buckets' owner: replaced whole when the table grows, the old ones retired through
+    /// the epoch.
     cells: Atomic<Cells>,
+    /// The same buckets' address and count, published beside `cells` by `grow` (the address
+    /// first, then the count) so that a reader reaches a bucket in one load fewer: the
+    /// hint's own fields, then the bucket. A reader loads the count, then the address: a new
+    /// count comes with its new address, and an old count with an address of at least that
+    /// many buckets (tables only grow), so its probe stays inside an allocation the epoch
+    /// keeps; the sequence number tells it whether the buckets it read were current.
+    ptr: AtomicPtr<Cell>,
+    cap: AtomicUsize,
     /// Odd while a write section runs; bumped at its start and end.
     seq: AtomicU64,
 }
 
 impl Hint {
-    /// The table's buckets (as last published). `guard`: the caller's epoch.
-    pub(crate) fn capacity(&self, guard: &Guard) -> usize {
-        // SAFETY: the pointer is either null or a `Cells` that the table published and retires
-        // only through the epoch, which `guard` holds open.
-        unsafe { self.cells.load(Acquire, guard).as_ref() }.map_or(0, |c| c.len())
+    /// The table's buckets, as last published, for a reader without the lock. `_guard`: the
+    /// caller's epoch, which keeps them allocated for as long as it lives.
+    #[inline]
+    fn buckets<'g>(&self, _guard: &'g Guard) -> &'g [Cell] {
+        let cap = self.cap.load(Acquire);
+        let ptr = self.ptr.load(Acquire);
+        if cap == 0 || ptr.is_null() {
+            return &[];
+        }
+        // SAFETY: `ptr` holds at least `cap` initialized buckets (see the fields' doc: the
+        // count is published after its address, and tables only grow), published by `grow`
+        // with release ordering and read here with acquire (their initialization is
+        // visible). Old buckets are retired only through the epoch, after the address
+        // moved on, so they outlive `_guard`, which the caller pinned before these loads.
+        unsafe { std::slice::from_raw_parts(ptr, cap) }
     }
 
-    /// Starts loading the home bucket of the key with hash `h` into the cache, and the line
-    /// after it: a key sits 1–2 buckets past its home on average at this load, and a 24-byte
-    /// bucket straddles two lines one time in four (the second line: 3.9 → 3.7 µs for 64 keys
-    /// at 10 M blocks). `guard`: the caller's epoch (see [`Hint::read`]).
+    /// The number of buckets, as last published. `guard`: the caller's epoch.
+    pub(crate) fn capacity(&self, guard: &Guard) -> usize {
+        self.buckets(guard).len()
+    }
+
+    /// Starts loading the home bucket of the key with hash `h` into the cache, and the two
+    /// lines after it. At 78–90% full a linear probe finds a key 2–4.5 buckets past its home
+    /// on average (½(1 + 1/(1 − load)) probes), 48–110 bytes on: with only the next line
+    /// prefetched, the keys past it missed in the walk, a third of a 64-key lookup's time at
+    /// 10 M blocks (p50 3.7–4.0 → 2.7–3.1 µs with the third line; a fourth was slower: too
+    /// many misses in flight). `guard`: the caller's epoch (see [`Hint::read`]).
     #[inline]
     pub(crate) fn prefetch(&self, h: u32, guard: &Guard) {
-        // SAFETY: as in `capacity`: null or published, and not freed while `guard` lives.
-        let Some(cells) = (unsafe { self.cells.load(Acquire, guard).as_ref() }) else {
-            return;
-        };
+        let cells = self.buckets(guard);
         if cells.is_empty() {
             return;
         }
@@ -319,6 +347,7 @@ impl Hint {
             use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
             _mm_prefetch::<_MM_HINT_T0>(addr as *const i8);
             _mm_prefetch::<_MM_HINT_T0>((addr as *const i8).wrapping_add(64));
+            _mm_prefetch::<_MM_HINT_T0>((addr as *const i8).wrapping_add(128));
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = addr;
@@ -328,20 +357,19 @@ impl Hint {
     /// write section ran during the read (the answer is what the table held at one moment
     /// within it), `None` when one did (ask again under the lock). Never waits. `guard`: an
     /// epoch pinned by the caller, kept for a whole walk along a prefix.
-    #[inline]
+    ///
+    /// Always inlined: out of line, its answer (12 bytes) came back through memory in two
+    /// stores that the caller's one 8-byte load could not take from the store buffer (a
+    /// store-forwarding stall, half the time of a prefix match from cache).
+    #[inline(always)]
     pub(crate) fn read(&self, h: u32, key: &MapKey, guard: &Guard) -> Option<Option<Entry>> {
         let s = self.seq.load(Acquire);
         if s % 2 == 1 {
             return None;
         }
-        // SAFETY: as in `capacity`: null or published, and not freed while `guard` lives.
-        let cells = unsafe { self.cells.load(Acquire, guard).as_ref() };
-        let found = match cells {
-            None => Probe::Miss,
-            Some(c) => probe(c, h, |c| c.key() == *key),
-        };
-        let e = match found {
-            Probe::Hit(i) => cells.map(|c| c[i].entry()),
+        let cells = self.buckets(guard);
+        let e = match probe(cells, h, |c| c.key() == *key) {
+            Probe::Hit(i) => Some(cells[i].entry()),
             Probe::Miss => None,
             Probe::Torn => return None,
         };
@@ -397,23 +425,38 @@ impl<'a> EntryMut<'a> {
     }
 }
 
+/// `n` shards' hints, in one array, for [`Table::with_hint`].
+pub(crate) fn new_hints(n: usize) -> Arc<[Hint]> {
+    (0..n).map(|_| Hint::default()).collect()
+}
+
 /// The table (owned by its shard, which holds the lock for every call). Same shape of API
 /// as the `HashMap` it replaced, except that entries come out as copies ([`Entry`]) or as
 /// [`EntryMut`] to change.
-#[derive(Default)]
 pub(crate) struct Table {
     len: usize,
-    hint: Arc<Hint>,
+    /// The store's hints; this table's is `hints[at]`.
+    hints: Arc<[Hint]>,
+    at: usize,
+}
+
+impl Default for Table {
+    /// A table with a hint of its own.
+    fn default() -> Self {
+        Table::with_hint(new_hints(1), 0)
+    }
 }
 
 impl Drop for Table {
     fn drop(&mut self) {
+        self.hint().cap.store(0, Relaxed);
+        self.hint().ptr.store(std::ptr::null_mut(), Relaxed);
         // SAFETY: readers without the lock reach the buckets only through the store that owns
         // this table (`Inner::hints`), which is being dropped: none is left. Freed now rather
         // than through the epoch so that a dropped store's memory is back at once.
         unsafe {
             let old = self
-                .hint
+                .hint()
                 .cells
                 .swap(Shared::null(), Relaxed, epoch::unprotected());
             if !old.is_null() {
@@ -424,16 +467,29 @@ impl Drop for Table {
 }
 
 impl Table {
-    /// The table's hint (shared: the store keeps one per shard outside its lock).
-    pub(crate) fn hint(&self) -> Arc<Hint> {
-        self.hint.clone()
+    /// An empty table that publishes its buckets in `hints[at]` (the store's array, which it
+    /// reads outside the shards' locks). One table a hint.
+    pub(crate) fn with_hint(hints: Arc<[Hint]>, at: usize) -> Self {
+        assert!(at < hints.len(), "hint {at} of {}", hints.len());
+        Table { len: 0, hints, at }
+    }
+
+    /// The table's hint.
+    #[inline]
+    fn hint(&self) -> &Hint {
+        &self.hints[self.at]
     }
 
     /// The buckets.
     fn cells(&self) -> &[Cell] {
         // SAFETY: only this table replaces its buckets (in `grow`, with `&mut self`), so the
         // ones loaded here stay allocated for as long as `self` is borrowed; null or published.
-        match unsafe { self.hint.cells.load(Relaxed, epoch::unprotected()).as_ref() } {
+        match unsafe {
+            self.hint()
+                .cells
+                .load(Relaxed, epoch::unprotected())
+                .as_ref()
+        } {
             Some(c) => c,
             None => &[],
         }
@@ -441,9 +497,9 @@ impl Table {
 
     /// Runs `f` in a write section: the only way the buckets change.
     fn write<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
-        write_begin(&self.hint.seq);
+        write_begin(&self.hint().seq);
         let r = f(self);
-        write_end(&self.hint.seq);
+        write_end(&self.hint().seq);
         r
     }
 
@@ -479,7 +535,7 @@ impl Table {
     #[inline]
     pub(crate) fn get_hashed_mut(&mut self, h: u32, key: &MapKey) -> Option<EntryMut<'_>> {
         let i = self.find(h, key)?;
-        Some(EntryMut::new(&self.cells()[i], &self.hint.seq))
+        Some(EntryMut::new(&self.cells()[i], &self.hint().seq))
     }
 
     pub(crate) fn get(&self, key: &MapKey) -> Option<Entry> {
@@ -500,7 +556,7 @@ impl Table {
             return None;
         };
         let c = &self.cells()[i];
-        Some((c.key(), EntryMut::new(c, &self.hint.seq)))
+        Some((c.key(), EntryMut::new(c, &self.hint().seq)))
     }
 
     pub(crate) fn contains_key(&self, key: &MapKey) -> bool {
@@ -537,7 +593,13 @@ impl Table {
         // SAFETY: `unprotected` is enough for a swap by the one writer of the pointer (this
         // table, under `&mut self`): the old buckets are not read through it here.
         let unprotected = unsafe { epoch::unprotected() };
-        let old = self.hint.cells.swap(Owned::new(new), Release, unprotected);
+        let owned = Owned::new(new);
+        let (ptr, cap) = (owned.ptr.as_ptr(), owned.len);
+        let old = self.hint().cells.swap(owned, Release, unprotected);
+        // Readers' view: the address, then the count (see `Hint`'s fields), both before
+        // the old buckets are retired.
+        self.hint().ptr.store(ptr, Release);
+        self.hint().cap.store(cap, Release);
         if old.is_null() {
             return;
         }
@@ -574,7 +636,7 @@ impl Table {
     }
 
     pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = (MapKey, EntryMut<'_>)> {
-        let seq = &self.hint.seq;
+        let seq = &self.hint().seq;
         self.cells()
             .iter()
             .filter(|c| !c.is_empty())
@@ -725,7 +787,8 @@ mod tests {
     #[test]
     fn the_hint_follows_growth() {
         let mut t = Table::default();
-        let h = t.hint();
+        let hints = t.hints.clone();
+        let h = &hints[0];
         let guard = epoch::pin();
         assert_eq!(h.capacity(&guard), 0);
         h.prefetch(42, &guard); // nothing to prefetch: no fault, no effect
@@ -770,7 +833,7 @@ mod tests {
         const STABLE: u64 = 512;
         const READS: u64 = 300_000;
         let table = Arc::new(Mutex::new(Table::default()));
-        let hint = table.lock().unwrap().hint();
+        let hints = table.lock().unwrap().hints.clone();
         {
             let mut t = table.lock().unwrap();
             for k in 0..STABLE {
@@ -808,7 +871,7 @@ mod tests {
         };
         let readers: Vec<_> = (0..2)
             .map(|r| {
-                let (hint, whole, retried) = (hint.clone(), whole.clone(), retried.clone());
+                let (hints, whole, retried) = (hints.clone(), whole.clone(), retried.clone());
                 std::thread::spawn(move || {
                     let mut x = 0x9E37_79B9u64 + r;
                     for _ in 0..READS {
@@ -819,7 +882,7 @@ mod tests {
                         // Keys `[k, 1]` below STABLE are always there; `[k, 3]` never were.
                         let (k, absent) = (x % STABLE, x & (1 << 40) != 0);
                         let key = MapKey([k, if absent { 3 } else { 1 }]);
-                        match hint.read(hash(key), &key, &guard) {
+                        match hints[0].read(hash(key), &key, &guard) {
                             None => {
                                 retried.fetch_add(1, Relaxed);
                             }
