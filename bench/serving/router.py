@@ -24,6 +24,12 @@ sends each completion to one server, by policy:
                --inflight-weight W each request in flight on a server (prefilling or
                decoding) adds W blocks: a server busy decoding prefills slower, since vLLM
                runs the decodes in every step beside the prefill.
+               With --admin (each server's kvtierd admin address) the router keeps its own
+               index of where each node's blocks are, from the nodes' block event streams
+               (`kvtier.router.Index`, kvtierd's Watch), and scores a prompt from it with no
+               round trip (the same cost as the Lookup's); it asks the cluster as before while
+               the index is not complete (a node that held blocks before the router
+               subscribed, or whose stream broke).
   least-work   the server with the least prefill work queued (as prefix, with every block
                of every prompt counted as computed: no kvtier lookup). Against prefix, it tells
                how much of prefix routing's gain is balance and how much is kvtier's knowledge
@@ -76,6 +82,17 @@ class Router:
         self.engine_blocks = a.engine_blocks
         self.sent_blocks: list[OrderedDict] = [OrderedDict() for _ in self.backends]
         self.stats["engine_cache_blocks"] = 0
+        # --admin: the router's own index of the nodes' blocks (kvtier.router.Index).
+        self.index = None
+        self.stats["index_answers"] = 0
+        if a.policy == "prefix" and a.admin:
+            from kvtier import router
+
+            admin = a.admin.split(",")
+            if len(admin) != len(self.backends):
+                sys.exit("router: --admin needs one address per backend")
+            self.index = router.Index({str(i): ep for i, ep in enumerate(admin)},
+                                      timeout=self.timeout)
 
     def _engine_prefix(self, i: int, keys: list) -> int:
         """Leading `keys` that server `i` holds by the router's estimate."""
@@ -133,8 +150,24 @@ class Router:
             blocks = float(len(ids) // self.bs)
             return self._cheapest([blocks] * len(self.backends)), blocks, []
         t = time.monotonic()
+        if self.index is not None and self.index.complete():
+            # Scored here, on the event loop: the keys' hashing and the index walk take well
+            # under a millisecond, where each thread hop waits for a core on a loaded machine.
+            keys = self._keys(ids)
+            gpu = ({str(i): self._engine_prefix(i, keys) for i in range(len(self.backends))}
+                   if self.engine_blocks else None)
+            got = self.index.score(keys, gpu=gpu)
+            if got is not None:
+                self.stats["index_answers"] += 1
+                self.stats["prompt_blocks"] += len(keys)
+                self.stats["lookup_s"] += time.monotonic() - t
+                costs = [got[str(i)] for i in range(len(self.backends))]
+                i = self._cheapest(costs)
+                if self.engine_blocks:
+                    self.stats["engine_cache_blocks"] += self._engine_prefix(i, keys)
+                return i, costs[i], keys
         self.stats["lookups"] += 1
-        keys: list = []
+        keys = []
         try:
             keys = await asyncio.to_thread(self._keys, ids)
             costs = await asyncio.wait_for(asyncio.to_thread(self._costs, keys),
@@ -218,7 +251,13 @@ class Router:
         return await self._forward(req, self.backends[0], await req.read())
 
     async def stats_handler(self, _req: web.Request) -> web.Response:
-        return web.json_response(self.stats)
+        out = dict(self.stats)
+        if self.index is not None:
+            out["index_complete"] = self.index.complete()
+            out["index_blocks"] = [self.index.blocks()[str(i)]
+                                   for i in range(len(self.backends))]
+            out["index_events"] = self.index.events
+        return web.json_response(out)
 
 
 async def main() -> None:
@@ -240,6 +279,10 @@ async def main() -> None:
                          "all its prompt blocks (prompt)")
     ap.add_argument("--inflight-weight", type=float, default=0.0,
                     help="prefix: blocks of cost per request in flight on a server")
+    ap.add_argument("--admin", default="",
+                    help="prefix: each server's kvtierd admin gRPC address, in --backends' "
+                         "order: score from the router's own index of the nodes' block events "
+                         "(kvtier.router.Index) instead of a cluster Lookup a request")
     ap.add_argument("--lookup-timeout", type=float, default=2.0)
     ap.add_argument("--read-timeout", type=float, default=600.0,
                     help="seconds a server may stay silent within one response")
@@ -253,6 +296,9 @@ async def main() -> None:
         # vLLM's hashing (prompt_keys) imports much of vLLM: once, before taking traffic.
         r._costs(r._keys([0] * a.block_size))
         r.stats["prompt_blocks"] = 0
+    if r.index is not None and not r.index.wait_complete(a.lookup_timeout + 5):
+        print("router: the block index is not complete (a node holds blocks already, or its "
+              "Watch stream is down): asking the cluster until it is", file=sys.stderr)
     # No bound on a whole streamed completion (a queued request's first token may take
     # minutes under overload), one on connecting and on each read: a server that stops
     # answering fails its requests, it does not hold them forever.

@@ -43,6 +43,10 @@ PYTHONHASHSEED, a KV pool of `--pool-pct` of the working set, `--kv-cache-memory
   prefix-balanced, prefix-inflight: prefix routing with the queued work counted in whole
                prompt blocks (router.py --queue prompt), and with one block more per request in
                flight on a server (--inflight-weight 1).
+  prefix-lookup: prefix routing that asks the cluster (one Lookup a request) where the prefix
+               configurations score from the router's own index of the nodes' block events
+               (router.py --admin, kvtier.router.Index): the same costs, with a round trip on
+               each request's path.
 vllm and kvtier-disk also run on a no-reuse copy of the trace (every block id made unique:
 same lengths, same arrivals) as a control, unless `--no-control`.
 Not run here, reported with the reason: vLLM's OffloadingConnector and LMCache (both assert
@@ -95,7 +99,7 @@ ENV.pop("VLLM_CPU_KVCACHE_SPACE", None)
 CONFIGS = ("vllm", "kvtier-host", "kvtier-disk")
 # Configuration 4, asked for by name (`--configs prefix-routed,round-robin`): two servers.
 PAIR_CONFIGS = ("prefix-routed", "round-robin", "prefix-no-estimate", "prefix-decode",
-                "least-work", "prefix-balanced", "prefix-inflight")
+                "least-work", "prefix-balanced", "prefix-inflight", "prefix-lookup")
 # The router's flags per pair configuration beyond its policy.
 ROUTER_ARGS = {"prefix-decode": ["--decode-load"],
                "prefix-balanced": ["--queue", "prompt"],
@@ -359,7 +363,7 @@ class RouterProc:
 
 PAIR = {"prefix-routed": "prefix", "round-robin": "round-robin", "prefix-no-estimate": "prefix",
         "prefix-decode": "prefix", "least-work": "least-work", "prefix-balanced": "prefix",
-        "prefix-inflight": "prefix"}
+        "prefix-inflight": "prefix", "prefix-lookup": "prefix"}
 
 
 def start_daemons(cfg: str, plan: dict, tmp: Path, tag: str) -> tuple[list[Kvtierd], list[str]]:
@@ -410,17 +414,22 @@ def run_one(cfg: str, trace: Path, n: int, plan: dict, tmp: Path, tag: str) -> d
                                   cpus=str(i) if pair else None, wait=False))
         for s in servers:
             s.wait_ready()
-            # Kernels and first-step costs out of the figures: a prompt of its own, twice.
-            for i in range(2):
-                s.complete(warm_prompt(i, 2 * BT + 5))
         url = servers[0].url
         if pair:
             # The router's estimate of each server's own prefix cache: its KV pool's blocks.
             engine_blocks = 0 if cfg == "prefix-no-estimate" else plan["pool_bytes"] // BLOCK_BYTES
+            extra = list(ROUTER_ARGS.get(cfg, []))
+            if PAIR[cfg] == "prefix" and cfg != "prefix-lookup":
+                # Its own index of the nodes' blocks, subscribed before anything is stored
+                # (the warm-up below included): complete from the start.
+                extra += ["--admin", ",".join(d.grpc for d in daemons)]
             router = RouterProc(PAIR[cfg], servers, daemons, listen, plan["model"],
-                                tmp / f"router-{tag}.log", engine_blocks,
-                                ROUTER_ARGS.get(cfg, []))
+                                tmp / f"router-{tag}.log", engine_blocks, extra)
             url = router.url
+        for s in servers:
+            # Kernels and first-step costs out of the figures: a prompt of its own, twice.
+            for i in range(2):
+                s.complete(warm_prompt(i, 2 * BT + 5))
         before = [s.scrape() for s in servers]
         kv_before = [d.scrape() for d in daemons]
         out = tmp / f"result-{tag}.json"

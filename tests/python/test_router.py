@@ -124,3 +124,53 @@ def test_bad_lookup_input_is_refused_with_an_error_naming_it():
         v, i = router._read_varint(packed, i)
         ids.append(v)
     assert ids == [0, 1, 300, (1 << 32) - 1]
+
+
+def test_the_index_follows_the_nodes_block_events(tmp_path):
+    """router.Index: subscribed to both nodes' Watch streams while they are empty, it knows
+    which node holds which blocks in which tier without asking, scores as the cluster lookup
+    does, and stops vouching for itself when a node's stream breaks (a node killed): then
+    score() answers None (ask the cluster)."""
+    ports = free_ports(2)
+    nodes = [start(tmp_path / f"n{i}", p, ports) for i, p in enumerate(ports)]
+    idx = None
+    try:
+        (_, a), (_, b) = nodes
+        idx = router.Index({"on-a": a["grpc"], "on-b": b["grpc"]})
+        assert idx.wait_complete(30), idx.blocks()
+        side = Sidecar(b["socket"], "index-test")
+        enc, fp = namespace_fingerprint(model="router/model", dtype="bf16", layout="nhd",
+                                        block_tokens=16, tp_size=1, tp_rank=0)
+        ns = side.register_namespace(enc)
+        keys = [engine_key(fp, bytes([i]) * 32) for i in range(6)]
+        for k in keys:
+            assert side.put(ns, k, b"k" * 8192)
+        assert idx.wait(lambda: idx.blocks() == {"on-a": 0, "on-b": 6}, 30), idx.blocks()
+        # B's engine loads the six from host memory; A's from B (remote).
+        costs = idx.score(keys)
+        assert abs(costs["on-b"] - 6 * (1 - router.WEIGHTS["host"])) < 1e-9, costs
+        assert abs(costs["on-a"] - 6 * (1 - router.WEIGHTS["remote"])) < 1e-9, costs
+        # The same as the cluster lookup (one round trip through A) says.
+        engines = {"on-a": f"127.0.0.1:{ports[0]}", "on-b": f"127.0.0.1:{ports[1]}"}
+        assert costs == router.score(engines, keys=keys, via=a["grpc"]), costs
+        # A prefix: only its leading held blocks count; GPU blocks first, as in score().
+        other = [engine_key(fp, bytes([100]) * 32)]
+        assert idx.score(keys[:2] + other)["on-b"] == 2 * (1 - router.WEIGHTS["host"]) + 1
+        assert idx.score(keys, gpu={"on-a": 6})["on-a"] == 0.0
+        try:
+            idx.score([b"short"])
+            raise AssertionError("a 5-byte key was scored")
+        except ValueError as e:
+            assert "16 bytes" in str(e)
+        # Node A goes away: its stream breaks, the index is no longer complete.
+        nodes[0][0].kill()
+        nodes[0][0].wait(timeout=60)
+        assert idx.wait(lambda: not idx.complete(), 30)
+        assert idx.score(keys) is None
+    finally:
+        if idx is not None:
+            idx.close()
+        for p, _ in nodes:
+            if p.poll() is None:
+                p.terminate()
+                assert p.wait(timeout=60) == 0

@@ -318,3 +318,80 @@ def test_least_work_sends_a_prompt_where_less_prefill_waits():
         router.wait()
         for s, _ in servers:
             s.shutdown()
+
+
+def router_stats(url):
+    return json.loads(urllib.request.urlopen(url + "/router/stats", timeout=10).read())
+
+
+def test_the_router_scores_from_its_own_index_of_the_nodes_block_events(tmp_path):
+    """router.py --admin (kvtier.router.Index): subscribed to both nodes' Watch streams before
+    they store anything, the router scores a prompt from its own index, with no Lookup; stored
+    and removed blocks reach the index; a router that subscribes to a node already holding
+    blocks does not trust its index and asks the cluster."""
+    ports = free_ports(2)
+    listen = [f"127.0.0.1:{p}" for p in ports]
+    members = "[" + ",".join(f'"{a}"' for a in listen) + "]"
+    # The test clears a namespace through the admin API (a write).
+    nodes = [kvtierd(tmp_path / f"n{i}", listen[i], members, "--set",
+                     "cluster.push_queue_bytes=0", "--set",
+                     "server.allow_unauthenticated_admin=true") for i in range(2)]
+    admin = ["--admin", ",".join(n[1]["grpc"] for n in nodes)]
+    seen = []
+    servers = [backend(n, seen) for n in "ab"]
+    routers = []
+    try:
+        routers.append(start_router(servers, listen, nodes, *admin))
+        url = routers[0][1]
+        st = router_stats(url)
+        assert st["index_complete"] and st["index_blocks"] == [0, 0], st
+
+        # Node b stores a 4-block prompt under the keys the vLLM connector would use: its
+        # events reach the router's index.
+        held = list(range(1000, 1000 + 4 * BS)) + [7]
+        enc, _ = namespace("m", None, "auto", BS)
+        side = Sidecar(nodes[1][1]["socket"], "router-index-test")
+        ns = side.register_namespace(enc)
+        for k in prompt_keys(held, model="m", block_size=BS, hash_seed="0"):
+            assert side.put(ns, k, b"k" * 4096)
+        end = time.monotonic() + 30
+        while (st := router_stats(url))["index_blocks"] != [0, 4]:
+            # Each poll is a round trip to the router: the loop is paced by it.
+            assert time.monotonic() < end, st
+        assert [post(url, held) for _ in range(3)] == ["b"] * 3
+        # Held nowhere: a tie, one each.
+        fresh = [post(url, list(range(5000 + 200 * i, 5000 + 200 * i + 3 * BS)))
+                 for i in range(2)]
+        assert sorted(fresh) == ["a", "b"], fresh
+        st = router_stats(url)
+        assert st["index_answers"] == 5 and st["lookups"] == 0, st
+        assert st["index_complete"], st
+
+        # A second router, subscribed after b stored the prompt: its index does not know
+        # those blocks and is not complete; it asks the cluster, which sends the prompt to b.
+        routers.append(start_router(servers, listen, nodes, *admin))
+        late = routers[1][1]
+        st = router_stats(late)
+        assert not st["index_complete"], st
+        assert post(late, held) == "b"
+        st = router_stats(late)
+        assert st["lookups"] == 1 and st["index_answers"] == 0, st
+
+        # b's blocks removed (the namespace cleared through the admin API): the removals
+        # reach the first router's index.
+        subprocess.run([str(REPO / "target" / "debug" / "kvtier"), "--addr",
+                        f"http://{nodes[1][1]['grpc']}", "clear", str(ns)], check=True,
+                       timeout=60)
+        end = time.monotonic() + 30
+        while (st := router_stats(url))["index_blocks"] != [0, 0]:
+            assert time.monotonic() < end, st
+        assert st["index_complete"], st
+    finally:
+        for p, _ in routers:
+            p.kill()
+            p.wait()
+        for p, _ in nodes:
+            p.kill()
+            p.wait()
+        for s, _ in servers:
+            s.shutdown()

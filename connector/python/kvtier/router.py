@@ -14,6 +14,11 @@ engine already has (GPU > host memory > disk > another node), weights configurab
     costs = router.score({"engine-a": "10.0.0.5:7070", "engine-b": "10.0.0.6:7070"},
                          keys=keys, via="10.0.0.5:50551")
 
+    # Or with no round trip a request: the router's own index of every node's blocks, from
+    # each kvtierd's Watch stream (start it before the nodes store anything):
+    index = router.Index({"engine-a": "10.0.0.5:50551", "engine-b": "10.0.0.6:50551"})
+    costs = index.score(keys) or router.score(...)  # None: not complete, ask the cluster
+
 `lookup` is the admin gRPC `Lookup` (grpcio, the one dependency; its messages are encoded
 here, so no generated code is needed, and every value is checked against its protobuf type
 first: a negative or out-of-range token id, a non-integer, a key that is not 16 bytes is a
@@ -282,3 +287,171 @@ def score(endpoints: dict, prompt=None, *, keys=None, block_hashes=None, namespa
         tiers = n["tiers"] if n and not n["error"] else []
         out[engine] = cost(tiers, total, weights, gpu.get(engine, 0), best)
     return out
+
+
+WATCH = "/kvtier.admin.v1.Admin/Watch"
+STATS = "/kvtier.admin.v1.Admin/Stats"
+_BITS = {1: 1, 2: 2}  # host, disk: the tiers a node serves its own blocks from
+
+
+def _stored_blocks(reply: bytes) -> int:
+    """Blocks in a Stats reply's tiers (all of them)."""
+    n = 0
+    for num, _, v in _fields(reply):
+        if num == 1:
+            n += sum(v2 for n2, w2, v2 in _fields(v) if n2 == 4 and w2 == 0)
+    return n
+
+
+class Index:
+    """Where each node's blocks are, kept by the router itself from each kvtierd's `Watch`
+    stream (block events: stored, removed, per tier), so that scoring a prompt asks no one:
+    no round trip on the request's path. On a loaded machine the cluster `Lookup` waited
+    14-37 ms a request for cores (bench/RESULTS.md), in every routed request's time to first
+    token.
+
+    `nodes` maps each engine to its node's kvtierd admin address. A node's part of the index
+    is *complete* only if it was subscribed before the node stored anything: once its stream
+    is up, the node's Stats must show no block. A node that already held blocks (the router
+    started on a warm cluster; the Watch API has no snapshot) or whose stream broke (events
+    missed) is not complete, and `score` answers None: ask `score` (the Lookup) instead. A
+    broken stream is retried every `retry_s`, and counts as complete again only if the node
+    is empty then. Events the daemon drops for a slow watcher (its `Watch` buffer, 4096
+    events) are not seen here: the index can then hold a block that is gone (a load that
+    misses, computed as any miss) or miss one that is there (a tie routed on balance).
+    Memory: one dict entry a block a node (~100 bytes in Python)."""
+
+    def __init__(self, nodes: dict, *, token: str | None = None, tenant: str = "",
+                 timeout: float = 5.0, retry_s: float = 1.0):
+        import grpc
+
+        self._grpc = grpc
+        self.nodes = dict(nodes)
+        self._md = [("authorization", f"Bearer {token}")] if token else None
+        self._req = _field(1, 2, tenant.encode()) if tenant else b""
+        self._timeout = timeout
+        self._retry_s = retry_s
+        self._held = {e: {} for e in self.nodes}
+        self._complete = {e: False for e in self.nodes}
+        self.events = 0
+        self.breaks = 0
+        self._closed = threading.Event()
+        self._changed = threading.Condition()
+        self._calls: dict = {}
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._follow, args=(e,), daemon=True,
+                                          name=f"kvtier-index-{e}") for e in self.nodes]
+        for t in self._threads:
+            t.start()
+
+    def complete(self) -> bool:
+        """Every node's part is complete (see the class doc): `score` answers."""
+        return all(self._complete.values())
+
+    def wait_complete(self, timeout: float) -> bool:
+        """Waits until `complete()`, at most `timeout` seconds (for a router before traffic)."""
+        return self.wait(self.complete, timeout)
+
+    def wait(self, predicate, timeout: float) -> bool:
+        """Waits until `predicate()` holds, at most `timeout` seconds; asked again after each
+        event and each change of completeness. Returns its last answer."""
+        with self._changed:
+            return bool(self._changed.wait_for(predicate, timeout))
+
+    def _set_complete(self, engine, v: bool) -> None:
+        with self._changed:
+            self._complete[engine] = v
+            self._changed.notify_all()
+
+    def blocks(self) -> dict:
+        """Blocks held per engine's node, by the index."""
+        return {e: len(h) for e, h in self._held.items()}
+
+    def _prefix(self, engine, keys) -> list:
+        held = self._held[engine]
+        tiers = []
+        for k in keys:
+            bits = held.get(k, 0)
+            if bits & 1:
+                tiers.append("host")
+            elif bits & 2:
+                tiers.append("disk")
+            else:
+                break
+        return tiers
+
+    def score(self, keys, *, weights=None, gpu: dict | None = None):
+        """As `score(endpoints, keys=keys, via=...)`: the cost per engine of a prompt of
+        16-byte `keys`, in blocks (see `cost`), from the index alone; None when it is not
+        complete (then ask the cluster)."""
+        if not self.complete():
+            return None
+        gpu = gpu or {}
+        keys = [bytes(k) for k in keys]
+        for k in keys:
+            if len(k) != 16:
+                raise ValueError(f"a key is 16 bytes, not {len(k)}")
+        held = {e: self._prefix(e, keys) for e in self.nodes}
+        best = max((len(t) for t in held.values()), default=0)
+        return {e: cost(t, len(keys), weights, gpu.get(e, 0), best) for e, t in held.items()}
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            calls = list(self._calls.values())
+        for c in calls:
+            c.cancel()
+
+    def _follow(self, engine) -> None:
+        """Follows one node's stream, resubscribing after a break."""
+        grpc = self._grpc
+        ep = self.nodes[engine]
+        ch = grpc.insecure_channel(ep)
+        watch = ch.unary_stream(WATCH, request_serializer=lambda x: x,
+                                response_deserializer=lambda x: x)
+        stats = ch.unary_unary(STATS, request_serializer=lambda x: x,
+                               response_deserializer=lambda x: x)
+        while not self._closed.is_set():
+            held = self._held[engine]
+            try:
+                call = watch(self._req, metadata=self._md)
+                with self._lock:
+                    self._calls[engine] = call
+                if self._closed.is_set():
+                    call.cancel()
+                    return
+                call.initial_metadata()  # subscribed: events from here on reach us
+                empty = _stored_blocks(stats(self._req, timeout=self._timeout,
+                                             metadata=self._md)) == 0
+                held.clear()
+                self._set_complete(engine, empty)
+                for msg in call:
+                    kind = key = tier = 0
+                    for num, _, v in _fields(msg):
+                        if num == 1:
+                            kind = v
+                        elif num == 2:
+                            key = bytes(v)
+                        elif num == 3:
+                            tier = v
+                    bit = _BITS.get(tier, 0)
+                    self.events += 1
+                    if not bit or not key:
+                        continue
+                    with self._changed:
+                        if kind == 1:
+                            held[key] = held.get(key, 0) | bit
+                        elif kind == 2:
+                            left = held.get(key, 0) & ~bit
+                            if left:
+                                held[key] = left
+                            else:
+                                held.pop(key, None)
+                        self._changed.notify_all()
+            except Exception:  # noqa: BLE001 - a broken stream: not complete, retried
+                pass
+            self._set_complete(engine, False)
+            if self._closed.is_set():
+                return
+            self.breaks += 1
+            self._closed.wait(self._retry_s)
