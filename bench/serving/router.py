@@ -153,10 +153,15 @@ class Router:
         if self.index is not None and self.index.complete():
             # Scored here, on the event loop: the keys' hashing and the index walk take well
             # under a millisecond, where each thread hop waits for a core on a loaded machine.
-            keys = self._keys(ids)
-            gpu = ({str(i): self._engine_prefix(i, keys) for i in range(len(self.backends))}
-                   if self.engine_blocks else None)
-            got = self.index.score(keys, gpu=gpu)
+            try:
+                keys = self._keys(ids)
+                gpu = ({str(i): self._engine_prefix(i, keys)
+                        for i in range(len(self.backends))} if self.engine_blocks else None)
+                got = self.index.score(keys, gpu=gpu)
+            except Exception as e:  # noqa: BLE001 - as a failed lookup: never stops traffic
+                self.stats["lookup_errors"] += 1
+                print(f"router: scoring failed ({e!r}): round-robin", file=sys.stderr)
+                return next(self.rr), 0.0, []
             if got is not None:
                 self.stats["index_answers"] += 1
                 self.stats["prompt_blocks"] += len(keys)
