@@ -77,23 +77,35 @@ fn gbps(bytes: u64, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
 }
 
-/// Runs `f(thread)` on `threads` threads started together; returns the wall time.
+/// Runs `f(thread)` on `threads` threads started together; returns the wall time, from the
+/// first thread's start to the last one's end. Each thread reads the clock itself: a
+/// coordinating thread that read it could be descheduled (2 cores, 2 workers) until the
+/// work was done, and time almost nothing (it did: 3,146 GB/s "gets" at `--threads 2`).
 fn timed_threads<F: Fn(usize) + Sync>(threads: usize, f: F) -> Duration {
-    let barrier = Barrier::new(threads + 1);
-    std::thread::scope(|s| {
-        for t in 0..threads {
-            let (f, barrier) = (&f, &barrier);
-            s.spawn(move || {
-                barrier.wait();
-                f(t);
-                barrier.wait();
-            });
-        }
-        barrier.wait();
-        let start = Instant::now();
-        barrier.wait();
-        start.elapsed()
-    })
+    let barrier = Barrier::new(threads);
+    let spans: Vec<(Instant, Instant)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let (f, barrier) = (&f, &barrier);
+                s.spawn(move || {
+                    barrier.wait();
+                    let start = Instant::now();
+                    f(t);
+                    (start, Instant::now())
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    });
+    let first = spans.iter().map(|s| s.0).min();
+    let last = spans.iter().map(|s| s.1).max();
+    match (first, last) {
+        (Some(a), Some(b)) => b.duration_since(a),
+        _ => Duration::ZERO,
+    }
 }
 
 /// Disjoint `block`-sized pieces of one aligned buffer, as raw addresses (shared across threads).
@@ -155,6 +167,40 @@ impl Ring {
         };
         Ok(Self { buf, block })
     }
+    /// Writes the ring's lines back to memory and drops them from every cache level, so the
+    /// baseline's gets read DRAM as the store's do: the store's puts write blocks with
+    /// non-temporal stores, past the caches, while the baseline's memcpy leaves what it wrote
+    /// in the last-level cache. On a CPU whose L3 holds the working set (260 MiB on this
+    /// VM's Xeon some days), the baseline read L3 and the store DRAM: `get 256KiB x1t` at
+    /// 64 MiB measured 0.40–0.70 against a baseline that swung 12–24 GB/s.
+    fn evict(&self) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let (base, len) = match &self.buf {
+                RingBuf::Small(b) => (b.as_ptr(), b.len()),
+                RingBuf::Huge { ptr, len } => (*ptr as *const u8, *len),
+            };
+            // CLFLUSHOPT (CPUID leaf 7, EBX bit 23) where the CPU has it: unordered among
+            // itself, ~4 × faster here than CLFLUSH, which waits for each line.
+            let opt = std::arch::x86_64::__cpuid_count(7, 0).ebx & (1 << 23) != 0;
+            for off in (0..len).step_by(64) {
+                // SAFETY: `base + off` lies inside the ring's live mapping; a cache-line flush
+                // changes no contents (CLFLUSH is SSE2, on every x86-64 CPU; CLFLUSHOPT only
+                // where CPUID said so).
+                unsafe {
+                    let p = base.add(off);
+                    if opt {
+                        std::arch::asm!("clflushopt [{0}]", in(reg) p, options(nostack, preserves_flags));
+                    } else {
+                        std::arch::x86_64::_mm_clflush(p);
+                    }
+                }
+            }
+            // SAFETY: SSE2; orders the flushes before the timed reads.
+            unsafe { std::arch::x86_64::_mm_mfence() };
+        }
+    }
+
     fn addr(&self, i: usize) -> usize {
         let base = match &self.buf {
             RingBuf::Small(b) => b.as_ptr() as usize,
@@ -220,6 +266,7 @@ fn bandwidth_cases(args: &HostArgs, rows: &mut Vec<Row>) -> Result<()> {
                         put_one(&store, ns, key(i as u64), &srcs[t]);
                     }
                 });
+                ring.evict();
                 let base_get = timed_threads(threads, |t| {
                     for i in t * per..(t + 1) * per {
                         copy_raw(dst_addrs[t], ring.addr(i), block);

@@ -23,13 +23,14 @@ const NT_OUT: bool = false;
 
 /// Copies one piece and returns its XXH3-64: in one pass where the CPU allows (the hash of the
 /// registers the stores wrote), else copied, then the destination hashed.
-fn copy_piece(d: &mut [u8], s: &[u8], nt: bool) -> u64 {
+/// `ahead`: bytes of the same source after this piece (the rest of the copy).
+fn copy_piece(d: &mut [u8], s: &[u8], nt: bool, ahead: usize) -> u64 {
     if s.len() >= fused::MIN_LEN && fused::available() {
         assert_eq!(d.len(), s.len(), "copy_piece: lengths differ");
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `available()` said the CPU has AVX2; `s` is a slice as long as `d`, and a
         // `&mut` cannot overlap it.
-        return unsafe { fused::copy_xxh3(d, s.as_ptr(), nt) };
+        return unsafe { fused::copy_xxh3(d, s.as_ptr(), nt, ahead) };
     }
     if nt {
         copy_nt(d, s);
@@ -46,10 +47,12 @@ fn copy_piece(d: &mut [u8], s: &[u8], nt: bool) -> u64 {
 /// `src` is valid for reads of `dst.len()` bytes and does not overlap `dst`.
 pub(crate) unsafe fn copy_out_hashed_raw(dst: &mut [u8], src: *const u8) -> u64 {
     let mut l = Leaves::new();
+    let len = dst.len();
     for (i, d) in dst.chunks_mut(CHUNK).enumerate() {
+        let ahead = len - i * CHUNK - d.len();
         // SAFETY: piece `i` lies within the `dst.len()` bytes the caller vouched for, apart
         // from `dst`.
-        l.push(unsafe { copy_piece_raw(d, src.add(i * CHUNK)) });
+        l.push(unsafe { copy_piece_raw(d, src.add(i * CHUNK), ahead) });
     }
     l.finish()
 }
@@ -78,7 +81,7 @@ pub(crate) unsafe fn checksum_raw(src: *const u8, len: usize) -> u64 {
         }
         piece.resize(n, 0);
         // SAFETY: `piece` is private, `n` bytes long.
-        l.push(unsafe { copy_piece_raw(&mut piece, s) });
+        l.push(unsafe { copy_piece_raw(&mut piece, s, 0) });
     }
     l.finish()
 }
@@ -87,11 +90,11 @@ pub(crate) unsafe fn checksum_raw(src: *const u8, len: usize) -> u64 {
 ///
 /// # Safety
 /// `s` is valid for reads of `d.len()` bytes and does not overlap `d`.
-unsafe fn copy_piece_raw(d: &mut [u8], s: *const u8) -> u64 {
+unsafe fn copy_piece_raw(d: &mut [u8], s: *const u8, ahead: usize) -> u64 {
     if d.len() >= fused::MIN_LEN && fused::available() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX2 is present; `s` is valid for `d.len()` bytes, apart from `d`.
-        return unsafe { fused::copy_xxh3(d, s, NT_OUT) };
+        return unsafe { fused::copy_xxh3(d, s, NT_OUT, ahead) };
     }
     // SAFETY: as above.
     unsafe { std::ptr::copy_nonoverlapping(s, d.as_mut_ptr(), d.len()) };
@@ -282,8 +285,8 @@ impl RunChecksummer {
 pub fn copy_hashed(dst: &mut [u8], src: &[u8]) -> u64 {
     assert_eq!(dst.len(), src.len(), "copy_hashed: lengths differ");
     let mut l = Leaves::new();
-    for (d, s) in dst.chunks_mut(CHUNK).zip(src.chunks(CHUNK)) {
-        l.push(copy_piece(d, s, true));
+    for (i, (d, s)) in dst.chunks_mut(CHUNK).zip(src.chunks(CHUNK)).enumerate() {
+        l.push(copy_piece(d, s, true, src.len() - i * CHUNK - s.len()));
     }
     l.finish()
 }
@@ -295,8 +298,8 @@ pub fn copy_hashed(dst: &mut [u8], src: &[u8]) -> u64 {
 pub fn copy_out_hashed(dst: &mut [u8], src: &[u8]) -> u64 {
     assert_eq!(dst.len(), src.len(), "copy_out_hashed: lengths differ");
     let mut l = Leaves::new();
-    for (d, s) in dst.chunks_mut(CHUNK).zip(src.chunks(CHUNK)) {
-        l.push(copy_piece(d, s, NT_OUT));
+    for (i, (d, s)) in dst.chunks_mut(CHUNK).zip(src.chunks(CHUNK)).enumerate() {
+        l.push(copy_piece(d, s, NT_OUT, src.len() - i * CHUNK - s.len()));
     }
     l.finish()
 }

@@ -59,23 +59,68 @@ pub(super) fn available() -> bool {
 /// `xxh3_64` of the bytes copied; `nt`: non-temporal stores where the destination is 32-byte
 /// aligned. The source is read only through raw loads, so it may be memory another process
 /// writes meanwhile (a shared arena): that changes what is copied, and the hash follows it.
+/// `ahead`: how many bytes of the same source follow this piece (the rest of the copy), which
+/// the kernel may prefetch while it works on this one ([`prefetch_distance`]).
 ///
 /// # Safety
 /// The CPU has AVX2 ([`available`]); `src` is valid for reads of `dst.len()` bytes and does not
 /// overlap `dst`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-pub(super) unsafe fn copy_xxh3(dst: &mut [u8], src: *const u8, nt: bool) -> u64 {
+pub(super) unsafe fn copy_xxh3(dst: &mut [u8], src: *const u8, nt: bool, ahead: usize) -> u64 {
     assert!(dst.len() >= MIN_LEN, "copy_xxh3: bad length");
     let nt = nt && dst.as_mut_ptr().align_offset(32) == 0;
     // Non-temporal 64-byte stores need 64-byte alignment: a destination aligned to 32 only
     // keeps the AVX2 kernel's streaming stores rather than losing them.
     if avx512() && !(nt && dst.as_mut_ptr().align_offset(64) != 0) {
         // SAFETY: the caller's promises, and the CPU has AVX-512F (`avx512`).
-        return unsafe { kernel512::<true>(dst.as_mut_ptr(), src, dst.len(), nt) };
+        return unsafe { kernel512::<true>(dst.as_mut_ptr(), src, dst.len(), nt, ahead) };
     }
     // SAFETY: the caller's promises; `dst` is valid for writes of its length.
-    unsafe { kernel::<true>(dst.as_mut_ptr(), src, dst.len(), nt) }
+    unsafe { kernel::<true>(dst.as_mut_ptr(), src, dst.len(), nt, ahead) }
+}
+
+/// How far ahead of the stripe it copies a kernel prefetches its source, in bytes (0: not
+/// at all), chosen once: `KVTIER_COPY_PREFETCH` (bytes) where set, to time the choices on one
+/// machine; else 4 KiB on Intel CPUs and none on others. Measured with `hashbench` (256 KiB
+/// blocks into a buffer that stays in cache): on an Intel Xeon (AVX-512), out of DRAM the
+/// AVX-512 kernel ran at 0.82 of memcpy with no prefetch, 0.89 at 512 bytes ahead, 0.95 at
+/// 2 KiB and 1.0 at 4 to 16 KiB, and out of L3 at 0.87 → 0.95; on an AMD EPYC (an earlier
+/// session) 1 KiB ahead was slower than none and 256 bytes the same, so AMD keeps none
+/// until a distance is measured to help there (bench/RESULTS.md).
+#[cfg(target_arch = "x86_64")]
+pub(super) fn prefetch_distance() -> usize {
+    static CHOSEN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CHOSEN.get_or_init(|| {
+        if let Some(b) = std::env::var("KVTIER_COPY_PREFETCH")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+        {
+            return b.min(1 << 20);
+        }
+        // CPUID leaf 0: the vendor string.
+        let id = std::arch::x86_64::__cpuid(0);
+        let mut vendor = [0u8; 12];
+        vendor[..4].copy_from_slice(&id.ebx.to_le_bytes());
+        vendor[4..8].copy_from_slice(&id.edx.to_le_bytes());
+        vendor[8..].copy_from_slice(&id.ecx.to_le_bytes());
+        if &vendor == b"GenuineIntel" {
+            4096
+        } else {
+            0
+        }
+    })
+}
+
+/// The end (an offset from the piece's start) below which a kernel prefetches, and how far
+/// ahead: nothing when prefetching is off.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_window(len: usize, ahead: usize) -> (usize, usize) {
+    match prefetch_distance() {
+        0 => (0, 0),
+        pf => (len.saturating_add(ahead), pf),
+    }
 }
 
 /// Whether the AVX-512 kernel runs here: the CPU has AVX-512F, and neither the environment
@@ -111,10 +156,10 @@ pub(super) unsafe fn xxh3_raw(src: *const u8, len: usize) -> u64 {
     assert!(len >= MIN_LEN, "xxh3_raw: bad length");
     if avx512() {
         // SAFETY: as below, and the CPU has AVX-512F (`avx512`).
-        return unsafe { kernel512::<false>(std::ptr::null_mut(), src, len, false) };
+        return unsafe { kernel512::<false>(std::ptr::null_mut(), src, len, false, 0) };
     }
     // SAFETY: the caller's promises; with `STORE` false the destination is never touched.
-    unsafe { kernel::<false>(std::ptr::null_mut(), src, len, false) }
+    unsafe { kernel::<false>(std::ptr::null_mut(), src, len, false, 0) }
 }
 
 /// The fused kernel: with `STORE`, copies `len` bytes from `s` to `d` and hashes them; without,
@@ -124,8 +169,15 @@ pub(super) unsafe fn xxh3_raw(src: *const u8, len: usize) -> u64 {
 /// As [`copy_xxh3`] (`d` valid for writes of `len` bytes when `STORE`), `len` ≥ [`MIN_LEN`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn kernel<const STORE: bool>(d: *mut u8, s: *const u8, len: usize, nt: bool) -> u64 {
+unsafe fn kernel<const STORE: bool>(
+    d: *mut u8,
+    s: *const u8,
+    len: usize,
+    nt: bool,
+    ahead: usize,
+) -> u64 {
     use std::arch::x86_64::*;
+    let (pf_end, pf) = prefetch_window(len, ahead);
     let k = SECRET.as_ptr();
     let init = [
         PRIME32_3, PRIME64_1, PRIME64_2, PRIME64_3, PRIME64_4, PRIME32_2, PRIME64_5, PRIME32_1,
@@ -159,6 +211,10 @@ unsafe fn kernel<const STORE: bool>(d: *mut u8, s: *const u8, len: usize, nt: bo
     let copy_stripe = |acc: &mut [__m256i; 2], off: usize, sec: *const u8| {
         // SAFETY: see above.
         unsafe {
+            if off + pf < pf_end {
+                // Only a hint: never faults, and reads nothing the program sees.
+                _mm_prefetch::<_MM_HINT_T0>(s.wrapping_add(off + pf) as *const i8);
+            }
             let a = _mm256_loadu_si256(s.add(off) as *const __m256i);
             let b = _mm256_loadu_si256(s.add(off + 32) as *const __m256i);
             if STORE && nt {
@@ -290,8 +346,15 @@ fn merge(lanes: [u64; 8], len: usize) -> u64 {
 /// As [`kernel`], and the CPU has AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn kernel512<const STORE: bool>(d: *mut u8, s: *const u8, len: usize, nt: bool) -> u64 {
+unsafe fn kernel512<const STORE: bool>(
+    d: *mut u8,
+    s: *const u8,
+    len: usize,
+    nt: bool,
+    ahead: usize,
+) -> u64 {
     use std::arch::x86_64::*;
+    let (pf_end, pf) = prefetch_window(len, ahead);
     let k = SECRET.as_ptr();
     let init = [
         PRIME32_3, PRIME64_1, PRIME64_2, PRIME64_3, PRIME64_4, PRIME32_2, PRIME64_5, PRIME32_1,
@@ -314,6 +377,10 @@ unsafe fn kernel512<const STORE: bool>(d: *mut u8, s: *const u8, len: usize, nt:
     let copy_stripe = |acc: &mut __m512i, off: usize, sec: *const u8| {
         // SAFETY: see above.
         unsafe {
+            if off + pf < pf_end {
+                // Only a hint: never faults, and reads nothing the program sees.
+                _mm_prefetch::<_MM_HINT_T0>(s.wrapping_add(off + pf) as *const i8);
+            }
             let a = _mm512_loadu_si512(s.add(off) as *const _);
             if STORE && nt {
                 _mm512_stream_si512(d.add(off) as *mut _, a);
@@ -387,8 +454,11 @@ mod tests {
                 for nt in [false, true] {
                     dst.iter_mut().for_each(|b| *b = 0);
                     let s = &src[so..so + n];
+                    // The rest of `src` as what follows the piece (prefetched where the CPU's
+                    // distance is not 0): no effect on the value or the copy.
+                    let ahead = src.len() - so - n;
                     // SAFETY: guarded by `available()` above.
-                    let h = unsafe { copy_xxh3(&mut dst[dof..dof + n], s.as_ptr(), nt) };
+                    let h = unsafe { copy_xxh3(&mut dst[dof..dof + n], s.as_ptr(), nt, ahead) };
                     assert_eq!(h, xxh3_64(s), "{n} bytes, offsets {so}/{dof}, nt {nt}");
                     assert_eq!(&dst[dof..dof + n], s, "{n} bytes copied");
                     // SAFETY: as above.
