@@ -344,10 +344,43 @@ impl PagedKv {
     /// writer that changes `src` (shared memory) during the copy cannot make a hash that was
     /// read from it pass for bytes that were not (issue 35: the hash used to be read from
     /// `src` after the copy, a second read of memory another process may write).
+    ///
+    /// The shared `src` is read once, a checksum piece at a time, into a private buffer by the
+    /// fused copy-and-hash ([`ArenaSlice::copy_pieces_hashed`]), and each piece is scattered
+    /// from there while it is in cache: the engine's runs get exactly the bytes hashed. (It
+    /// used to copy each run straight from `src` and hash the run in the engine's tensor with
+    /// a streaming XXH3: a DRAM copy, then a hash pass; bench/RESULTS.md.)
     pub fn scatter_hashed(&self, ids: &[usize], src: ArenaSlice<'_>) -> Result<u64, LayoutError> {
-        let mut h = kvstore::RunChecksummer::new();
-        self.scatter_with(ids, src, &mut |written| h.update(written))?;
-        Ok(h.finish())
+        self.check(ids, src.len())?;
+        // The engine's runs, in canonical order.
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for &id in ids {
+            for p in &self.plans {
+                let base = p.ptr as isize + id as isize * p.block_stride;
+                walk(p, base, &mut |dst, len| runs.push((dst, len)));
+            }
+        }
+        let mut bounce = vec![0u8; kvstore::checksum::CHUNK.min(src.len())];
+        let (mut r, mut done) = (0usize, 0usize);
+        let sum = src.copy_pieces_hashed(&mut bounce, &mut |mut piece| {
+            while let (false, Some(&(dst, len))) = (piece.is_empty(), runs.get(r)) {
+                let take = (len - done).min(piece.len());
+                // SAFETY: as in gather, with roles swapped: `dst + done .. + take` lies within
+                // the run `walk` gave (the engine tensor, PagedKv::new's contract), which
+                // nobody else reads or writes during the scatter; `piece` is our private
+                // buffer.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(piece.as_ptr(), (dst + done) as *mut u8, take)
+                };
+                done += take;
+                piece = &piece[take..];
+                if done == len {
+                    r += 1;
+                    done = 0;
+                }
+            }
+        });
+        Ok(sum)
     }
 
     /// Scatters, handing every run written (the engine's bytes, in canonical order) to

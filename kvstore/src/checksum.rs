@@ -57,6 +57,35 @@ pub(crate) unsafe fn copy_out_hashed_raw(dst: &mut [u8], src: *const u8) -> u64 
     l.finish()
 }
 
+/// The checksum of `len` bytes at `src` (raw memory, as for [`copy_out_hashed_raw`]) taken
+/// piece by piece through `bounce` (private, at least [`CHUNK`] bytes): each piece is copied
+/// there and hashed in one pass, then handed to `f` while it is still in cache, so `f` moves
+/// the very bytes the checksum vouches for (a scatter into many small destinations: one
+/// fused copy out of the shared memory, then copies out of cache).
+///
+/// # Safety
+/// `src` is valid for reads of `len` bytes and does not overlap `bounce`.
+pub(crate) unsafe fn pieces_hashed_raw(
+    src: *const u8,
+    len: usize,
+    bounce: &mut [u8],
+    f: &mut dyn FnMut(&[u8]),
+) -> u64 {
+    assert!(
+        bounce.len() >= CHUNK.min(len),
+        "pieces_hashed: bounce buffer too small"
+    );
+    let mut l = Leaves::new();
+    for at in (0..len).step_by(CHUNK) {
+        let n = CHUNK.min(len - at);
+        let piece = &mut bounce[..n];
+        // SAFETY: bytes `at..at + n` lie within the caller's `len`, apart from `bounce`.
+        l.push(unsafe { copy_piece_raw(piece, src.add(at), len - at - n) });
+        f(piece);
+    }
+    l.finish()
+}
+
 /// The checksum of `len` bytes at `src` (raw memory, as for [`copy_out_hashed_raw`]) as they
 /// are now (for a check before or beside a copy engine's read of the memory itself): each
 /// piece hashed where it lies through raw loads where the CPU has AVX2, else copied into a
