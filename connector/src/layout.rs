@@ -225,14 +225,49 @@ impl PagedKv {
         self.gather_with(ids, dst, &mut |_| {})
     }
 
-    /// [`PagedKv::gather`] that also returns the xxh3-64 of the bytes written, computed as
-    /// they are copied: each run is hashed from its source right after it was read (still in
-    /// cache; the destination is written with streaming stores and is not), in destination
-    /// order, so the block need not be read again to checksum it.
+    /// [`PagedKv::gather`] that also returns the block checksum of the bytes written, computed
+    /// as they are copied: the runs of each checksum piece are gathered into a private 64 KiB
+    /// buffer (in cache), which goes to `dst` in one pass that hashes it and streams past the
+    /// cache ([`kvstore::copy_hashed_pieces`]), so the block need not be read again to
+    /// checksum it. (It used to stream each run to `dst` and hash the run beside the copy,
+    /// buffering the runs shorter than a piece: a copy and a hash pass more.)
     pub fn gather_hashed(&self, ids: &[usize], dst: &mut [u8]) -> Result<u64, LayoutError> {
-        let mut h = kvstore::Checksummer::new();
-        self.gather_with(ids, dst, &mut |run| h.update(run))?;
-        Ok(h.finish())
+        self.check(ids, dst.len())?;
+        // The engine's runs, in canonical order.
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for &id in ids {
+            for p in &self.plans {
+                let base = p.ptr as isize + id as isize * p.block_stride;
+                walk(p, base, &mut |src, len| runs.push((src, len)));
+            }
+        }
+        let mut bounce = vec![0u8; kvstore::checksum::CHUNK.min(dst.len())];
+        let (mut r, mut done) = (0usize, 0usize);
+        Ok(kvstore::copy_hashed_pieces(
+            dst,
+            &mut bounce,
+            &mut |_, mut piece| {
+                while let (false, Some(&(src, len))) = (piece.is_empty(), runs.get(r)) {
+                    let take = (len - done).min(piece.len());
+                    // SAFETY: `src + done .. + take` lies within the run `walk` gave (the
+                    // layer tensor, PagedKv::new's contract), which nobody writes during the
+                    // gather; `piece` is our private buffer.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            (src + done) as *const u8,
+                            piece.as_mut_ptr(),
+                            take,
+                        )
+                    };
+                    done += take;
+                    piece = &mut piece[take..];
+                    if done == len {
+                        r += 1;
+                        done = 0;
+                    }
+                }
+            },
+        ))
     }
 
     /// Gathers, handing every run copied (its source bytes, in destination order) to

@@ -308,6 +308,29 @@ impl RunChecksummer {
     }
 }
 
+/// Fills `dst` a checksum piece ([`CHUNK`] bytes) at a time through `bounce` (private, at
+/// least [`CHUNK`] bytes): `fill(offset, piece)` writes the bytes of `dst[offset..][..n]`
+/// into `piece` (for a gather of many small runs: the runs' copies land in cache), and each
+/// piece then goes to `dst` as [`copy_hashed`] copies (one pass that hashes, non-temporal
+/// stores where `dst` is 32-byte aligned). Returns the checksum of what `dst` got.
+pub fn copy_hashed_pieces(
+    dst: &mut [u8],
+    bounce: &mut [u8],
+    fill: &mut dyn FnMut(usize, &mut [u8]),
+) -> u64 {
+    assert!(
+        bounce.len() >= CHUNK.min(dst.len()),
+        "copy_hashed_pieces: bounce buffer too small"
+    );
+    let mut l = Leaves::new();
+    for (i, d) in dst.chunks_mut(CHUNK).enumerate() {
+        let piece = &mut bounce[..d.len()];
+        fill(i * CHUNK, piece);
+        l.push(copy_piece(d, piece, true, 0));
+    }
+    l.finish()
+}
+
 /// Copies `src` into `dst` (same length) and returns the checksum of the bytes copied (in one
 /// pass with AVX2; else each piece hashed right after it was copied, in cache). Non-temporal
 /// stores where `dst` is 32-byte aligned: a block is not read back soon.
@@ -447,6 +470,14 @@ mod tests {
                 dst.fill(0);
                 let got = copy_out_hashed(&mut dst[off..off + n], &data[..n]);
                 assert_eq!(got, want);
+                assert_eq!(&dst[off..off + n], &data[..n]);
+                // Filled a piece at a time through a private buffer.
+                dst.fill(0);
+                let mut bounce = vec![0u8; CHUNK];
+                let got = copy_hashed_pieces(&mut dst[off..off + n], &mut bounce, &mut |at, p| {
+                    p.copy_from_slice(&data[at..at + p.len()])
+                });
+                assert_eq!(got, want, "pieces: offset {off}, {n} bytes");
                 assert_eq!(&dst[off..off + n], &data[..n]);
             }
         }
