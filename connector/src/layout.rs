@@ -220,6 +220,18 @@ impl PagedKv {
         Ok(())
     }
 
+    /// The engine's runs of blocks `ids` (address, bytes), in canonical order.
+    fn runs(&self, ids: &[usize]) -> Vec<(usize, usize)> {
+        let mut runs = Vec::new();
+        for &id in ids {
+            for p in &self.plans {
+                let base = p.ptr as isize + id as isize * p.block_stride;
+                walk(p, base, &mut |at, len| runs.push((at, len)));
+            }
+        }
+        runs
+    }
+
     /// Copies engine blocks `ids` into `dst` (canonical form, back to back).
     pub fn gather(&self, ids: &[usize], dst: &mut [u8]) -> Result<(), LayoutError> {
         self.gather_with(ids, dst, &mut |_| {})
@@ -233,14 +245,7 @@ impl PagedKv {
     /// buffering the runs shorter than a piece: a copy and a hash pass more.)
     pub fn gather_hashed(&self, ids: &[usize], dst: &mut [u8]) -> Result<u64, LayoutError> {
         self.check(ids, dst.len())?;
-        // The engine's runs, in canonical order.
-        let mut runs: Vec<(usize, usize)> = Vec::new();
-        for &id in ids {
-            for p in &self.plans {
-                let base = p.ptr as isize + id as isize * p.block_stride;
-                walk(p, base, &mut |src, len| runs.push((src, len)));
-            }
-        }
+        let runs = self.runs(ids);
         let mut bounce = vec![0u8; kvstore::checksum::CHUNK.min(dst.len())];
         let (mut r, mut done) = (0usize, 0usize);
         Ok(kvstore::copy_hashed_pieces(
@@ -387,14 +392,7 @@ impl PagedKv {
     /// a streaming XXH3: a DRAM copy, then a hash pass; bench/RESULTS.md.)
     pub fn scatter_hashed(&self, ids: &[usize], src: ArenaSlice<'_>) -> Result<u64, LayoutError> {
         self.check(ids, src.len())?;
-        // The engine's runs, in canonical order.
-        let mut runs: Vec<(usize, usize)> = Vec::new();
-        for &id in ids {
-            for p in &self.plans {
-                let base = p.ptr as isize + id as isize * p.block_stride;
-                walk(p, base, &mut |dst, len| runs.push((dst, len)));
-            }
-        }
+        let runs = self.runs(ids);
         let mut bounce = vec![0u8; kvstore::checksum::CHUNK.min(src.len())];
         let (mut r, mut done) = (0usize, 0usize);
         let sum = src.copy_pieces_hashed(&mut bounce, &mut |mut piece| {
