@@ -88,15 +88,29 @@ fn fold(a: u64, b: u64) -> u64 {
 /// the secret word `k`. The multiplier is odd: `k` and the constant are both odd, so their xor
 /// alone was even, and with some secrets (its trailing zeros) the product's low bits, which
 /// pick a shard or a bucket, took a few values for sequential keys (index shards left empty).
+///
+/// The result then goes through a fixed finalizer (a multiply between two xor-shifts, as in
+/// splitmix64): the low bits of a product depend only on the low bits of its factors, so for
+/// keys that differ in a few bits the low 6 bits (the index shard) relied on the high word's
+/// low bits alone to vary, and with some secrets they did not (a shard got none of 65,536
+/// sequential keys: the suite failed on it again after the odd multiplier; folding the high
+/// half onto the low alone still left shards at under half their share with some secrets).
 fn fold_last(x: u64, k: u64) -> u64 {
-    fold(x, (k ^ 0x9E37_79B9_7F4A_7C15) | 1)
+    let y = fold(x, (k ^ 0x9E37_79B9_7F4A_7C15) | 1);
+    let y = (y ^ (y >> 32)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    y ^ (y >> 29)
 }
 
 /// A keyed mix of a block key's two words (the same secret as [`FoldHasher`]): what picks a
 /// key's index shard, so keys an engine chose with few varying bits still spread over all
 /// shards instead of queueing on one lock.
 pub(crate) fn key_mix(k: BlockKey) -> u64 {
-    let (s0, s1) = fold_seed();
+    key_mix_with(k, fold_seed())
+}
+
+/// [`key_mix`] under the secret `(s0, s1)`.
+#[inline(always)]
+fn key_mix_with(k: BlockKey, (s0, s1): (u64, u64)) -> u64 {
     fold_last(fold(s0 ^ (k.0 >> 64) as u64, s1) ^ k.0 as u64, s1)
 }
 
@@ -186,6 +200,28 @@ mod tests {
             per.iter().all(|&c| c > share / 2 && c < 2 * share),
             "{per:?}"
         );
+    }
+
+    #[test]
+    fn sequential_keys_spread_over_the_shards_under_any_secret() {
+        // The shard spread above, under 300 secrets drawn as `fold_seed` draws them: it held
+        // for most and failed for a few before the last fold (2 shards empty in one run).
+        use std::hash::BuildHasher;
+        let n = 1u64 << 14;
+        let share = (n / 64) as u32;
+        for i in 0..300u64 {
+            let r = std::collections::hash_map::RandomState::new();
+            let seed = (r.hash_one(i), r.hash_one(i ^ 0xF01D) | 1);
+            let mut per = [0u32; 64];
+            for j in 0..n {
+                per[(key_mix_with(BlockKey(u128::from(j) << 1 | 1), seed) as u32 & 63) as usize] +=
+                    1;
+            }
+            assert!(
+                per.iter().all(|&c| c > share / 2 && c < 2 * share),
+                "secret {seed:x?}: {per:?}"
+            );
+        }
     }
 
     #[test]
