@@ -220,8 +220,8 @@ impl PagedKv {
         Ok(())
     }
 
-    /// The engine's runs of blocks `ids` (address, bytes), in canonical order.
-    fn runs(&self, ids: &[usize]) -> Vec<(usize, usize)> {
+    /// The engine's runs of blocks `ids`, in canonical order, to walk a piece at a time.
+    fn runs(&self, ids: &[usize]) -> Runs {
         let mut runs = Vec::new();
         for &id in ids {
             for p in &self.plans {
@@ -229,60 +229,15 @@ impl PagedKv {
                 walk(p, base, &mut |at, len| runs.push((at, len)));
             }
         }
-        runs
+        Runs {
+            runs,
+            r: 0,
+            done: 0,
+        }
     }
 
     /// Copies engine blocks `ids` into `dst` (canonical form, back to back).
     pub fn gather(&self, ids: &[usize], dst: &mut [u8]) -> Result<(), LayoutError> {
-        self.gather_with(ids, dst, &mut |_| {})
-    }
-
-    /// [`PagedKv::gather`] that also returns the block checksum of the bytes written, computed
-    /// as they are copied: the runs of each checksum piece are gathered into a private 64 KiB
-    /// buffer (in cache), which goes to `dst` in one pass that hashes it and streams past the
-    /// cache ([`kvstore::copy_hashed_pieces`]), so the block need not be read again to
-    /// checksum it. (It used to stream each run to `dst` and hash the run beside the copy,
-    /// buffering the runs shorter than a piece: a copy and a hash pass more.)
-    pub fn gather_hashed(&self, ids: &[usize], dst: &mut [u8]) -> Result<u64, LayoutError> {
-        self.check(ids, dst.len())?;
-        let runs = self.runs(ids);
-        let mut bounce = vec![0u8; kvstore::checksum::CHUNK.min(dst.len())];
-        let (mut r, mut done) = (0usize, 0usize);
-        Ok(kvstore::copy_hashed_pieces(
-            dst,
-            &mut bounce,
-            &mut |_, mut piece| {
-                while let (false, Some(&(src, len))) = (piece.is_empty(), runs.get(r)) {
-                    let take = (len - done).min(piece.len());
-                    // SAFETY: `src + done .. + take` lies within the run `walk` gave (the
-                    // layer tensor, PagedKv::new's contract), which nobody writes during the
-                    // gather; `piece` is our private buffer.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            (src + done) as *const u8,
-                            piece.as_mut_ptr(),
-                            take,
-                        )
-                    };
-                    done += take;
-                    piece = &mut piece[take..];
-                    if done == len {
-                        r += 1;
-                        done = 0;
-                    }
-                }
-            },
-        ))
-    }
-
-    /// Gathers, handing every run copied (its source bytes, in destination order) to
-    /// `copied`.
-    fn gather_with(
-        &self,
-        ids: &[usize],
-        dst: &mut [u8],
-        copied: &mut dyn FnMut(&[u8]),
-    ) -> Result<(), LayoutError> {
         self.check(ids, dst.len())?;
         let mut at = 0;
         for &id in ids {
@@ -293,17 +248,34 @@ impl PagedKv {
                     // within shape) and nobody writes it during the gather; it does not overlap
                     // `dst` (a separate buffer).
                     let from = unsafe { std::slice::from_raw_parts(src as *const u8, len) };
-                    // Large runs stream past the cache (the block is not read back soon), in
-                    // pieces hashed while their source is still in cache.
-                    for piece in from.chunks(64 << 10) {
-                        kvstore::copy_nt(&mut dst[at..at + piece.len()], piece);
-                        copied(piece);
-                        at += piece.len();
-                    }
+                    // Large runs stream past the cache (the block is not read back soon).
+                    kvstore::copy_nt(&mut dst[at..at + len], from);
+                    at += len;
                 });
             }
         }
         Ok(())
+    }
+
+    /// [`PagedKv::gather`] that also returns the block checksum of the bytes written, computed
+    /// as they are copied: the runs of each checksum piece are gathered into a private 64 KiB
+    /// buffer (in cache), which goes to `dst` in one pass that hashes it and streams past the
+    /// cache ([`kvstore::copy_hashed_pieces`]), so the block need not be read again to
+    /// checksum it. (It used to stream each run to `dst` and hash the run beside the copy,
+    /// buffering the runs shorter than a piece: a copy and a hash pass more.)
+    pub fn gather_hashed(&self, ids: &[usize], dst: &mut [u8]) -> Result<u64, LayoutError> {
+        self.check(ids, dst.len())?;
+        let mut runs = self.runs(ids);
+        Ok(kvstore::copy_hashed_pieces(dst, &mut |_, piece| {
+            runs.next(piece.len(), &mut |src, off, n| {
+                // SAFETY: `src..src + n` lies within a run `walk` gave (the layer tensor,
+                // PagedKv::new's contract), which nobody writes during the gather; `piece`
+                // is the private piece buffer, `off + n` within it.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(src as *const u8, piece.as_mut_ptr().add(off), n)
+                };
+            });
+        }))
     }
 
     /// Layers.
@@ -375,55 +347,6 @@ impl PagedKv {
 
     /// Copies `src` (canonical form of engine blocks `ids`) into the engine's tensors.
     pub fn scatter(&self, ids: &[usize], src: &[u8]) -> Result<(), LayoutError> {
-        self.scatter_with(ids, src.into(), &mut |_| {})
-    }
-
-    /// [`PagedKv::scatter`] that also returns the checksum of what it wrote: each run is hashed
-    /// from the engine's tensor right after it was written there (still in cache), in
-    /// canonical order. The bytes hashed are the engine's own (private) copy, not `src`: a
-    /// writer that changes `src` (shared memory) during the copy cannot make a hash that was
-    /// read from it pass for bytes that were not (issue 35: the hash used to be read from
-    /// `src` after the copy, a second read of memory another process may write).
-    ///
-    /// The shared `src` is read once, a checksum piece at a time, into a private buffer by the
-    /// fused copy-and-hash ([`ArenaSlice::copy_pieces_hashed`]), and each piece is scattered
-    /// from there while it is in cache: the engine's runs get exactly the bytes hashed. (It
-    /// used to copy each run straight from `src` and hash the run in the engine's tensor with
-    /// a streaming XXH3: a DRAM copy, then a hash pass; bench/RESULTS.md.)
-    pub fn scatter_hashed(&self, ids: &[usize], src: ArenaSlice<'_>) -> Result<u64, LayoutError> {
-        self.check(ids, src.len())?;
-        let runs = self.runs(ids);
-        let mut bounce = vec![0u8; kvstore::checksum::CHUNK.min(src.len())];
-        let (mut r, mut done) = (0usize, 0usize);
-        let sum = src.copy_pieces_hashed(&mut bounce, &mut |mut piece| {
-            while let (false, Some(&(dst, len))) = (piece.is_empty(), runs.get(r)) {
-                let take = (len - done).min(piece.len());
-                // SAFETY: as in gather, with roles swapped: `dst + done .. + take` lies within
-                // the run `walk` gave (the engine tensor, PagedKv::new's contract), which
-                // nobody else reads or writes during the scatter; `piece` is our private
-                // buffer.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(piece.as_ptr(), (dst + done) as *mut u8, take)
-                };
-                done += take;
-                piece = &piece[take..];
-                if done == len {
-                    r += 1;
-                    done = 0;
-                }
-            }
-        });
-        Ok(sum)
-    }
-
-    /// Scatters, handing every run written (the engine's bytes, in canonical order) to
-    /// `written`.
-    fn scatter_with(
-        &self,
-        ids: &[usize],
-        src: ArenaSlice<'_>,
-        written: &mut dyn FnMut(&[u8]),
-    ) -> Result<(), LayoutError> {
         self.check(ids, src.len())?;
         let mut at = 0;
         for &id in ids {
@@ -433,13 +356,36 @@ impl PagedKv {
                     // SAFETY: as in gather, with roles swapped; the engine tensor is not read or
                     // written by anyone else during the scatter (PagedKv::new's contract).
                     let to = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len) };
-                    src.copy_to(at, to);
+                    to.copy_from_slice(&src[at..at + len]);
                     at += len;
-                    written(to);
                 });
             }
         }
         Ok(())
+    }
+
+    /// [`PagedKv::scatter`] from shared memory that also returns the checksum of what it
+    /// wrote. The shared `src` is read once, a checksum piece at a time, into a private buffer
+    /// by the fused copy-and-hash ([`ArenaSlice::copy_pieces_hashed`]), and each piece's runs
+    /// are placed from there while it is in cache. The bytes hashed are private, and they are
+    /// the bytes the engine gets, never a second read of `src`: a writer that changes `src`
+    /// during the copy cannot make a hash pass for bytes that were not copied (issue 35).
+    /// (The runs used to be copied straight from `src` and hashed in the engine's tensor with a
+    /// streaming XXH3: the piece buffer trades that hash pass for a copy in cache, measured
+    /// faster; a fused scatter from registers would need neither. bench/RESULTS.md.)
+    pub fn scatter_hashed(&self, ids: &[usize], src: ArenaSlice<'_>) -> Result<u64, LayoutError> {
+        self.check(ids, src.len())?;
+        let mut runs = self.runs(ids);
+        Ok(src.copy_pieces_hashed(&mut |piece| {
+            runs.next(piece.len(), &mut |dst, off, n| {
+                // SAFETY: as in gather_hashed, with roles swapped: `dst..dst + n` lies within a
+                // run of the engine tensor, which nobody else reads or writes during the
+                // scatter; `off + n` is within the private `piece`.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(piece.as_ptr().add(off), dst as *mut u8, n)
+                };
+            });
+        }))
     }
 
     /// The checksum of engine blocks `ids` in canonical form, read from the engine's tensors
@@ -657,6 +603,35 @@ pub struct Piece {
 }
 
 /// Calls `f(address, run)` for every contiguous run of one layer's block, in canonical order.
+/// The engine's runs of some blocks (address, bytes) in canonical order, walked a piece at a
+/// time ([`PagedKv::runs`]).
+struct Runs {
+    runs: Vec<(usize, usize)>,
+    /// The run the walk is in…
+    r: usize,
+    /// …and how many of its bytes are behind it.
+    done: usize,
+}
+
+impl Runs {
+    /// The next `n` bytes of the canonical form: `f(address, offset in these n, bytes)` for
+    /// each part of a run they cover, in order. Stops early if the runs end (the callers
+    /// checked that they cover the whole canonical form).
+    fn next(&mut self, n: usize, f: &mut dyn FnMut(usize, usize, usize)) {
+        let mut off = 0;
+        while let (true, Some(&(at, len))) = (off < n, self.runs.get(self.r)) {
+            let take = (len - self.done).min(n - off);
+            f(at + self.done, off, take);
+            off += take;
+            self.done += take;
+            if self.done == len {
+                self.r += 1;
+                self.done = 0;
+            }
+        }
+    }
+}
+
 fn walk(p: &Plan, base: isize, f: &mut dyn FnMut(usize, usize)) {
     let n = p.outer.len();
     let mut idx = vec![0usize; n];

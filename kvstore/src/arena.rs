@@ -245,16 +245,16 @@ impl<'a> ArenaSlice<'a> {
     }
 
     /// Copies the slice, one checksum piece ([`crate::checksum::CHUNK`] bytes) at a time, into
-    /// `bounce` (private, at least that long), hashing each piece in the same pass, and hands
+    /// a private buffer (the thread's own), hashing each piece in the same pass, and hands
     /// each piece in order to `f` while it is in cache; returns the checksum of the pieces
     /// `f` got, which is what to compare with the commit checksum (bytes another process
     /// writes into the slice meanwhile change what `f` gets and the checksum with it, never
     /// one without the other). For a scatter into many small destinations: the shared
-    /// memory is read once, by the fused copy-and-hash.
-    pub fn copy_pieces_hashed(&self, bounce: &mut [u8], f: &mut dyn FnMut(&[u8])) -> u64 {
-        // SAFETY: the slice's range is mapped for its life (the creator's promise); `bounce` is
-        // private memory it cannot overlap. The source is read only through raw loads.
-        unsafe { crate::checksum::pieces_hashed_raw(self.ptr, self.len, bounce, f) }
+    /// memory is read once, by the fused copy-and-hash. `f` must not call it again.
+    pub fn copy_pieces_hashed(&self, f: &mut dyn FnMut(&[u8])) -> u64 {
+        // SAFETY: the slice's range is mapped for its life (the creator's promise); it is read
+        // only through raw loads.
+        unsafe { crate::checksum::pieces_hashed_raw(self.ptr, self.len, f) }
     }
 
     /// The checksum of the slice as it is now, each piece hashed where it lies through raw
@@ -489,9 +489,8 @@ mod arena_slice_tests {
             assert_eq!(o, &data[7..7 + n]);
             assert_eq!(part.checksum(), crate::checksum(&data[7..7 + n]), "{n}");
             // Piece by piece through a private buffer: the same checksum, the same bytes.
-            let mut bounce = vec![0u8; crate::checksum::CHUNK];
             let mut got = Vec::new();
-            let sum = part.copy_pieces_hashed(&mut bounce, &mut |p| {
+            let sum = part.copy_pieces_hashed(&mut |p| {
                 assert!(p.len() <= crate::checksum::CHUNK);
                 got.extend_from_slice(p);
             });

@@ -57,33 +57,47 @@ pub(crate) unsafe fn copy_out_hashed_raw(dst: &mut [u8], src: *const u8) -> u64 
     l.finish()
 }
 
+/// Runs `f` with this thread's private piece buffer ([`CHUNK`] bytes, kept between calls: a
+/// paged copy takes it for every block, and allocating and zeroing 64 KiB each time is a
+/// pass over it more). Not reentrant: `f` must not call it again (none of its users does).
+fn with_piece_buffer<R>(f: impl FnOnce(&mut [u8]) -> R) -> R {
+    thread_local! {
+        static PIECE: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    PIECE.with(|b| {
+        let mut b = b.borrow_mut();
+        if b.len() < CHUNK {
+            b.resize(CHUNK, 0);
+        }
+        f(&mut b[..CHUNK])
+    })
+}
+
 /// The checksum of `len` bytes at `src` (raw memory, as for [`copy_out_hashed_raw`]) taken
-/// piece by piece through `bounce` (private, at least [`CHUNK`] bytes): each piece is copied
-/// there and hashed in one pass, then handed to `f` while it is still in cache, so `f` moves
-/// the very bytes the checksum vouches for (a scatter into many small destinations: one
-/// fused copy out of the shared memory, then copies out of cache).
+/// piece by piece through a private buffer: each piece is copied there and hashed in one
+/// pass, then handed to `f` while it is still in cache, so `f` moves the very bytes the
+/// checksum vouches for (a scatter into many small destinations: one fused copy out of the
+/// shared memory, then copies out of cache).
 ///
 /// # Safety
-/// `src` is valid for reads of `len` bytes and does not overlap `bounce`.
+/// `src` is valid for reads of `len` bytes.
 pub(crate) unsafe fn pieces_hashed_raw(
     src: *const u8,
     len: usize,
-    bounce: &mut [u8],
     f: &mut dyn FnMut(&[u8]),
 ) -> u64 {
-    assert!(
-        bounce.len() >= CHUNK.min(len),
-        "pieces_hashed: bounce buffer too small"
-    );
-    let mut l = Leaves::new();
-    for at in (0..len).step_by(CHUNK) {
-        let n = CHUNK.min(len - at);
-        let piece = &mut bounce[..n];
-        // SAFETY: bytes `at..at + n` lie within the caller's `len`, apart from `bounce`.
-        l.push(unsafe { copy_piece_raw(piece, src.add(at), len - at - n) });
-        f(piece);
-    }
-    l.finish()
+    with_piece_buffer(|buf| {
+        let mut l = Leaves::new();
+        for at in (0..len).step_by(CHUNK) {
+            let n = CHUNK.min(len - at);
+            let piece = &mut buf[..n];
+            // SAFETY: bytes `at..at + n` lie within the caller's `len`; `buf` is this
+            // thread's private memory, apart from them.
+            l.push(unsafe { copy_piece_raw(piece, src.add(at), len - at - n) });
+            f(piece);
+        }
+        l.finish()
+    })
 }
 
 /// The checksum of `len` bytes at `src` (raw memory, as for [`copy_out_hashed_raw`]) as they
@@ -308,27 +322,21 @@ impl RunChecksummer {
     }
 }
 
-/// Fills `dst` a checksum piece ([`CHUNK`] bytes) at a time through `bounce` (private, at
-/// least [`CHUNK`] bytes): `fill(offset, piece)` writes the bytes of `dst[offset..][..n]`
-/// into `piece` (for a gather of many small runs: the runs' copies land in cache), and each
-/// piece then goes to `dst` as [`copy_hashed`] copies (one pass that hashes, non-temporal
-/// stores where `dst` is 32-byte aligned). Returns the checksum of what `dst` got.
-pub fn copy_hashed_pieces(
-    dst: &mut [u8],
-    bounce: &mut [u8],
-    fill: &mut dyn FnMut(usize, &mut [u8]),
-) -> u64 {
-    assert!(
-        bounce.len() >= CHUNK.min(dst.len()),
-        "copy_hashed_pieces: bounce buffer too small"
-    );
-    let mut l = Leaves::new();
-    for (i, d) in dst.chunks_mut(CHUNK).enumerate() {
-        let piece = &mut bounce[..d.len()];
-        fill(i * CHUNK, piece);
-        l.push(copy_piece(d, piece, true, 0));
-    }
-    l.finish()
+/// Fills `dst` a checksum piece ([`CHUNK`] bytes) at a time through a private buffer:
+/// `fill(offset, piece)` writes the bytes of `dst[offset..][..n]` into `piece` (for a gather
+/// of many small runs: the runs' copies land in cache), and each piece then goes to `dst` as
+/// [`copy_hashed`] copies (one pass that hashes, non-temporal stores where `dst` is 32-byte
+/// aligned). Returns the checksum of what `dst` got. `fill` must not call it again.
+pub fn copy_hashed_pieces(dst: &mut [u8], fill: &mut dyn FnMut(usize, &mut [u8])) -> u64 {
+    with_piece_buffer(|buf| {
+        let mut l = Leaves::new();
+        for (i, d) in dst.chunks_mut(CHUNK).enumerate() {
+            let piece = &mut buf[..d.len()];
+            fill(i * CHUNK, piece);
+            l.push(copy_piece(d, piece, true, 0));
+        }
+        l.finish()
+    })
 }
 
 /// Copies `src` into `dst` (same length) and returns the checksum of the bytes copied (in one
@@ -473,8 +481,7 @@ mod tests {
                 assert_eq!(&dst[off..off + n], &data[..n]);
                 // Filled a piece at a time through a private buffer.
                 dst.fill(0);
-                let mut bounce = vec![0u8; CHUNK];
-                let got = copy_hashed_pieces(&mut dst[off..off + n], &mut bounce, &mut |at, p| {
+                let got = copy_hashed_pieces(&mut dst[off..off + n], &mut |at, p| {
                     p.copy_from_slice(&data[at..at + p.len()])
                 });
                 assert_eq!(got, want, "pieces: offset {off}, {n} bytes");
