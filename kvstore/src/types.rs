@@ -108,6 +108,22 @@ pub(crate) fn key_mix(k: BlockKey) -> u64 {
     key_mix_with(k, fold_seed())
 }
 
+/// [`key_mix`] with the secret read once, for a loop over many keys (the secret's
+/// lazily-initialised static is otherwise checked per key).
+#[derive(Clone, Copy)]
+pub(crate) struct KeyMix((u64, u64));
+
+impl KeyMix {
+    pub(crate) fn new() -> Self {
+        KeyMix(fold_seed())
+    }
+    /// `key_mix(k)`.
+    #[inline(always)]
+    pub(crate) fn mix(self, k: BlockKey) -> u64 {
+        key_mix_with(k, self.0)
+    }
+}
+
 /// [`key_mix`] under the secret `(s0, s1)`.
 #[inline(always)]
 fn key_mix_with(k: BlockKey, (s0, s1): (u64, u64)) -> u64 {

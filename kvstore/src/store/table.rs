@@ -39,7 +39,7 @@ use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned, Shared};
 
 use super::index::{Entry, Life, Slot};
 use crate::key::BlockKey;
-use crate::types::{key_mix, MapKey};
+use crate::types::{key_mix, KeyMix, MapKey};
 
 /// The class byte of an empty bucket (classes are numbered 0..=254).
 const EMPTY: u8 = u8::MAX;
@@ -210,6 +210,12 @@ pub(crate) fn hash(key: MapKey) -> u32 {
     key_mix(BlockKey::from(key)) as u32
 }
 
+/// [`hash`] of `key` with the secret `mix` read beforehand (a loop over many keys).
+#[inline(always)]
+pub(crate) fn hash_with(mix: KeyMix, key: BlockKey) -> u32 {
+    mix.mix(key) as u32
+}
+
 /// The home bucket of a key with hash `h` in a table of `cap` buckets (`cap` < 2^32).
 #[inline]
 fn home(h: u32, cap: usize) -> usize {
@@ -265,6 +271,9 @@ fn probe(cells: &[Cell], h: u32, hit: impl Fn(&Cell) -> bool) -> Probe {
     }
     Probe::Torn
 }
+
+/// Buckets [`Hint::read_ready`] looks at before it leaves a key to [`Hint::read`].
+const HIT_PROBES: usize = 16;
 
 /// A write section ([`Table::write`]) begins: the sequence number turns odd.
 fn write_begin(seq: &AtomicU64) {
@@ -351,6 +360,47 @@ impl Hint {
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = addr;
+    }
+
+    /// Whether `key` (hash `h`) is in the table and ready ([`Entry::ready`]), read without
+    /// the shard's lock as [`Hint::read`] reads it, for a key that is most likely so: `false`
+    /// also when it is not found within [`HIT_PROBES`] buckets or a write got in the way,
+    /// and the caller then asks [`Hint::read`] or the shard under its lock. A walk along a
+    /// prefix whose keys are in host memory is a loop of these
+    /// ([`super::Inner::match_prefix_in`]), so this is [`Hint::read`] with less work a key:
+    /// no empty-table slice, no bounds checks, no early stop of a miss (a miss here is rare
+    /// and is asked again), the entry's readiness tested on its word.
+    #[inline(always)]
+    pub(crate) fn read_ready(&self, h: u32, key: &MapKey, _guard: &Guard) -> bool {
+        let s = self.seq.load(Acquire);
+        // The count, then the address: see the fields' doc.
+        let cap = self.cap.load(Acquire);
+        let ptr = self.ptr.load(Acquire);
+        if s % 2 == 1 || cap == 0 {
+            return false;
+        }
+        let mut i = home(h, cap);
+        let mut ready = false;
+        for _ in 0..HIT_PROBES {
+            // SAFETY: `i < cap`, and `ptr` holds at least `cap` initialized buckets that
+            // outlive `_guard` (as in `Hint::buckets`).
+            let c = unsafe { &*ptr.add(i) };
+            if c.key() == *key {
+                // An empty bucket is never ready (`Bucket::empty`), whatever its key words.
+                ready = Entry::from_word(c.0[2].load(Relaxed)).ready();
+                break;
+            }
+            if c.is_empty() {
+                break;
+            }
+            i += 1;
+            if i == cap {
+                i = 0;
+            }
+        }
+        // As in `Hint::read`: the bucket loads above come before the second read.
+        fence(Acquire);
+        ready && self.seq.load(Relaxed) == s
     }
 
     /// The entry of `key` (hash `h`), read without the shard's lock: `Some(answer)` when no
@@ -807,6 +857,48 @@ mod tests {
         assert_eq!(h.read(hash(k), &k, &guard), Some(None));
     }
 
+    #[test]
+    fn read_ready_says_ready_only_for_a_ready_key() {
+        let mut t = Table::default();
+        let hints = t.hints.clone();
+        let h = &hints[0];
+        let guard = epoch::pin();
+        // An empty table (no buckets yet), and the key whose words an empty bucket holds.
+        let zero = MapKey([0, 0]);
+        assert!(!h.read_ready(hash(zero), &zero, &guard));
+        let filling = |i: u32| Entry::new(Slot { class: 1, idx: i }, 0, Life::Filling);
+        for i in 0..2_000u64 {
+            let e = if i % 3 == 0 {
+                filling(i as u32)
+            } else {
+                entry(i as u32)
+            };
+            t.insert(MapKey([i, 5]), e);
+        }
+        // Some removed, so that buckets were emptied by backward shifts.
+        for i in (0..2_000u64).step_by(11) {
+            t.remove(&MapKey([i, 5]));
+        }
+        assert!(!h.read_ready(hash(zero), &zero, &guard));
+        let mut displaced = 0;
+        for i in 0..2_000u64 {
+            let k = MapKey([i, 5]);
+            let want = i % 3 != 0 && i % 11 != 0;
+            assert_eq!(h.read_ready(hash(k), &k, &guard), want, "key {i}");
+            assert_eq!(t.get(&k).is_some_and(|e| e.ready()), want);
+            let cells = t.cells();
+            if let Probe::Hit(b) = probe(cells, hash(k), |c| c.key() == k) {
+                displaced += usize::from(dist(cells, b) > 0);
+            }
+        }
+        // The keys found were not all in their home bucket: the probe went on past it.
+        assert!(displaced > 100, "{displaced} keys away from home");
+        for i in 2_000..3_000u64 {
+            let k = MapKey([i, 5]);
+            assert!(!h.read_ready(hash(k), &k, &guard));
+        }
+    }
+
     /// An entry that names its key (`idx` is `k`) and the round that wrote it (`ns`), so a
     /// read that pairs a key with another bucket's entry shows. (The entry is one word: what
     /// can tear is the key against the entry.)
@@ -893,6 +985,11 @@ mod tests {
                         // Keys `[k, 1]` below STABLE are always there; `[k, 3]` never were.
                         let (k, absent) = (x % STABLE, x & (1 << 40) != 0);
                         let key = MapKey([k, if absent { 3 } else { 1 }]);
+                        // The fast path's answer: never ready for a key never stored (for
+                        // one always present, false is a retry).
+                        if hints[0].read_ready(hash(key), &key, &guard) {
+                            assert!(!absent, "read_ready of a key never stored");
+                        }
                         match hints[0].read(hash(key), &key, &guard) {
                             None => {
                                 retried.fetch_add(1, Relaxed);
