@@ -220,8 +220,8 @@ impl PagedKv {
         Ok(())
     }
 
-    /// The engine's runs of blocks `ids`, in canonical order, to walk a piece at a time.
-    fn runs(&self, ids: &[usize]) -> Runs {
+    /// The engine's runs of blocks `ids` (`(address, bytes)` each), in canonical order.
+    fn runs(&self, ids: &[usize]) -> Vec<(usize, usize)> {
         let mut runs = Vec::new();
         for &id in ids {
             for p in &self.plans {
@@ -229,11 +229,7 @@ impl PagedKv {
                 walk(p, base, &mut |at, len| runs.push((at, len)));
             }
         }
-        Runs {
-            runs,
-            r: 0,
-            done: 0,
-        }
+        runs
     }
 
     /// Copies engine blocks `ids` into `dst` (canonical form, back to back).
@@ -258,24 +254,18 @@ impl PagedKv {
     }
 
     /// [`PagedKv::gather`] that also returns the block checksum of the bytes written, computed
-    /// as they are copied: the runs of each checksum piece are gathered into a private 64 KiB
-    /// buffer (in cache), which goes to `dst` in one pass that hashes it and streams past the
-    /// cache ([`kvstore::copy_hashed_pieces`]), so the block need not be read again to
-    /// checksum it. (It used to stream each run to `dst` and hash the run beside the copy,
-    /// buffering the runs shorter than a piece: a copy and a hash pass more.)
+    /// as they are copied ([`kvstore::gather_hashed`]): each stripe of the engine's runs is
+    /// loaded once, streamed to `dst` past the cache and hashed from the same registers, so
+    /// the block is neither read again nor staged to checksum it. (It used to gather each
+    /// checksum piece's runs into a private 64 KiB buffer, then copy and hash that: a copy in
+    /// cache more. Runs that are not whole 64-byte stripes still go that way.)
     pub fn gather_hashed(&self, ids: &[usize], dst: &mut [u8]) -> Result<u64, LayoutError> {
         self.check(ids, dst.len())?;
-        let mut runs = self.runs(ids);
-        Ok(kvstore::copy_hashed_pieces(dst, &mut |_, piece| {
-            runs.next(piece.len(), &mut |src, off, n| {
-                // SAFETY: `src..src + n` lies within a run `walk` gave (the layer tensor,
-                // PagedKv::new's contract), which nobody writes during the gather; `piece`
-                // is the private piece buffer, `off + n` within it.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(src as *const u8, piece.as_mut_ptr().add(off), n)
-                };
-            });
-        }))
+        let runs = self.runs(ids);
+        // SAFETY: every run lies within a layer tensor (PagedKv::new's contract, indices
+        // within shape), which nobody writes during the gather; `dst` is a separate buffer;
+        // the runs add up to the canonical form, `dst.len()` bytes (checked above).
+        Ok(unsafe { kvstore::gather_hashed(dst, &runs) })
     }
 
     /// Layers.
@@ -365,27 +355,20 @@ impl PagedKv {
     }
 
     /// [`PagedKv::scatter`] from shared memory that also returns the checksum of what it
-    /// wrote. The shared `src` is read once, a checksum piece at a time, into a private buffer
-    /// by the fused copy-and-hash ([`ArenaSlice::copy_pieces_hashed`]), and each piece's runs
-    /// are placed from there while it is in cache. The bytes hashed are private, and they are
-    /// the bytes the engine gets, never a second read of `src`: a writer that changes `src`
-    /// during the copy cannot make a hash pass for bytes that were not copied (issue 35).
-    /// (The runs used to be copied straight from `src` and hashed in the engine's tensor with a
-    /// streaming XXH3: the piece buffer trades that hash pass for a copy in cache, measured
-    /// faster; a fused scatter from registers would need neither. bench/RESULTS.md.)
+    /// wrote ([`ArenaSlice::scatter_hashed`]): each stripe of the shared `src` is loaded once,
+    /// stored to its run of the engine's tensors and hashed from the same registers. The
+    /// bytes hashed are the bytes the engine gets, never a second read of `src`: a writer
+    /// that changes `src` during the copy cannot make a hash pass for bytes that were not
+    /// copied (issue 35). (It used to copy and hash each checksum piece into a private
+    /// buffer, then place the runs from there: a copy in cache more. Runs that are not whole
+    /// 64-byte stripes still go that way. bench/RESULTS.md.)
     pub fn scatter_hashed(&self, ids: &[usize], src: ArenaSlice<'_>) -> Result<u64, LayoutError> {
         self.check(ids, src.len())?;
-        let mut runs = self.runs(ids);
-        Ok(src.copy_pieces_hashed(&mut |piece| {
-            runs.next(piece.len(), &mut |dst, off, n| {
-                // SAFETY: as in gather_hashed, with roles swapped: `dst..dst + n` lies within a
-                // run of the engine tensor, which nobody else reads or writes during the
-                // scatter; `off + n` is within the private `piece`.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(piece.as_ptr().add(off), dst as *mut u8, n)
-                };
-            });
-        }))
+        let runs = self.runs(ids);
+        // SAFETY: every run lies within a layer tensor (PagedKv::new's contract), which nobody
+        // else reads or writes during the scatter, apart from the arena; they add up to
+        // `src.len()` (checked above).
+        Ok(unsafe { src.scatter_hashed(&runs) })
     }
 
     /// The checksum of engine blocks `ids` in canonical form, read from the engine's tensors
@@ -605,33 +588,6 @@ pub struct Piece {
 /// Calls `f(address, run)` for every contiguous run of one layer's block, in canonical order.
 /// The engine's runs of some blocks (address, bytes) in canonical order, walked a piece at a
 /// time ([`PagedKv::runs`]).
-struct Runs {
-    runs: Vec<(usize, usize)>,
-    /// The run the walk is in…
-    r: usize,
-    /// …and how many of its bytes are behind it.
-    done: usize,
-}
-
-impl Runs {
-    /// The next `n` bytes of the canonical form: `f(address, offset in these n, bytes)` for
-    /// each part of a run they cover, in order. Stops early if the runs end (the callers
-    /// checked that they cover the whole canonical form).
-    fn next(&mut self, n: usize, f: &mut dyn FnMut(usize, usize, usize)) {
-        let mut off = 0;
-        while let (true, Some(&(at, len))) = (off < n, self.runs.get(self.r)) {
-            let take = (len - self.done).min(n - off);
-            f(at + self.done, off, take);
-            off += take;
-            self.done += take;
-            if self.done == len {
-                self.r += 1;
-                self.done = 0;
-            }
-        }
-    }
-}
-
 fn walk(p: &Plan, base: isize, f: &mut dyn FnMut(usize, usize)) {
     let n = p.outer.len();
     let mut idx = vec![0usize; n];

@@ -102,6 +102,15 @@ fn check(name: &str, mut layers: Vec<Tensor>, rng: &mut impl Rng) {
         }
     }
     assert!(got == want, "{name}: gather differs from the reference");
+    // The hashed gather (a save): the same bytes, and their block checksum.
+    let mut hashed = vec![0u8; got.len()];
+    let sum = kv.gather_hashed(&ids, &mut hashed).unwrap();
+    assert!(hashed == want, "{name}: gather_hashed differs from gather");
+    assert_eq!(
+        sum,
+        kvstore::checksum(&want),
+        "{name}: gather_hashed's checksum"
+    );
     // The 2D pieces a GPU copy engine is given describe the same bytes, in order, with no
     // rows farther apart than its limit (none: one row per run).
     for max_pitch in [usize::MAX, 0] {
@@ -213,6 +222,29 @@ fn check(name: &str, mut layers: Vec<Tensor>, rng: &mut impl Rng) {
     dedup.sort();
     dedup.dedup();
     if dedup.len() == targets.len() {
+        // The hashed scatter (a load) from shared memory, then a plain one over it: both put
+        // the same bytes in place, and the hashed one returns their checksum.
+        let mut shared = got.clone();
+        // SAFETY: `shared` outlives the slice and nobody else writes it.
+        let slice = unsafe { kvstore::ArenaSlice::new(shared.as_mut_ptr(), shared.len()) };
+        let sum = kv.scatter_hashed(&targets, slice).unwrap();
+        assert_eq!(
+            sum,
+            kvstore::checksum(&got),
+            "{name}: scatter_hashed's checksum"
+        );
+        let mut back = vec![0u8; got.len()];
+        kv.gather(&targets, &mut back).unwrap();
+        assert!(
+            back == got,
+            "{name}: scatter_hashed then gather is not the identity"
+        );
+        for &t in &targets {
+            let mut zero = vec![0u8; kv.block_bytes()];
+            kv.scatter(&[t], &zero).unwrap();
+            kv.gather(&[t], &mut zero).unwrap();
+            assert!(zero.iter().all(|&b| b == 0));
+        }
         kv.scatter(&targets, &got).unwrap();
         let mut back = vec![0u8; got.len()];
         kv.gather(&targets, &mut back).unwrap();
@@ -284,6 +316,15 @@ fn every_layout_matches_the_reference() {
             ),
             // MLA latent: no K/V planes.
             ("mla", vec![nb, bs, 576], vec![B, T, I], vec![0, 1, 2], 2),
+            // Runs that are not whole 64-byte stripes (a head of 20 elements, HND): the
+            // hashed copies go through the private piece buffer.
+            (
+                "odd runs hnd",
+                vec![2, nb, bs, h, 20],
+                vec![K, B, T, I, I],
+                vec![0, 1, 3, 2, 4],
+                2,
+            ),
             // K/V plane innermost-but-one, an odd but legal view.
             (
                 "kv-inner",

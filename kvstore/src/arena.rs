@@ -244,17 +244,20 @@ impl<'a> ArenaSlice<'a> {
         unsafe { crate::checksum::copy_out_hashed_raw(dst, self.ptr) }
     }
 
-    /// Copies the slice, one checksum piece ([`crate::checksum::CHUNK`] bytes) at a time, into
-    /// a private buffer (the thread's own), hashing each piece in the same pass, and hands
-    /// each piece in order to `f` while it is in cache; returns the checksum of the pieces
-    /// `f` got, which is what to compare with the commit checksum (bytes another process
-    /// writes into the slice meanwhile change what `f` gets and the checksum with it, never
-    /// one without the other). For a scatter into many small destinations: the shared
-    /// memory is read once, by the fused copy-and-hash. `f` must not call it again.
-    pub fn copy_pieces_hashed(&self, f: &mut dyn FnMut(&[u8])) -> u64 {
-        // SAFETY: the slice's range is mapped for its life (the creator's promise); it is read
-        // only through raw loads.
-        unsafe { crate::checksum::pieces_hashed_raw(self.ptr, self.len, f) }
+    /// Copies the slice into `runs` (an engine's tensors: `(address, bytes)` each, back to
+    /// back in canonical order), hashing it in the same pass, and returns the checksum of the
+    /// bytes the runs got, which is what to compare with the commit checksum (bytes another
+    /// process writes into the slice meanwhile change what the runs get and the checksum with
+    /// it, never one without the other): the shared memory is read once.
+    ///
+    /// # Safety
+    /// Each run is valid for writes of its bytes and does not overlap the arena (runs that
+    /// overlap each other are written in order). The runs add up to the slice's length (else
+    /// a panic).
+    pub unsafe fn scatter_hashed(&self, runs: &[(usize, usize)]) -> u64 {
+        // SAFETY: the slice's range is mapped for its life (the creator's promise) and read
+        // only through raw loads; the caller vouched for the runs.
+        unsafe { crate::checksum::scatter_hashed_raw(self.ptr, self.len, runs) }
     }
 
     /// The checksum of the slice as it is now, each piece hashed where it lies through raw
@@ -488,14 +491,36 @@ mod arena_slice_tests {
             );
             assert_eq!(o, &data[7..7 + n]);
             assert_eq!(part.checksum(), crate::checksum(&data[7..7 + n]), "{n}");
-            // Piece by piece through a private buffer: the same checksum, the same bytes.
-            let mut got = Vec::new();
-            let sum = part.copy_pieces_hashed(&mut |p| {
-                assert!(p.len() <= crate::checksum::CHUNK);
-                got.extend_from_slice(p);
-            });
-            assert_eq!(sum, crate::checksum(&data[7..7 + n]), "{n} in pieces");
-            assert_eq!(got, &data[7..7 + n]);
+            // Into runs (an engine's tensors, here in one private buffer with gaps): the same
+            // checksum, the same bytes. Runs of whole stripes, and runs that are not.
+            for run in [4096, 1000] {
+                let gap = 64;
+                let mut buf = vec![0u8; n + (n / run + 1) * gap];
+                let mut runs = Vec::new();
+                let (mut at, mut left) = (0, n);
+                while left > 0 {
+                    let k = run.min(left);
+                    runs.push((buf.as_mut_ptr() as usize + at, k));
+                    at += k + gap;
+                    left -= k;
+                }
+                // SAFETY: each run lies in `buf` (private, apart from the arena), none
+                // overlapping another; they add up to `n`.
+                let sum = unsafe { part.scatter_hashed(&runs) };
+                assert_eq!(
+                    sum,
+                    crate::checksum(&data[7..7 + n]),
+                    "{n} in runs of {run}"
+                );
+                let got: Vec<u8> = runs
+                    .iter()
+                    .flat_map(|&(a, k)| {
+                        let off = a - buf.as_ptr() as usize;
+                        buf[off..off + k].to_vec()
+                    })
+                    .collect();
+                assert_eq!(got, &data[7..7 + n]);
+            }
         }
         assert_eq!(s.get(0, 0).unwrap().checksum(), crate::checksum(&[]));
         let mid = s.get(70_000, 10).unwrap();

@@ -73,31 +73,95 @@ fn with_piece_buffer<R>(f: impl FnOnce(&mut [u8]) -> R) -> R {
     })
 }
 
-/// The checksum of `len` bytes at `src` (raw memory, as for [`copy_out_hashed_raw`]) taken
-/// piece by piece through a private buffer: each piece is copied there and hashed in one
-/// pass, then handed to `f` while it is still in cache, so `f` moves the very bytes the
-/// checksum vouches for (a scatter into many small destinations: one fused copy out of the
-/// shared memory, then copies out of cache).
+/// A walk along runs (`(address, bytes)` each, back to back in a block's canonical order: an
+/// engine's tensors), a checksum piece at a time.
+struct RunCursor<'a> {
+    runs: &'a [(usize, usize)],
+    /// The run the walk is in…
+    r: usize,
+    /// …and how many of its bytes are behind it.
+    done: usize,
+}
+
+impl<'a> RunCursor<'a> {
+    /// A walk along `runs`, which must add up to `len` bytes.
+    fn new(runs: &'a [(usize, usize)], len: usize) -> Self {
+        let total: usize = runs.iter().map(|&(_, n)| n).sum();
+        assert_eq!(total, len, "the runs hold {total} bytes, the block {len}");
+        RunCursor {
+            runs,
+            r: 0,
+            done: 0,
+        }
+    }
+
+    /// The parts of runs that the next `n` bytes cover, in order, into `out`.
+    fn next(&mut self, n: usize, out: &mut Vec<(usize, usize)>) {
+        out.clear();
+        let mut got = 0;
+        while let (true, Some(&(at, len))) = (got < n, self.runs.get(self.r)) {
+            let take = (len - self.done).min(n - got);
+            out.push((at + self.done, take));
+            got += take;
+            self.done += take;
+            if self.done == len {
+                self.r += 1;
+                self.done = 0;
+            }
+        }
+    }
+}
+
+/// Copies `len` bytes at `src` (raw memory, as for [`copy_out_hashed_raw`]) into `runs` (an
+/// engine's tensors: `(address, bytes)` each, back to back in canonical order) and returns the
+/// checksum of the bytes the runs got. A piece whose runs are whole 64-byte stripes (an
+/// engine's runs are: tokens × heads × head size × element) goes in one pass, loaded once
+/// and stored to the runs and hashed from the same registers (`fused`); another piece is
+/// copied and hashed into a private buffer (the thread's own) in one pass, then placed from
+/// there while it is in cache. Either way the checksum is of the bytes the runs got, never of
+/// a second read of `src`: another process that writes `src` meanwhile changes both or
+/// neither (issue 35).
 ///
 /// # Safety
-/// `src` is valid for reads of `len` bytes.
-pub(crate) unsafe fn pieces_hashed_raw(
+/// `src` is valid for reads of `len` bytes; each run is valid for writes of its bytes and
+/// does not overlap `src` (runs that overlap each other are written in order, the later
+/// last). The runs add up to `len` bytes (else a panic).
+pub(crate) unsafe fn scatter_hashed_raw(
     src: *const u8,
     len: usize,
-    f: &mut dyn FnMut(&[u8]),
+    runs: &[(usize, usize)],
 ) -> u64 {
-    with_piece_buffer(|buf| {
-        let mut l = Leaves::new();
-        for at in (0..len).step_by(CHUNK) {
-            let n = CHUNK.min(len - at);
-            let piece = &mut buf[..n];
-            // SAFETY: bytes `at..at + n` lie within the caller's `len`; `buf` is this
-            // thread's private memory, apart from them.
-            l.push(unsafe { copy_piece_raw(piece, src.add(at), len - at - n) });
-            f(piece);
+    let mut cur = RunCursor::new(runs, len);
+    let mut segs = Vec::new();
+    let mut l = Leaves::new();
+    for at in (0..len).step_by(CHUNK) {
+        let n = CHUNK.min(len - at);
+        cur.next(n, &mut segs);
+        let ahead = len - at - n;
+        // SAFETY: bytes `at..at + n` lie within the caller's `len`.
+        let s = unsafe { src.add(at) };
+        #[cfg(target_arch = "x86_64")]
+        if fused::available() && fused::segs_fit(n, &segs) {
+            // SAFETY: AVX2 is present, the segments fit; the caller vouched for `s` and for
+            // the runs the segments are parts of.
+            l.push(unsafe { fused::scatter_xxh3(&segs, s, n, ahead) });
+            continue;
         }
-        l.finish()
-    })
+        l.push(with_piece_buffer(|buf| {
+            let piece = &mut buf[..n];
+            // SAFETY: `s` is valid for `n` bytes; `buf` is this thread's private memory.
+            let h = unsafe { copy_piece_raw(piece, s, ahead) };
+            let mut off = 0;
+            for &(to, k) in &segs {
+                // SAFETY: the segment is part of a run the caller vouched for; `off + k` ≤ `n`
+                // (the segments add up to the piece).
+                unsafe { std::ptr::copy_nonoverlapping(piece.as_ptr().add(off), to as *mut u8, k) };
+                off += k;
+            }
+            h
+        }));
+    }
+    l.finish()
 }
 
 /// The checksum of `len` bytes at `src` (raw memory, as for [`copy_out_hashed_raw`]) as they
@@ -322,21 +386,44 @@ impl RunChecksummer {
     }
 }
 
-/// Fills `dst` a checksum piece ([`CHUNK`] bytes) at a time through a private buffer:
-/// `fill(offset, piece)` writes the bytes of `dst[offset..][..n]` into `piece` (for a gather
-/// of many small runs: the runs' copies land in cache), and each piece then goes to `dst` as
-/// [`copy_hashed`] copies (one pass that hashes, non-temporal stores where `dst` is 32-byte
-/// aligned). Returns the checksum of what `dst` got. `fill` must not call it again.
-pub fn copy_hashed_pieces(dst: &mut [u8], fill: &mut dyn FnMut(usize, &mut [u8])) -> u64 {
-    with_piece_buffer(|buf| {
-        let mut l = Leaves::new();
-        for (i, d) in dst.chunks_mut(CHUNK).enumerate() {
-            let piece = &mut buf[..d.len()];
-            fill(i * CHUNK, piece);
-            l.push(copy_piece(d, piece, true, 0));
+/// Copies `runs` (an engine's tensors: `(address, bytes)` each, back to back in canonical
+/// order) into `dst` and returns the checksum of what `dst` got, non-temporal stores where
+/// `dst` is 32-byte aligned (a block is not read back soon). A piece whose runs are whole
+/// 64-byte stripes goes in one pass that loads each stripe once, stores it and hashes it
+/// from the same registers (`fused`); another piece is gathered into a private buffer (the
+/// thread's own), then copied and hashed from there in one pass.
+///
+/// # Safety
+/// Each run is valid for reads of its bytes, does not overlap `dst`, and is not written
+/// during the call. The runs add up to `dst.len()` bytes (else a panic).
+pub unsafe fn gather_hashed(dst: &mut [u8], runs: &[(usize, usize)]) -> u64 {
+    let mut cur = RunCursor::new(runs, dst.len());
+    let mut segs = Vec::new();
+    let mut l = Leaves::new();
+    for d in dst.chunks_mut(CHUNK) {
+        cur.next(d.len(), &mut segs);
+        #[cfg(target_arch = "x86_64")]
+        if fused::available() && fused::segs_fit(d.len(), &segs) {
+            // SAFETY: AVX2 is present, the segments fit; they are parts of runs the caller
+            // vouched for, apart from `d`.
+            l.push(unsafe { fused::gather_xxh3(d, &segs, true) });
+            continue;
         }
-        l.finish()
-    })
+        l.push(with_piece_buffer(|buf| {
+            let piece = &mut buf[..d.len()];
+            let mut off = 0;
+            for &(from, k) in &segs {
+                // SAFETY: the segment is part of a run the caller vouched for; `off + k` ≤
+                // the piece's length (the segments add up to it); `buf` is private.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(from as *const u8, piece.as_mut_ptr().add(off), k)
+                };
+                off += k;
+            }
+            copy_piece(d, piece, true, 0)
+        }));
+    }
+    l.finish()
 }
 
 /// Copies `src` into `dst` (same length) and returns the checksum of the bytes copied (in one
@@ -479,14 +566,99 @@ mod tests {
                 let got = copy_out_hashed(&mut dst[off..off + n], &data[..n]);
                 assert_eq!(got, want);
                 assert_eq!(&dst[off..off + n], &data[..n]);
-                // Filled a piece at a time through a private buffer.
+                // Gathered from one run.
                 dst.fill(0);
-                let got = copy_hashed_pieces(&mut dst[off..off + n], &mut |at, p| {
-                    p.copy_from_slice(&data[at..at + p.len()])
-                });
-                assert_eq!(got, want, "pieces: offset {off}, {n} bytes");
+                let run = [(data.as_ptr() as usize, n)];
+                // SAFETY: the run is `data`'s first `n` bytes, apart from `dst`.
+                let got = unsafe { gather_hashed(&mut dst[off..off + n], &run) };
+                assert_eq!(got, want, "one run: offset {off}, {n} bytes");
                 assert_eq!(&dst[off..off + n], &data[..n]);
             }
         }
+    }
+
+    /// Runs of `sizes` (cycled) covering `n` bytes, each placed in `buf` at `align` past a
+    /// 64-byte boundary and 64 bytes after the previous one's end.
+    fn runs_in(buf: &mut [u8], n: usize, sizes: &[usize], align: usize) -> Vec<(usize, usize)> {
+        let base = buf.as_mut_ptr() as usize;
+        let first = (base + align).next_multiple_of(64) + align - base;
+        let (mut runs, mut at, mut left) = (Vec::new(), first, n);
+        for &k in sizes.iter().cycle() {
+            if left == 0 {
+                break;
+            }
+            let k = k.min(left);
+            assert!(at + k <= buf.len(), "buffer too small");
+            runs.push((base + at, k));
+            at = (at + k + 64).next_multiple_of(64) + align;
+            left -= k;
+        }
+        runs
+    }
+
+    #[test]
+    fn gathers_and_scatters_through_runs() {
+        let data: Vec<u8> = (0..300_000u32).map(|i| (i * 13 + i / 977) as u8).collect();
+        let mut engine = vec![0u8; 2 * data.len() + (1 << 20)];
+        let mut out = vec![0u8; data.len() + 64];
+        let splits: [&[usize]; 7] = [
+            &[32 << 10],
+            &[2560],
+            &[64, 128, 4096],
+            &[65_536 + 64],
+            &[1000],
+            &[4096, 100, 4096],
+            &[300_000],
+        ];
+        let kernels: &[bool] = if cfg!(target_arch = "x86_64") {
+            &[true, false]
+        } else {
+            &[false]
+        };
+        for &avx2_only in kernels {
+            #[cfg(target_arch = "x86_64")]
+            fused::force_avx2(avx2_only);
+            let _ = avx2_only;
+            for n in [0, 64, 320, 4096, 65_536, 65_536 + 2560, 200_000, 300_000] {
+                let want = reference(&data[..n]);
+                for sizes in splits {
+                    for align in [0, 8, 32] {
+                        engine.fill(0);
+                        let runs = runs_in(&mut engine, n, sizes, align);
+                        // Scatter: the bytes land in the runs, nothing between them.
+                        // SAFETY: the runs lie apart in `engine`, apart from `data`, and add
+                        // up to `n`.
+                        let got = unsafe { scatter_hashed_raw(data.as_ptr(), n, &runs) };
+                        assert_eq!(got, want, "scatter {n} in {sizes:?} at {align}");
+                        let mut at = 0;
+                        for &(a, k) in &runs {
+                            let off = a - engine.as_ptr() as usize;
+                            assert_eq!(&engine[off..off + k], &data[at..at + k]);
+                            at += k;
+                        }
+                        let landed = engine.iter().filter(|&&b| b != 0).count();
+                        let want_nz = data[..n].iter().filter(|&&b| b != 0).count();
+                        assert_eq!(landed, want_nz, "bytes outside the runs");
+                        // Gather back: the same checksum, the same bytes.
+                        out.fill(0);
+                        // SAFETY: the runs lie in `engine`, apart from `out`.
+                        let got = unsafe { gather_hashed(&mut out[..n], &runs) };
+                        assert_eq!(got, want, "gather {n} in {sizes:?} at {align}");
+                        assert_eq!(&out[..n], &data[..n]);
+                    }
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        fused::force_avx2(false);
+    }
+
+    #[test]
+    #[should_panic(expected = "the runs hold")]
+    fn runs_that_do_not_cover_the_block_are_refused() {
+        let data = vec![1u8; 4096];
+        let mut out = vec![0u8; 4096];
+        // SAFETY: the run is in `data`; the call panics before any copy.
+        unsafe { gather_hashed(&mut out, &[(data.as_ptr() as usize, 4000)]) };
     }
 }

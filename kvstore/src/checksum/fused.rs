@@ -55,6 +55,125 @@ pub(super) fn available() -> bool {
     }
 }
 
+/// Where a kernel reads its source or writes its destination: the address of byte `off` of
+/// the piece. Offsets are asked in increasing order, but for XXH3's last stripe, which may
+/// start up to 63 bytes before the tail (a [`Contig`] piece of any length; a [`Segs`] piece is
+/// whole stripes, so its last stripe is its tail).
+pub(super) trait Addr {
+    /// The address of byte `off`.
+    fn at(&mut self, off: usize) -> *mut u8;
+    /// Where to prefetch `pf` bytes past byte `off` (`at(off)` asked already), if anywhere.
+    fn ahead(&self, off: usize, pf: usize) -> Option<*const u8>;
+}
+
+/// One contiguous range.
+#[derive(Clone, Copy)]
+pub(super) struct Contig(pub(super) *mut u8);
+
+impl Addr for Contig {
+    #[inline(always)]
+    fn at(&mut self, off: usize) -> *mut u8 {
+        self.0.wrapping_add(off)
+    }
+    #[inline(always)]
+    fn ahead(&self, off: usize, pf: usize) -> Option<*const u8> {
+        Some(self.0.wrapping_add(off + pf).cast_const())
+    }
+}
+
+/// Segments back to back: `(address, bytes)` each, every one a whole number of stripes (the
+/// runs of an engine's tensor that a piece of a block covers).
+pub(super) struct Segs<'a> {
+    segs: &'a [(usize, usize)],
+    /// The segment the kernel is in…
+    i: usize,
+    /// …and the piece's offset where it starts.
+    start: usize,
+}
+
+impl<'a> Segs<'a> {
+    pub(super) fn new(segs: &'a [(usize, usize)]) -> Self {
+        Segs {
+            segs,
+            i: 0,
+            start: 0,
+        }
+    }
+}
+
+impl Addr for Segs<'_> {
+    #[inline(always)]
+    fn at(&mut self, off: usize) -> *mut u8 {
+        while off >= self.start + self.segs[self.i].1 {
+            self.start += self.segs[self.i].1;
+            self.i += 1;
+        }
+        (self.segs[self.i].0 + (off - self.start)) as *mut u8
+    }
+    #[inline(always)]
+    fn ahead(&self, off: usize, pf: usize) -> Option<*const u8> {
+        // Within the segment the kernel is in (the next one lies anywhere).
+        let (at, len) = self.segs[self.i];
+        (off + pf < self.start + len).then(|| (at + (off + pf - self.start)) as *const u8)
+    }
+}
+
+/// Whether a piece of `len` bytes over `segs` may go through the kernels as [`Segs`]: whole
+/// stripes each, as many bytes in all, and long enough for the kernels.
+pub(super) fn segs_fit(len: usize, segs: &[(usize, usize)]) -> bool {
+    len >= MIN_LEN
+        && len.is_multiple_of(STRIPE)
+        && segs.iter().all(|&(_, n)| n > 0 && n.is_multiple_of(STRIPE))
+        && segs.iter().map(|&(_, n)| n).sum::<usize>() == len
+}
+
+/// Copies a `len`-byte piece from `src` into the segments `dst` (an engine's runs), hashing
+/// it in the same pass, and returns its `xxh3_64`: the hash of the registers the stores
+/// wrote, as [`copy_xxh3`]. Plain stores. `ahead`: as in [`copy_xxh3`].
+///
+/// # Safety
+/// The CPU has AVX2 ([`available`]); [`segs_fit`]`(len, dst)`; `src` is valid for reads of
+/// `len` bytes; each segment is valid for writes of its bytes and does not overlap `src`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn scatter_xxh3(
+    dst: &[(usize, usize)],
+    src: *const u8,
+    len: usize,
+    ahead: usize,
+) -> u64 {
+    assert!(segs_fit(len, dst), "scatter_xxh3: bad segments");
+    let (d, s) = (Segs::new(dst), Contig(src.cast_mut()));
+    if avx512() {
+        // SAFETY: the caller's promises, and the CPU has AVX-512F (`avx512`).
+        return unsafe { kernel512::<true, _, _>(d, s, len, false, ahead) };
+    }
+    // SAFETY: the caller's promises.
+    unsafe { kernel::<true, _, _>(d, s, len, false, ahead) }
+}
+
+/// Copies the segments `src` (an engine's runs, `dst.len()` bytes in all) into `dst`,
+/// hashing them in the same pass, and returns the `xxh3_64` of what `dst` got; `nt`: as in
+/// [`copy_xxh3`].
+///
+/// # Safety
+/// The CPU has AVX2 ([`available`]); [`segs_fit`]`(dst.len(), src)`; each segment is valid
+/// for reads of its bytes and does not overlap `dst`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn gather_xxh3(dst: &mut [u8], src: &[(usize, usize)], nt: bool) -> u64 {
+    assert!(segs_fit(dst.len(), src), "gather_xxh3: bad segments");
+    let len = dst.len();
+    let nt = nt && dst.as_mut_ptr().align_offset(32) == 0;
+    let (d, s) = (Contig(dst.as_mut_ptr()), Segs::new(src));
+    if avx512() && !(nt && dst.as_mut_ptr().align_offset(64) != 0) {
+        // SAFETY: the caller's promises, and the CPU has AVX-512F (`avx512`).
+        return unsafe { kernel512::<true, _, _>(d, s, len, nt, 0) };
+    }
+    // SAFETY: the caller's promises.
+    unsafe { kernel::<true, _, _>(d, s, len, nt, 0) }
+}
+
 /// Copies `dst.len()` bytes (at least [`MIN_LEN`]) from `src` into `dst` and returns
 /// `xxh3_64` of the bytes copied; `nt`: non-temporal stores where the destination is 32-byte
 /// aligned. The source is read only through raw loads, so it may be memory another process
@@ -74,10 +193,26 @@ pub(super) unsafe fn copy_xxh3(dst: &mut [u8], src: *const u8, nt: bool, ahead: 
     // keeps the AVX2 kernel's streaming stores rather than losing them.
     if avx512() && !(nt && dst.as_mut_ptr().align_offset(64) != 0) {
         // SAFETY: the caller's promises, and the CPU has AVX-512F (`avx512`).
-        return unsafe { kernel512::<true>(dst.as_mut_ptr(), src, dst.len(), nt, ahead) };
+        return unsafe {
+            kernel512::<true, _, _>(
+                Contig(dst.as_mut_ptr()),
+                Contig(src.cast_mut()),
+                dst.len(),
+                nt,
+                ahead,
+            )
+        };
     }
     // SAFETY: the caller's promises; `dst` is valid for writes of its length.
-    unsafe { kernel::<true>(dst.as_mut_ptr(), src, dst.len(), nt, ahead) }
+    unsafe {
+        kernel::<true, _, _>(
+            Contig(dst.as_mut_ptr()),
+            Contig(src.cast_mut()),
+            dst.len(),
+            nt,
+            ahead,
+        )
+    }
 }
 
 /// How far ahead of the stripe it copies a kernel prefetches its source, in bytes (0: not
@@ -141,7 +276,7 @@ static FORCE_AVX2: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool
 
 /// Makes [`copy_xxh3`] and [`xxh3_raw`] use the AVX2 kernel (`true`) or the best one (`false`).
 #[cfg(all(test, target_arch = "x86_64"))]
-fn force_avx2(on: bool) {
+pub(super) fn force_avx2(on: bool) {
     FORCE_AVX2.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
@@ -156,10 +291,26 @@ pub(super) unsafe fn xxh3_raw(src: *const u8, len: usize) -> u64 {
     assert!(len >= MIN_LEN, "xxh3_raw: bad length");
     if avx512() {
         // SAFETY: as below, and the CPU has AVX-512F (`avx512`).
-        return unsafe { kernel512::<false>(std::ptr::null_mut(), src, len, false, 0) };
+        return unsafe {
+            kernel512::<false, _, _>(
+                Contig(std::ptr::null_mut()),
+                Contig(src.cast_mut()),
+                len,
+                false,
+                0,
+            )
+        };
     }
     // SAFETY: the caller's promises; with `STORE` false the destination is never touched.
-    unsafe { kernel::<false>(std::ptr::null_mut(), src, len, false, 0) }
+    unsafe {
+        kernel::<false, _, _>(
+            Contig(std::ptr::null_mut()),
+            Contig(src.cast_mut()),
+            len,
+            false,
+            0,
+        )
+    }
 }
 
 /// The fused kernel: with `STORE`, copies `len` bytes from `s` to `d` and hashes them; without,
@@ -169,9 +320,9 @@ pub(super) unsafe fn xxh3_raw(src: *const u8, len: usize) -> u64 {
 /// As [`copy_xxh3`] (`d` valid for writes of `len` bytes when `STORE`), `len` ≥ [`MIN_LEN`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn kernel<const STORE: bool>(
-    d: *mut u8,
-    s: *const u8,
+unsafe fn kernel<const STORE: bool, D: Addr, S: Addr>(
+    mut d: D,
+    mut s: S,
     len: usize,
     nt: bool,
     ahead: usize,
@@ -208,21 +359,27 @@ unsafe fn kernel<const STORE: bool>(
             }
         }
     };
-    let copy_stripe = |acc: &mut [__m256i; 2], off: usize, sec: *const u8| {
+    let mut copy_stripe = |acc: &mut [__m256i; 2], off: usize, sec: *const u8| {
         // SAFETY: see above.
         unsafe {
+            let from = s.at(off);
             if off + pf < pf_end {
-                // Only a hint: never faults, and reads nothing the program sees.
-                _mm_prefetch::<_MM_HINT_T0>(s.wrapping_add(off + pf) as *const i8);
+                if let Some(p) = s.ahead(off, pf) {
+                    // Only a hint: never faults, and reads nothing the program sees.
+                    _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
+                }
             }
-            let a = _mm256_loadu_si256(s.add(off) as *const __m256i);
-            let b = _mm256_loadu_si256(s.add(off + 32) as *const __m256i);
-            if STORE && nt {
-                _mm256_stream_si256(d.add(off) as *mut __m256i, a);
-                _mm256_stream_si256(d.add(off + 32) as *mut __m256i, b);
-            } else if STORE {
-                _mm256_storeu_si256(d.add(off) as *mut __m256i, a);
-                _mm256_storeu_si256(d.add(off + 32) as *mut __m256i, b);
+            let a = _mm256_loadu_si256(from as *const __m256i);
+            let b = _mm256_loadu_si256(from.add(32) as *const __m256i);
+            if STORE {
+                let to = d.at(off);
+                if nt {
+                    _mm256_stream_si256(to as *mut __m256i, a);
+                    _mm256_stream_si256(to.add(32) as *mut __m256i, b);
+                } else {
+                    _mm256_storeu_si256(to as *mut __m256i, a);
+                    _mm256_storeu_si256(to.add(32) as *mut __m256i, b);
+                }
             }
             accumulate(acc, a, b, sec);
         }
@@ -250,11 +407,11 @@ unsafe fn kernel<const STORE: bool>(
         },
     );
     // SAFETY: the caller's promises (`done` ≤ `len`).
-    let last = unsafe { finish_tail::<STORE>(d, s, done, len, nt) };
+    let last = unsafe { finish_tail::<STORE, _, _>(&mut d, &mut s, done, len, nt) };
     // SAFETY: see above.
     unsafe {
-        let a = _mm256_loadu_si256(last.add(len - STRIPE) as *const __m256i);
-        let b = _mm256_loadu_si256(last.add(len - STRIPE + 32) as *const __m256i);
+        let a = _mm256_loadu_si256(last as *const __m256i);
+        let b = _mm256_loadu_si256(last.add(32) as *const __m256i);
         accumulate(&mut acc, a, b, k.add(192 - STRIPE - 7));
     }
     let mut lanes = [0u64; 8];
@@ -292,31 +449,32 @@ fn walk<A>(
 }
 
 /// The kernels' tail: with `STORE`, copies bytes `done..len` (after the last whole stripe) and
-/// fences the non-temporal stores; returns where XXH3's last stripe (which overlaps what was
-/// hashed already) is read from: the destination once the tail is there, or the source when
-/// nothing is stored.
+/// fences the non-temporal stores; returns where XXH3's last stripe (the last 64 bytes, which
+/// may overlap what was hashed already) is read from: the destination once the tail is there,
+/// or the source when nothing is stored.
 ///
 /// # Safety
 /// As the kernels': `s` valid for reads and, with `STORE`, `d` for writes of `len` bytes, apart;
-/// `done` ≤ `len`.
+/// `done` ≤ `len`; bytes `done..len` and `len - 64..len` each lie in one segment of `s` and of
+/// `d` (a [`Segs`] piece is whole stripes: both are its last stripe).
 #[cfg(target_arch = "x86_64")]
-unsafe fn finish_tail<const STORE: bool>(
-    d: *mut u8,
-    s: *const u8,
+unsafe fn finish_tail<const STORE: bool, D: Addr, S: Addr>(
+    d: &mut D,
+    s: &mut S,
     done: usize,
     len: usize,
     nt: bool,
 ) -> *const u8 {
     if !STORE {
-        return s;
+        return s.at(len - STRIPE).cast_const();
     }
     // SAFETY: `done..len` is within both (the caller's promise); no overlap.
-    unsafe { std::ptr::copy_nonoverlapping(s.add(done), d.add(done), len - done) };
+    unsafe { std::ptr::copy_nonoverlapping(s.at(done), d.at(done), len - done) };
     if nt {
         // SAFETY: SSE is part of x86-64; a fence has no other requirement.
         unsafe { std::arch::x86_64::_mm_sfence() };
     }
-    d.cast_const()
+    d.at(len - STRIPE).cast_const()
 }
 
 /// XXH3's final merge of the eight accumulator lanes of a `len`-byte input.
@@ -346,9 +504,9 @@ fn merge(lanes: [u64; 8], len: usize) -> u64 {
 /// As [`kernel`], and the CPU has AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn kernel512<const STORE: bool>(
-    d: *mut u8,
-    s: *const u8,
+unsafe fn kernel512<const STORE: bool, D: Addr, S: Addr>(
+    mut d: D,
+    mut s: S,
     len: usize,
     nt: bool,
     ahead: usize,
@@ -374,18 +532,24 @@ unsafe fn kernel512<const STORE: bool>(
             *acc = _mm512_add_epi64(product, sum);
         }
     };
-    let copy_stripe = |acc: &mut __m512i, off: usize, sec: *const u8| {
+    let mut copy_stripe = |acc: &mut __m512i, off: usize, sec: *const u8| {
         // SAFETY: see above.
         unsafe {
+            let from = s.at(off);
             if off + pf < pf_end {
-                // Only a hint: never faults, and reads nothing the program sees.
-                _mm_prefetch::<_MM_HINT_T0>(s.wrapping_add(off + pf) as *const i8);
+                if let Some(p) = s.ahead(off, pf) {
+                    // Only a hint: never faults, and reads nothing the program sees.
+                    _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
+                }
             }
-            let a = _mm512_loadu_si512(s.add(off) as *const _);
-            if STORE && nt {
-                _mm512_stream_si512(d.add(off) as *mut _, a);
-            } else if STORE {
-                _mm512_storeu_si512(d.add(off) as *mut _, a);
+            let a = _mm512_loadu_si512(from as *const _);
+            if STORE {
+                let to = d.at(off);
+                if nt {
+                    _mm512_stream_si512(to as *mut _, a);
+                } else {
+                    _mm512_storeu_si512(to as *mut _, a);
+                }
             }
             accumulate(acc, a, sec);
         }
@@ -411,10 +575,10 @@ unsafe fn kernel512<const STORE: bool>(
         },
     );
     // SAFETY: the caller's promises (`done` ≤ `len`).
-    let last = unsafe { finish_tail::<STORE>(d, s, done, len, nt) };
+    let last = unsafe { finish_tail::<STORE, _, _>(&mut d, &mut s, done, len, nt) };
     // SAFETY: see above.
     unsafe {
-        let a = _mm512_loadu_si512(last.add(len - STRIPE) as *const _);
+        let a = _mm512_loadu_si512(last as *const _);
         accumulate(&mut acc, a, k.add(192 - STRIPE - 7));
     }
     let mut lanes = [0u64; 8];
