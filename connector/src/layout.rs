@@ -335,6 +335,81 @@ impl PagedKv {
         })
     }
 
+    /// [`PagedKv::gather_layer`] that hashes, as it copies them, the checksum pieces
+    /// ([`kvstore::checksum::CHUNK`] bytes of the canonical form) that lie wholly in this
+    /// layer of one block, and returns them as `(piece index, XXH3-64)`: those pieces need
+    /// not be read back at the commit ([`kvstore::checksum_with_leaves`]). In a Llama-3-8B
+    /// shaped cache (16 tokens, 8 KV heads of 128, bf16) a layer of a block is exactly one
+    /// piece, so a layer-by-layer save hashes every byte as it copies it; where a layer is
+    /// smaller than a piece, no piece lies in one layer and this is `gather_layer`.
+    pub fn gather_layer_hashed(
+        &self,
+        ids: &[usize],
+        dst: &mut [u8],
+        layer: usize,
+    ) -> Result<Vec<(usize, u64)>, LayoutError> {
+        use kvstore::checksum::CHUNK;
+        let len = dst.len();
+        self.check(ids, len)?;
+        let Some(p) = self.plans.get(layer) else {
+            return Err(LayoutError::Mismatch {
+                layer,
+                what: "layer index",
+            });
+        };
+        let before: usize = self.plans[..layer].iter().map(|q| q.bytes).sum();
+        let mut leaves = Vec::new();
+        let mut runs = Vec::new();
+        let mut segs = Vec::new();
+        for (k, &id) in ids.iter().enumerate() {
+            let (start, end) = (
+                k * self.block_bytes + before,
+                k * self.block_bytes + before + p.bytes,
+            );
+            runs.clear();
+            let base = p.ptr as isize + id as isize * p.block_stride;
+            walk(p, base, &mut |addr, run| runs.push((addr, run)));
+            // The layer's range in parts cut at piece boundaries; each part's runs.
+            let (mut r, mut done, mut at) = (0, 0, start);
+            while at < end {
+                let piece = at / CHUNK;
+                let part_end = ((piece + 1) * CHUNK).min(end);
+                segs.clear();
+                let mut need = part_end - at;
+                while need > 0 {
+                    let (addr, run) = runs[r];
+                    let take = (run - done).min(need);
+                    segs.push((addr + done, take));
+                    need -= take;
+                    done += take;
+                    if done == run {
+                        r += 1;
+                        done = 0;
+                    }
+                }
+                let whole = at == piece * CHUNK && part_end == ((piece + 1) * CHUNK).min(len);
+                if whole {
+                    // SAFETY: the segments lie in the layer tensor (PagedKv::new's contract),
+                    // which nobody writes during the gather; `dst` is a separate buffer; they
+                    // add up to the part's length.
+                    leaves.push((piece, unsafe {
+                        kvstore::gather_hashed(&mut dst[at..part_end], &segs)
+                    }));
+                } else {
+                    let mut to = at;
+                    for &(addr, n) in &segs {
+                        // SAFETY: as above.
+                        let from = unsafe { std::slice::from_raw_parts(addr as *const u8, n) };
+                        kvstore::copy_nt(&mut dst[to..to + n], from);
+                        to += n;
+                    }
+                }
+                at = part_end;
+            }
+        }
+        Ok(leaves)
+    }
+
     /// Copies `src` (canonical form of engine blocks `ids`) into the engine's tensors.
     pub fn scatter(&self, ids: &[usize], src: &[u8]) -> Result<(), LayoutError> {
         self.check(ids, src.len())?;

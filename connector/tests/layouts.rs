@@ -111,6 +111,36 @@ fn check(name: &str, mut layers: Vec<Tensor>, rng: &mut impl Rng) {
         kvstore::checksum(&want),
         "{name}: gather_hashed's checksum"
     );
+    // Layer by layer, hashing the pieces a layer writes whole: the same bytes, and with the
+    // other pieces hashed at the end, the same checksum.
+    let mut by_layer = vec![0u8; got.len()];
+    let mut known = vec![None; got.len().div_ceil(kvstore::checksum::CHUNK)];
+    for l in 0..kv.layers() {
+        for (piece, leaf) in kv.gather_layer_hashed(&ids, &mut by_layer, l).unwrap() {
+            assert!(known[piece].is_none(), "{name}: piece {piece} hashed twice");
+            known[piece] = Some(leaf);
+        }
+    }
+    assert!(
+        by_layer == want,
+        "{name}: gather_layer_hashed differs from gather"
+    );
+    assert_eq!(
+        kvstore::checksum_with_leaves(&by_layer, &known),
+        kvstore::checksum(&want),
+        "{name}: layer-by-layer checksum"
+    );
+    // Layers of whole pieces (Llama's shape): every piece was hashed as it was copied.
+    let layer_bytes = kv.block_bytes() / kv.layers();
+    if layer_bytes.is_multiple_of(kvstore::checksum::CHUNK) {
+        assert!(
+            known.iter().all(Option::is_some),
+            "{name}: a piece not hashed in its layer"
+        );
+    }
+    assert!(kv
+        .gather_layer_hashed(&ids, &mut by_layer, kv.layers())
+        .is_err());
     // The 2D pieces a GPU copy engine is given describe the same bytes, in order, with no
     // rows farther apart than its limit (none: one row per run).
     for max_pitch in [usize::MAX, 0] {
@@ -316,6 +346,15 @@ fn every_layout_matches_the_reference() {
             ),
             // MLA latent: no K/V planes.
             ("mla", vec![nb, bs, 576], vec![B, T, I], vec![0, 1, 2], 2),
+            // Llama-3-8B's shape per layer (16 tokens, 8 KV heads of 128, bf16): a layer of a
+            // block is one checksum piece, hashed as the layer is gathered.
+            (
+                "llama-shaped",
+                vec![2, nb, 16, 8, 128],
+                vec![K, B, T, I, I],
+                vec![0, 1, 2, 3, 4],
+                2,
+            ),
             // Runs that are not whole 64-byte stripes (a head of 20 elements, HND): the
             // hashed copies go through the private piece buffer.
             (

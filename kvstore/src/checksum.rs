@@ -266,6 +266,25 @@ pub fn checksum(data: &[u8]) -> u64 {
     l.finish()
 }
 
+/// The checksum of `data` when the XXH3-64s of some of its [`CHUNK`]-byte pieces are known
+/// already (`known[i]`: piece `i`'s, from the fused copy that wrote it, as [`gather_hashed`]
+/// of that piece alone returns): only the others are hashed here. The same value as
+/// [`checksum`] when the known ones are right. For a block written a part at a time (a
+/// layer-by-layer save), whose pieces each part wrote whole were hashed as they were copied.
+pub fn checksum_with_leaves(data: &[u8], known: &[Option<u64>]) -> u64 {
+    if known.iter().all(Option::is_none) {
+        return checksum(data);
+    }
+    let mut l = Leaves::new();
+    for (i, piece) in data.chunks(CHUNK).enumerate() {
+        l.push(match known.get(i).copied().flatten() {
+            Some(leaf) => leaf,
+            None => oneshot(piece),
+        });
+    }
+    l.finish()
+}
+
 /// A checksum computed from the bytes in any split (the pieces back to back give the same
 /// value as [`checksum`] of their concatenation). Bytes that do not arrive in whole
 /// [`CHUNK`]-byte pieces are gathered in a buffer (allocated on first need) before they are
@@ -651,6 +670,31 @@ mod tests {
         }
         #[cfg(target_arch = "x86_64")]
         fused::force_avx2(false);
+    }
+
+    #[test]
+    fn known_leaves_stand_for_their_pieces() {
+        let data: Vec<u8> = (0..300_000u32).map(|i| (i * 5 + i / 333) as u8).collect();
+        for n in [0, 1000, 65_536, 65_537, 200_000, 300_000] {
+            let d = &data[..n];
+            let pieces = n.div_ceil(CHUNK);
+            let right: Vec<Option<u64>> = d.chunks(CHUNK).map(|p| Some(xxh3_64(p))).collect();
+            for mask in 0..(1u32 << pieces.min(5)) {
+                let known: Vec<Option<u64>> = right
+                    .iter()
+                    .enumerate()
+                    .map(|(i, l)| l.filter(|_| mask & (1 << i) != 0))
+                    .collect();
+                assert_eq!(checksum_with_leaves(d, &known), checksum(d), "{n} {mask:b}");
+            }
+            // A wrong known leaf shows (it is trusted, not checked): the value is not the
+            // block's.
+            if pieces > 0 {
+                let mut wrong = vec![None; pieces];
+                wrong[pieces - 1] = Some(right[pieces - 1].unwrap() ^ 1);
+                assert_ne!(checksum_with_leaves(d, &wrong), checksum(d));
+            }
+        }
     }
 
     #[test]

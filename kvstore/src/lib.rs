@@ -35,7 +35,8 @@ mod types;
 
 pub use arena::{fill_pattern, AlignedBuf, Arena, ArenaSlice};
 pub use checksum::{
-    checksum, copy_hashed, copy_nt, copy_out_hashed, gather_hashed, Checksummer, RunChecksummer,
+    checksum, checksum_with_leaves, copy_hashed, copy_nt, copy_out_hashed, gather_hashed,
+    Checksummer, RunChecksummer,
 };
 pub use disk::{Admission, DiskConfig, DiskError, DiskTier, DEFAULT_ADMIT_ALL_BELOW};
 pub use error::{ConfigError, KeyError, StoreError};

@@ -14,9 +14,12 @@ use super::{
 };
 use crate::layout::PagedKv;
 
-/// How a layer of every held block gets into its slot: `copy([(engine block ids, slot)])`.
-pub(super) type LayerCopy<'a> =
-    dyn Fn(&mut [(&[usize], &mut [u8])]) -> Result<(), TransferError> + Sync + 'a;
+/// How a layer of every held block gets into its slot: `copy([(engine block ids, slot)])`;
+/// returns, per slot in the order given, the checksum pieces it hashed as it copied them
+/// (`(piece index, XXH3-64)`, see [`PagedKv::gather_layer_hashed`]; none at all: empty).
+pub(super) type LayerCopy<'a> = dyn Fn(&mut [(&[usize], &mut [u8])]) -> Result<Vec<Vec<(usize, u64)>>, TransferError>
+    + Sync
+    + 'a;
 
 /// A save in progress, layer by layer (see [`Backend::begin_layer_save`]). Dropped without
 /// [`Backend::finish_layer_save`] or [`Backend::abort_layer_save`], its embedded reservations
@@ -36,6 +39,10 @@ pub struct LayerSave {
     pub(super) gathered: Vec<bool>,
     /// A layer's gather failed: nothing is committed.
     pub(super) failed: bool,
+    /// Per held slot (in `held`'s order), the XXH3-64 of each checksum piece a layer's
+    /// gather wrote whole, hashed as it was copied: the commit hashes only the other pieces
+    /// (`kvstore::checksum_with_leaves`). Empty while none is known.
+    pub(super) leaves: Vec<Vec<Option<u64>>>,
 }
 
 /// Sidecar slots are written only until half the daemon's reservation TTL has passed (after
@@ -164,6 +171,7 @@ impl Backend {
             held,
             gathered: vec![false; paged.layers()],
             failed: false,
+            leaves: Vec::new(),
         })
     }
 
@@ -178,13 +186,12 @@ impl Backend {
         let copies = &self.copies;
         self.save_layer_with(s, paged.layers(), layer, &|slots| {
             let sizes: Vec<usize> = slots.iter().map(|(_, s)| s.len()).collect();
-            copies
+            Ok(copies
                 .map_mut(slots, &sizes, |_, (ids, slot)| {
-                    paged.gather_layer(ids, slot, layer)
+                    paged.gather_layer_hashed(ids, slot, layer)
                 })
                 .into_iter()
-                .collect::<Result<Vec<()>, _>>()?;
-            Ok(())
+                .collect::<Result<Vec<_>, _>>()?)
         })
     }
 
@@ -210,13 +217,13 @@ impl Backend {
         let ids = &s.block_ids;
         // Ok(false): the sidecar connection (and with it the reservations) is gone.
         let r = match &mut s.held {
-            Held::Nothing => Ok(true),
+            Held::Nothing => Ok(Some(Vec::new())),
             Held::Embedded(slots) => {
                 let mut v: Vec<(&[usize], &mut [u8])> = slots
                     .iter_mut()
                     .map(|(i, r)| (&ids[*i][..], r.as_mut_slice()))
                     .collect();
-                copy(&mut v).map(|()| true)
+                copy(&mut v).map(Some)
             }
             Held::Sidecar { conn, tokens, .. } => {
                 let Kind::Sidecar(side) = &self.kind else {
@@ -238,17 +245,32 @@ impl Backend {
                     })
                 })?;
                 match got {
-                    Some(r) => r.map(|_| true),
+                    Some(r) => r.map(Some),
                     // The connection is gone and its reservations with it: a miss.
-                    None => Ok(false),
+                    None => Ok(None),
                 }
             }
         };
         match r {
-            Ok(kept) => {
-                if !kept {
-                    s.held = Held::Nothing;
+            Ok(Some(leaves)) => {
+                for (j, got) in leaves.into_iter().enumerate() {
+                    for (piece, leaf) in got {
+                        if s.leaves.len() <= j {
+                            s.leaves.resize(j + 1, Vec::new());
+                        }
+                        let known = &mut s.leaves[j];
+                        if known.len() <= piece {
+                            known.resize(piece + 1, None);
+                        }
+                        known[piece] = Some(leaf);
+                    }
                 }
+                s.gathered[layer] = true;
+                Ok(())
+            }
+            Ok(None) => {
+                s.held = Held::Nothing;
+                s.leaves.clear();
                 s.gathered[layer] = true;
                 Ok(())
             }
@@ -311,11 +333,13 @@ impl Backend {
                 }
             }
             Held::Embedded(slots) => {
-                let mut slots = slots;
-                let sizes: Vec<usize> = slots.iter().map(|(_, r)| r.len()).collect();
-                let sums = self.copies.map_mut(&mut slots, &sizes, |_, (_, r)| {
-                    kvstore::checksum(r.as_mut_slice())
+                let leaves = std::mem::take(&mut s.leaves);
+                let mut slots: Vec<_> = slots.into_iter().enumerate().collect();
+                let sizes: Vec<usize> = slots.iter().map(|(_, (_, r))| r.len()).collect();
+                let sums = self.copies.map_mut(&mut slots, &sizes, |_, (j, (_, r))| {
+                    kvstore::checksum_with_leaves(r.as_mut_slice(), known(&leaves, *j))
                 });
+                let slots = slots.into_iter().map(|(_, x)| x);
                 for ((i, r), sum) in slots.into_iter().zip(sums) {
                     if !r.commit_with_checksum(sum)? {
                         s.out[i] = Stored::Already;
@@ -332,11 +356,14 @@ impl Backend {
                 let copies = &self.copies;
                 let tags = &s.tags;
                 let out = &mut s.out;
+                let leaves = std::mem::take(&mut s.leaves);
                 let got = side.call_on(conn, |c, _| {
                     c.fill_slots_hashed(&toks, |slots| {
-                        let sizes: Vec<usize> = slots.iter().map(|s| s.len()).collect();
-                        let sums =
-                            copies.map_mut(slots, &sizes, |_, slot| Some(kvstore::checksum(slot)));
+                        let mut slots: Vec<_> = slots.iter_mut().enumerate().collect();
+                        let sizes: Vec<usize> = slots.iter().map(|(_, s)| s.len()).collect();
+                        let sums = copies.map_mut(&mut slots, &sizes, |_, (j, slot)| {
+                            Some(kvstore::checksum_with_leaves(slot, known(&leaves, *j)))
+                        });
                         ((), sums)
                     })?;
                     commit_tokens(c, &tokens, tags, out)
@@ -364,6 +391,7 @@ impl Backend {
                  slots are given up and the blocks saved whole at the finish"
             );
             let held = std::mem::replace(&mut s.held, Held::Nothing);
+            s.leaves.clear();
             for o in s.out[..s.rest].iter_mut() {
                 if *o == Stored::Now {
                     *o = Stored::NoRoom;
@@ -395,4 +423,9 @@ impl Backend {
         let held = std::mem::replace(&mut s.held, Held::Nothing);
         self.abort_held(held)
     }
+}
+
+/// The pieces of held slot `j` hashed as they were copied (none known: empty).
+fn known(leaves: &[Vec<Option<u64>>], j: usize) -> &[Option<u64>] {
+    leaves.get(j).map_or(&[], Vec::as_slice)
 }
