@@ -21,6 +21,13 @@ mod fused;
 /// Whether copies out of the store use non-temporal stores (see [`copy_out_hashed`]).
 const NT_OUT: bool = false;
 
+/// Whether copies into an engine's runs ([`scatter_hashed_raw`], a connector's load) use
+/// non-temporal stores where the runs are aligned for them: a load is megabytes to
+/// gigabytes, far more than the caches keep until the engine reads it, and plain stores
+/// read every destination line first (`kvtier-bench connector`: loads 0.84–0.93 of memcpy
+/// with plain stores, 1.24–1.51 with these; bench/RESULTS.md).
+const NT_ENGINE: bool = true;
+
 /// Copies one piece and returns its XXH3-64: in one pass where the CPU allows (the hash of the
 /// registers the stores wrote), else copied, then the destination hashed.
 /// `ahead`: bytes of the same source after this piece (the rest of the copy).
@@ -116,7 +123,8 @@ impl<'a> RunCursor<'a> {
 /// engine's tensors: `(address, bytes)` each, back to back in canonical order) and returns the
 /// checksum of the bytes the runs got. A piece whose runs are whole 64-byte stripes (an
 /// engine's runs are: tokens × heads × head size × element) goes in one pass, loaded once
-/// and stored to the runs and hashed from the same registers (`fused`); another piece is
+/// and stored to the runs and hashed from the same registers (`fused`; non-temporal stores
+/// where the runs are aligned for them, [`NT_ENGINE`]); another piece is
 /// copied and hashed into a private buffer (the thread's own) in one pass, then placed from
 /// there while it is in cache. Either way the checksum is of the bytes the runs got, never of
 /// a second read of `src`: another process that writes `src` meanwhile changes both or
@@ -144,7 +152,7 @@ pub(crate) unsafe fn scatter_hashed_raw(
         if fused::available() && fused::segs_fit(n, &segs) {
             // SAFETY: AVX2 is present, the segments fit; the caller vouched for `s` and for
             // the runs the segments are parts of.
-            l.push(unsafe { fused::scatter_xxh3(&segs, s, n, ahead) });
+            l.push(unsafe { fused::scatter_xxh3(&segs, s, n, NT_ENGINE, ahead) });
             continue;
         }
         l.push(with_piece_buffer(|buf| {

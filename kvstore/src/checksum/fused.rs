@@ -129,7 +129,9 @@ pub(super) fn segs_fit(len: usize, segs: &[(usize, usize)]) -> bool {
 
 /// Copies a `len`-byte piece from `src` into the segments `dst` (an engine's runs), hashing
 /// it in the same pass, and returns its `xxh3_64`: the hash of the registers the stores
-/// wrote, as [`copy_xxh3`]. Plain stores. `ahead`: as in [`copy_xxh3`].
+/// wrote, as [`copy_xxh3`]. `nt`: non-temporal stores where every segment starts 32-byte
+/// aligned (64 for the AVX-512 kernel's; every stripe then is, segments being whole
+/// stripes). `ahead`: as in [`copy_xxh3`].
 ///
 /// # Safety
 /// The CPU has AVX2 ([`available`]); [`segs_fit`]`(len, dst)`; `src` is valid for reads of
@@ -140,16 +142,20 @@ pub(super) unsafe fn scatter_xxh3(
     dst: &[(usize, usize)],
     src: *const u8,
     len: usize,
+    nt: bool,
     ahead: usize,
 ) -> u64 {
     assert!(segs_fit(len, dst), "scatter_xxh3: bad segments");
+    let aligned = |to: usize| dst.iter().all(|&(at, _)| at % to == 0);
+    let nt = nt && aligned(32);
     let (d, s) = (Segs::new(dst), Contig(src.cast_mut()));
-    if avx512() {
-        // SAFETY: the caller's promises, and the CPU has AVX-512F (`avx512`).
-        return unsafe { kernel512::<true, _, _>(d, s, len, false, ahead) };
+    if avx512() && !(nt && !aligned(64)) {
+        // SAFETY: the caller's promises, and the CPU has AVX-512F (`avx512`); with `nt`
+        // every stripe's destination is 64-byte aligned.
+        return unsafe { kernel512::<true, _, _>(d, s, len, nt, ahead) };
     }
-    // SAFETY: the caller's promises.
-    unsafe { kernel::<true, _, _>(d, s, len, false, ahead) }
+    // SAFETY: the caller's promises; with `nt` every stripe's destination is 32-byte aligned.
+    unsafe { kernel::<true, _, _>(d, s, len, nt, ahead) }
 }
 
 /// Copies the segments `src` (an engine's runs, `dst.len()` bytes in all) into `dst`,
