@@ -149,7 +149,7 @@ pub(super) unsafe fn scatter_xxh3(
     let aligned = |to: usize| dst.iter().all(|&(at, _)| at % to == 0);
     let nt = nt && aligned(32);
     let (d, s) = (Segs::new(dst), Contig(src.cast_mut()));
-    if avx512() && !(nt && !aligned(64)) {
+    if avx512() && (!nt || aligned(64)) {
         // SAFETY: the caller's promises, and the CPU has AVX-512F (`avx512`); with `nt`
         // every stripe's destination is 64-byte aligned.
         return unsafe { kernel512::<true, _, _>(d, s, len, nt, ahead) };
