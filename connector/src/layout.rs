@@ -273,6 +273,24 @@ impl PagedKv {
         self.plans.len()
     }
 
+    /// Layer `layer`'s plan and where it starts in a block's canonical form, once `ids` and a
+    /// canonical form of `len` bytes are checked.
+    fn layer_plan(
+        &self,
+        ids: &[usize],
+        len: usize,
+        layer: usize,
+    ) -> Result<(&Plan, usize), LayoutError> {
+        self.check(ids, len)?;
+        let Some(p) = self.plans.get(layer) else {
+            return Err(LayoutError::Mismatch {
+                layer,
+                what: "layer index",
+            });
+        };
+        Ok((p, self.plans[..layer].iter().map(|q| q.bytes).sum()))
+    }
+
     /// Calls `f(engine address, offset in the canonical form, bytes)` for every contiguous run
     /// of layer `layer` of engine blocks `ids`, whose canonical form is `len` bytes.
     fn layer_runs(
@@ -282,14 +300,7 @@ impl PagedKv {
         layer: usize,
         f: &mut dyn FnMut(usize, usize, usize),
     ) -> Result<(), LayoutError> {
-        self.check(ids, len)?;
-        let Some(p) = self.plans.get(layer) else {
-            return Err(LayoutError::Mismatch {
-                layer,
-                what: "layer index",
-            });
-        };
-        let before: usize = self.plans[..layer].iter().map(|q| q.bytes).sum();
+        let (p, before) = self.layer_plan(ids, len, layer)?;
         for (k, &id) in ids.iter().enumerate() {
             let mut at = k * self.block_bytes + before;
             let base = p.ptr as isize + id as isize * p.block_stride;
@@ -350,14 +361,7 @@ impl PagedKv {
     ) -> Result<Vec<(usize, u64)>, LayoutError> {
         use kvstore::checksum::CHUNK;
         let len = dst.len();
-        self.check(ids, len)?;
-        let Some(p) = self.plans.get(layer) else {
-            return Err(LayoutError::Mismatch {
-                layer,
-                what: "layer index",
-            });
-        };
-        let before: usize = self.plans[..layer].iter().map(|q| q.bytes).sum();
+        let (p, before) = self.layer_plan(ids, len, layer)?;
         let mut leaves = Vec::new();
         let mut runs = Vec::new();
         let mut segs = Vec::new();
