@@ -368,15 +368,16 @@ impl Hint {
     /// and the caller then asks [`Hint::read`] or the shard under its lock. A walk along a
     /// prefix whose keys are in host memory is a loop of these
     /// ([`super::Inner::match_prefix_in`]), so this is [`Hint::read`] with less work a key:
-    /// no empty-table slice, no bounds checks, no early stop of a miss (a miss here is rare
-    /// and is asked again), the entry's readiness tested on its word.
+    /// no empty-table slice, no bounds checks, no Robin Hood stop of a miss (it stops at an
+    /// empty bucket or after [`HIT_PROBES`]; a miss here is rare and is asked again), the
+    /// entry's readiness tested on its word.
     #[inline(always)]
     pub(crate) fn read_ready(&self, h: u32, key: &MapKey, _guard: &Guard) -> bool {
         let s = self.seq.load(Acquire);
         // The count, then the address: see the fields' doc.
         let cap = self.cap.load(Acquire);
         let ptr = self.ptr.load(Acquire);
-        if s % 2 == 1 || cap == 0 {
+        if s % 2 == 1 || cap == 0 || ptr.is_null() {
             return false;
         }
         let mut i = home(h, cap);
