@@ -359,7 +359,7 @@ impl PagedKv {
         dst: &mut [u8],
         layer: usize,
     ) -> Result<Vec<(usize, u64)>, LayoutError> {
-        use kvstore::checksum::CHUNK;
+        use kvstore::checksum::{RunCursor, CHUNK};
         let len = dst.len();
         let (p, before) = self.layer_plan(ids, len, layer)?;
         let mut leaves = Vec::new();
@@ -374,23 +374,12 @@ impl PagedKv {
             let base = p.ptr as isize + id as isize * p.block_stride;
             walk(p, base, &mut |addr, run| runs.push((addr, run)));
             // The layer's range in parts cut at piece boundaries; each part's runs.
-            let (mut r, mut done, mut at) = (0, 0, start);
+            let mut cursor = RunCursor::new(&runs, p.bytes);
+            let mut at = start;
             while at < end {
                 let piece = at / CHUNK;
                 let part_end = ((piece + 1) * CHUNK).min(end);
-                segs.clear();
-                let mut need = part_end - at;
-                while need > 0 {
-                    let (addr, run) = runs[r];
-                    let take = (run - done).min(need);
-                    segs.push((addr + done, take));
-                    need -= take;
-                    done += take;
-                    if done == run {
-                        r += 1;
-                        done = 0;
-                    }
-                }
+                cursor.next(part_end - at, &mut segs);
                 let whole = at == piece * CHUNK && part_end == ((piece + 1) * CHUNK).min(len);
                 if whole {
                     // SAFETY: the segments lie in the layer tensor (PagedKv::new's contract),
@@ -665,8 +654,6 @@ pub struct Piece {
 }
 
 /// Calls `f(address, run)` for every contiguous run of one layer's block, in canonical order.
-/// The engine's runs of some blocks (address, bytes) in canonical order, walked a piece at a
-/// time ([`PagedKv::runs`]).
 fn walk(p: &Plan, base: isize, f: &mut dyn FnMut(usize, usize)) {
     let n = p.outer.len();
     let mut idx = vec![0usize; n];

@@ -2,8 +2,24 @@
 //! blocks and in one of 10 M, built in one process, three rounds alternating: what
 //! `kvtier-bench host`'s case `lookup 64 keys p50 at 10M blocks` measures once, for profiling
 //! the lookup alone. `cargo run --release -p kvstore --example lookupbench [BLOCKS] [N]`.
+//!
+//! `lookupbench chain [SECONDS]`: `match_prefix` over one chain of 1,000 present keys, again
+//! and again (the index in cache): what the case `match_prefix chain 1000` measures, for
+//! profiling the walk alone.
 use kvstore::{BlockKey, Namespace, PolicyKind, Reserve, StoreConfig, TpShard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+fn namespace() -> Namespace {
+    Namespace {
+        model: "x".into(),
+        dtype: "bfloat16".into(),
+        layout: "nhd".into(),
+        block_tokens: 16,
+        tp: TpShard::Rank { size: 1, rank: 0 },
+        tenant: String::new(),
+        lora: String::new(),
+    }
+}
 
 fn key(i: u64) -> BlockKey {
     BlockKey((u128::from(i) + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835) ^ 0x5555)
@@ -21,17 +37,7 @@ fn store(blocks: u64) -> kvstore::Store {
     }
     .build()
     .unwrap();
-    let ns = s
-        .register_namespace(&Namespace {
-            model: "x".into(),
-            dtype: "bfloat16".into(),
-            layout: "nhd".into(),
-            block_tokens: 16,
-            tp: TpShard::Rank { size: 1, rank: 0 },
-            tenant: String::new(),
-            lora: String::new(),
-        })
-        .unwrap();
+    let ns = s.register_namespace(&namespace()).unwrap();
     for i in 0..blocks {
         if let Reserve::Slot(r) = s.reserve(ns, key(i), 4096).unwrap() {
             r.commit_with_checksum(0).unwrap();
@@ -58,7 +64,38 @@ fn lat(s: &kvstore::Store, blocks: u64, n: usize) -> f64 {
     v[v.len() / 2]
 }
 
+/// Keys/s of `match_prefix` over a chain of 1,000 present keys for `secs` seconds.
+fn chain(secs: f64) {
+    let s = StoreConfig {
+        capacity_bytes: 4 << 20,
+        segment_bytes: 4 << 20,
+        size_classes: vec![4096],
+        ..Default::default()
+    }
+    .build()
+    .unwrap();
+    let ns = s.register_namespace(&namespace()).unwrap();
+    let keys: Vec<BlockKey> = (0..1000u64).map(key).collect();
+    for k in &keys {
+        s.put(ns, *k, &[1u8; 4096]).unwrap();
+    }
+    let (start, mut n) = (Instant::now(), 0u64);
+    while start.elapsed() < Duration::from_secs_f64(secs) {
+        for _ in 0..100 {
+            assert_eq!(s.match_prefix(&keys).n, keys.len());
+        }
+        n += 100;
+    }
+    let t = start.elapsed().as_secs_f64();
+    let per = n as f64 * keys.len() as f64;
+    println!("{:.1} Mkeys/s, {:.2} ns/key", per / t / 1e6, t * 1e9 / per);
+}
+
 fn main() {
+    if std::env::args().nth(1).as_deref() == Some("chain") {
+        chain(std::env::args().nth(2).map_or(3.0, |a| a.parse().unwrap()));
+        return;
+    }
     let big: u64 = std::env::args()
         .nth(1)
         .map_or(10_000_000, |a| a.parse().unwrap());

@@ -81,8 +81,8 @@ fn with_piece_buffer<R>(f: impl FnOnce(&mut [u8]) -> R) -> R {
 }
 
 /// A walk along runs (`(address, bytes)` each, back to back in a block's canonical order: an
-/// engine's tensors), a checksum piece at a time.
-struct RunCursor<'a> {
+/// engine's tensors), a checksum piece (or any number of bytes) at a time.
+pub struct RunCursor<'a> {
     runs: &'a [(usize, usize)],
     /// The run the walk is in…
     r: usize,
@@ -91,8 +91,8 @@ struct RunCursor<'a> {
 }
 
 impl<'a> RunCursor<'a> {
-    /// A walk along `runs`, which must add up to `len` bytes.
-    fn new(runs: &'a [(usize, usize)], len: usize) -> Self {
+    /// A walk along `runs`, which must add up to `len` bytes (else a panic).
+    pub fn new(runs: &'a [(usize, usize)], len: usize) -> Self {
         let total: usize = runs.iter().map(|&(_, n)| n).sum();
         assert_eq!(total, len, "the runs hold {total} bytes, the block {len}");
         RunCursor {
@@ -102,8 +102,9 @@ impl<'a> RunCursor<'a> {
         }
     }
 
-    /// The parts of runs that the next `n` bytes cover, in order, into `out`.
-    fn next(&mut self, n: usize, out: &mut Vec<(usize, usize)>) {
+    /// The parts of runs that the next `n` bytes cover, in order, into `out` (fewer bytes
+    /// once the runs end).
+    pub fn next(&mut self, n: usize, out: &mut Vec<(usize, usize)>) {
         out.clear();
         let mut got = 0;
         while let (true, Some(&(at, len))) = (got < n, self.runs.get(self.r)) {
