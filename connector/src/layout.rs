@@ -346,18 +346,25 @@ impl PagedKv {
         })
     }
 
-    /// [`PagedKv::gather_layer`] that hashes, as it copies them, the checksum pieces
-    /// ([`kvstore::checksum::CHUNK`] bytes of the canonical form) that lie wholly in this
-    /// layer of one block, and returns them as `(piece index, XXH3-64)`: those pieces need
-    /// not be read back at the commit ([`kvstore::checksum_with_leaves`]). In a Llama-3-8B
-    /// shaped cache (16 tokens, 8 KV heads of 128, bf16) a layer of a block is exactly one
-    /// piece, so a layer-by-layer save hashes every byte as it copies it; where a layer is
-    /// smaller than a piece, no piece lies in one layer and this is `gather_layer`.
+    /// [`PagedKv::gather_layer`] that hashes the checksum pieces ([`kvstore::checksum::CHUNK`]
+    /// bytes of the canonical form) as it copies them, and returns those it completed as
+    /// `(piece index, XXH3-64)`: those pieces need not be read back at the commit
+    /// ([`kvstore::checksum_with_leaves`]).
+    /// - A piece that lies wholly in this layer of one block is hashed in one pass. In a
+    ///   Llama-3-8B shaped cache (16 tokens, 8 KV heads of 128, bf16) a layer of a block is
+    ///   exactly one piece.
+    /// - A piece that spans layers (a layer smaller than a piece: Qwen's 4 KV heads, 32 KiB
+    ///   a layer of a block) is hashed in parts: `parts` keeps, between the calls for one
+    ///   slot, the running hash of each piece begun and not finished. A part is hashed only
+    ///   where it continues its piece's hash where the last part left it (or starts the
+    ///   piece), so the layers must come in order for it (vLLM saves them so); a layer out
+    ///   of order, or runs that are not whole 64-byte stripes, leave the piece to the commit.
     pub fn gather_layer_hashed(
         &self,
         ids: &[usize],
         dst: &mut [u8],
         layer: usize,
+        parts: &mut PieceParts,
     ) -> Result<Vec<(usize, u64)>, LayoutError> {
         use kvstore::checksum::{RunCursor, CHUNK};
         let len = dst.len();
@@ -378,24 +385,20 @@ impl PagedKv {
             let mut at = start;
             while at < end {
                 let piece = at / CHUNK;
-                let part_end = ((piece + 1) * CHUNK).min(end);
+                let (first, last) = (piece * CHUNK, ((piece + 1) * CHUNK).min(len));
+                let part_end = last.min(end);
                 cursor.next(part_end - at, &mut segs);
-                let whole = at == piece * CHUNK && part_end == ((piece + 1) * CHUNK).min(len);
-                if whole {
+                let to = &mut dst[at..part_end];
+                if at == first && part_end == last {
                     // SAFETY: the segments lie in the layer tensor (PagedKv::new's contract),
                     // which nobody writes during the gather; `dst` is a separate buffer; they
                     // add up to the part's length.
-                    leaves.push((piece, unsafe {
-                        kvstore::gather_hashed(&mut dst[at..part_end], &segs)
-                    }));
-                } else {
-                    let mut to = at;
-                    for &(addr, n) in &segs {
-                        // SAFETY: as above.
-                        let from = unsafe { std::slice::from_raw_parts(addr as *const u8, n) };
-                        kvstore::copy_nt(&mut dst[to..to + n], from);
-                        to += n;
-                    }
+                    leaves.push((piece, unsafe { kvstore::gather_hashed(to, &segs) }));
+                } else if let Some(leaf) = {
+                    // SAFETY: as above.
+                    unsafe { gather_part(parts, piece, at - first, last - first, to, &segs) }
+                } {
+                    leaves.push((piece, leaf));
                 }
                 at = part_end;
             }
@@ -651,6 +654,52 @@ pub struct Piece {
     pub rows: usize,
     /// Offset in the canonical bytes of the whole transfer.
     pub at: usize,
+}
+
+/// The running hashes of the checksum pieces of one slot that a layer-by-layer save has
+/// begun and not finished: `(piece index, its hash so far)` (see
+/// [`PagedKv::gather_layer_hashed`]).
+pub type PieceParts = Vec<(usize, kvstore::checksum::PieceHash)>;
+
+/// Gathers `segs` into `dst`, bytes `at..` of a `piece_len`-byte piece `piece`: hashed as they
+/// are copied where they continue the piece's running hash in `parts` (or start the piece),
+/// else copied only, and the piece's running hash (if any) dropped. Returns the piece's leaf
+/// when this part completed it.
+///
+/// # Safety
+/// Each segment is valid for reads of its bytes, does not overlap `dst`, and is not written
+/// during the call; they add up to `dst.len()`.
+unsafe fn gather_part(
+    parts: &mut PieceParts,
+    piece: usize,
+    at: usize,
+    piece_len: usize,
+    dst: &mut [u8],
+    segs: &[(usize, usize)],
+) -> Option<u64> {
+    let running = match parts.iter().position(|(p, _)| *p == piece) {
+        Some(i) => Some(parts.swap_remove(i).1).filter(|h| h.done() == at),
+        None if at == 0 => kvstore::checksum::PieceHash::new(piece_len),
+        None => None,
+    };
+    if let Some(mut h) = running.filter(|h| h.fits(segs)) {
+        // SAFETY: the caller's promises; the part fits.
+        return match unsafe { h.gather(dst, segs) } {
+            Some(leaf) => Some(leaf),
+            None => {
+                parts.push((piece, h));
+                None
+            }
+        };
+    }
+    let mut to = 0;
+    for &(addr, n) in segs {
+        // SAFETY: the caller's promises.
+        let from = unsafe { std::slice::from_raw_parts(addr as *const u8, n) };
+        kvstore::copy_nt(&mut dst[to..to + n], from);
+        to += n;
+    }
+    None
 }
 
 /// Calls `f(address, run)` for every contiguous run of one layer's block, in canonical order.

@@ -10,7 +10,7 @@ mod sidecar;
 mod transfer;
 
 pub use copies::Copies;
-pub use layout::{Copy2D, Dim, LayerView, LayoutError, PagedKv, Piece};
+pub use layout::{Copy2D, Dim, LayerView, LayoutError, PagedKv, Piece, PieceParts};
 pub use sidecar::{Sidecar, SidecarStats};
 pub use transfer::{
     checksum, Backend, LayerSave, PinHandle, Pinned, SlotCheck, Stored, Tags, TransferError,

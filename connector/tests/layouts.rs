@@ -115,8 +115,12 @@ fn check(name: &str, mut layers: Vec<Tensor>, rng: &mut impl Rng) {
     // other pieces hashed at the end, the same checksum.
     let mut by_layer = vec![0u8; got.len()];
     let mut known = vec![None; got.len().div_ceil(kvstore::checksum::CHUNK)];
+    let mut parts = Vec::new();
     for l in 0..kv.layers() {
-        for (piece, leaf) in kv.gather_layer_hashed(&ids, &mut by_layer, l).unwrap() {
+        for (piece, leaf) in kv
+            .gather_layer_hashed(&ids, &mut by_layer, l, &mut parts)
+            .unwrap()
+        {
             assert!(known[piece].is_none(), "{name}: piece {piece} hashed twice");
             known[piece] = Some(leaf);
         }
@@ -138,8 +142,43 @@ fn check(name: &str, mut layers: Vec<Tensor>, rng: &mut impl Rng) {
             "{name}: a piece not hashed in its layer"
         );
     }
+    // One block a slot, layer by layer, in order and out of it: the same bytes and checksum.
+    // Where the runs are whole 64-byte stripes and the layers come in order, every piece is
+    // hashed as it is copied, those spanning layers (Qwen's shape: half a piece a layer)
+    // in parts.
+    let stripes = name.starts_with("llama-shaped") || name.starts_with("qwen-shaped");
+    let bb = kv.block_bytes();
+    let mut orders: Vec<Vec<usize>> = vec![(0..kv.layers()).collect()];
+    orders.push((0..kv.layers()).rev().collect());
+    for (o, order) in orders.iter().enumerate() {
+        let mut one = vec![0u8; bb];
+        let mut known = vec![None; bb.div_ceil(kvstore::checksum::CHUNK)];
+        let mut parts = Vec::new();
+        for &l in order {
+            for (piece, leaf) in kv
+                .gather_layer_hashed(&ids[..1], &mut one, l, &mut parts)
+                .unwrap()
+            {
+                assert!(known[piece].is_none(), "{name}: piece {piece} hashed twice");
+                known[piece] = Some(leaf);
+            }
+        }
+        assert!(one[..] == want[..bb], "{name}: one block layer by layer");
+        assert_eq!(
+            kvstore::checksum_with_leaves(&one, &known),
+            kvstore::checksum(&want[..bb]),
+            "{name}: one block's layer-by-layer checksum (order {o})"
+        );
+        if stripes && o == 0 && kvstore::checksum::PieceHash::new(4096).is_some() {
+            assert!(
+                known.iter().all(Option::is_some),
+                "{name}: a piece not hashed as its layers were copied: {known:?}"
+            );
+            assert!(parts.is_empty(), "{name}: a piece's hash left unfinished");
+        }
+    }
     assert!(kv
-        .gather_layer_hashed(&ids, &mut by_layer, kv.layers())
+        .gather_layer_hashed(&ids, &mut by_layer, kv.layers(), &mut parts)
         .is_err());
     // The 2D pieces a GPU copy engine is given describe the same bytes, in order, with no
     // rows farther apart than its limit (none: one row per run).
@@ -351,6 +390,15 @@ fn every_layout_matches_the_reference() {
             (
                 "llama-shaped",
                 vec![2, nb, 16, 8, 128],
+                vec![K, B, T, I, I],
+                vec![0, 1, 2, 3, 4],
+                2,
+            ),
+            // Qwen2.5-7B's shape (16 tokens, 4 KV heads of 128, bf16): a layer of a block is
+            // half a checksum piece, hashed in parts as the layers are gathered.
+            (
+                "qwen-shaped",
+                vec![2, nb, 16, 4, 128],
                 vec![K, B, T, I, I],
                 vec![0, 1, 2, 3, 4],
                 2,

@@ -456,7 +456,22 @@ fn layerwise_saves_commit_whole_blocks_each_layer_as_it_was_when_saved() {
 /// commit hashes nothing again): the blocks load back byte-exact, their checksums verified.
 #[test]
 fn layerwise_saves_of_whole_piece_layers_load_back_verified() {
-    let shape = [2usize, 4, 16, 8, 128];
+    layerwise_save_loads_back(8, &[2, 0, 1]);
+}
+
+/// Qwen2.5-7B's shape (4 KV heads of 128): a layer of a block is half a checksum piece, so
+/// the layers, saved in order, hash each piece in two parts (`PieceHash`), and the loads
+/// verify those leaves; a wrong one would be a miss here.
+#[test]
+fn layerwise_saves_of_half_piece_layers_load_back_verified() {
+    layerwise_save_loads_back(4, &[0, 1, 2]);
+    layerwise_save_loads_back(4, &[1, 0, 2]);
+}
+
+/// Saves 3 layers of `heads` KV heads (16 tokens, head 128, bf16) layer by layer in `order`,
+/// loads them into other blocks and compares.
+fn layerwise_save_loads_back(heads: usize, order: &[usize]) {
+    let shape = [2usize, 4, 16, heads, 128];
     let mut st = vec![1isize; shape.len()];
     for j in (0..shape.len() - 1).rev() {
         st[j] = st[j + 1] * shape[j + 1] as isize;
@@ -490,11 +505,11 @@ fn layerwise_saves_of_whole_piece_layers_load_back_verified() {
     let id = b.register_namespace(&ns()).unwrap();
     let mut src = make(21);
     let ps = view(&mut src);
-    assert_eq!(ps.block_bytes(), 3 * (64 << 10));
+    assert_eq!(ps.block_bytes(), 3 * (8 << 10) * heads);
     let keys: Vec<BlockKey> = (50..53).map(key).collect();
     let ids = vec![vec![0], vec![1, 2], vec![3]];
     let mut s = b.begin_layer_save(id, &ps, &keys, &ids, &[]).unwrap();
-    for layer in [2, 0, 1] {
+    for &layer in order {
         b.save_layer(&mut s, &ps, layer).unwrap();
     }
     assert_eq!(b.finish_layer_save(s, &ps).unwrap(), 3);

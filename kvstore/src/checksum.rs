@@ -80,6 +80,80 @@ fn with_piece_buffer<R>(f: impl FnOnce(&mut [u8]) -> R) -> R {
     })
 }
 
+/// The XXH3-64 of one checksum piece, gathered in parts from an engine's runs in the order
+/// of the piece's bytes, each part hashed as it is copied (what a layer-by-layer save of
+/// layers smaller than a piece does: a piece is whole only once several layers are in). The
+/// value is the piece's leaf, as [`gather_hashed`] would give it for the whole piece.
+#[derive(Clone, Debug)]
+pub struct PieceHash {
+    /// The piece's length.
+    len: usize,
+    /// Its bytes hashed so far.
+    done: usize,
+    /// XXH3's lanes after them (`None` before the first part).
+    acc: Option<[u64; 8]>,
+}
+
+impl PieceHash {
+    /// Hashing a `len`-byte piece in parts, where this CPU and the length allow it (AVX2; a
+    /// whole number of 64-byte stripes, longer than 240 bytes).
+    pub fn new(len: usize) -> Option<Self> {
+        (fused::available() && len >= fused::MIN_LEN && len.is_multiple_of(64)).then_some(
+            PieceHash {
+                len,
+                done: 0,
+                acc: None,
+            },
+        )
+    }
+
+    /// Where the next part starts: the bytes of the piece hashed so far.
+    pub fn done(&self) -> usize {
+        self.done
+    }
+
+    /// Whether `segs` (`(address, bytes)` each) may be the next part: whole 64-byte stripes,
+    /// at least one, ending within the piece.
+    pub fn fits(&self, segs: &[(usize, usize)]) -> bool {
+        let n: usize = segs.iter().map(|&(_, k)| k).sum();
+        n > 0
+            && self.done + n <= self.len
+            && segs.iter().all(|&(_, k)| k > 0 && k.is_multiple_of(64))
+    }
+
+    /// Copies the next part, `segs`, into `dst` (as long as they are together), hashing it
+    /// in the same pass, non-temporal stores where `dst` is 32-byte aligned. Returns the
+    /// piece's leaf once this part ends it.
+    ///
+    /// # Safety
+    /// [`PieceHash::fits`]`(segs)` (else a panic), and their bytes add up to `dst.len()`;
+    /// each segment is valid for reads of its bytes, does not overlap `dst`, and is not
+    /// written during the call.
+    pub unsafe fn gather(&mut self, dst: &mut [u8], segs: &[(usize, usize)]) -> Option<u64> {
+        assert!(
+            self.fits(segs),
+            "PieceHash::gather: a part that does not fit"
+        );
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: `new` saw AVX2; the part fits the piece (asserted), its segments add up
+            // to `dst.len()` and are the caller's to read, apart from `dst`.
+            let h =
+                unsafe { fused::gather_xxh3_part(dst, segs, self.len, self.done, self.acc, true) };
+            self.done += dst.len();
+            match h {
+                fused::Hashed::Whole(h) => Some(h),
+                fused::Hashed::Part(acc) => {
+                    self.acc = Some(acc);
+                    None
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("PieceHash::new gives none without AVX2")
+    }
+}
+
 /// A walk along runs (`(address, bytes)` each, back to back in a block's canonical order: an
 /// engine's tensors), a checksum piece (or any number of bytes) at a time.
 pub struct RunCursor<'a> {
@@ -679,6 +753,96 @@ mod tests {
         }
         #[cfg(target_arch = "x86_64")]
         fused::force_avx2(false);
+    }
+
+    #[test]
+    fn a_piece_hashed_in_parts_is_its_leaf() {
+        if PieceHash::new(4096).is_none() {
+            return; // no AVX2: nothing is hashed in parts here
+        }
+        assert!(PieceHash::new(4000).is_none(), "not whole stripes");
+        assert!(
+            PieceHash::new(192).is_none(),
+            "shorter than the kernels take"
+        );
+        let data: Vec<u8> = (0..70_000u32).map(|i| (i * 11 + i / 251) as u8).collect();
+        let mut engine = vec![0u8; 3 * data.len()];
+        let mut out = vec![0u8; data.len() + 128];
+        let mut rng = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |m: usize| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            (rng % m as u64) as usize
+        };
+        for avx2_only in [true, false] {
+            #[cfg(target_arch = "x86_64")]
+            fused::force_avx2(avx2_only);
+            let _ = avx2_only;
+            for len in [256, 320, 1024, 1088, 2048, 4096, 32_768, 65_472, 65_536] {
+                let want = xxh3_64(&data[..len]);
+                let stripes = len / 64;
+                // Cuts (in stripes): halves, at and beside block boundaries, one stripe at a
+                // time, a last part of one stripe, and random ones.
+                let mut cuts: Vec<Vec<usize>> = vec![
+                    vec![],
+                    vec![stripes / 2],
+                    vec![16.min(stripes - 1)],
+                    vec![15.min(stripes - 1), 17.min(stripes - 1)],
+                    (1..stripes).collect(),
+                    vec![stripes - 1],
+                ];
+                for _ in 0..6 {
+                    let mut c: Vec<usize> = (0..next(6)).map(|_| 1 + next(stripes - 1)).collect();
+                    c.sort_unstable();
+                    c.dedup();
+                    cuts.push(c);
+                }
+                for cut in cuts.iter_mut() {
+                    cut.dedup();
+                }
+                for cut in &cuts {
+                    for (sizes, align) in [
+                        (&[64usize][..], 0),
+                        (&[4096, 192][..], 32),
+                        (&[1 << 20][..], 0),
+                    ] {
+                        engine.fill(0);
+                        out.fill(0);
+                        let runs = runs_in(&mut engine, len, sizes, align);
+                        let base = engine.as_ptr() as usize;
+                        let mut at = 0;
+                        for &(a, k) in &runs {
+                            engine[a - base..a - base + k].copy_from_slice(&data[at..at + k]);
+                            at += k;
+                        }
+                        let mut cur = RunCursor::new(&runs, len);
+                        let (mut h, mut segs) = (PieceHash::new(len).unwrap(), Vec::new());
+                        let ends: Vec<usize> = cut.iter().map(|c| c * 64).chain([len]).collect();
+                        let off = 64 * next(2);
+                        let mut got = None;
+                        for &end in &ends {
+                            let at = h.done();
+                            cur.next(end - at, &mut segs);
+                            assert!(h.fits(&segs), "{len} cut {cut:?}");
+                            assert!(got.is_none(), "a leaf before the last part");
+                            // SAFETY: the segments lie in `engine`, apart from `out`, and
+                            // add up to the part.
+                            got = unsafe { h.gather(&mut out[off + at..off + end], &segs) };
+                        }
+                        assert_eq!(got, Some(want), "{len} bytes cut at {cut:?}, {sizes:?}");
+                        assert_eq!(&out[off..off + len], &data[..len]);
+                        assert!(out[..off].iter().chain(&out[off + len..]).all(|&b| b == 0));
+                    }
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        fused::force_avx2(false);
+        let h = PieceHash::new(4096).unwrap();
+        assert!(!h.fits(&[(0, 100)]), "not whole stripes");
+        assert!(!h.fits(&[(0, 4160)]), "past the piece's end");
+        assert!(!h.fits(&[]), "nothing");
     }
 
     #[test]

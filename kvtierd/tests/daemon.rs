@@ -635,6 +635,35 @@ fn a_layerwise_save_through_the_sidecar_commits_whole_blocks() {
     drop(d);
 }
 
+/// A layer-by-layer save through kvtierd of layers smaller than a checksum piece (32 KiB of a
+/// block each, as Qwen2.5-7B's 4 KV heads): each piece's hash is carried from layer to layer
+/// as the layers are copied into the daemon's slots (`PieceHash`), and the blocks load back
+/// verified against those checksums.
+#[test]
+fn a_layerwise_save_of_half_piece_layers_through_the_sidecar_loads_back() {
+    use kvtier_connector::Backend;
+    let d = Kvtierd::start("layer-save-parts", &[], true);
+    let b = Backend::sidecar_as(&d.socket, "layer-save-parts", "");
+    let ns = b.register_namespace(&namespace()).unwrap();
+    let (layers, blocks, inner) = (4, 8, 512);
+    let mut src = kv_tensors(3, layers, blocks, inner);
+    let ps = kv_paged(&mut src, blocks, inner);
+    assert_eq!(ps.block_bytes(), layers * (32 << 10));
+    let keys: Vec<BlockKey> = (200..206).map(key).collect();
+    let ids: Vec<Vec<usize>> = (0..6).map(|i| vec![i]).collect();
+    let mut s = b.begin_layer_save(ns, &ps, &keys, &ids, &[]).unwrap();
+    assert_eq!(s.held(), 6);
+    for layer in 0..layers {
+        b.save_layer(&mut s, &ps, layer).unwrap();
+    }
+    assert_eq!(b.finish_layer_save(s, &ps).unwrap(), 6);
+    let mut dst = kv_tensors(4, layers, blocks, inner);
+    let pd = kv_paged(&mut dst, blocks, inner);
+    let into: Vec<Vec<usize>> = (0..6).map(|i| vec![7 - i]).collect();
+    loads_back(&b, &ps, &pd, &keys, &ids, &into);
+    drop(d);
+}
+
 /// A layer-by-layer save that outlives half the daemon's reservation TTL gives its slots up
 /// (after the TTL the daemon hands them to others) and saves its blocks whole at the finish:
 /// all stored, byte-exact.

@@ -92,7 +92,7 @@ impl Backend {
         }
         // Every held slot's layer at once: coalesced 2D copies, queued on one thread.
         self.save_layer_with(s, paged.layers(), layer, &|slots| {
-            for (ids, slot) in slots.iter() {
+            for (ids, slot, _) in slots.iter() {
                 if slot.len() != ids.len() * paged.block_bytes() {
                     return Err(crate::layout::LayoutError::Size {
                         want: ids.len() * paged.block_bytes(),
@@ -103,7 +103,7 @@ impl Backend {
             }
             let transfers: Vec<(&[usize], usize)> = slots
                 .iter_mut()
-                .map(|(ids, slot)| (*ids, slot.as_mut_ptr() as usize))
+                .map(|(ids, slot, _)| (*ids, slot.as_mut_ptr() as usize))
                 .collect();
             // SAFETY: each slot is reserved to this save (its length checked above) until
             // its commit or abort, both after the copier's synchronize (finish); `paged` per

@@ -12,12 +12,15 @@ use super::{
     commit_tokens, granted, lens_u32, reserve_embedded, round_end, save_lens, Backend, Kind,
     Stored, Tags, TransferError,
 };
-use crate::layout::PagedKv;
+use crate::layout::{PagedKv, PieceParts};
 
-/// How a layer of every held block gets into its slot: `copy([(engine block ids, slot)])`;
-/// returns, per slot in the order given, the checksum pieces it hashed as it copied them
-/// (`(piece index, XXH3-64)`, see [`PagedKv::gather_layer_hashed`]; none at all: empty).
-pub(super) type LayerCopy<'a> = dyn Fn(&mut [(&[usize], &mut [u8])]) -> Result<Vec<Vec<(usize, u64)>>, TransferError>
+/// How a layer of every held block gets into its slot: `copy([(engine block ids, slot,
+/// the slot's pieces hashed in part)])`; returns, per slot in the order given, the checksum
+/// pieces it completed the hash of as it copied them (`(piece index, XXH3-64)`, see
+/// [`PagedKv::gather_layer_hashed`]; none at all: empty).
+pub(super) type LayerCopy<'a> = dyn Fn(
+        &mut [(&[usize], &mut [u8], &mut PieceParts)],
+    ) -> Result<Vec<Vec<(usize, u64)>>, TransferError>
     + Sync
     + 'a;
 
@@ -43,6 +46,9 @@ pub struct LayerSave {
     /// gather wrote whole, hashed as it was copied: the commit hashes only the other pieces
     /// (`kvstore::checksum_with_leaves`). Empty while none is known.
     pub(super) leaves: Vec<Vec<Option<u64>>>,
+    /// Per held slot, the pieces whose hash the layers gathered so far began and did not
+    /// finish (a layer smaller than a piece).
+    pub(super) parts: Vec<PieceParts>,
 }
 
 /// Sidecar slots are written only until half the daemon's reservation TTL has passed (after
@@ -172,6 +178,7 @@ impl Backend {
             gathered: vec![false; paged.layers()],
             failed: false,
             leaves: Vec::new(),
+            parts: Vec::new(),
         })
     }
 
@@ -185,10 +192,10 @@ impl Backend {
     ) -> Result<(), TransferError> {
         let copies = &self.copies;
         self.save_layer_with(s, paged.layers(), layer, &|slots| {
-            let sizes: Vec<usize> = slots.iter().map(|(_, s)| s.len()).collect();
+            let sizes: Vec<usize> = slots.iter().map(|(_, s, _)| s.len()).collect();
             Ok(copies
-                .map_mut(slots, &sizes, |_, (ids, slot)| {
-                    paged.gather_layer_hashed(ids, slot, layer)
+                .map_mut(slots, &sizes, |_, (ids, slot, parts)| {
+                    paged.gather_layer_hashed(ids, slot, layer, parts)
                 })
                 .into_iter()
                 .collect::<Result<Vec<_>, _>>()?)
@@ -214,14 +221,20 @@ impl Backend {
             return Ok(());
         }
         self.redo_if_late(s)?;
+        let held = s.held();
+        if s.parts.len() < held {
+            s.parts.resize_with(held, Vec::new);
+        }
         let ids = &s.block_ids;
+        let parts = &mut s.parts;
         // Ok(false): the sidecar connection (and with it the reservations) is gone.
         let r = match &mut s.held {
             Held::Nothing => Ok(Some(Vec::new())),
             Held::Embedded(slots) => {
-                let mut v: Vec<(&[usize], &mut [u8])> = slots
+                let mut v: Vec<(&[usize], &mut [u8], &mut PieceParts)> = slots
                     .iter_mut()
-                    .map(|(i, r)| (&ids[*i][..], r.as_mut_slice()))
+                    .zip(parts.iter_mut())
+                    .map(|((i, r), p)| (&ids[*i][..], r.as_mut_slice(), p))
                     .collect();
                 copy(&mut v).map(Some)
             }
@@ -236,10 +249,11 @@ impl Backend {
                 let got = side.call_on(*conn, |c, _| {
                     // No checksum yet: the slot is not whole until the last layer is in.
                     c.fill_slots_hashed(&toks, |slots| {
-                        let mut v: Vec<(&[usize], &mut [u8])> = slots
+                        let mut v: Vec<(&[usize], &mut [u8], &mut PieceParts)> = slots
                             .iter_mut()
+                            .zip(parts.iter_mut())
                             .enumerate()
-                            .map(|(j, slot)| (&ids[idx[j]][..], &mut **slot))
+                            .map(|(j, (slot, p))| (&ids[idx[j]][..], &mut **slot, p))
                             .collect();
                         (copy(&mut v), vec![None; toks.len()])
                     })
@@ -271,6 +285,7 @@ impl Backend {
             Ok(None) => {
                 s.held = Held::Nothing;
                 s.leaves.clear();
+                s.parts.clear();
                 s.gathered[layer] = true;
                 Ok(())
             }
@@ -392,6 +407,7 @@ impl Backend {
             );
             let held = std::mem::replace(&mut s.held, Held::Nothing);
             s.leaves.clear();
+            s.parts.clear();
             for o in s.out[..s.rest].iter_mut() {
                 if *o == Stored::Now {
                     *o = Stored::NoRoom;

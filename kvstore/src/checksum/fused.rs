@@ -37,11 +37,51 @@ const PRIME64_5: u64 = 0x27D4_EB2F_1656_67C5;
 const STRIPE: usize = 64;
 /// Stripes per block with the default secret: (192 - 64) / 8.
 const STRIPES_PER_BLOCK: usize = 16;
-const BLOCK: usize = STRIPE * STRIPES_PER_BLOCK;
 
 /// The shortest piece the fused kernel takes (XXH3's long path starts past 240 bytes; shorter
 /// pieces are copied, then hashed).
 pub(super) const MIN_LEN: usize = 241;
+
+/// XXH3's accumulator lanes before the first stripe.
+const INIT: [u64; 8] = [
+    PRIME32_3, PRIME64_1, PRIME64_2, PRIME64_3, PRIME64_4, PRIME32_2, PRIME64_5, PRIME32_1,
+];
+
+/// What of a piece a kernel walks: bytes `from..to` (`to`: `None` for the rest of the
+/// piece, its last stripe and the merge included), starting from the accumulator lanes `acc`
+/// a part before left (`None`: XXH3's first). A piece cut in parts this way hashes to the
+/// same value as whole, its parts walked in order: `from` and `to` are multiples of
+/// [`STRIPE`], the piece's length too, and `to` is short of the piece's end.
+#[derive(Clone, Copy)]
+pub(super) struct Part {
+    pub(super) from: usize,
+    pub(super) to: Option<usize>,
+    pub(super) acc: Option<[u64; 8]>,
+}
+
+/// A whole piece.
+const WHOLE: Part = Part {
+    from: 0,
+    to: None,
+    acc: None,
+};
+
+/// What a kernel returns: the hash of the piece, or the lanes after a part that is not its
+/// last.
+pub(super) enum Hashed {
+    Whole(u64),
+    Part([u64; 8]),
+}
+
+/// The hash of a whole piece.
+#[inline(always)]
+fn whole(h: Hashed) -> u64 {
+    match h {
+        Hashed::Whole(h) => h,
+        // A kernel given `WHOLE` walks to the end.
+        Hashed::Part(_) => unreachable!("a whole piece's walk stops short"),
+    }
+}
 
 /// Whether the fused kernel runs on this CPU.
 pub(super) fn available() -> bool {
@@ -178,6 +218,61 @@ pub(super) unsafe fn gather_xxh3(dst: &mut [u8], src: &[(usize, usize)], nt: boo
     }
     // SAFETY: the caller's promises.
     unsafe { kernel::<true, _, _>(d, s, len, nt, 0) }
+}
+
+/// [`gather_xxh3`] of a part of a `len`-byte piece: `dst` is the piece's bytes from `from`
+/// on (`dst.len()` of them), `src` its segments; `acc` the lanes the part before left
+/// (`None` for the first part). A part that ends the piece returns its hash; another, the
+/// lanes for the next part.
+///
+/// # Safety
+/// The CPU has AVX2 ([`available`]); [`segs_fit`]`(dst.len(), src)`, or the part is the
+/// piece's last and its segments are whole stripes adding up to `dst.len()`, at least one
+/// stripe; `len` and `from` are multiples of [`STRIPE`], `len` ≥ [`MIN_LEN`], and
+/// `from + dst.len()` ≤ `len` (a part short of the end is a multiple of [`STRIPE`] too);
+/// each segment is valid for reads of its bytes and does not overlap `dst`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn gather_xxh3_part(
+    dst: &mut [u8],
+    src: &[(usize, usize)],
+    len: usize,
+    from: usize,
+    acc: Option<[u64; 8]>,
+    nt: bool,
+) -> Hashed {
+    let n = dst.len();
+    let end = from + n;
+    assert!(
+        len >= MIN_LEN
+            && len.is_multiple_of(STRIPE)
+            && from.is_multiple_of(STRIPE)
+            && n.is_multiple_of(STRIPE)
+            && n > 0
+            && end <= len
+            && src.iter().all(|&(_, k)| k > 0 && k.is_multiple_of(STRIPE))
+            && src.iter().map(|&(_, k)| k).sum::<usize>() == n,
+        "gather_xxh3_part: bad part"
+    );
+    let part = Part {
+        from,
+        to: (end < len).then_some(end),
+        acc,
+    };
+    let nt = nt && dst.as_mut_ptr().align_offset(32) == 0;
+    // Offsets are the piece's: byte `from` of the piece is the part's first.
+    let d = Contig(dst.as_mut_ptr().wrapping_sub(from));
+    let s = Segs {
+        segs: src,
+        i: 0,
+        start: from,
+    };
+    if avx512() && !(nt && dst.as_mut_ptr().align_offset(64) != 0) {
+        // SAFETY: the caller's promises, and the CPU has AVX-512F (`avx512`).
+        return unsafe { kernel512_part::<true, _, _>(d, s, len, nt, 0, part) };
+    }
+    // SAFETY: the caller's promises.
+    unsafe { kernel_part::<true, _, _>(d, s, len, nt, 0, part) }
 }
 
 /// Copies `dst.len()` bytes (at least [`MIN_LEN`]) from `src` into `dst` and returns
@@ -326,19 +421,38 @@ pub(super) unsafe fn xxh3_raw(src: *const u8, len: usize) -> u64 {
 /// As [`copy_xxh3`] (`d` valid for writes of `len` bytes when `STORE`), `len` ≥ [`MIN_LEN`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
+#[inline]
 unsafe fn kernel<const STORE: bool, D: Addr, S: Addr>(
+    d: D,
+    s: S,
+    len: usize,
+    nt: bool,
+    ahead: usize,
+) -> u64 {
+    // SAFETY: the caller's promises.
+    whole(unsafe { kernel_part::<STORE, D, S>(d, s, len, nt, ahead, WHOLE) })
+}
+
+/// [`kernel`] over a part of the piece ([`Part`]; `d` and `s` as for the whole piece: the
+/// part's bytes are at their offsets in it).
+///
+/// # Safety
+/// As [`kernel`] for the part's bytes (and the last stripe's, for a last part); `part`
+/// within [`Part`]'s rules.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn kernel_part<const STORE: bool, D: Addr, S: Addr>(
     mut d: D,
     mut s: S,
     len: usize,
     nt: bool,
     ahead: usize,
-) -> u64 {
+    part: Part,
+) -> Hashed {
     use std::arch::x86_64::*;
     let (pf_end, pf) = prefetch_window(len, ahead);
     let k = SECRET.as_ptr();
-    let init = [
-        PRIME32_3, PRIME64_1, PRIME64_2, PRIME64_3, PRIME64_4, PRIME32_2, PRIME64_5, PRIME32_1,
-    ];
+    let init = part.acc.unwrap_or(INIT);
     // SAFETY (every pointer below): offsets stay within `len` bytes of `src` and `dst` (the
     // loops stop a full stripe short of the end, the tail is copied by `ptr::copy_nonoverlapping`) and
     // within the 192-byte secret (stripe secrets at ≤ 15 * 8 + 32 + 32 = 184, the scramble's
@@ -349,6 +463,15 @@ unsafe fn kernel<const STORE: bool, D: Addr, S: Addr>(
             _mm256_loadu_si256(init.as_ptr() as *const __m256i),
             _mm256_loadu_si256(init.as_ptr().add(4) as *const __m256i),
         ]
+    };
+    let lanes = |acc: &[__m256i; 2]| {
+        let mut lanes = [0u64; 8];
+        // SAFETY: `lanes` holds 64 bytes.
+        unsafe {
+            _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, acc[0]);
+            _mm256_storeu_si256(lanes.as_mut_ptr().add(4) as *mut __m256i, acc[1]);
+        }
+        lanes
     };
     // One stripe: `a`, `b` its two halves, `sec` its secret.
     let accumulate = |acc: &mut [__m256i; 2], a: __m256i, b: __m256i, sec: *const u8| {
@@ -393,6 +516,8 @@ unsafe fn kernel<const STORE: bool, D: Addr, S: Addr>(
     let prime = _mm256_set1_epi32(PRIME32_1 as i32);
     let done = walk(
         len,
+        part.from,
+        part.to,
         &mut acc,
         |acc, off, sec| copy_stripe(acc, off, k.wrapping_add(sec)),
         |acc| {
@@ -412,6 +537,13 @@ unsafe fn kernel<const STORE: bool, D: Addr, S: Addr>(
             }
         },
     );
+    if part.to.is_some() {
+        if STORE && nt {
+            // The part's streaming stores are ordered before what the caller does next.
+            _mm_sfence();
+        }
+        return Hashed::Part(lanes(&acc));
+    }
     // SAFETY: the caller's promises (`done` ≤ `len`).
     let last = unsafe { finish_tail::<STORE, _, _>(&mut d, &mut s, done, len, nt) };
     // SAFETY: see above.
@@ -420,38 +552,52 @@ unsafe fn kernel<const STORE: bool, D: Addr, S: Addr>(
         let b = _mm256_loadu_si256(last.add(32) as *const __m256i);
         accumulate(&mut acc, a, b, k.add(192 - STRIPE - 7));
     }
-    let mut lanes = [0u64; 8];
-    // SAFETY: `lanes` holds 64 bytes.
-    unsafe {
-        _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, acc[0]);
-        _mm256_storeu_si256(lanes.as_mut_ptr().add(4) as *mut __m256i, acc[1]);
-    }
-    merge(lanes, len)
+    Hashed::Whole(merge(lanes(&acc), len))
 }
 
-/// XXH3's walk over a long input, for both kernels: per whole block of stripes, `stripe(acc,
-/// offset, secret offset)` for each of its 16 stripes, then `scramble(acc)`; then the whole
-/// stripes of the last, partial block. Returns where the tail starts. (XXH3's last stripe,
-/// which overlaps, is the caller's.)
+/// XXH3's walk over a long input, for both kernels, from stripe offset `from` (a multiple of
+/// [`STRIPE`]; 0 for a whole piece) to `to` (a part ending there: a multiple of [`STRIPE`],
+/// before the piece's last stripe) or, with `None`, to the end: per whole block of stripes,
+/// `stripe(acc, offset, secret offset)` for each of its 16 stripes, then `scramble(acc)`; then
+/// the whole stripes of the last, partial block. Returns where it stopped: `to`, or where
+/// the tail starts. (XXH3's last stripe, which overlaps, is the caller's.) A part that
+/// starts or ends inside a block walks that block's stripes on either side of the cut, and
+/// the block is scrambled once, where its last stripe is walked: the same sequence as one
+/// walk over the whole.
 #[inline(always)]
 fn walk<A>(
     len: usize,
+    from: usize,
+    to: Option<usize>,
     acc: &mut A,
     mut stripe: impl FnMut(&mut A, usize, usize),
     mut scramble: impl FnMut(&mut A),
 ) -> usize {
-    let blocks = (len - 1) / BLOCK;
-    for n in 0..blocks {
-        for st in 0..STRIPES_PER_BLOCK {
-            stripe(acc, n * BLOCK + st * STRIPE, st * 8);
+    // Stripes walked in all, up to the end: whole blocks' and the last, partial block's
+    // (fewer than 16: a block ending at the piece's end is the partial one).
+    let stop = to.map_or((len - 1) / STRIPE, |t| t / STRIPE);
+    let mut st = from / STRIPE;
+    // The rest of a block a part starts inside of.
+    while !st.is_multiple_of(STRIPES_PER_BLOCK) && st < stop {
+        stripe(acc, st * STRIPE, (st % STRIPES_PER_BLOCK) * 8);
+        st += 1;
+        if st.is_multiple_of(STRIPES_PER_BLOCK) {
+            scramble(acc);
+        }
+    }
+    while st + STRIPES_PER_BLOCK <= stop {
+        for i in 0..STRIPES_PER_BLOCK {
+            stripe(acc, (st + i) * STRIPE, i * 8);
         }
         scramble(acc);
+        st += STRIPES_PER_BLOCK;
     }
-    let stripes = ((len - 1) - BLOCK * blocks) / STRIPE;
-    for st in 0..stripes {
-        stripe(acc, blocks * BLOCK + st * STRIPE, st * 8);
+    // Fewer than a block's stripes: no scramble (the block ends past `stop`).
+    while st < stop {
+        stripe(acc, st * STRIPE, (st % STRIPES_PER_BLOCK) * 8);
+        st += 1;
     }
-    blocks * BLOCK + stripes * STRIPE
+    stop * STRIPE
 }
 
 /// The kernels' tail: with `STORE`, copies bytes `done..len` (after the last whole stripe) and
@@ -510,19 +656,36 @@ fn merge(lanes: [u64; 8], len: usize) -> u64 {
 /// As [`kernel`], and the CPU has AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
+#[inline]
 unsafe fn kernel512<const STORE: bool, D: Addr, S: Addr>(
+    d: D,
+    s: S,
+    len: usize,
+    nt: bool,
+    ahead: usize,
+) -> u64 {
+    // SAFETY: the caller's promises.
+    whole(unsafe { kernel512_part::<STORE, D, S>(d, s, len, nt, ahead, WHOLE) })
+}
+
+/// [`kernel512`] over a part of the piece, as [`kernel_part`].
+///
+/// # Safety
+/// As [`kernel_part`], and the CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn kernel512_part<const STORE: bool, D: Addr, S: Addr>(
     mut d: D,
     mut s: S,
     len: usize,
     nt: bool,
     ahead: usize,
-) -> u64 {
+    part: Part,
+) -> Hashed {
     use std::arch::x86_64::*;
     let (pf_end, pf) = prefetch_window(len, ahead);
     let k = SECRET.as_ptr();
-    let init = [
-        PRIME32_3, PRIME64_1, PRIME64_2, PRIME64_3, PRIME64_4, PRIME32_2, PRIME64_5, PRIME32_1,
-    ];
+    let init = part.acc.unwrap_or(INIT);
     // SAFETY (every pointer below): as in `kernel`, whose offsets these are.
     // SAFETY: `init` holds 8 u64s (64 bytes).
     let mut acc = unsafe { _mm512_loadu_si512(init.as_ptr() as *const _) };
@@ -561,8 +724,16 @@ unsafe fn kernel512<const STORE: bool, D: Addr, S: Addr>(
         }
     };
     let prime = _mm512_set1_epi32(PRIME32_1 as i32);
+    let lanes = |acc: &__m512i| {
+        let mut lanes = [0u64; 8];
+        // SAFETY: `lanes` holds 64 bytes.
+        unsafe { _mm512_storeu_si512(lanes.as_mut_ptr() as *mut _, *acc) };
+        lanes
+    };
     let done = walk(
         len,
+        part.from,
+        part.to,
         &mut acc,
         |acc, off, sec| copy_stripe(acc, off, k.wrapping_add(sec)),
         |acc| {
@@ -580,6 +751,13 @@ unsafe fn kernel512<const STORE: bool, D: Addr, S: Addr>(
             }
         },
     );
+    if part.to.is_some() {
+        if STORE && nt {
+            // The part's streaming stores are ordered before what the caller does next.
+            _mm_sfence();
+        }
+        return Hashed::Part(lanes(&acc));
+    }
     // SAFETY: the caller's promises (`done` ≤ `len`).
     let last = unsafe { finish_tail::<STORE, _, _>(&mut d, &mut s, done, len, nt) };
     // SAFETY: see above.
@@ -587,10 +765,7 @@ unsafe fn kernel512<const STORE: bool, D: Addr, S: Addr>(
         let a = _mm512_loadu_si512(last as *const _);
         accumulate(&mut acc, a, k.add(192 - STRIPE - 7));
     }
-    let mut lanes = [0u64; 8];
-    // SAFETY: `lanes` holds 64 bytes.
-    unsafe { _mm512_storeu_si512(lanes.as_mut_ptr() as *mut _, acc) };
-    merge(lanes, len)
+    Hashed::Whole(merge(lanes(&acc), len))
 }
 
 #[cfg(test)]
