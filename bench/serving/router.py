@@ -28,8 +28,8 @@ sends each completion to one server, by policy:
                index of where each node's blocks are, from the nodes' block event streams
                (`kvtier.router.Index`, kvtierd's Watch), and scores a prompt from it with no
                round trip (the same cost as the Lookup's); it asks the cluster as before while
-               the index is not complete (a node that held blocks before the router
-               subscribed, or whose stream broke).
+               the index is not complete (a node's stream's snapshot not ended yet, or its
+               stream broken).
   least-work   the server with the least prefill work queued (as prefix, with every block
                of every prompt counted as computed: no kvtier lookup). Against prefix, it tells
                how much of prefix routing's gain is balance and how much is kvtier's knowledge
@@ -91,8 +91,7 @@ class Router:
             admin = a.admin.split(",")
             if len(admin) != len(self.backends):
                 sys.exit("router: --admin needs one address per backend")
-            self.index = router.Index({str(i): ep for i, ep in enumerate(admin)},
-                                      timeout=self.timeout)
+            self.index = router.Index({str(i): ep for i, ep in enumerate(admin)})
 
     def _engine_prefix(self, i: int, keys: list) -> int:
         """Leading `keys` that server `i` holds by the router's estimate."""

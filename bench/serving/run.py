@@ -420,8 +420,8 @@ def run_one(cfg: str, trace: Path, n: int, plan: dict, tmp: Path, tag: str) -> d
             engine_blocks = 0 if cfg == "prefix-no-estimate" else plan["pool_bytes"] // BLOCK_BYTES
             extra = list(ROUTER_ARGS.get(cfg, []))
             if PAIR[cfg] == "prefix" and cfg != "prefix-lookup":
-                # Its own index of the nodes' blocks, subscribed before anything is stored
-                # (the warm-up below included): complete from the start.
+                # Its own index of the nodes' blocks (each node's snapshot, then its events):
+                # complete once the snapshots ended, before the warm-up below.
                 extra += ["--admin", ",".join(d.grpc for d in daemons)]
             router = RouterProc(PAIR[cfg], servers, daemons, listen, plan["model"],
                                 tmp / f"router-{tag}.log", engine_blocks, extra)

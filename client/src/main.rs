@@ -115,6 +115,10 @@ enum Cmd {
         /// Stop after this many events.
         #[arg(long)]
         count: Option<usize>,
+        /// First every block held (host memory and disk) as a `stored` event, then a
+        /// `snapshot-end` line, then the events.
+        #[arg(long)]
+        snapshot: bool,
     },
 }
 
@@ -645,9 +649,12 @@ async fn run() -> Result<()> {
                 anyhow::bail!("lease {lease} is not held (released or expired)");
             }
         }
-        Cmd::Watch { count } => {
+        Cmd::Watch { count, snapshot } => {
             let mut stream = c
-                .watch(pb::WatchRequest::default())
+                .watch(pb::WatchRequest {
+                    snapshot,
+                    ..Default::default()
+                })
                 .await
                 .map_err(explain)?
                 .into_inner();
@@ -657,8 +664,17 @@ async fn run() -> Result<()> {
                 let kind = match pb::block_event::Kind::try_from(ev.kind) {
                     Ok(pb::block_event::Kind::Stored) => "stored",
                     Ok(pb::block_event::Kind::Removed) => "removed",
+                    Ok(pb::block_event::Kind::SnapshotEnd) => "snapshot-end",
                     _ => "?",
                 };
+                if ev.kind == pb::block_event::Kind::SnapshotEnd as i32 {
+                    if cli.json {
+                        println!("{}", json!({ "kind": kind }));
+                    } else {
+                        println!("{kind}");
+                    }
+                    continue;
+                }
                 if cli.json {
                     println!(
                         "{}",

@@ -76,6 +76,22 @@ fn lookup_keys(r: &pb::LookupRequest) -> Result<Vec<BlockKey>, Status> {
         .collect()
 }
 
+/// A store's block event as the Watch stream sends it.
+fn event_msg(ev: &kvstore::BlockEvent) -> pb::BlockEvent {
+    pb::BlockEvent {
+        kind: match ev.kind {
+            EventKind::Stored => block_event::Kind::Stored as i32,
+            EventKind::Removed => block_event::Kind::Removed as i32,
+        },
+        key: ev.key.to_bytes().to_vec(),
+        tier: tier(ev.tier),
+        namespace_id: u32::from(ev.ns),
+        unix_ms: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64),
+    }
+}
+
 fn tier(t: Tier) -> i32 {
     match t {
         Tier::Disk => pb::Tier::Disk as i32,
@@ -583,7 +599,10 @@ impl Admin for AdminService {
                 "{max} Watch streams are open already (server.max_watchers): close one first"
             )));
         }
-        let rx = store.subscribe(4096);
+        let snapshot = req.get_ref().snapshot;
+        // A snapshot's watcher gets the events from here on after the snapshot: room for
+        // what happens meanwhile (a million blocks take ~1 s to send).
+        let rx = store.subscribe(if snapshot { 1 << 16 } else { 4096 });
         let (tx, out) = tokio::sync::mpsc::channel(1024);
         let d = self.d.clone();
         // Bridge the store's channel to the async stream; ends when the watcher goes away.
@@ -597,6 +616,21 @@ impl Admin for AdminService {
                     }
                 }
                 let _done = Done(d.clone());
+                let send = |msg| tx.blocking_send(Ok(msg)).is_ok();
+                if snapshot {
+                    let mut open = true;
+                    store.resident_events(1024, |batch| {
+                        open = batch.iter().all(|ev| send(event_msg(ev)));
+                        open && !d.stopping()
+                    });
+                    let end = pb::BlockEvent {
+                        kind: block_event::Kind::SnapshotEnd as i32,
+                        ..Default::default()
+                    };
+                    if !open || d.stopping() || !send(end) {
+                        return;
+                    }
+                }
                 while !d.stopping() {
                     let ev = match rx.recv_timeout(Duration::from_millis(200)) {
                         Ok(ev) => ev,
@@ -608,19 +642,7 @@ impl Admin for AdminService {
                         }
                         Err(_) => return,
                     };
-                    let msg = pb::BlockEvent {
-                        kind: match ev.kind {
-                            EventKind::Stored => block_event::Kind::Stored as i32,
-                            EventKind::Removed => block_event::Kind::Removed as i32,
-                        },
-                        key: ev.key.to_bytes().to_vec(),
-                        tier: tier(ev.tier),
-                        namespace_id: u32::from(ev.ns),
-                        unix_ms: SystemTime::now()
-                            .duration_since(UNIX_EPOCH)
-                            .map_or(0, |d| d.as_millis() as u64),
-                    };
-                    if tx.blocking_send(Ok(msg)).is_err() {
+                    if !send(event_msg(&ev)) {
                         return;
                     }
                 }

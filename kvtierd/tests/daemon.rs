@@ -433,6 +433,96 @@ fn uncommitted_reservations_expire_and_are_bounded() {
     assert!(e.contains("half the host tier"), "{e}");
 }
 
+/// The next event of a Watch stream, within 10 s.
+async fn next_event(s: &mut tonic::Streaming<pb::BlockEvent>) -> pb::BlockEvent {
+    tokio::time::timeout(Duration::from_secs(10), tokio_stream::StreamExt::next(s))
+        .await
+        .expect("an event within 10 s")
+        .expect("the stream goes on")
+        .expect("an event, not an error")
+}
+
+/// A Watch with a snapshot starts with every block the node holds, host memory and disk
+/// alike, as Stored events, then one SNAPSHOT_END, then the events from the subscription on;
+/// one without a snapshot gets only the events.
+#[test]
+fn a_watch_with_a_snapshot_starts_with_every_block_held() {
+    use std::collections::BTreeSet;
+    let d = Kvtierd::start(
+        "watch-snapshot",
+        &["--set", "disk.write_through=true"],
+        true,
+    );
+    let mut ipc = d.client();
+    let ns = ipc.register_namespace(&namespace()).unwrap();
+    put_all(&mut ipc, ns, 0..5);
+    rt().block_on(async {
+        let mut c = AdminClient::connect(format!("http://{}", d.grpc))
+            .await
+            .unwrap();
+        // The five are written to disk as well (write-through).
+        let until = Instant::now() + Duration::from_secs(30);
+        loop {
+            let s = c
+                .stats(pb::StatsRequest::default())
+                .await
+                .unwrap()
+                .into_inner();
+            if s.namespaces.first().is_some_and(|n| n.disk_blocks == 5) {
+                break;
+            }
+            assert!(Instant::now() < until, "never on disk: {:?}", s.namespaces);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let mut plain = c
+            .watch(pb::WatchRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
+        let mut snap = c
+            .watch(pb::WatchRequest {
+                snapshot: true,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let mut seen = BTreeSet::new();
+        loop {
+            let ev = next_event(&mut snap).await;
+            if ev.kind == pb::block_event::Kind::SnapshotEnd as i32 {
+                assert!(ev.key.is_empty());
+                break;
+            }
+            assert_eq!(ev.kind, pb::block_event::Kind::Stored as i32);
+            assert_eq!(ev.namespace_id, ns.0);
+            assert!(seen.insert((ev.key, ev.tier)), "a block sent twice");
+        }
+        let want: BTreeSet<(Vec<u8>, i32)> = (0..5)
+            .flat_map(|i| {
+                let k = key(i).to_bytes().to_vec();
+                [
+                    (k.clone(), pb::Tier::Host as i32),
+                    (k, pb::Tier::Disk as i32),
+                ]
+            })
+            .collect();
+        assert_eq!(
+            seen, want,
+            "the snapshot is every block in each tier it is in"
+        );
+        // After the snapshot, the events: a block stored now reaches both watchers, and it
+        // is the first thing the plain one sees.
+        put_all(&mut ipc, ns, 5..6);
+        for s in [&mut snap, &mut plain] {
+            let ev = next_event(s).await;
+            assert_eq!(ev.kind, pb::block_event::Kind::Stored as i32);
+            assert_eq!(ev.key, key(5).to_bytes().to_vec());
+            assert_eq!(ev.tier, pb::Tier::Host as i32);
+        }
+    });
+}
+
 #[test]
 fn watch_streams_are_capped() {
     let d = Kvtierd::start("watchers", &["--set", "server.max_watchers=2"], true);

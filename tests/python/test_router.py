@@ -127,13 +127,13 @@ def test_bad_lookup_input_is_refused_with_an_error_naming_it():
 
 
 def test_the_index_follows_the_nodes_block_events(tmp_path):
-    """router.Index: subscribed to both nodes' Watch streams while they are empty, it knows
-    which node holds which blocks in which tier without asking, scores as the cluster lookup
-    does, and stops vouching for itself when a node's stream breaks (a node killed): then
-    score() answers None (ask the cluster)."""
+    """router.Index: subscribed to both nodes' Watch streams, it knows which node holds which
+    blocks in which tier without asking, scores as the cluster lookup does, starts complete
+    on a warm cluster too (each stream's snapshot), and stops vouching for itself when a
+    node's stream breaks (a node killed): then score() answers None (ask the cluster)."""
     ports = free_ports(2)
     nodes = [start(tmp_path / f"n{i}", p, ports) for i, p in enumerate(ports)]
-    idx = None
+    idx = warm = None
     try:
         (_, a), (_, b) = nodes
         idx = router.Index({"on-a": a["grpc"], "on-b": b["grpc"]})
@@ -157,6 +157,11 @@ def test_the_index_follows_the_nodes_block_events(tmp_path):
         other = [engine_key(fp, bytes([100]) * 32)]
         assert idx.score(keys[:2] + other)["on-b"] == 2 * (1 - router.WEIGHTS["host"]) + 1
         assert idx.score(keys, gpu={"on-a": 6})["on-a"] == 0.0
+        # An index started now, on the warm cluster: complete from the snapshots, the same.
+        warm = router.Index({"on-a": a["grpc"], "on-b": b["grpc"]})
+        assert warm.wait_complete(30), warm.blocks()
+        assert warm.blocks() == {"on-a": 0, "on-b": 6}, warm.blocks()
+        assert warm.score(keys) == costs
         try:
             idx.score([b"short"])
             raise AssertionError("a 5-byte key was scored")
@@ -168,8 +173,9 @@ def test_the_index_follows_the_nodes_block_events(tmp_path):
         assert idx.wait(lambda: not idx.complete(), 30)
         assert idx.score(keys) is None
     finally:
-        if idx is not None:
-            idx.close()
+        for i in (idx, warm):
+            if i is not None:
+                i.close()
         for p, _ in nodes:
             if p.poll() is None:
                 p.terminate()

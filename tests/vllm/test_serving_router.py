@@ -325,10 +325,10 @@ def router_stats(url):
 
 
 def test_the_router_scores_from_its_own_index_of_the_nodes_block_events(tmp_path):
-    """router.py --admin (kvtier.router.Index): subscribed to both nodes' Watch streams before
-    they store anything, the router scores a prompt from its own index, with no Lookup; stored
-    and removed blocks reach the index; a router that subscribes to a node already holding
-    blocks does not trust its index and asks the cluster."""
+    """router.py --admin (kvtier.router.Index): subscribed to both nodes' Watch streams, the
+    router scores a prompt from its own index, with no Lookup; stored and removed blocks reach
+    the index; a router started when a node already holds blocks gets them from the node's
+    snapshot and scores from its index too."""
     ports = free_ports(2)
     listen = [f"127.0.0.1:{p}" for p in ports]
     members = "[" + ",".join(f'"{a}"' for a in listen) + "]"
@@ -367,15 +367,15 @@ def test_the_router_scores_from_its_own_index_of_the_nodes_block_events(tmp_path
         assert st["index_answers"] == 5 and st["lookups"] == 0, st
         assert st["index_complete"], st
 
-        # A second router, subscribed after b stored the prompt: its index does not know
-        # those blocks and is not complete; it asks the cluster, which sends the prompt to b.
+        # A second router, started after b stored the prompt: b's snapshot tells its index
+        # those blocks; it sends the prompt to b with no Lookup.
         routers.append(start_router(servers, listen, nodes, *admin))
         late = routers[1][1]
         st = router_stats(late)
-        assert not st["index_complete"], st
+        assert st["index_complete"] and st["index_blocks"] == [0, 4], st
         assert post(late, held) == "b"
         st = router_stats(late)
-        assert st["lookups"] == 1 and st["index_answers"] == 0, st
+        assert st["lookups"] == 0 and st["index_answers"] == 1, st
 
         # b's blocks removed (the namespace cleared through the admin API): the removals
         # reach the first router's index.

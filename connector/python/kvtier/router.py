@@ -15,7 +15,7 @@ engine already has (GPU > host memory > disk > another node), weights configurab
                          keys=keys, via="10.0.0.5:50551")
 
     # Or with no round trip a request: the router's own index of every node's blocks, from
-    # each kvtierd's Watch stream (start it before the nodes store anything):
+    # each kvtierd's Watch stream (a snapshot of each node's blocks, then their events):
     index = router.Index({"engine-a": "10.0.0.5:50551", "engine-b": "10.0.0.6:50551"})
     costs = index.score(keys) or router.score(...)  # None: not complete, ask the cluster
 
@@ -290,17 +290,8 @@ def score(endpoints: dict, prompt=None, *, keys=None, block_hashes=None, namespa
 
 
 WATCH = "/kvtier.admin.v1.Admin/Watch"
-STATS = "/kvtier.admin.v1.Admin/Stats"
 _BITS = {1: 1, 2: 2}  # host, disk: the tiers a node serves its own blocks from
-
-
-def _stored_blocks(reply: bytes) -> int:
-    """Blocks in a Stats reply's tiers (all of them)."""
-    n = 0
-    for num, _, v in _fields(reply):
-        if num == 1:
-            n += sum(v2 for n2, w2, v2 in _fields(v) if n2 == 4 and w2 == 0)
-    return n
+_SNAPSHOT_END = 3  # BlockEvent.Kind: the end of a Watch's snapshot
 
 
 class Index:
@@ -310,26 +301,27 @@ class Index:
     14-37 ms a request for cores (bench/RESULTS.md), in every routed request's time to first
     token.
 
-    `nodes` maps each engine to its node's kvtierd admin address. A node's part of the index
-    is *complete* only if it was subscribed before the node stored anything: once its stream
-    is up, the node's Stats must show no block. A node that already held blocks (the router
-    started on a warm cluster; the Watch API has no snapshot) or whose stream broke (events
-    missed) is not complete, and `score` answers None: ask `score` (the Lookup) instead. A
-    broken stream is retried every `retry_s`, and counts as complete again only if the node
-    is empty then. Events the daemon drops for a slow watcher (its `Watch` buffer, 4096
-    events) are not seen here: the index can then hold a block that is gone (a load that
-    misses, computed as any miss) or miss one that is there (a tie routed on balance).
-    Memory: one dict entry a block a node (~100 bytes in Python)."""
+    `nodes` maps each engine to its node's kvtierd admin address. Each node's stream starts
+    with a snapshot (`Watch` with `snapshot`: every block the node holds in host memory and
+    on disk, then an end marker, then the events from the subscription on), so a node's part
+    of the index is *complete* once its snapshot ended, whether the cluster was empty or warm
+    when the router started. A node whose stream broke (killed, restarted: events missed) is
+    not complete until a new stream's snapshot ended, and meanwhile `score` answers None: ask
+    `score` (the Lookup) instead. A broken stream is retried every `retry_s`. Events the
+    daemon drops for a slow watcher (its `Watch` buffer: 65,536 events with a snapshot) are
+    not seen here: the index can then hold a block that is gone (a load that misses,
+    computed as any miss) or miss one that is there (a tie routed on balance). Memory: one
+    dict entry a block a node (~100 bytes in Python)."""
 
     def __init__(self, nodes: dict, *, token: str | None = None, tenant: str = "",
-                 timeout: float = 5.0, retry_s: float = 1.0):
+                 retry_s: float = 1.0):
         import grpc
 
         self._grpc = grpc
         self.nodes = dict(nodes)
         self._md = [("authorization", f"Bearer {token}")] if token else None
-        self._req = _field(1, 2, tenant.encode()) if tenant else b""
-        self._timeout = timeout
+        # WatchRequest: the tenant (field 1), a snapshot first (field 2).
+        self._req = (_field(1, 2, tenant.encode()) if tenant else b"") + _field(2, 0, b"\x01")
         self._retry_s = retry_s
         self._held = {e: {} for e in self.nodes}
         self._complete = {e: False for e in self.nodes}
@@ -409,8 +401,6 @@ class Index:
         ch = grpc.insecure_channel(ep)
         watch = ch.unary_stream(WATCH, request_serializer=lambda x: x,
                                 response_deserializer=lambda x: x)
-        stats = ch.unary_unary(STATS, request_serializer=lambda x: x,
-                               response_deserializer=lambda x: x)
         while not self._closed.is_set():
             held = self._held[engine]
             try:
@@ -420,11 +410,10 @@ class Index:
                 if self._closed.is_set():
                     call.cancel()
                     return
-                call.initial_metadata()  # subscribed: events from here on reach us
-                empty = _stored_blocks(stats(self._req, timeout=self._timeout,
-                                             metadata=self._md)) == 0
-                held.clear()
-                self._set_complete(engine, empty)
+                call.initial_metadata()  # subscribed: the snapshot, then events from here on
+                with self._changed:
+                    held.clear()
+                self._set_complete(engine, False)
                 for msg in call:
                     kind = key = tier = 0
                     for num, _, v in _fields(msg):
@@ -434,6 +423,9 @@ class Index:
                             key = bytes(v)
                         elif num == 3:
                             tier = v
+                    if kind == _SNAPSHOT_END:
+                        self._set_complete(engine, True)
+                        continue
                     bit = _BITS.get(tier, 0)
                     self.events += 1
                     if not bit or not key:

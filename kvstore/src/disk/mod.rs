@@ -216,6 +216,17 @@ impl DiskTier {
             .collect()
     }
 
+    /// Every block on disk, with its namespace.
+    pub fn blocks(&self) -> Vec<(BlockKey, u16)> {
+        self.state
+            .lock()
+            .index
+            .iter()
+            .filter(|(_, e)| e.state == DState::Ready)
+            .map(|(k, e)| (BlockKey::from(*k), e.ns))
+            .collect()
+    }
+
     /// The blocks of namespace `ns` on disk.
     pub fn blocks_of(&self, ns: u16) -> Vec<BlockKey> {
         self.state

@@ -45,7 +45,7 @@ use crate::sync::{level, Condvar, Mutex, RwLock};
 use crate::arena::Arena;
 use crate::disk::{Admission, DiskTier};
 use crate::error::{ConfigError, KeyError};
-use crate::events::{BlockEvent, Events};
+use crate::events::{BlockEvent, EventKind, Events};
 use crate::io::IoEngine;
 use crate::key::{BlockKey, Fingerprint, Namespace};
 use crate::policy::PolicyKind;
@@ -641,6 +641,45 @@ impl Store {
             );
         }
         out
+    }
+
+    /// Every committed block in host memory and on disk, as the `Stored` event that put it
+    /// there, handed to `f` a batch at a time (a shard's host blocks, then the disk tier's in
+    /// batches of `batch`), no lock held during `f`; `f` returns `false` to stop. With
+    /// [`Store::subscribe`] called first, the batches followed by the subscription's events
+    /// tell a watcher where every block is: each block's events after the subscription, in
+    /// order, end in the state the scan saw or a later one (events dropped for a slow
+    /// subscriber aside). For a watcher's snapshot (kvtierd's `Watch`), not the hot path.
+    pub fn resident_events(&self, batch: usize, mut f: impl FnMut(Vec<BlockEvent>) -> bool) {
+        let stored = |key, tier, ns| BlockEvent {
+            kind: EventKind::Stored,
+            key,
+            tier,
+            ns,
+        };
+        for s in self.inner.shards.iter() {
+            let host: Vec<BlockEvent> = s
+                .lock()
+                .map
+                .iter()
+                .filter(|(_, e)| e.ready())
+                .map(|(k, e)| stored(BlockKey::from(k), Tier::Host, e.ns))
+                .collect();
+            if !host.is_empty() && !f(host) {
+                return;
+            }
+        }
+        if let Some(d) = self.disk_tier() {
+            for part in d.blocks().chunks(batch.max(1)) {
+                let disk = part
+                    .iter()
+                    .map(|&(k, ns)| stored(k, Tier::Disk, ns))
+                    .collect();
+                if !f(disk) {
+                    return;
+                }
+            }
+        }
     }
 
     /// Blocks and bytes per namespace and tier. Scans the index: for admin use, not the hot
