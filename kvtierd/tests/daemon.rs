@@ -444,7 +444,7 @@ async fn next_event(s: &mut tonic::Streaming<pb::BlockEvent>) -> pb::BlockEvent 
 
 /// A Watch with a snapshot starts with every block the node holds, host memory and disk
 /// alike, as Stored events, then one SNAPSHOT_END, then the events from the subscription on;
-/// one without a snapshot gets only the events.
+/// one without a snapshot gets only the events; WatchBatched the same, in batches.
 #[test]
 fn a_watch_with_a_snapshot_starts_with_every_block_held() {
     use std::collections::BTreeSet;
@@ -511,7 +511,40 @@ fn a_watch_with_a_snapshot_starts_with_every_block_held() {
             seen, want,
             "the snapshot is every block in each tier it is in"
         );
-        // After the snapshot, the events: a block stored now reaches both watchers, and it
+        // The same in batches (WatchBatched): the snapshot, its end, then the events.
+        let mut batched = c
+            .watch_batched(pb::WatchRequest {
+                snapshot: true,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let (mut got, mut ended) = (BTreeSet::new(), false);
+        while !ended {
+            let b = tokio::time::timeout(
+                Duration::from_secs(10),
+                tokio_stream::StreamExt::next(&mut batched),
+            )
+            .await
+            .expect("a batch within 10 s")
+            .expect("the stream goes on")
+            .expect("a batch, not an error");
+            assert!(!b.events.is_empty() && b.events.len() <= 1024);
+            for ev in b.events {
+                assert!(
+                    !ended,
+                    "an event in the snapshot's last batch after its end"
+                );
+                if ev.kind == pb::block_event::Kind::SnapshotEnd as i32 {
+                    ended = true;
+                } else {
+                    assert!(got.insert((ev.key, ev.tier)), "a block sent twice");
+                }
+            }
+        }
+        assert_eq!(got, want, "the batched snapshot");
+        // After the snapshot, the events: a block stored now reaches every watcher, and it
         // is the first thing the plain one sees.
         put_all(&mut ipc, ns, 5..6);
         for s in [&mut snap, &mut plain] {
@@ -520,6 +553,15 @@ fn a_watch_with_a_snapshot_starts_with_every_block_held() {
             assert_eq!(ev.key, key(5).to_bytes().to_vec());
             assert_eq!(ev.tier, pb::Tier::Host as i32);
         }
+        let b = tokio::time::timeout(
+            Duration::from_secs(10),
+            tokio_stream::StreamExt::next(&mut batched),
+        )
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+        assert_eq!(b.events[0].key, key(5).to_bytes().to_vec());
     });
 }
 

@@ -289,7 +289,7 @@ def score(endpoints: dict, prompt=None, *, keys=None, block_hashes=None, namespa
     return out
 
 
-WATCH = "/kvtier.admin.v1.Admin/Watch"
+WATCH = "/kvtier.admin.v1.Admin/WatchBatched"
 _BITS = {1: 1, 2: 2}  # host, disk: the tiers a node serves its own blocks from
 _SNAPSHOT_END = 3  # BlockEvent.Kind: the end of a Watch's snapshot
 
@@ -302,7 +302,7 @@ class Index:
     token.
 
     `nodes` maps each engine to its node's kvtierd admin address. Each node's stream starts
-    with a snapshot (`Watch` with `snapshot`: every block the node holds in host memory and
+    with a snapshot (`WatchBatched` with `snapshot`: every block the node holds in host memory and
     on disk, then an end marker, then the events from the subscription on), so a node's part
     of the index is *complete* once its snapshot ended, whether the cluster was empty or warm
     when the router started. A node whose stream broke (killed, restarted: events missed) is
@@ -414,32 +414,42 @@ class Index:
                 with self._changed:
                     held.clear()
                 self._set_complete(engine, False)
+                # A message is a batch of events (BlockEvents: field 1, each a BlockEvent),
+                # applied under the lock at once: grpcio costs ~80 µs a message, so one a
+                # event kept up with ~12,000 events a second (a snapshot of 100,000 blocks
+                # took 9.5 s).
                 for msg in call:
-                    kind = key = tier = 0
-                    for num, _, v in _fields(msg):
-                        if num == 1:
-                            kind = v
-                        elif num == 2:
-                            key = bytes(v)
-                        elif num == 3:
-                            tier = v
-                    if kind == _SNAPSHOT_END:
-                        self._set_complete(engine, True)
-                        continue
-                    bit = _BITS.get(tier, 0)
-                    self.events += 1
-                    if not bit or not key:
-                        continue
+                    end = False
                     with self._changed:
-                        if kind == 1:
-                            held[key] = held.get(key, 0) | bit
-                        elif kind == 2:
-                            left = held.get(key, 0) & ~bit
-                            if left:
-                                held[key] = left
-                            else:
-                                held.pop(key, None)
+                        for num, _, ev in _fields(msg):
+                            if num != 1:
+                                continue
+                            kind = key = tier = 0
+                            for n, _, v in _fields(ev):
+                                if n == 1:
+                                    kind = v
+                                elif n == 2:
+                                    key = bytes(v)
+                                elif n == 3:
+                                    tier = v
+                            if kind == _SNAPSHOT_END:
+                                end = True
+                                continue
+                            bit = _BITS.get(tier, 0)
+                            self.events += 1
+                            if not bit or not key:
+                                continue
+                            if kind == 1:
+                                held[key] = held.get(key, 0) | bit
+                            elif kind == 2:
+                                left = held.get(key, 0) & ~bit
+                                if left:
+                                    held[key] = left
+                                else:
+                                    held.pop(key, None)
                         self._changed.notify_all()
+                    if end:
+                        self._set_complete(engine, True)
             except Exception:  # noqa: BLE001 - a broken stream: not complete, retried
                 pass
             self._set_complete(engine, False)
