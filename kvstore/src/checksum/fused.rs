@@ -225,12 +225,13 @@ pub(super) unsafe fn gather_xxh3(dst: &mut [u8], src: &[(usize, usize)], nt: boo
 /// (`None` for the first part). A part that ends the piece returns its hash; another, the
 /// lanes for the next part.
 ///
+/// `len` and `from` are multiples of [`STRIPE`], `len` ≥ [`MIN_LEN`], and the part is
+/// whole stripes within the piece, its segments whole stripes adding up to `dst.len()` (else
+/// a panic).
+///
 /// # Safety
-/// The CPU has AVX2 ([`available`]); [`segs_fit`]`(dst.len(), src)`, or the part is the
-/// piece's last and its segments are whole stripes adding up to `dst.len()`, at least one
-/// stripe; `len` and `from` are multiples of [`STRIPE`], `len` ≥ [`MIN_LEN`], and
-/// `from + dst.len()` ≤ `len` (a part short of the end is a multiple of [`STRIPE`] too);
-/// each segment is valid for reads of its bytes and does not overlap `dst`.
+/// The CPU has AVX2 ([`available`]); each segment is valid for reads of its bytes and does
+/// not overlap `dst`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 pub(super) unsafe fn gather_xxh3_part(
