@@ -455,30 +455,34 @@ fn a_watch_with_a_snapshot_starts_with_every_block_held() {
     );
     let mut ipc = d.client();
     let ns = ipc.register_namespace(&namespace()).unwrap();
-    put_all(&mut ipc, ns, 0..5);
+    let want: BTreeSet<(Vec<u8>, i32)> = (0..5)
+        .flat_map(|i| {
+            let k = key(i).to_bytes().to_vec();
+            [
+                (k.clone(), pb::Tier::Host as i32),
+                (k, pb::Tier::Disk as i32),
+            ]
+        })
+        .collect();
     rt().block_on(async {
         let mut c = AdminClient::connect(format!("http://{}", d.grpc))
             .await
             .unwrap();
-        // The five are written to disk as well (write-through).
-        let until = Instant::now() + Duration::from_secs(30);
-        loop {
-            let s = c
-                .stats(pb::StatsRequest::default())
-                .await
-                .unwrap()
-                .into_inner();
-            if s.namespaces.first().is_some_and(|n| n.disk_blocks == 5) {
-                break;
-            }
-            assert!(Instant::now() < until, "never on disk: {:?}", s.namespaces);
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        // A watcher from the start sees the five stored in host memory, then on disk
+        // (write-through): once it has seen all ten, a snapshot must hold them too.
         let mut plain = c
             .watch(pb::WatchRequest::default())
             .await
             .unwrap()
             .into_inner();
+        put_all(&mut ipc, ns, 0..5);
+        let mut live = BTreeSet::new();
+        while live.len() < want.len() {
+            let ev = next_event(&mut plain).await;
+            assert_eq!(ev.kind, pb::block_event::Kind::Stored as i32);
+            assert!(live.insert((ev.key, ev.tier)), "an event twice");
+        }
+        assert_eq!(live, want);
         let mut snap = c
             .watch(pb::WatchRequest {
                 snapshot: true,
@@ -498,15 +502,6 @@ fn a_watch_with_a_snapshot_starts_with_every_block_held() {
             assert_eq!(ev.namespace_id, ns.0);
             assert!(seen.insert((ev.key, ev.tier)), "a block sent twice");
         }
-        let want: BTreeSet<(Vec<u8>, i32)> = (0..5)
-            .flat_map(|i| {
-                let k = key(i).to_bytes().to_vec();
-                [
-                    (k.clone(), pb::Tier::Host as i32),
-                    (k, pb::Tier::Disk as i32),
-                ]
-            })
-            .collect();
         assert_eq!(
             seen, want,
             "the snapshot is every block in each tier it is in"

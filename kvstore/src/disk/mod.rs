@@ -229,12 +229,10 @@ impl DiskTier {
 
     /// The blocks of namespace `ns` on disk.
     pub fn blocks_of(&self, ns: u16) -> Vec<BlockKey> {
-        self.state
-            .lock()
-            .index
-            .iter()
-            .filter(|(_, e)| e.ns == ns && e.state == DState::Ready)
-            .map(|(k, _)| BlockKey::from(*k))
+        self.blocks()
+            .into_iter()
+            .filter(|&(_, n)| n == ns)
+            .map(|(k, _)| k)
             .collect()
     }
 
