@@ -30,6 +30,16 @@ sends each completion to one server, by policy:
                round trip (the same cost as the Lookup's); it asks the cluster as before while
                the index is not complete (a node's stream's snapshot not ended yet, or its
                stream broken).
+               A balance guard (SGLang's cache-aware router's, counted in requests waiting for
+               their first token rather than requests running): when the cheapest server has
+               more than --balance-abs such requests more than the least-waiting server, and
+               more than --balance-rel times as many, the request goes to the least-waiting
+               server (the cheapest of those) instead. The cost above counts a waiting
+               request as kvtier's cost of its prompt, which is ~0 for a prompt the server's
+               own cache holds: a server that falls behind still looks idle to it and keeps
+               drawing its sessions back (an agent round here had one server 20 s behind,
+               bench/RESULTS.md). On by default (4 requests, 1.5 times); --balance-abs 0
+               turns it off.
   least-work   the server with the least prefill work queued (as prefix, with every block
                of every prompt counted as computed: no kvtier lookup). Against prefix, it tells
                how much of prefix routing's gain is balance and how much is kvtier's knowledge
@@ -75,8 +85,13 @@ class Router:
         self.decode_load = a.policy == "prefix" and a.decode_load
         self.queue_prompt = a.policy == "prefix" and a.queue == "prompt"
         self.inflight_weight = a.inflight_weight if a.policy == "prefix" else 0.0
+        # Per server: requests sent there whose first token has not come back (the guard's).
+        self.waiting = [0] * len(self.backends)
+        self.balance_abs = a.balance_abs if a.policy == "prefix" else 0
+        self.balance_rel = a.balance_rel
         self.stats = {"sent": [0] * len(self.backends), "lookups": 0, "lookup_errors": 0,
-                      "lookup_s": 0.0, "prompt_blocks": 0, "chosen_cost_blocks": 0.0}
+                      "lookup_s": 0.0, "prompt_blocks": 0, "chosen_cost_blocks": 0.0,
+                      "balanced": 0}
         self.session: aiohttp.ClientSession | None = None
         # Per server: block key -> None, least recently sent first (--engine-blocks).
         self.engine_blocks = a.engine_blocks
@@ -195,6 +210,11 @@ class Router:
             total = [t + a for t, a in zip(total, self.active_blocks)]
         if self.inflight_weight:
             total = [t + self.inflight_weight * n for t, n in zip(total, self.inflight)]
+        if self.balance_abs and self._imbalanced(total):
+            # The cheapest server is backed up: the cheapest of the least-waiting ones.
+            least = min(self.waiting)
+            total = [t if w == least else float("inf") for t, w in zip(total, self.waiting)]
+            self.stats["balanced"] += 1
         best = min(total)
         tied = [i for i, c in enumerate(total) if c <= best + 1e-9]
         if len(tied) > 1:
@@ -206,6 +226,14 @@ class Router:
                 tied = [i]
         return tied[0]
 
+    def _imbalanced(self, total: list[float]) -> bool:
+        """Whether the server cheapest by `total` has more than `balance_abs` requests waiting
+        for their first token beyond the least-waiting server, and more than `balance_rel`
+        times as many."""
+        w = self.waiting[min(range(len(total)), key=total.__getitem__)]
+        least = min(self.waiting)
+        return w - least > self.balance_abs and w > self.balance_rel * least
+
     async def completions(self, req: web.Request) -> web.StreamResponse:
         raw = await req.read()
         try:
@@ -216,16 +244,19 @@ class Router:
         self.stats["sent"][i] += 1
         self.stats["chosen_cost_blocks"] += work
         self.inflight[i] += 1
+        self.waiting[i] += 1
         if self.queue_prompt and blocks:
             work = blocks
         self.queued_blocks[i] += work
         self.active_blocks[i] += blocks
-        queued = [work]
+        queued = [work, 1]
 
         def prefilled():
             # The first token is out: this request's prefill no longer waits on server i.
             self.queued_blocks[i] -= queued[0]
+            self.waiting[i] -= queued[1]
             queued[0] = 0.0
+            queued[1] = 0
 
         try:
             return await self._forward(req, self.backends[i], raw, prefilled)
@@ -283,6 +314,11 @@ async def main() -> None:
                          "all its prompt blocks (prompt)")
     ap.add_argument("--inflight-weight", type=float, default=0.0,
                     help="prefix: blocks of cost per request in flight on a server")
+    ap.add_argument("--balance-abs", type=int, default=4,
+                    help="prefix: the balance guard's margin, in requests waiting for their "
+                         "first token (0: no guard)")
+    ap.add_argument("--balance-rel", type=float, default=1.5,
+                    help="prefix: the balance guard's ratio of waiting requests")
     ap.add_argument("--admin", default="",
                     help="prefix: each server's kvtierd admin gRPC address, in --backends' "
                          "order: score from the router's own index of the nodes' block events "

@@ -33,8 +33,10 @@ PYTHONHASHSEED, a KV pool of `--pool-pct` of the working set, `--kv-cache-memory
                the two kvtierds in one cluster, behind bench/serving/router.py: by prefix (where
                `kvtier.router.score` says the prompt's prefix is cheapest, plus the blocks
                already queued on each server; the blocks the router last sent to a server, up
-               to its pool, count as in that server's own cache) or round-robin. The trace's
-               arrivals come twice as often (two servers' worth of load).
+               to its pool, count as in that server's own cache; a server with more than 4
+               requests waiting for a first token beyond the other, and 1.5 times as many,
+               gets none until it catches up: the router's balance guard) or round-robin. The
+               trace's arrivals come twice as often (two servers' worth of load).
   prefix-no-estimate, prefix-decode, least-work (the same pair, to tell where routing's
                gain comes from): prefix routing without the estimate of each server's own
                cache, or with the decode load added to its cost (router.py --decode-load), and
@@ -43,6 +45,7 @@ PYTHONHASHSEED, a KV pool of `--pool-pct` of the working set, `--kv-cache-memory
   prefix-balanced, prefix-inflight: prefix routing with the queued work counted in whole
                prompt blocks (router.py --queue prompt), and with one block more per request in
                flight on a server (--inflight-weight 1).
+  prefix-unguarded: prefix routing without the balance guard (router.py --balance-abs 0).
   prefix-lookup: prefix routing that asks the cluster (one Lookup a request) where the prefix
                configurations score from the router's own index of the nodes' block events
                (router.py --admin, kvtier.router.Index): the same costs, with a round trip on
@@ -99,11 +102,13 @@ ENV.pop("VLLM_CPU_KVCACHE_SPACE", None)
 CONFIGS = ("vllm", "kvtier-host", "kvtier-disk")
 # Configuration 4, asked for by name (`--configs prefix-routed,round-robin`): two servers.
 PAIR_CONFIGS = ("prefix-routed", "round-robin", "prefix-no-estimate", "prefix-decode",
-                "least-work", "prefix-balanced", "prefix-inflight", "prefix-lookup")
+                "least-work", "prefix-balanced", "prefix-inflight", "prefix-lookup",
+                "prefix-unguarded")
 # The router's flags per pair configuration beyond its policy.
 ROUTER_ARGS = {"prefix-decode": ["--decode-load"],
                "prefix-balanced": ["--queue", "prompt"],
-               "prefix-inflight": ["--queue", "prompt", "--inflight-weight", "1"]}
+               "prefix-inflight": ["--queue", "prompt", "--inflight-weight", "1"],
+               "prefix-unguarded": ["--balance-abs", "0"]}
 NOT_RUN = {
     "vllm OffloadingConnector": "asserts CUDA tensors in the CPU build "
     "(vllm/v1/kv_offload/cpu/gpu_worker.py): needs a GPU",
@@ -363,7 +368,7 @@ class RouterProc:
 
 PAIR = {"prefix-routed": "prefix", "round-robin": "round-robin", "prefix-no-estimate": "prefix",
         "prefix-decode": "prefix", "least-work": "least-work", "prefix-balanced": "prefix",
-        "prefix-inflight": "prefix", "prefix-lookup": "prefix"}
+        "prefix-inflight": "prefix", "prefix-lookup": "prefix", "prefix-unguarded": "prefix"}
 
 
 def start_daemons(cfg: str, plan: dict, tmp: Path, tag: str) -> tuple[list[Kvtierd], list[str]]:
@@ -710,6 +715,10 @@ def main() -> None:
          "round-robin", "ttft_p50_s", "s")
     case("ttft p50 prefix routing balanced with in-flight vs round-robin", "reuse",
          "prefix-inflight", "round-robin", "ttft_p50_s", "s")
+    case("ttft p50 prefix routing without balance guard vs round-robin", "reuse",
+         "prefix-unguarded", "round-robin", "ttft_p50_s", "s")
+    case("ttft p99 prefix routing without balance guard vs round-robin", "reuse",
+         "prefix-unguarded", "round-robin", "ttft_p99_s", "s")
     case("ttft p50 kvtier vs vllm no-reuse", "no-reuse", "kvtier-disk", "vllm", "ttft_p50_s",
          "s")
     case("throughput kvtier vs vllm no-reuse", "no-reuse", "kvtier-disk", "vllm",
@@ -761,7 +770,7 @@ def write_report(out: Path, summary: dict, results: dict) -> None:
               "prefix-routed": "#9467bd", "round-robin": "#8c564b",
               "prefix-no-estimate": "#e377c2", "prefix-decode": "#bcbd22",
               "least-work": "#17becf", "prefix-balanced": "#ff7f0e",
-              "prefix-inflight": "#2ca02c"}
+              "prefix-inflight": "#2ca02c", "prefix-unguarded": "#7f7f7f"}
     for t in ("reuse", "no-reuse"):
         curves = {c: sorted(x for r in rs for x in r["ttfts"])
                   for (tt, c), rs in results.items() if tt == t}

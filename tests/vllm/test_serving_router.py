@@ -260,6 +260,42 @@ def test_the_router_sends_a_prompt_where_its_prefix_is(tmp_path):
                 p.kill()
                 p.wait()
 
+        # The balance guard (router.py's default: more than 4 requests waiting for a first
+        # token beyond the least-waiting server, and 1.5 times as many): with a margin of 2,
+        # three requests for the prompt b holds waiting on b for their prefill send the next
+        # one to a, though b is still the cheaper by kvtier's cost (0.4 + 3 × 0.4 < 2.4, a's
+        # remote load). Without the guard (--balance-abs 0) it stays on b.
+        hold.clear()
+        routers, waiting = [], []
+        try:
+            for margin in ("2", "0"):
+                routers.append(start_router(servers, listen, nodes, "--balance-abs", margin))
+            for _, u in routers:
+                for _ in range(3):
+                    t = threading.Thread(target=post, args=(u, held[:-1] + [2]), daemon=True)
+                    t.start()
+                    waiting.append(t)
+                    with arrived:
+                        assert arrived.wait_for(lambda: seen[-1][1][-1] == 2, 30), seen
+                        assert seen.pop() == ("b", held[:-1] + [2])
+            (_, gurl), (_, uurl) = routers
+            assert post(gurl, held) == "a"
+            assert post(uurl, held) == "b"
+            assert router_stats(gurl)["balanced"] == 1
+            assert router_stats(uurl)["balanced"] == 0
+            # Once b's requests have their first tokens, the prompt goes back to b.
+            hold.set()
+            for w in waiting:
+                w.join(60)
+            assert post(gurl, held) == "b"
+        finally:
+            hold.set()
+            for w in waiting:
+                w.join(60)
+            for p, _ in routers:
+                p.kill()
+                p.wait()
+
         # kvtierd gone: the router still serves, round-robin, and counts it.
         for p, _ in nodes:
             p.kill()
