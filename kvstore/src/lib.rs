@@ -40,7 +40,7 @@ pub use checksum::{
 };
 pub use disk::{Admission, DiskConfig, DiskError, DiskTier, DEFAULT_ADMIT_ALL_BELOW};
 pub use error::{ConfigError, KeyError, StoreError};
-pub use events::{BlockEvent, EventKind, Events};
+pub use events::{BlockEvent, EventKind, Events, Subscription};
 pub use key::{BlockKey, Fingerprint, Namespace, TpShard};
 pub use policy::{EvictionPolicy, PolicyKind};
 pub use store::{

@@ -588,7 +588,7 @@ impl Admin for AdminService {
     async fn watch(&self, req: Request<pb::WatchRequest>) -> Result<Response<EventStream>, Status> {
         // One message an event.
         let out = self.watch_with(req.get_ref(), 1024, |events, out| {
-            events.into_iter().all(|e| out.blocking_send(Ok(e)).is_ok())
+            events.into_iter().all(|e| out.send(Ok(e)))
         })?;
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(out),
@@ -603,7 +603,7 @@ impl Admin for AdminService {
     ) -> Result<Response<BatchStream>, Status> {
         // One message a batch (up to 16 queued: 16,384 events).
         let out = self.watch_with(req.get_ref(), 16, |events, out| {
-            out.blocking_send(Ok(pb::BlockEvents { events })).is_ok()
+            out.send(Ok(pb::BlockEvents { events }))
         })?;
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(out),
@@ -614,15 +614,101 @@ impl Admin for AdminService {
 /// Events a Watch message carries at most: what the store's channel holds then, up to this.
 const WATCH_BATCH: usize = 1024;
 
-/// Where a Watch thread sends the stream's messages.
-type WatchOut<T> = tokio::sync::mpsc::Sender<Result<T, Status>>;
+/// Where a Watch thread sends the stream's messages, each within `deadline`.
+pub(crate) struct WatchOut<T> {
+    tx: tokio::sync::mpsc::Sender<Result<T, Status>>,
+    /// The runtime whose timer bounds a send that waits for room.
+    rt: tokio::runtime::Handle,
+    deadline: Duration,
+}
+
+impl<T> WatchOut<T> {
+    /// Sends `m`: false when the watcher is gone, or took nothing for `deadline` (a client
+    /// that stopped reading, or vanished without closing its connection: its thread, its
+    /// slot among `server.max_watchers` and its snapshot's copy of the disk index go).
+    fn send(&self, m: Result<T, Status>) -> bool {
+        use tokio::sync::mpsc::error::TrySendError;
+        match self.tx.try_send(m) {
+            Ok(()) => true,
+            Err(TrySendError::Closed(_)) => false,
+            Err(TrySendError::Full(m)) => self.rt.block_on(async {
+                matches!(
+                    tokio::time::timeout(self.deadline, self.tx.send(m)).await,
+                    Ok(Ok(()))
+                )
+            }),
+        }
+    }
+}
+
+/// What a Watch thread does: the snapshot when asked for (every block `store` holds, then
+/// the end marker), then the events of `sub` (subscribed before the snapshot) as they come,
+/// through `emit` (a batch of at most [`WATCH_BATCH`] events; `false`: the watcher is gone
+/// or stuck), until the watcher goes or `stopping()`. A subscription that lost events (its
+/// channel full while the watcher read slower than the store changed) ends the stream with
+/// `DATA_LOSS`, before the snapshot's end marker or before the next batch: what the watcher
+/// knows of the node may be wrong from then on, and it must subscribe again (with a
+/// snapshot) rather than go on with a silently stale view.
+fn forward<T>(
+    store: &kvstore::Store,
+    sub: &kvstore::Subscription,
+    snapshot: bool,
+    out: &WatchOut<T>,
+    emit: fn(Vec<pb::BlockEvent>, &WatchOut<T>) -> bool,
+    stopping: &dyn Fn() -> bool,
+) {
+    let lost = || {
+        let n = sub.lost();
+        n > 0 && {
+            out.send(Err(Status::data_loss(format!(
+                "this watcher fell behind and lost {n} block events (the node keeps {} for \
+                 it): what it knows of the node may be wrong; subscribe again, with a \
+                 snapshot",
+                sub.capacity()
+            ))));
+            true
+        }
+    };
+    if snapshot {
+        let mut open = true;
+        store.resident_events(WATCH_BATCH, |batch| {
+            open = batch
+                .chunks(WATCH_BATCH)
+                .all(|part| emit(part.iter().map(event_msg).collect(), out));
+            open && !stopping()
+        });
+        let end = pb::BlockEvent {
+            kind: block_event::Kind::SnapshotEnd as i32,
+            ..Default::default()
+        };
+        if !open || stopping() || lost() || !emit(vec![end], out) {
+            return;
+        }
+    }
+    while !stopping() {
+        let first = match sub.recv_timeout(Duration::from_millis(200)) {
+            Ok(ev) => ev,
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                if out.tx.is_closed() || lost() {
+                    return;
+                }
+                continue;
+            }
+            Err(_) => return,
+        };
+        let mut batch = vec![event_msg(&first)];
+        batch.extend(sub.try_iter().take(WATCH_BATCH - 1).map(|e| event_msg(&e)));
+        if lost() || !emit(batch, out) {
+            return;
+        }
+    }
+}
 
 impl AdminService {
-    /// A Watch stream (`req`): a thread (at most `server.max_watchers`) that bridges the
-    /// store's event channel, after the snapshot when asked for, to the stream returned
-    /// (`queue` messages deep); `emit(events, out)` sends a batch of at most
-    /// [`WATCH_BATCH`] events (`false`: the watcher is gone). Ends when the watcher goes
-    /// away or the daemon stops.
+    /// A Watch stream (`req`): a thread (at most `server.max_watchers`) that runs
+    /// [`forward`] into the stream returned (`queue` messages deep, each sent within
+    /// `server.watch_send_timeout_ms`). Ends when the watcher goes away, stops reading, or
+    /// falls behind, or the daemon stops.
     fn watch_with<T: Send + 'static>(
         &self,
         req: &pb::WatchRequest,
@@ -646,8 +732,13 @@ impl AdminService {
         let snapshot = req.snapshot;
         // A snapshot's watcher gets the events from here on after the snapshot: room for
         // what happens meanwhile.
-        let rx = store.subscribe(if snapshot { 1 << 16 } else { 4096 });
-        let (tx, out) = tokio::sync::mpsc::channel(queue);
+        let sub = store.subscribe(if snapshot { 1 << 16 } else { 4096 });
+        let (tx, rx) = tokio::sync::mpsc::channel(queue);
+        let out = WatchOut {
+            tx,
+            rt: tokio::runtime::Handle::current(),
+            deadline: Duration::from_millis(self.d.cfg.server.watch_send_timeout_ms),
+        };
         let d = self.d.clone();
         let spawned = std::thread::Builder::new()
             .name("kvtierd-watch".into())
@@ -659,39 +750,7 @@ impl AdminService {
                     }
                 }
                 let _done = Done(d.clone());
-                if snapshot {
-                    let mut open = true;
-                    store.resident_events(WATCH_BATCH, |batch| {
-                        open = batch
-                            .chunks(WATCH_BATCH)
-                            .all(|part| emit(part.iter().map(event_msg).collect(), &tx));
-                        open && !d.stopping()
-                    });
-                    let end = pb::BlockEvent {
-                        kind: block_event::Kind::SnapshotEnd as i32,
-                        ..Default::default()
-                    };
-                    if !open || d.stopping() || !emit(vec![end], &tx) {
-                        return;
-                    }
-                }
-                while !d.stopping() {
-                    let first = match rx.recv_timeout(Duration::from_millis(200)) {
-                        Ok(ev) => ev,
-                        Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
-                            if tx.is_closed() {
-                                return;
-                            }
-                            continue;
-                        }
-                        Err(_) => return,
-                    };
-                    let mut batch = vec![event_msg(&first)];
-                    batch.extend(rx.try_iter().take(WATCH_BATCH - 1).map(|e| event_msg(&e)));
-                    if !emit(batch, &tx) {
-                        return;
-                    }
-                }
+                forward(store, &sub, snapshot, &out, emit, &|| d.stopping());
             });
         if let Err(e) = spawned {
             self.d.watchers.fetch_sub(1, SeqCst);
@@ -699,6 +758,123 @@ impl AdminService {
                 "cannot start a watch thread: {e}"
             )));
         }
-        Ok(out)
+        Ok(rx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvstore::{Namespace, StoreConfig, TpShard};
+
+    fn store() -> (kvstore::Store, NsId) {
+        let s = StoreConfig {
+            capacity_bytes: 4 << 20,
+            segment_bytes: 1 << 20,
+            size_classes: vec![4096],
+            ..Default::default()
+        }
+        .build()
+        .unwrap();
+        let ns = s
+            .register_namespace(&Namespace {
+                model: "watch".into(),
+                dtype: "bf16".into(),
+                layout: "nhd".into(),
+                block_tokens: 16,
+                tp: TpShard::Shared,
+                tenant: String::new(),
+                lora: String::new(),
+            })
+            .unwrap();
+        (s, ns)
+    }
+
+    fn one_a_message(events: Vec<pb::BlockEvent>, out: &WatchOut<pb::BlockEvent>) -> bool {
+        events.into_iter().all(|e| out.send(Ok(e)))
+    }
+
+    /// [`forward`] on a thread of its own, into a stream one message deep: the thread, the
+    /// stream, and a channel that says when the thread ended.
+    fn watcher(
+        store: &Arc<kvstore::Store>,
+        sub_capacity: usize,
+        deadline: Duration,
+        rt: &tokio::runtime::Runtime,
+    ) -> (
+        tokio::sync::mpsc::Receiver<Result<pb::BlockEvent, Status>>,
+        std::sync::mpsc::Receiver<()>,
+    ) {
+        let sub = store.subscribe(sub_capacity);
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        let out = WatchOut {
+            tx,
+            rt: rt.handle().clone(),
+            deadline,
+        };
+        let (done_tx, done) = std::sync::mpsc::channel();
+        let store = store.clone();
+        std::thread::spawn(move || {
+            forward(&store, &sub, false, &out, one_a_message, &|| false);
+            let _ = done_tx.send(());
+        });
+        (rx, done)
+    }
+
+    #[test]
+    fn a_watcher_that_falls_behind_gets_data_loss_not_a_stale_view() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let (store, ns) = store();
+        let store = Arc::new(store);
+        // Room for 4 events in the subscription, 1 message in the stream, a batch in hand:
+        // 20 stored while the client reads nothing cannot all reach it.
+        let (mut rx, done) = watcher(&store, 4, Duration::from_secs(60), &rt);
+        for i in 0..20u128 {
+            store.put(ns, BlockKey(i + 1), &[1u8; 4096]).unwrap();
+        }
+        let (mut events, mut status) = (0, None);
+        rt.block_on(async {
+            while let Some(m) = tokio::time::timeout(Duration::from_secs(30), rx.recv())
+                .await
+                .expect("the stream goes on or ends within 30 s")
+            {
+                match m {
+                    Ok(_) => {
+                        assert!(status.is_none(), "an event after the error");
+                        events += 1;
+                    }
+                    Err(s) => status = Some(s),
+                }
+            }
+        });
+        let s = status.expect("the stream ends with an error, not silently");
+        assert_eq!(s.code(), tonic::Code::DataLoss, "{s:?}");
+        assert!(s.message().contains("fell behind"), "{s:?}");
+        assert!(events < 20, "{events} events and a loss");
+        done.recv_timeout(Duration::from_secs(30))
+            .expect("the watch thread ends");
+    }
+
+    #[test]
+    fn a_watcher_that_reads_nothing_is_dropped_after_the_send_deadline() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let (store, ns) = store();
+        let store = Arc::new(store);
+        let (rx, done) = watcher(&store, 1024, Duration::from_millis(100), &rt);
+        // One message fits in the stream; the second waits for a reader that never reads.
+        for i in 0..3u128 {
+            store.put(ns, BlockKey(i + 1), &[1u8; 4096]).unwrap();
+        }
+        done.recv_timeout(Duration::from_secs(30))
+            .expect("the thread of a watcher that reads nothing ends at the send deadline");
+        drop(rx);
     }
 }

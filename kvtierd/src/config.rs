@@ -396,6 +396,10 @@ pub struct ServerSection {
     pub max_keys: u32,
     /// Most admin Watch streams open at once.
     pub max_watchers: u32,
+    /// A Watch stream whose client takes no message for this long (it stopped reading, or
+    /// vanished without closing its connection) is ended, its thread and slot freed;
+    /// milliseconds.
+    pub watch_send_timeout_ms: u64,
     /// A connection must send Hello within this long, milliseconds.
     pub hello_timeout_ms: u64,
     /// Bytes of engine frames being received at once, over every connection.
@@ -433,6 +437,7 @@ impl Default for ServerSection {
             max_clients: 256,
             max_keys: 65_536,
             max_watchers: 16,
+            watch_send_timeout_ms: 30_000,
             hello_timeout_ms: 5_000,
             max_inflight_frame_bytes: Size(64 << 20),
             max_pinned_per_connection: 1 << 20,
@@ -689,6 +694,10 @@ impl Config {
         ensure!(
             self.server.hello_timeout_ms > 0,
             "server.hello_timeout_ms must be positive"
+        );
+        ensure!(
+            self.server.watch_send_timeout_ms > 0,
+            "server.watch_send_timeout_ms must be positive"
         );
         ensure!(
             self.server.max_inflight_frame_bytes.0 >= kvtier_ipc::MAX_FRAME as u64,
@@ -1281,6 +1290,7 @@ mod tests {
             "reservation_ttl_ms",
             "max_keys",
             "max_watchers",
+            "watch_send_timeout_ms",
             "hello_timeout_ms",
             "max_inflight_frame_bytes",
             "max_pinned_per_connection",

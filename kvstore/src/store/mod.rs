@@ -616,8 +616,9 @@ impl Store {
     }
 
     /// Subscribes to block events through a channel of `capacity`; a subscriber that falls
-    /// behind loses events (see [`Store::events_dropped`]). Dropping the receiver unsubscribes.
-    pub fn subscribe(&self, capacity: usize) -> crossbeam_channel::Receiver<BlockEvent> {
+    /// behind loses events (see [`Store::events_dropped`], and its own
+    /// [`crate::Subscription::lost`]). Dropping the subscription unsubscribes.
+    pub fn subscribe(&self, capacity: usize) -> crate::Subscription {
         self.inner.events.subscribe(capacity)
     }
 
@@ -647,9 +648,14 @@ impl Store {
     /// there, handed to `f` a batch at a time (a shard's host blocks, then the disk tier's in
     /// batches of `batch`), no lock held during `f`; `f` returns `false` to stop. With
     /// [`Store::subscribe`] called first, the batches followed by the subscription's events
-    /// tell a watcher where every block is: each block's events after the subscription, in
-    /// order, end in the state the scan saw or a later one (events dropped for a slow
-    /// subscriber aside). For a watcher's snapshot (kvtierd's `Watch`), not the hot path.
+    /// tell a watcher where every block is: each block's events after the subscription end
+    /// in the state the scan saw or a later one. Two exceptions: events dropped for a slow
+    /// subscriber (its [`crate::Subscription::lost`] says so, and it must start again), and
+    /// host memory's events of one block from two threads racing, which are emitted after
+    /// the shard's lock is let go and may arrive swapped (a block stored and at once evicted
+    /// or removed by another thread can read as Removed, then Stored: rare, and a watcher
+    /// then believes in a block that is gone, which a load finds missing). For a watcher's
+    /// snapshot (kvtierd's `Watch`), not the hot path.
     pub fn resident_events(&self, batch: usize, mut f: impl FnMut(Vec<BlockEvent>) -> bool) {
         let stored = |key, tier, ns| BlockEvent {
             kind: EventKind::Stored,
