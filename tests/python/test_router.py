@@ -3,6 +3,7 @@ node and tier that hold a prefix, and score() prefers the engine whose node has 
 
 import json
 import pathlib
+import signal
 import subprocess
 import time
 
@@ -158,10 +159,21 @@ def test_the_index_follows_the_nodes_block_events(tmp_path):
         assert idx.score(keys[:2] + other)["on-b"] == 2 * (1 - router.WEIGHTS["host"]) + 1
         assert idx.score(keys, gpu={"on-a": 6})["on-a"] == 0.0
         # An index started now, on the warm cluster: complete from the snapshots, the same.
-        warm = router.Index({"on-a": a["grpc"], "on-b": b["grpc"]})
+        warm = router.Index({"on-a": a["grpc"], "on-b": b["grpc"]}, keepalive_s=1.0)
         assert warm.wait_complete(30), warm.blocks()
         assert warm.blocks() == {"on-a": 0, "on-b": 6}, warm.blocks()
         assert warm.score(keys) == costs
+        # Node B stops answering with its connections open (SIGSTOP: the kernel still acks):
+        # the keepalive pings go unanswered, the stream breaks, the index stops vouching.
+        # Once B answers again the index starts it over from a new snapshot.
+        nodes[1][0].send_signal(signal.SIGSTOP)
+        try:
+            assert warm.wait(lambda: not warm.complete(), 60), "a silent node went unnoticed"
+            assert warm.score(keys) is None
+        finally:
+            nodes[1][0].send_signal(signal.SIGCONT)
+        assert warm.wait_complete(60), warm.blocks()
+        assert warm.blocks() == {"on-a": 0, "on-b": 6}, warm.blocks()
         try:
             idx.score([b"short"])
             raise AssertionError("a 5-byte key was scored")

@@ -307,14 +307,16 @@ class Index:
     of the index is *complete* once its snapshot ended, whether the cluster was empty or warm
     when the router started. A node whose stream broke (killed, restarted: events missed) is
     not complete until a new stream's snapshot ended, and meanwhile `score` answers None: ask
-    `score` (the Lookup) instead. A broken stream is retried every `retry_s`. Events the
-    daemon drops for a slow watcher (its `Watch` buffer: 65,536 events with a snapshot) are
-    not seen here: the index can then hold a block that is gone (a load that misses,
-    computed as any miss) or miss one that is there (a tie routed on balance). Memory: one
-    dict entry a block a node (~100 bytes in Python)."""
+    `score` (the Lookup) instead. A broken stream is retried every `retry_s`. A node that
+    drops events for this watcher (it read slower than the node changed: the daemon keeps
+    65,536 events for it) ends the stream with DATA_LOSS, and the index starts that node
+    again from a new snapshot rather than keep a view that may be wrong. A node that stops
+    answering without closing the connection (hung, stopped, cut off) is found by HTTP/2
+    keepalive pings every `keepalive_s` (unanswered within as long: the stream breaks).
+    Memory: one dict entry a block a node (~100 bytes in Python)."""
 
     def __init__(self, nodes: dict, *, token: str | None = None, tenant: str = "",
-                 retry_s: float = 1.0):
+                 retry_s: float = 1.0, keepalive_s: float = 10.0):
         import grpc
 
         self._grpc = grpc
@@ -323,6 +325,15 @@ class Index:
         # WatchRequest: the tenant (field 1), a snapshot first (field 2).
         self._req = (_field(1, 2, tenant.encode()) if tenant else b"") + _field(2, 0, b"\x01")
         self._retry_s = retry_s
+        ms = max(1, int(keepalive_s * 1000))
+        # Pings while the stream is open, data or not (grpc stops after 2 without data by
+        # default), each answered within as long: grpcio 1.85 bounds a ping's answer by
+        # `ping_timeout_ms` (a stopped node went unnoticed for 40 s with the keepalive
+        # timeout alone; with it, 2 s at keepalive_s=1).
+        self._channel_opts = [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms),
+                              ("grpc.keepalive_permit_without_calls", 1),
+                              ("grpc.http2.max_pings_without_data", 0),
+                              ("grpc.http2.ping_timeout_ms", ms)]
         self._held = {e: {} for e in self.nodes}
         self._complete = {e: False for e in self.nodes}
         self.events = 0
@@ -398,7 +409,7 @@ class Index:
         """Follows one node's stream, resubscribing after a break."""
         grpc = self._grpc
         ep = self.nodes[engine]
-        ch = grpc.insecure_channel(ep)
+        ch = grpc.insecure_channel(ep, options=self._channel_opts)
         watch = ch.unary_stream(WATCH, request_serializer=lambda x: x,
                                 response_deserializer=lambda x: x)
         while not self._closed.is_set():
