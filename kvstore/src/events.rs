@@ -7,7 +7,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 use crossbeam_channel::{Receiver, Sender, TrySendError};
-use parking_lot::Mutex;
+
+use crate::sync::{level, Mutex};
 
 use crate::key::BlockKey;
 use crate::types::Tier;
@@ -65,12 +66,27 @@ impl std::ops::Deref for Subscription {
 
 /// Fan-out of block events to subscribers through bounded channels, shared by the store and
 /// its tiers.
-#[derive(Default)]
+///
+/// **Order.** A block's events in host memory are emitted under its index shard's lock (the
+/// subscribers' list is a leaf lock), as the disk tier's are under its own: every change to a
+/// block's place in a tier is made under that lock, so each subscriber receives a block's
+/// events in the order of its changes (a Stored then a Removed never arrive swapped, which
+/// would leave a watcher believing in a block that is gone).
 pub struct Events {
     any: AtomicBool,
     /// Each subscriber's channel and its count of lost events.
     subs: Mutex<Vec<(Sender<BlockEvent>, Arc<AtomicU64>)>>,
     dropped: AtomicU64,
+}
+
+impl Default for Events {
+    fn default() -> Self {
+        Events {
+            any: AtomicBool::new(false),
+            subs: Mutex::new(level::LEAF, "events", Vec::new()),
+            dropped: AtomicU64::new(0),
+        }
+    }
 }
 
 impl Events {

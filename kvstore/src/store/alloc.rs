@@ -337,8 +337,8 @@ impl Inner {
         let e_copy = e.copy();
         drop(e);
         map.remove(&mk);
-        drop(sh);
         self.events.emit(EventKind::Removed, key, Tier::Host, ns);
+        drop(sh);
         self.stats.evictions.fetch_add(1, Relaxed);
         self.stats.blocks.fetch_sub(1, Relaxed);
         self.stats.used_bytes.fetch_sub(u64::from(len), Relaxed);

@@ -648,13 +648,10 @@ impl Store {
     /// there, handed to `f` a batch at a time (a shard's host blocks, then the disk tier's in
     /// batches of `batch`), no lock held during `f`; `f` returns `false` to stop. With
     /// [`Store::subscribe`] called first, the batches followed by the subscription's events
-    /// tell a watcher where every block is: each block's events after the subscription end
-    /// in the state the scan saw or a later one. Two exceptions: events dropped for a slow
-    /// subscriber (its [`crate::Subscription::lost`] says so, and it must start again), and
-    /// host memory's events of one block from two threads racing, which are emitted after
-    /// the shard's lock is let go and may arrive swapped (a block stored and at once evicted
-    /// or removed by another thread can read as Removed, then Stored: rare, and a watcher
-    /// then believes in a block that is gone, which a load finds missing). For a watcher's
+    /// tell a watcher where every block is: each block's events after the subscription, in
+    /// order (emitted under the lock its change was made under: see [`crate::Events`]), end
+    /// in the state the scan saw or a later one, unless the subscriber lost events (its
+    /// [`crate::Subscription::lost`] says so, and it must start again). For a watcher's
     /// snapshot (kvtierd's `Watch`), not the hot path.
     pub fn resident_events(&self, batch: usize, mut f: impl FnMut(Vec<BlockEvent>) -> bool) {
         let stored = |key, tier, ns| BlockEvent {

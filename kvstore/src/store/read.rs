@@ -980,23 +980,19 @@ impl Inner {
             let mut sh = self.shard(p.key).lock();
             let mk = MapKey::from(p.key);
             let same = sh.map.get(&mk).is_some_and(|e| e.slot() == p.slot);
-            if same {
-                sh.remove(mk)
-            } else {
-                Removed::Absent
+            let removed = if same { sh.remove(mk) } else { Removed::Absent };
+            if let Removed::Doomed(ns) | Removed::Freed(_, ns) = removed {
+                self.events.emit(EventKind::Removed, p.key, Tier::Host, ns);
             }
+            removed
         };
         // We hold a pin, so it is doomed: its slot is freed by the last unpin.
-        let ns = match removed {
-            Removed::Doomed(ns) => ns,
-            Removed::Freed(slot, ns) => {
-                self.free_published(slot);
-                ns
-            }
+        match removed {
+            Removed::Doomed(_) => {}
+            Removed::Freed(slot, _) => self.free_published(slot),
             Removed::Absent | Removed::Cancelled => return,
-        };
+        }
         self.stats.blocks.fetch_sub(1, Relaxed);
-        self.events.emit(EventKind::Removed, p.key, Tier::Host, ns);
     }
 
     /// Drops one pin of a host block (freeing its slot if it was removed meanwhile).

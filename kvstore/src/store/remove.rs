@@ -32,7 +32,7 @@ impl Store {
         let mut removed: HashSet<BlockKey> = HashSet::new();
         for s in inner.shards.iter() {
             let mut free = Vec::new();
-            let mut events = Vec::new();
+            let mut gone = Vec::new();
             {
                 let mut sh = s.lock();
                 let keys: Vec<MapKey> = sh
@@ -42,24 +42,26 @@ impl Store {
                     .map(|(k, _)| k)
                     .collect();
                 for k in keys {
-                    match sh.remove(k) {
+                    let ns = match sh.remove(k) {
                         Removed::Freed(slot, ns) => {
                             free.push(slot);
-                            events.push((k, ns));
+                            ns
                         }
-                        Removed::Doomed(ns) => events.push((k, ns)),
-                        Removed::Cancelled | Removed::Absent => {}
-                    }
+                        Removed::Doomed(ns) => ns,
+                        Removed::Cancelled | Removed::Absent => continue,
+                    };
+                    // Under the shard's lock (see `Events`).
+                    inner
+                        .events
+                        .emit(EventKind::Removed, BlockKey::from(k), Tier::Host, ns);
+                    gone.push(k);
                 }
             }
             for slot in free {
                 inner.free_published(slot);
             }
-            for (k, ns) in events {
+            for k in gone {
                 inner.stats.blocks.fetch_sub(1, Relaxed);
-                inner
-                    .events
-                    .emit(EventKind::Removed, BlockKey::from(k), Tier::Host, ns);
                 removed.insert(BlockKey::from(k));
             }
         }
@@ -74,18 +76,22 @@ impl Store {
 
 impl Inner {
     pub(crate) fn remove_host(&self, key: &BlockKey) -> bool {
-        let r = self.shard(*key).lock().remove(MapKey::from(*key));
-        let ns = match r {
+        let r = {
+            let mut sh = self.shard(*key).lock();
+            let r = sh.remove(MapKey::from(*key));
+            // Under the shard's lock (see `Events`).
+            if let Removed::Freed(_, ns) | Removed::Doomed(ns) = r {
+                self.events.emit(EventKind::Removed, *key, Tier::Host, ns);
+            }
+            r
+        };
+        match r {
             Removed::Absent => return false,
             Removed::Cancelled => return true,
-            Removed::Freed(slot, ns) => {
-                self.free_published(slot);
-                ns
-            }
-            Removed::Doomed(ns) => ns,
-        };
+            Removed::Freed(slot, _) => self.free_published(slot),
+            Removed::Doomed(_) => {}
+        }
         self.stats.blocks.fetch_sub(1, Relaxed);
-        self.events.emit(EventKind::Removed, *key, Tier::Host, ns);
         true
     }
 }

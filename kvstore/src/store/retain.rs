@@ -699,10 +699,10 @@ impl Inner {
                     let (slot, ns) = (e.slot(), e.ns);
                     drop(e);
                     map.remove(&mk);
+                    self.events.emit(EventKind::Removed, k, Tier::Host, ns);
                     drop(sh);
                     self.free_published(slot);
                     self.stats.blocks.fetch_sub(1, Relaxed);
-                    self.events.emit(EventKind::Removed, k, Tier::Host, ns);
                     out.freed += 1;
                 }
                 Copy::Demoting => {

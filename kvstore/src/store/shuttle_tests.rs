@@ -462,3 +462,56 @@ fn retains_and_demotes_among_puts_loads_and_removals() {
         iterations(),
     );
 }
+
+/// A block's host events reach a subscriber in the order of its changes: puts that evict,
+/// racing removals of the same blocks, never leave a subscriber believing in a block that is
+/// gone (a Removed then a Stored, swapped) or missing one that is there.
+#[test]
+fn host_events_follow_each_blocks_changes() {
+    shuttle::check_pct(
+        || {
+            let (s, ns) = store(2, 0, 0);
+            let sub = s.subscribe(64);
+            let putter = {
+                let s = s.clone();
+                thread::spawn(move || {
+                    for i in 0..3 {
+                        let _ = s.put(ns, key(i), &data(i));
+                    }
+                })
+            };
+            let remover = {
+                let s = s.clone();
+                thread::spawn(move || {
+                    for i in [0, 0, 1, 1] {
+                        s.remove(&key(i));
+                    }
+                })
+            };
+            for t in [putter, remover] {
+                t.join().expect("thread");
+            }
+            let mut held = HashMap::new();
+            for e in sub.try_iter().filter(|e| e.tier == Tier::Host) {
+                held.insert(e.key, e.kind == crate::EventKind::Stored);
+            }
+            for i in 0..3 {
+                let k = key(i);
+                let in_host = s
+                    .inner
+                    .shard(k)
+                    .lock()
+                    .map
+                    .get(&MapKey::from(k))
+                    .is_some_and(|e| e.ready());
+                let said = held.get(&k).copied().unwrap_or(false);
+                assert_eq!(
+                    said, in_host,
+                    "block {i}: its events say held {said}, host memory says {in_host}"
+                );
+            }
+        },
+        iterations(),
+        3,
+    );
+}

@@ -201,13 +201,15 @@ impl Inner {
                             through = Some(d);
                         }
                     }
+                    // Under the shard's lock, as every host event of a block: a removal that
+                    // follows emits after this (see `Events`).
+                    self.events.emit(EventKind::Stored, key, Tier::Host, r.ns);
                 }
             }
         }
         self.stats.blocks.fetch_add(1, Relaxed);
         self.stats.used_bytes.fetch_add(len as u64, Relaxed);
         self.stats.bytes_in.fetch_add(len as u64, Relaxed);
-        self.events.emit(EventKind::Stored, key, Tier::Host, r.ns);
         tracing::trace!(%key, "committed");
         if let Some(d) = through {
             self.enqueue_demotions(vec![d]);

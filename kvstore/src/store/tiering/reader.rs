@@ -334,6 +334,10 @@ impl Inner {
                         let mut sh = self.shard(p.key).lock();
                         let e = sh.publish(mk, p.slot, Copy::Clean);
                         let mut old = None;
+                        if let Some(e) = &e {
+                            // Under the shard's lock, as every host event of a block.
+                            self.events.emit(EventKind::Stored, p.key, Tier::Host, e.ns);
+                        }
                         if e.is_some() {
                             if let Some(mut x) = sh.map.get_mut(&mk) {
                                 x.set_preloaded(true);
@@ -359,13 +363,18 @@ impl Inner {
                         }
                         e
                     } else {
-                        self.shard(p.key).lock().publish(mk, p.slot, Copy::Clean)
+                        let mut sh = self.shard(p.key).lock();
+                        let e = sh.publish(mk, p.slot, Copy::Clean);
+                        if let Some(e) = &e {
+                            // Under the shard's lock, as every host event of a block.
+                            self.events.emit(EventKind::Stored, p.key, Tier::Host, e.ns);
+                        }
+                        e
                     };
-                    if let Some(e) = e {
+                    if e.is_some() {
                         self.stats.blocks.fetch_add(1, Relaxed);
                         self.stats.used_bytes.fetch_add(u64::from(p.len), Relaxed);
                         self.stats.promotions.fetch_add(1, Relaxed);
-                        self.events.emit(EventKind::Stored, p.key, Tier::Host, e.ns);
                         true
                     } else {
                         false

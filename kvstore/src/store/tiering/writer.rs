@@ -205,6 +205,9 @@ impl Inner {
                 if let Removed::Doomed(_) = sh.remove(mk) {
                     self.stats.blocks.fetch_sub(1, Relaxed);
                 }
+                // Under the shard's lock, as every host event of a block (see `Events`).
+                self.events
+                    .emit(EventKind::Removed, d.key, Tier::Host, d.ns);
             }
             // Demoted by the application ([`Store::demote`]): written, and nobody else holds
             // it, so the host copy goes now.
@@ -220,6 +223,8 @@ impl Inner {
                 // Ours was its one pin.
                 if let Some(e) = map.remove(&mk) {
                     pins.forget(d.slot);
+                    self.events
+                        .emit(EventKind::Removed, d.key, Tier::Host, e.ns);
                     dropped = Some(e.ns);
                 }
                 true
@@ -227,15 +232,12 @@ impl Inner {
                 sh.unpin(mk, d.slot)
             }
         };
-        if let Some(ns) = dropped {
+        if dropped.is_some() {
             self.stats.blocks.fetch_sub(1, Relaxed);
-            self.events.emit(EventKind::Removed, d.key, Tier::Host, ns);
         }
         if damaged {
             self.stats.checksum_failures.fetch_add(1, Relaxed);
             tracing::warn!(key = %d.key, "host block no longer matches its commit checksum (written after its commit?): dropped, never written below");
-            self.events
-                .emit(EventKind::Removed, d.key, Tier::Host, d.ns);
         }
         if freed {
             // A published block's slot (dropped now, or doomed and this was its last pin).
