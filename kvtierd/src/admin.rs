@@ -790,6 +790,18 @@ mod tests {
         (s, ns)
     }
 
+    /// A runtime for the stream's timer (multi-threaded: a `Handle::block_on` from another
+    /// thread drives no timer of a current-thread runtime), and a store.
+    fn setup() -> (tokio::runtime::Runtime, Arc<kvstore::Store>, NsId) {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let (store, ns) = store();
+        (rt, Arc::new(store), ns)
+    }
+
     fn one_a_message(events: Vec<pb::BlockEvent>, out: &WatchOut<pb::BlockEvent>) -> bool {
         events.into_iter().all(|e| out.send(Ok(e)))
     }
@@ -823,13 +835,7 @@ mod tests {
 
     #[test]
     fn a_watcher_that_falls_behind_gets_data_loss_not_a_stale_view() {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
-        let (store, ns) = store();
-        let store = Arc::new(store);
+        let (rt, store, ns) = setup();
         // Room for 4 events in the subscription, 1 message in the stream, a batch in hand:
         // 20 stored while the client reads nothing cannot all reach it.
         let (mut rx, done) = watcher(&store, 4, Duration::from_secs(60), &rt);
@@ -861,13 +867,7 @@ mod tests {
 
     #[test]
     fn a_watcher_that_reads_nothing_is_dropped_after_the_send_deadline() {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
-        let (store, ns) = store();
-        let store = Arc::new(store);
+        let (rt, store, ns) = setup();
         let (rx, done) = watcher(&store, 1024, Duration::from_millis(100), &rt);
         // One message fits in the stream; the second waits for a reader that never reads.
         for i in 0..3u128 {
