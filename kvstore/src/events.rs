@@ -42,18 +42,12 @@ pub struct BlockEvent {
 pub struct Subscription {
     rx: Receiver<BlockEvent>,
     lost: Arc<AtomicU64>,
-    capacity: usize,
 }
 
 impl Subscription {
     /// Events this subscriber lost to its full channel so far.
     pub fn lost(&self) -> u64 {
         self.lost.load(Relaxed)
-    }
-
-    /// The channel's capacity, in events.
-    pub fn capacity(&self) -> usize {
-        self.capacity
     }
 }
 
@@ -92,13 +86,12 @@ impl Default for Events {
 impl Events {
     /// A new subscriber with a channel of `capacity` events.
     pub fn subscribe(&self, capacity: usize) -> Subscription {
-        let capacity = capacity.max(1);
-        let (tx, rx) = crossbeam_channel::bounded(capacity);
+        let (tx, rx) = crossbeam_channel::bounded(capacity.max(1));
         let lost = Arc::new(AtomicU64::new(0));
         let mut s = self.subs.lock();
         s.push((tx, lost.clone()));
         self.any.store(true, Relaxed);
-        Subscription { rx, lost, capacity }
+        Subscription { rx, lost }
     }
 
     /// Sends an event to every subscriber that has room (the others lose it, counted).
@@ -187,6 +180,6 @@ mod tests {
             .collect();
         events.emit_all(&burst, std::time::Duration::ZERO);
         assert_eq!((slow.lost(), fast.lost()), (5, 0));
-        assert_eq!(slow.capacity(), 2);
+        assert_eq!(slow.capacity(), Some(2));
     }
 }

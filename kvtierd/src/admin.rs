@@ -664,7 +664,7 @@ fn forward<T>(
                 "this watcher fell behind and lost {n} block events (the node keeps {} for \
                  it): what it knows of the node may be wrong; subscribe again, with a \
                  snapshot",
-                sub.capacity()
+                sub.capacity().unwrap_or(0)
             ))));
             true
         }
@@ -765,10 +765,17 @@ impl AdminService {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvstore::{Namespace, StoreConfig, TpShard};
+    use kvstore::{Fingerprint, StoreConfig};
 
-    fn store() -> (kvstore::Store, NsId) {
-        let s = StoreConfig {
+    /// A runtime for the stream's timer (multi-threaded: a `Handle::block_on` from another
+    /// thread drives no timer of a current-thread runtime), and a store with a namespace.
+    fn setup() -> (tokio::runtime::Runtime, Arc<kvstore::Store>, NsId) {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let store = StoreConfig {
             capacity_bytes: 4 << 20,
             segment_bytes: 1 << 20,
             size_classes: vec![4096],
@@ -776,29 +783,9 @@ mod tests {
         }
         .build()
         .unwrap();
-        let ns = s
-            .register_namespace(&Namespace {
-                model: "watch".into(),
-                dtype: "bf16".into(),
-                layout: "nhd".into(),
-                block_tokens: 16,
-                tp: TpShard::Shared,
-                tenant: String::new(),
-                lora: String::new(),
-            })
+        let ns = store
+            .register_fingerprint(Fingerprint(BlockKey(7)))
             .unwrap();
-        (s, ns)
-    }
-
-    /// A runtime for the stream's timer (multi-threaded: a `Handle::block_on` from another
-    /// thread drives no timer of a current-thread runtime), and a store.
-    fn setup() -> (tokio::runtime::Runtime, Arc<kvstore::Store>, NsId) {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
-        let (store, ns) = store();
         (rt, Arc::new(store), ns)
     }
 

@@ -229,18 +229,23 @@ def test_the_router_sends_a_prompt_where_its_prefix_is(tmp_path):
         # holds them). So the prompt b holds goes to a (a remote load, 2.4 < 0.4 + 4), where
         # the default router keeps it on b (0.4 + 0.4). --inflight-weight 3: a request in its
         # decode on b (first token out, nothing queued) makes b dearer by 3 blocks: a again.
+        def wait_on_b(u, waiting):
+            """A request for the prompt b holds, through the router at `u`, that waits on b
+            for its prefill until `hold` is set."""
+            t = threading.Thread(target=post, args=(u, held[:-1] + [2]), daemon=True)
+            t.start()
+            waiting.append(t)
+            with arrived:
+                assert arrived.wait_for(lambda: seen[-1][1][-1] == 2, 30), seen
+                assert seen.pop() == ("b", held[:-1] + [2])
+
         routers, waiting = [], []
         try:
             for extra in (["--queue", "prompt"], ["--inflight-weight", "3"]):
                 routers.append(start_router(servers, listen, nodes, *extra))
             qurl, iurl = (u for _, u in routers)
             for u in (url, qurl):
-                t = threading.Thread(target=post, args=(u, held[:-1] + [2]), daemon=True)
-                t.start()
-                waiting.append(t)
-                with arrived:
-                    assert arrived.wait_for(lambda: seen[-1][1][-1] == 2, 30), seen
-                    assert seen.pop() == ("b", held[:-1] + [2])
+                wait_on_b(u, waiting)
             assert post(url, held) == "b"
             assert post(qurl, held) == "a"
             assert post(iurl, held) == "b"
@@ -272,12 +277,7 @@ def test_the_router_sends_a_prompt_where_its_prefix_is(tmp_path):
                 routers.append(start_router(servers, listen, nodes, "--balance-abs", margin))
             for _, u in routers:
                 for _ in range(3):
-                    t = threading.Thread(target=post, args=(u, held[:-1] + [2]), daemon=True)
-                    t.start()
-                    waiting.append(t)
-                    with arrived:
-                        assert arrived.wait_for(lambda: seen[-1][1][-1] == 2, 30), seen
-                        assert seen.pop() == ("b", held[:-1] + [2])
+                    wait_on_b(u, waiting)
             (_, gurl), (_, uurl) = routers
             assert post(gurl, held) == "a"
             assert post(uurl, held) == "b"
