@@ -180,8 +180,12 @@ pub struct EventsSection {
     /// Batches kept for replay (at most 64 MiB of them).
     pub buffer_steps: usize,
     /// Batches queued for publishing (at most 64 MiB); past it new batches are dropped
-    /// (counted).
+    /// (counted), and subscribers' view is reset.
     pub hwm: usize,
+    /// Block events a store may run ahead of its publisher thread; past it events are lost
+    /// (counted), and subscribers' view is reset: an `AllBlocksCleared`, then every block
+    /// held.
+    pub backlog: usize,
 }
 
 impl Default for EventsSection {
@@ -195,6 +199,7 @@ impl Default for EventsSection {
             remote_medium: false,
             buffer_steps: 10_000,
             hwm: 100_000,
+            backlog: 65_536,
         }
     }
 }
@@ -595,8 +600,8 @@ impl Config {
             "events.replay_endpoint is set but events.endpoint is empty: set both"
         );
         ensure!(
-            self.events.buffer_steps > 0 && self.events.hwm > 0,
-            "events.buffer_steps and events.hwm must be positive"
+            self.events.buffer_steps > 0 && self.events.hwm > 0 && self.events.backlog > 0,
+            "events.buffer_steps, events.hwm and events.backlog must be positive"
         );
         ensure!(
             self.server.spin_us <= 10_000,
@@ -1311,6 +1316,7 @@ mod tests {
             "remote_medium",
             "buffer_steps",
             "hwm",
+            "backlog",
             "deadline_ms",
             "max_retained_bytes",
             "max_retain_ms",

@@ -49,10 +49,10 @@
 //! several hashes.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::AtomicU64;
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::Ordering::{Relaxed, SeqCst};
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
 use kvstore::{BlockEvent, EventKind, Store, Tier};
@@ -83,6 +83,12 @@ pub struct EventStats {
     pub events: AtomicU64,
     /// Batches dropped because `events.hwm` batches (or 64 MiB) were queued.
     pub dropped_batches: AtomicU64,
+    /// Block events the stores dropped: a store ran more than `events.backlog` events ahead
+    /// of its publisher thread.
+    pub lost_events: AtomicU64,
+    /// Resets of subscribers' view after a loss (an `AllBlocksCleared`, then every block
+    /// held; see [`Feed`]).
+    pub resets: AtomicU64,
     /// Replay requests served.
     pub replays: AtomicU64,
     /// Replays given up: the requester stopped reading (a send waited past
@@ -697,6 +703,191 @@ fn bind_addr(endpoint: &str) -> String {
     endpoint.replacen("tcp://*:", "tcp://0.0.0.0:", 1)
 }
 
+/// What the stores' event threads share: the publisher's queue, and the resets of the
+/// subscribers' view after events were lost.
+///
+/// Events are lost when a store changes faster than its thread encodes (more than
+/// `events.backlog` events behind: the store never waits) or when `events.hwm` batches (or
+/// 64 MiB) wait for the socket. Sequence numbers are given at publishing, so a subscriber
+/// sees no gap for them and would keep a view of the node that is wrong for good: a block
+/// whose `BlockRemoved` was lost stays "held" in it. So a loss is answered with a reset: an
+/// `AllBlocksCleared` (the subscriber forgets the node; what it learns after is a subset of
+/// what the node holds, never more), then each store's snapshot (every block it holds, as
+/// `BlockStored`), sent by the store's own thread before its next batch, so each block's later
+/// events follow it in order and the view converges to the node's. A store announces itself
+/// again at most once per [`RESYNC_GAP`]: a store that keeps outrunning its publisher leaves
+/// subscribers with a subset of its blocks in between, not a snapshot's worth of events on
+/// every loss.
+struct Feed {
+    tx: tokio::sync::mpsc::Sender<Vec<u8>>,
+    /// Bytes of the batches in `tx`'s queue.
+    queued: Arc<AtomicU64>,
+    stats: Arc<EventStats>,
+    enc: Encoding,
+    infos: NsInfos,
+    engine: Arc<EngineHashes>,
+    /// Resets queued so far. A reset is queued under this lock, so a thread that reads a new
+    /// count queues its snapshot after that reset.
+    resets: Mutex<u64>,
+    /// Events were lost since the last reset.
+    owed: AtomicBool,
+}
+
+/// Least time between two snapshots of one store sent after losses (see [`Feed`]).
+const RESYNC_GAP: Duration = Duration::from_secs(5);
+
+/// How often an idle events thread looks for a reset to answer (another store's loss) and
+/// for the publisher's end.
+const IDLE_CHECK: Duration = Duration::from_millis(200);
+
+impl Feed {
+    /// Queues `payload` (of `events` block events) if there is room; else drops it, counted,
+    /// and owes a reset. False: dropped.
+    fn try_send(&self, payload: Vec<u8>, events: usize) -> bool {
+        let len = payload.len() as u64;
+        if self.queued.load(Relaxed) + len > MAX_QUEUED_BYTES {
+            self.lost_batch();
+            return false;
+        }
+        self.queued.fetch_add(len, Relaxed);
+        match self.tx.try_send(payload) {
+            Ok(()) => {
+                self.stats.events.fetch_add(events as u64, Relaxed);
+                true
+            }
+            Err(_) => {
+                // Full, or closed (the daemon stops: nothing is read any more).
+                self.queued.fetch_sub(len, Relaxed);
+                self.lost_batch();
+                false
+            }
+        }
+    }
+
+    fn lost_batch(&self) {
+        self.stats.dropped_batches.fetch_add(1, Relaxed);
+        self.owed.store(true, SeqCst);
+    }
+
+    /// Queues `payload`, waiting for room (a reset's batches: dropping one would owe another
+    /// reset). False: the publisher is gone.
+    fn send_waiting(&self, payload: Vec<u8>, events: usize) -> bool {
+        let len = payload.len() as u64;
+        self.queued.fetch_add(len, Relaxed);
+        if self.tx.blocking_send(payload).is_err() {
+            self.queued.fetch_sub(len, Relaxed);
+            return false;
+        }
+        self.stats.events.fetch_add(events as u64, Relaxed);
+        true
+    }
+
+    /// Queues an `AllBlocksCleared` if events were lost since the last one. False: the
+    /// publisher is gone.
+    fn reset_if_owed(&self) -> bool {
+        if !self.owed.load(SeqCst) {
+            return true;
+        }
+        let mut resets = self.resets.lock();
+        // Cleared first: a loss from here on owes the next reset.
+        if !self.owed.swap(false, SeqCst) {
+            return true;
+        }
+        if !self.send_waiting(cleared_batch(now_secs(), self.enc), 1) {
+            return false;
+        }
+        *resets += 1;
+        self.stats.resets.fetch_add(1, Relaxed);
+        true
+    }
+
+    /// The batch of `events` of store `t`.
+    fn encode(&self, t: usize, events: &[BlockEvent]) -> Vec<u8> {
+        let resolved = self.engine.resolve_all(t, events);
+        let rs = {
+            let m = self.infos.lock();
+            let mut next = resolved.into_iter();
+            runs(
+                events,
+                |ns| m.get(&(t, ns)),
+                |e| next.next().unwrap_or(Resolved::key(e.key.0)),
+            )
+        };
+        batch(now_secs(), &rs, self.enc)
+    }
+
+    /// Every block store `t` holds, as `BlockStored` batches. False: the publisher is gone.
+    fn snapshot(&self, t: usize, store: &Store) -> bool {
+        let mut open = true;
+        store.resident_events(MAX_EVENTS_PER_BATCH, |events| {
+            open = events
+                .chunks(MAX_EVENTS_PER_BATCH)
+                .all(|part| self.send_waiting(self.encode(t, part), part.len()));
+            open
+        });
+        open
+    }
+
+    /// The thread of store `t`: its events (`sub`) in batches, resets when events were lost,
+    /// until the publisher is gone.
+    fn run(&self, t: usize, store: &Store, sub: kvstore::Subscription) {
+        let mut buf = Vec::with_capacity(MAX_EVENTS_PER_BATCH);
+        let mut backlog = false;
+        let (mut seen_lost, mut seen_resets) = (0u64, 0u64);
+        let mut snapshot_owed = false;
+        let mut last_snapshot: Option<Instant> = None;
+        loop {
+            let first = match sub.recv_timeout(IDLE_CHECK) {
+                Ok(e) => Some(e),
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => None,
+                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
+            };
+            if self.tx.is_closed() {
+                return;
+            }
+            let lost = sub.lost();
+            if lost > seen_lost {
+                self.stats.lost_events.fetch_add(lost - seen_lost, Relaxed);
+                tracing::warn!(
+                    lost = lost - seen_lost,
+                    backlog = sub.capacity().unwrap_or(0),
+                    "events: the store changed faster than its events were published; \
+                     subscribers' view is reset (AllBlocksCleared, then every block held)"
+                );
+                seen_lost = lost;
+                self.owed.store(true, SeqCst);
+            }
+            if !self.reset_if_owed() {
+                return;
+            }
+            let resets = *self.resets.lock();
+            if resets != seen_resets {
+                seen_resets = resets;
+                snapshot_owed = true;
+            }
+            if snapshot_owed && last_snapshot.is_none_or(|at| at.elapsed() >= RESYNC_GAP) {
+                snapshot_owed = false;
+                last_snapshot = Some(Instant::now());
+                if !self.snapshot(t, store) {
+                    return;
+                }
+            }
+            let Some(first) = first else { continue };
+            // Let a stream of saves gather for a moment unless a backlog waits: the store's
+            // emit then finds no parked receiver to wake (a futex call per event otherwise),
+            // and batches come out fuller.
+            if !backlog {
+                std::thread::sleep(GATHER);
+            }
+            buf.clear();
+            buf.push(first);
+            buf.extend(sub.try_iter().take(MAX_EVENTS_PER_BATCH - 1));
+            backlog = buf.len() == MAX_EVENTS_PER_BATCH;
+            self.try_send(self.encode(t, &buf), buf.len());
+        }
+    }
+}
+
 /// The bound publisher: where it listens, and the task that runs it.
 pub struct Publisher {
     /// The PUB endpoint as bound (the port filled in).
@@ -739,71 +930,30 @@ pub async fn start(
     let topic = bytes::Bytes::from(cfg.topic.clone().into_bytes());
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<u8>>(cfg.hwm);
     let queued = Arc::new(AtomicU64::new(0));
+    let feed = Arc::new(Feed {
+        tx,
+        queued: queued.clone(),
+        stats: stats.clone(),
+        enc,
+        infos: ns_info,
+        engine: engine_hashes,
+        resets: Mutex::new(0),
+        owed: AtomicBool::new(false),
+    });
     // Sequence 0: whatever a subscriber knew of this node is void.
-    let first = cleared_batch(now_secs(), enc);
-    queued.fetch_add(first.len() as u64, Relaxed);
-    tx.try_send(first)
-        .map_err(|_| anyhow::anyhow!("events: the publisher's queue refused its first batch"))?;
-    stats.events.fetch_add(1, Relaxed);
+    if !feed.try_send(cleared_batch(now_secs(), enc), 1) {
+        anyhow::bail!("events: the publisher's queue refused its first batch");
+    }
     // One thread per store turns its events into encoded batches.
     for (t, store) in stores {
-        let rx_events = store.subscribe(1 << 16);
-        let (tx, infos, stats) = (tx.clone(), ns_info.clone(), stats.clone());
-        let engine = engine_hashes.clone();
-        let queued = queued.clone();
+        let sub = store.subscribe(cfg.backlog);
+        let feed = feed.clone();
         std::thread::Builder::new()
             .name(format!("kvtierd-events-{t}"))
-            .spawn(move || {
-                let mut buf = Vec::with_capacity(MAX_EVENTS_PER_BATCH);
-                let mut backlog = false;
-                while let Ok(first) = rx_events.recv() {
-                    // Let a stream of saves gather for a moment unless a backlog waits: the
-                    // store's emit then finds no parked receiver to wake (a futex call per
-                    // event otherwise), and batches come out fuller.
-                    if !backlog {
-                        std::thread::sleep(GATHER);
-                    }
-                    buf.clear();
-                    buf.push(first);
-                    while buf.len() < MAX_EVENTS_PER_BATCH {
-                        match rx_events.try_recv() {
-                            Ok(e) => buf.push(e),
-                            Err(_) => break,
-                        }
-                    }
-                    backlog = buf.len() == MAX_EVENTS_PER_BATCH;
-                    let resolved = engine.resolve_all(t, &buf);
-                    let rs = {
-                        let m = infos.lock();
-                        let mut next = resolved.into_iter();
-                        runs(
-                            &buf,
-                            |ns| m.get(&(t, ns)),
-                            |e| next.next().unwrap_or(Resolved::key(e.key.0)),
-                        )
-                    };
-                    let payload = batch(now_secs(), &rs, enc);
-                    let len = payload.len() as u64;
-                    if queued.load(Relaxed) + len > MAX_QUEUED_BYTES {
-                        stats.dropped_batches.fetch_add(1, Relaxed);
-                        continue;
-                    }
-                    queued.fetch_add(len, Relaxed);
-                    match tx.try_send(payload) {
-                        Ok(()) => {
-                            stats.events.fetch_add(buf.len() as u64, Relaxed);
-                        }
-                        Err(tokio::sync::mpsc::error::TrySendError::Full(_)) => {
-                            queued.fetch_sub(len, Relaxed);
-                            stats.dropped_batches.fetch_add(1, Relaxed);
-                        }
-                        Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) => return,
-                    }
-                }
-            })
+            .spawn(move || feed.run(t, store, sub))
             .context("starting an events thread")?;
     }
-    drop(tx);
+    drop(feed);
     let buffer_steps = cfg.buffer_steps;
     let (router_tx, router_rx) = match router {
         Some((tx, rx)) => (Some(tx), Some(rx)),

@@ -453,8 +453,18 @@ fn collect(d: &Daemon, o: &mut Out) -> fmt::Result {
         ),
         (
             "event_batches_dropped",
-            "KV event batches dropped: events.hwm batches were queued.",
+            "KV event batches dropped: events.hwm batches (or 64 MiB) were queued; each drop resets subscribers' view.",
             &d.events.dropped_batches,
+        ),
+        (
+            "events_lost",
+            "Block events a store dropped: it ran events.backlog events ahead of the KV event publisher; each loss resets subscribers' view.",
+            &d.events.lost_events,
+        ),
+        (
+            "event_resets",
+            "Resets of KV event subscribers' view after events were lost: AllBlocksCleared, then every block held (at most once per 5 s per store).",
+            &d.events.resets,
         ),
         (
             "event_replays",

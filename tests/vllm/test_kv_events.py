@@ -470,6 +470,76 @@ def test_a_burst_of_100k_saves_arrives_in_order_without_gaps(tmp_path):
         d.stop()
 
 
+def test_lost_events_reset_the_view_which_then_matches_the_node(tmp_path):
+    """A store that outruns its publisher (here events.backlog = 16 events) loses events; the
+    sequence numbers show no gap for them. The subscriber is told: an AllBlocksCleared, then
+    every block the node holds. A view built as a router builds it (stored adds, removed
+    takes away, cleared forgets) ends equal to what the node holds; without the reset it kept
+    blocks whose BlockRemoved was lost, and missed blocks whose BlockStored was."""
+    from vllm.distributed.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored,
+                                            KVEventBatch)
+
+    d = Daemon(tmp_path / "d", "--set", "events.backlog=16")
+    try:
+        side = Sidecar(d.socket, "events-test")
+        sub = subscriber(d.events, side)
+        got, stop = [], threading.Event()
+
+        def read():
+            while not stop.is_set():
+                if sub.poll(100):
+                    _, seq, payload = sub.recv_multipart()
+                    got.append((int.from_bytes(seq, "big"), payload))
+
+        t = threading.Thread(target=read)
+        t.start()
+        ns_a, fp_a = setup_ns(side, "events-lost-a")
+        ns_b, fp_b = setup_ns(side, "events-lost-b")
+        a = [engine_key(fp_a, i.to_bytes(32, "little")) for i in range(3000)]
+        b = [engine_key(fp_b, i.to_bytes(32, "little")) for i in range(3000)]
+        for ka, kb in zip(a, b):
+            assert side.put(ns_a, ka, b"a" * 1024)
+            assert side.put(ns_b, kb, b"b" * 1024)
+        # Its 3,000 removals at once: far more than the backlog.
+        assert d.cli("clear", str(ns_a))["removed"] >= len(a)
+        dec = msgspec.msgpack.Decoder(type=KVEventBatch)
+        ours = set(a) | set(b)
+        view, applied, resets = {"CPU": set(), "STORAGE": set()}, 0, 0
+
+        def converged():
+            nonlocal applied, resets
+            msgs = got[applied:]
+            applied += len(msgs)
+            for _, p in msgs:
+                for e in dec.decode(p).events:
+                    if isinstance(e, AllBlocksCleared):
+                        resets += 1
+                        for v in view.values():
+                            v.clear()
+                    elif isinstance(e, BlockStored) and e.locality == "LOCAL":
+                        view[e.medium].update(e.block_hashes)
+                    elif isinstance(e, BlockRemoved):
+                        view[e.medium].difference_update(e.block_hashes)
+            return view["CPU"] & ours == set(b) and not view["STORAGE"] & set(a)
+
+        end = time.monotonic() + 60
+        while not converged():
+            assert time.monotonic() < end, (
+                f"the view never matched the node: {len(view['CPU'] & set(a))} removed blocks "
+                f"held, {len(set(b) - view['CPU'])} held blocks missing, {resets} resets")
+            time.sleep(0.1)
+        stop.set()
+        t.join()
+        # Events were lost, and said so: the test saw the loss it is about.
+        assert metric(d, "kvtier_events_lost_total") > 0
+        assert metric(d, "kvtier_event_resets_total") >= 1 and resets >= 1
+        seqs = [s for s, _ in got]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "gaps in the live stream"
+        del side
+    finally:
+        d.stop()
+
+
 def test_a_restarted_daemon_announces_its_disk_blocks_under_the_engine_hashes(tmp_path):
     """Blocks saved with vLLM's block hashes and parents, written to the disk tier: after a
     restart (AllBlocksCleared first), the first registration of their namespace announces them
