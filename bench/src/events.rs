@@ -331,14 +331,18 @@ pub fn run(args: EventsArgs) -> Result<()> {
     let start = Instant::now();
     let cleared = clear(&admin, &with.grpc, id_with)?;
     let (mut removed, mut last) = (0u64, start);
-    // Until all arrived, or nothing came for 5 s (events a lagging store watcher lost are
-    // counted by kvtierd in kvtier_events_dropped_total; here they show as missing).
+    // Until all arrived, or nothing came for 5 s. Events the store dropped (it ran more than
+    // events.backlog events ahead of the publisher) are counted by kvtierd in
+    // kvtier_events_lost_total and show here as missing; the reset that follows a loss sends
+    // BlockStored batches (every block held), which are not removals: they do not move `last`.
     while removed < cleared {
         let Ok((_, r, at)) = count_rx.recv_timeout(Duration::from_secs(5)) else {
             break;
         };
-        removed += r;
-        last = at;
+        if r > 0 {
+            removed += r;
+            last = at;
+        }
     }
     ensure!(
         removed > 0,
