@@ -91,6 +91,8 @@ pub struct EventStats {
     pub resets: AtomicU64,
     /// Replay requests served.
     pub replays: AtomicU64,
+    /// The PUB socket's: subscribers, batches not sent to a slow one, subscribers cut off.
+    pub socket: Arc<crate::zmtp::PubStats>,
     /// Replays given up: the requester stopped reading (a send waited past
     /// [`REPLAY_SEND_DEADLINE`]), or asked again while marked stalled.
     pub replays_abandoned: AtomicU64,
@@ -906,11 +908,13 @@ pub async fn start(
     stats: Arc<EventStats>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> Result<Publisher> {
-    let mut publ = zeromq::PubSocket::new();
-    let ep = publ
-        .bind(&bind_addr(&cfg.endpoint))
-        .await
-        .with_context(|| format!("binding events.endpoint = {}", cfg.endpoint))?;
+    let publ = crate::zmtp::PubSocket::bind(
+        bind_addr(&cfg.endpoint).trim_start_matches("tcp://"),
+        stats.socket.clone(),
+    )
+    .await
+    .with_context(|| format!("binding events.endpoint = {}", cfg.endpoint))?;
+    let ep = format!("tcp://{}", publ.local);
     let mut router: Option<(zeromq::RouterSendHalf, zeromq::RouterRecvHalf)> = None;
     let mut replay_endpoint = None;
     if !cfg.replay_endpoint.is_empty() {
@@ -972,12 +976,11 @@ pub async fn start(
                         let Some(payload) = m else { break };
                         queued.fetch_sub(payload.len() as u64, Relaxed);
                         let payload = bytes::Bytes::from(payload);
-                        let mut msg = ZmqMessage::from(topic.clone());
-                        msg.push_back(bytes::Bytes::copy_from_slice(&seq.to_be_bytes()));
-                        msg.push_back(payload.clone());
-                        if let Err(e) = publ.send(msg).await {
-                            tracing::warn!(error = %e, "events: publishing a batch failed");
-                        }
+                        publ.send(vec![
+                            topic.clone(),
+                            bytes::Bytes::copy_from_slice(&seq.to_be_bytes()),
+                            payload.clone(),
+                        ]);
                         stats.batches.fetch_add(1, Relaxed);
                         let mut r = ring.lock();
                         r.bytes += payload.len();
@@ -1074,7 +1077,7 @@ pub async fn start(
         });
     }
     Ok(Publisher {
-        endpoint: ep.to_string(),
+        endpoint: ep,
         replay_endpoint,
     })
 }

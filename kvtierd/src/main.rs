@@ -10,6 +10,7 @@ mod fuzz_tests;
 mod ipc_server;
 mod logging;
 mod metrics;
+mod zmtp;
 
 use std::collections::HashMap;
 use std::os::unix::net::{UnixListener, UnixStream};

@@ -472,6 +472,16 @@ fn collect(d: &Daemon, o: &mut Out) -> fmt::Result {
             &d.events.replays,
         ),
         (
+            "event_subscriber_skips",
+            "KV event batches not sent to a subscriber that had 32 MiB queued (it sees the gap in the sequence and can ask the replay socket).",
+            &d.events.socket.skipped,
+        ),
+        (
+            "event_subscribers_cut",
+            "KV event subscribers disconnected: a write waited 10 s (the subscriber read nothing), or a broken handshake or frame.",
+            &d.events.socket.cut,
+        ),
+        (
             "event_replays_abandoned",
             "KV event replays given up: the requester stopped reading (or asked again within 30 s of that); the live stream never waits on a replay.",
             &d.events.replays_abandoned,
@@ -479,6 +489,11 @@ fn collect(d: &Daemon, o: &mut Out) -> fmt::Result {
     ] {
         o.counter(name, help, &one(v.load(Relaxed)))?;
     }
+    o.gauge(
+        "event_subscribers",
+        "KV event subscribers connected to the PUB socket.",
+        &one_f(d.events.socket.subscribers.load(Relaxed) as f64),
+    )?;
     if let Some(h) = &d.engine_hashes {
         o.gauge(
             "event_engine_hashes",

@@ -470,6 +470,78 @@ def test_a_burst_of_100k_saves_arrives_in_order_without_gaps(tmp_path):
         d.stop()
 
 
+def stalled_subscriber(endpoint):
+    """A SUB peer that subscribes to everything and then reads nothing: ZMTP 3.0 spoken by
+    hand over a socket with a small receive buffer, so that the publisher's writes to it stop
+    at once."""
+    import socket
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect((host, int(port)))
+    greeting = b"\xff" + b"\0" * 8 + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0")
+    s.sendall(greeting.ljust(64, b"\0"))
+    ready = b"\x05READY" + b"\x0bSocket-Type" + (3).to_bytes(4, "big") + b"SUB"
+    s.sendall(bytes([0x04, len(ready)]) + ready)
+    s.sendall(bytes([0x00, 1, 1]))  # subscribe to every topic
+    return s
+
+
+def test_a_subscriber_that_stops_reading_is_cut_off_and_holds_up_no_one(tmp_path):
+    """A router that hangs with its connection open reads nothing: the publisher's writes to
+    it wait 10 s at most, then it is disconnected (counted); meanwhile the subscriber that
+    reads gets every batch, in order, with no gap. (With the zeromq crate's PUB socket it held
+    up to 100,000 batches queued, and its writer waited forever.)"""
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    n = 30_000
+    d = Daemon(tmp_path / "d")
+    try:
+        side = Sidecar(d.socket, "events-test")
+        stalled = stalled_subscriber(d.events)
+        sub = subscriber(d.events, side)
+        end = time.monotonic() + 30
+        while metric(d, "kvtier_event_subscribers") < 2:
+            assert time.monotonic() < end, "the stalled subscriber never connected"
+            time.sleep(0.05)
+        ns, fp = setup_ns(side, "events-stalled")
+        keys = [engine_key(fp, i.to_bytes(32, "little")) for i in range(n)]
+        got, stop = [], threading.Event()
+
+        def read():
+            while not stop.is_set():
+                if sub.poll(100):
+                    _, seq, payload = sub.recv_multipart()
+                    got.append((int.from_bytes(seq, "big"), payload))
+
+        t = threading.Thread(target=read)
+        t.start()
+        for k in keys:
+            assert side.put(ns, k, b"s" * 1024)
+        dec = msgspec.msgpack.Decoder(type=KVEventBatch)
+
+        def stored(msgs):
+            return [h for _, p in msgs for e in dec.decode(p).events
+                    if isinstance(e, BlockStored) and e.medium == "CPU" for h in e.block_hashes]
+
+        end = time.monotonic() + 60
+        while len(stored(list(got))) < n or metric(d, "kvtier_event_subscribers_cut_total") < 1:
+            assert time.monotonic() < end, (
+                f"{len(stored(list(got)))} of {n} blocks arrived, "
+                f"{metric(d, 'kvtier_event_subscribers_cut_total')} subscribers cut")
+            time.sleep(0.2)
+        stop.set()
+        t.join()
+        assert stored(got)[-n:] == keys
+        seqs = [s for s, _ in got]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "gaps in the live stream"
+        assert metric(d, "kvtier_event_subscribers") == 1
+        stalled.close()
+        del side
+    finally:
+        d.stop()
+
+
 def test_lost_events_reset_the_view_which_then_matches_the_node(tmp_path):
     """A store that outruns its publisher (here events.backlog = 16 events) loses events; the
     sequence numbers show no gap for them. The subscriber is told: an AllBlocksCleared, then

@@ -1,0 +1,503 @@
+//! A ZMQ PUB socket (ZMTP 3.0, NULL mechanism; RFC 23 and 29) that no subscriber can make the
+//! daemon hoard memory for or wait on: what the KV events go out on.
+//!
+//! The `zeromq` crate's PUB socket (still used for the replay ROUTER socket) queues up to
+//! 100,000 messages per subscriber and writes them with no deadline. A subscriber that stops
+//! reading with its connection open (a router hung or stopped, a network that drops without a
+//! reset) so holds the last 100,000 batches (up to 4,096 events, ~80 KiB, each: gigabytes in a
+//! burst of saves) for as long as it stays connected, and its writer waits forever. Here each
+//! subscriber has a queue bounded in bytes ([`MAX_QUEUED_BYTES`]: past it, batches are not
+//! sent to it, counted, as libzmq's high-water mark drops them; the subscriber sees the gap in
+//! the sequence numbers and asks the replay socket), and each write has a deadline
+//! ([`WRITE_DEADLINE`]): past it the subscriber is disconnected (ZMQ SUB sockets reconnect on
+//! their own), counted. The handshake has a deadline too, and a peer's frames are bounded
+//! ([`MAX_INBOUND_FRAME`]).
+//!
+//! Subscriptions come as ZMTP 3.0 messages (`0x01` + topic, `0x00` + topic to cancel) or as
+//! ZMTP 3.1's `SUBSCRIBE` / `CANCEL` commands; a `PING` is answered with a `PONG`. A message
+//! goes to each subscriber with a subscription that is a prefix of its first frame.
+
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use bytes::Bytes;
+use parking_lot::Mutex;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+
+/// Most bytes of messages queued for one subscriber; past it, messages are not sent to it.
+pub const MAX_QUEUED_BYTES: u64 = 32 << 20;
+/// Longest one write to a subscriber may wait for its socket (a message, or the handshake's);
+/// past it the subscriber is disconnected.
+pub const WRITE_DEADLINE: Duration = Duration::from_secs(10);
+/// Longest a connection may take to complete its handshake.
+pub const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
+/// Largest frame a subscriber may send (subscriptions, commands).
+pub const MAX_INBOUND_FRAME: u64 = 64 << 10;
+
+/// Counters of the socket.
+#[derive(Default)]
+pub struct PubStats {
+    /// Subscribers connected (handshake done).
+    pub subscribers: AtomicU64,
+    /// Messages not sent to a subscriber because [`MAX_QUEUED_BYTES`] were queued for it.
+    pub skipped: AtomicU64,
+    /// Subscribers disconnected: a write waited past [`WRITE_DEADLINE`], or a broken
+    /// handshake or frame.
+    pub cut: AtomicU64,
+}
+
+/// One subscriber: its subscriptions, and its writer's queue.
+struct Sub {
+    id: u64,
+    topics: Vec<Vec<u8>>,
+    tx: mpsc::UnboundedSender<Out>,
+    queued: Arc<AtomicU64>,
+}
+
+/// What a subscriber's writer sends: a message's frames, or a PONG with its context.
+enum Out {
+    Message(Arc<[Bytes]>),
+    Pong(Bytes),
+}
+
+/// The bound PUB socket. Sending never waits.
+pub struct PubSocket {
+    subs: Arc<Mutex<Vec<Sub>>>,
+    stats: Arc<PubStats>,
+    /// Where it listens (the port filled in).
+    pub local: SocketAddr,
+}
+
+impl PubSocket {
+    /// Binds `addr` and accepts subscribers in a task of its own.
+    pub async fn bind(addr: &str, stats: Arc<PubStats>) -> Result<Self> {
+        let l = TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding {addr}"))?;
+        let local = l.local_addr()?;
+        let subs: Arc<Mutex<Vec<Sub>>> = Arc::default();
+        let (s, st) = (subs.clone(), stats.clone());
+        tokio::spawn(async move {
+            let mut next_id = 0u64;
+            loop {
+                let (stream, peer) = match l.accept().await {
+                    Ok(c) => c,
+                    Err(e) => {
+                        // Out of descriptors and the like: a while later, try again.
+                        tracing::warn!(error = %e, "events: accepting a subscriber failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                };
+                next_id += 1;
+                let (s, st) = (s.clone(), st.clone());
+                tokio::spawn(serve(stream, peer, next_id, s, st));
+            }
+        });
+        Ok(PubSocket { subs, stats, local })
+    }
+
+    /// Queues `frames` (one message) for every subscriber whose subscription is a prefix of
+    /// the first frame; a subscriber with [`MAX_QUEUED_BYTES`] queued does not get it.
+    pub fn send(&self, frames: Vec<Bytes>) {
+        let Some(first) = frames.first() else { return };
+        let bytes: u64 = frames.iter().map(|f| f.len() as u64 + 9).sum();
+        let mut msg: Option<Arc<[Bytes]>> = None;
+        let subs = self.subs.lock();
+        for s in subs.iter() {
+            if !s.topics.iter().any(|t| first.starts_with(t)) {
+                continue;
+            }
+            if s.queued.load(Relaxed) + bytes > MAX_QUEUED_BYTES {
+                self.stats.skipped.fetch_add(1, Relaxed);
+                continue;
+            }
+            let m = msg.get_or_insert_with(|| Arc::from(frames.clone())).clone();
+            s.queued.fetch_add(bytes, Relaxed);
+            // A closed queue: the subscriber is going away.
+            let _ = s.tx.send(Out::Message(m));
+        }
+    }
+}
+
+/// One connection: the handshake, then its reader (subscriptions, pings) and its writer.
+async fn serve(
+    stream: TcpStream,
+    peer: SocketAddr,
+    id: u64,
+    subs: Arc<Mutex<Vec<Sub>>>,
+    stats: Arc<PubStats>,
+) {
+    let _ = stream.set_nodelay(true);
+    let (mut rd, wr) = stream.into_split();
+    let mut wr = BufWriter::with_capacity(64 << 10, wr);
+    match tokio::time::timeout(HANDSHAKE_DEADLINE, handshake(&mut rd, &mut wr)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            stats.cut.fetch_add(1, Relaxed);
+            tracing::warn!(%peer, error = %e, "events: a subscriber's handshake failed");
+            return;
+        }
+        Err(_) => {
+            stats.cut.fetch_add(1, Relaxed);
+            tracing::warn!(%peer, "events: a subscriber's handshake took too long");
+            return;
+        }
+    }
+    let (tx, rx) = mpsc::unbounded_channel();
+    let queued = Arc::new(AtomicU64::new(0));
+    subs.lock().push(Sub {
+        id,
+        topics: Vec::new(),
+        tx: tx.clone(),
+        queued: queued.clone(),
+    });
+    stats.subscribers.fetch_add(1, Relaxed);
+    let mut writer = tokio::spawn(write_loop(wr, rx, queued));
+    let reading = read_loop(&mut rd, id, &subs, &tx);
+    // Whichever ends first ends the connection.
+    let outcome = tokio::select! {
+        r = reading => r.map_err(|e| format!("{e:#}")),
+        w = &mut writer => match w {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(e),
+            Err(e) => Err(e.to_string()),
+        },
+    };
+    writer.abort();
+    subs.lock().retain(|s| s.id != id);
+    stats.subscribers.fetch_sub(1, Relaxed);
+    if let Err(e) = outcome {
+        stats.cut.fetch_add(1, Relaxed);
+        tracing::warn!(%peer, error = %e, "events: a subscriber was disconnected");
+    }
+}
+
+/// The greeting (ZMTP 3.0, NULL, as server) and READY both ways; the peer must be a SUB or
+/// XSUB socket.
+async fn handshake<R, W>(rd: &mut R, wr: &mut W) -> Result<()>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let mut g = [0u8; 64];
+    g[0] = 0xff;
+    g[9] = 0x7f;
+    g[10] = 3; // version 3.0
+    g[12..16].copy_from_slice(b"NULL");
+    wr.write_all(&g).await?;
+    wr.flush().await?;
+    let mut peer = [0u8; 64];
+    rd.read_exact(&mut peer)
+        .await
+        .context("reading the greeting")?;
+    anyhow::ensure!(
+        peer[0] == 0xff && peer[9] == 0x7f,
+        "not a ZMTP peer (its greeting's signature)"
+    );
+    anyhow::ensure!(peer[10] >= 3, "ZMTP {}.x: 3.0 or later needed", peer[10]);
+    anyhow::ensure!(
+        &peer[12..16] == b"NULL" && peer[16..32].iter().all(|&b| b == 0),
+        "security mechanism {:?}: only NULL is spoken",
+        String::from_utf8_lossy(&peer[12..32]).trim_end_matches('\0')
+    );
+    let mut ready = Vec::with_capacity(32);
+    ready.push(5);
+    ready.extend_from_slice(b"READY");
+    property(&mut ready, "Socket-Type", b"PUB");
+    write_frame(wr, 0x04, &ready).await?;
+    wr.flush().await?;
+    let (flags, body) = read_frame(rd).await?;
+    anyhow::ensure!(flags & 0x04 != 0, "the peer sent a message before READY");
+    let name = command_name(&body)?;
+    anyhow::ensure!(name == b"READY", "the peer's first command was not READY");
+    let ty = properties(&body[1 + name.len()..])?
+        .into_iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case(b"Socket-Type"))
+        .map(|(_, v)| v);
+    anyhow::ensure!(
+        matches!(ty.as_deref(), Some(b"SUB") | Some(b"XSUB")),
+        "the peer is a {} socket: a PUB socket speaks to SUB and XSUB",
+        ty.map_or("(unnamed)".into(), |t| String::from_utf8_lossy(&t)
+            .into_owned())
+    );
+    Ok(())
+}
+
+/// Subscriptions and pings until the peer goes.
+async fn read_loop<R: AsyncRead + Unpin>(
+    rd: &mut R,
+    id: u64,
+    subs: &Mutex<Vec<Sub>>,
+    tx: &mpsc::UnboundedSender<Out>,
+) -> Result<()> {
+    loop {
+        let (flags, body) = match read_frame(rd).await {
+            Ok(f) => f,
+            Err(e) if is_eof(&e) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let (subscribe, topic) = if flags & 0x04 != 0 {
+            let name = command_name(&body)?;
+            let rest = &body[1 + name.len()..];
+            match name {
+                b"SUBSCRIBE" => (true, rest.to_vec()),
+                b"CANCEL" => (false, rest.to_vec()),
+                b"PING" => {
+                    // TTL (2 bytes), then the context to echo.
+                    let ctx = rest.get(2..).unwrap_or_default();
+                    let _ = tx.send(Out::Pong(Bytes::copy_from_slice(ctx)));
+                    continue;
+                }
+                _ => continue,
+            }
+        } else {
+            match body.split_first() {
+                Some((1, t)) => (true, t.to_vec()),
+                Some((0, t)) => (false, t.to_vec()),
+                // Anything else a SUB sends a PUB is ignored, as libzmq does.
+                _ => continue,
+            }
+        };
+        let mut g = subs.lock();
+        if let Some(s) = g.iter_mut().find(|s| s.id == id) {
+            if subscribe {
+                if s.topics.len() < 1024 {
+                    s.topics.push(topic);
+                }
+            } else if let Some(i) = s.topics.iter().position(|t| *t == topic) {
+                s.topics.swap_remove(i);
+            }
+        }
+    }
+}
+
+/// The subscriber's queue, written with a deadline per message. Err: a write failed or
+/// waited past [`WRITE_DEADLINE`].
+async fn write_loop<W: AsyncWrite + Unpin>(
+    mut wr: W,
+    mut rx: mpsc::UnboundedReceiver<Out>,
+    queued: Arc<AtomicU64>,
+) -> Result<(), String> {
+    while let Some(first) = rx.recv().await {
+        let mut next = Some(first);
+        let work = async {
+            // What is queued already goes out before one flush.
+            while let Some(out) = next.take() {
+                match out {
+                    Out::Message(frames) => {
+                        let n = frames.len();
+                        for (i, f) in frames.iter().enumerate() {
+                            let more = if i + 1 < n { 0x01 } else { 0 };
+                            write_frame(&mut wr, more, f).await?;
+                        }
+                        let bytes: u64 = frames.iter().map(|f| f.len() as u64 + 9).sum();
+                        queued.fetch_sub(bytes, Relaxed);
+                    }
+                    Out::Pong(ctx) => {
+                        let mut b = Vec::with_capacity(5 + ctx.len());
+                        b.push(4);
+                        b.extend_from_slice(b"PONG");
+                        b.extend_from_slice(&ctx);
+                        write_frame(&mut wr, 0x04, &b).await?;
+                    }
+                }
+                next = rx.try_recv().ok();
+            }
+            wr.flush().await
+        };
+        match tokio::time::timeout(WRITE_DEADLINE, work).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(format!("writing: {e}")),
+            Err(_) => {
+                return Err(format!(
+                    "it read nothing for {} s: it lost its connection (a SUB socket \
+                     reconnects, and asks the replay socket for what it missed)",
+                    WRITE_DEADLINE.as_secs()
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+fn is_eof(e: &anyhow::Error) -> bool {
+    e.downcast_ref::<std::io::Error>()
+        .is_some_and(|e| e.kind() == std::io::ErrorKind::UnexpectedEof)
+}
+
+/// A frame: flags (0x01 more, 0x04 command; 0x02 long is set here by size), size, body.
+async fn write_frame<W: AsyncWrite + Unpin>(
+    wr: &mut W,
+    flags: u8,
+    body: &[u8],
+) -> std::io::Result<()> {
+    if body.len() <= 255 {
+        wr.write_all(&[flags, body.len() as u8]).await?;
+    } else {
+        let mut h = [0u8; 9];
+        h[0] = flags | 0x02;
+        h[1..].copy_from_slice(&(body.len() as u64).to_be_bytes());
+        wr.write_all(&h).await?;
+    }
+    wr.write_all(body).await
+}
+
+/// A frame from the peer: (flags, body), at most [`MAX_INBOUND_FRAME`] bytes.
+async fn read_frame<R: AsyncRead + Unpin>(rd: &mut R) -> Result<(u8, Vec<u8>)> {
+    let flags = rd.read_u8().await?;
+    anyhow::ensure!(flags & !0x07 == 0, "a frame with flags {flags:#04x}");
+    let len = if flags & 0x02 != 0 {
+        rd.read_u64().await?
+    } else {
+        u64::from(rd.read_u8().await?)
+    };
+    anyhow::ensure!(
+        len <= MAX_INBOUND_FRAME,
+        "a frame of {len} bytes from a subscriber (at most {MAX_INBOUND_FRAME})"
+    );
+    let mut body = vec![0u8; len as usize];
+    rd.read_exact(&mut body).await?;
+    Ok((flags, body))
+}
+
+/// A command's name (its first byte is the name's length).
+fn command_name(body: &[u8]) -> Result<&[u8]> {
+    let n = usize::from(*body.first().context("an empty command")?);
+    body.get(1..1 + n)
+        .context("a command shorter than its name")
+}
+
+fn property(b: &mut Vec<u8>, name: &str, value: &[u8]) {
+    b.push(name.len() as u8);
+    b.extend_from_slice(name.as_bytes());
+    b.extend_from_slice(&(value.len() as u32).to_be_bytes());
+    b.extend_from_slice(value);
+}
+
+/// A READY command's properties: (name, value) pairs.
+fn properties(mut b: &[u8]) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
+    let mut out = Vec::new();
+    while let Some((&n, rest)) = b.split_first() {
+        let name = rest.get(..usize::from(n)).context("a property's name")?;
+        let rest = &rest[usize::from(n)..];
+        let len = rest.get(..4).context("a property's length")?;
+        let len = u32::from_be_bytes([len[0], len[1], len[2], len[3]]) as usize;
+        let value = rest.get(4..4 + len).context("a property's value")?;
+        out.push((name.to_vec(), value.to_vec()));
+        b = &rest[4 + len..];
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A peer that does the handshake as a `socket_type` socket (by hand, as RFC 23 says).
+    async fn peer(addr: SocketAddr, socket_type: &[u8]) -> TcpStream {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        let mut g = [0u8; 64];
+        g[0] = 0xff;
+        g[9] = 0x7f;
+        g[10] = 3;
+        g[12..16].copy_from_slice(b"NULL");
+        s.write_all(&g).await.unwrap();
+        let mut ready = vec![5];
+        ready.extend_from_slice(b"READY");
+        property(&mut ready, "Socket-Type", socket_type);
+        write_frame(&mut s, 0x04, &ready).await.unwrap();
+        s
+    }
+
+    /// Waits for `cond` (deadline 30 s).
+    async fn until(what: &str, cond: impl Fn() -> bool) {
+        let end = std::time::Instant::now() + Duration::from_secs(30);
+        while !cond() {
+            assert!(std::time::Instant::now() < end, "{what}: never");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_subscriber_that_reads_nothing_never_has_more_than_its_queue_held_for_it() {
+        let stats = Arc::new(PubStats::default());
+        let p = PubSocket::bind("127.0.0.1:0", stats.clone()).await.unwrap();
+        let mut stalled = peer(p.local, b"SUB").await;
+        write_frame(&mut stalled, 0, &[1]).await.unwrap(); // every topic
+        until("the subscription", || {
+            p.subs.lock().first().is_some_and(|s| !s.topics.is_empty())
+        })
+        .await;
+        // 64 MiB offered to a peer that reads nothing.
+        let big = Bytes::from(vec![7u8; 1 << 20]);
+        for i in 0u64..64 {
+            p.send(vec![
+                Bytes::new(),
+                Bytes::copy_from_slice(&i.to_be_bytes()),
+                big.clone(),
+            ]);
+            let queued = p.subs.lock()[0].queued.load(Relaxed);
+            assert!(queued <= MAX_QUEUED_BYTES, "{queued} bytes queued");
+        }
+        assert!(stats.skipped.load(Relaxed) >= 64 - (MAX_QUEUED_BYTES >> 20));
+        // A message for a topic it did not ask for is not queued for it.
+        p.subs.lock()[0].topics = vec![b"kv".to_vec()];
+        let before = stats.skipped.load(Relaxed);
+        p.send(vec![Bytes::from_static(b"other"), big.clone()]);
+        assert_eq!(stats.skipped.load(Relaxed), before);
+        drop(stalled);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_peer_that_is_not_a_subscriber_or_sends_a_huge_frame_is_cut_off() {
+        let stats = Arc::new(PubStats::default());
+        let p = PubSocket::bind("127.0.0.1:0", stats.clone()).await.unwrap();
+        // Another PUB socket: refused at the handshake.
+        let mut other = peer(p.local, b"PUB").await;
+        until("the PUB peer cut off", || stats.cut.load(Relaxed) == 1).await;
+        let mut rest = Vec::new();
+        // What it was sent (the greeting, READY), then the end of the connection.
+        let _ = other.read_to_end(&mut rest).await;
+        assert_eq!(stats.subscribers.load(Relaxed), 0);
+        // A subscriber that sends a frame of 1 MiB.
+        let mut big = peer(p.local, b"SUB").await;
+        until("the subscriber", || stats.subscribers.load(Relaxed) == 1).await;
+        let mut h = [0u8; 9];
+        h[0] = 0x02;
+        h[1..].copy_from_slice(&(1u64 << 20).to_be_bytes());
+        big.write_all(&h).await.unwrap();
+        until("the huge frame's sender cut off", || {
+            stats.cut.load(Relaxed) == 2
+        })
+        .await;
+        until("no subscriber left", || {
+            stats.subscribers.load(Relaxed) == 0
+        })
+        .await;
+        assert!(p.subs.lock().is_empty());
+    }
+
+    #[test]
+    fn ready_properties_round_trip_and_a_short_one_is_an_error() {
+        let mut b = Vec::new();
+        property(&mut b, "Socket-Type", b"SUB");
+        property(&mut b, "Identity", b"");
+        let p = properties(&b).unwrap();
+        assert_eq!(
+            p,
+            vec![
+                (b"Socket-Type".to_vec(), b"SUB".to_vec()),
+                (b"Identity".to_vec(), Vec::new())
+            ]
+        );
+        assert!(properties(&b[..b.len() - 1]).is_err());
+        assert!(properties(&b[..5]).is_err());
+    }
+}
