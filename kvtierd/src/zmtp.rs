@@ -10,8 +10,8 @@
 //! sent to it, counted, as libzmq's high-water mark drops them; the subscriber sees the gap in
 //! the sequence numbers and asks the replay socket), and each write has a deadline
 //! ([`WRITE_DEADLINE`]): past it the subscriber is disconnected (ZMQ SUB sockets reconnect on
-//! their own), counted. The handshake has a deadline too, and a peer's frames are bounded
-//! ([`MAX_INBOUND_FRAME`]).
+//! their own), counted. The handshake has a deadline too, a peer's frames are bounded
+//! ([`MAX_INBOUND_FRAME`]), and so is the number of connections ([`MAX_CONNECTIONS`]).
 //!
 //! Subscriptions come as ZMTP 3.0 messages (`0x01` + topic, `0x00` + topic to cancel) or as
 //! ZMTP 3.1's `SUBSCRIBE` / `CANCEL` commands; a `PING` is answered with a `PONG`. A message
@@ -39,12 +39,18 @@ pub const WRITE_DEADLINE: Duration = Duration::from_secs(10);
 pub const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
 /// Largest frame a subscriber may send (subscriptions, commands).
 pub const MAX_INBOUND_FRAME: u64 = 64 << 10;
+/// Most connections at once (subscribers and handshakes): past it, new ones are closed at
+/// once (counted as cut). A subscriber's connection waits for its subscriptions with no
+/// deadline (it may say nothing for hours), so their number is what is bounded.
+pub const MAX_CONNECTIONS: u64 = 1024;
 
 /// Counters of the socket.
 #[derive(Default)]
 pub struct PubStats {
     /// Subscribers connected (handshake done).
     pub subscribers: AtomicU64,
+    /// Connections open (subscribers, and peers in their handshake).
+    pub connections: AtomicU64,
     /// Messages not sent to a subscriber because [`MAX_QUEUED_BYTES`] were queued for it.
     pub skipped: AtomicU64,
     /// Subscribers disconnected: a write waited past [`WRITE_DEADLINE`], or a broken
@@ -95,9 +101,18 @@ impl PubSocket {
                         continue;
                     }
                 };
+                if st.connections.load(Relaxed) >= MAX_CONNECTIONS {
+                    st.cut.fetch_add(1, Relaxed);
+                    tracing::warn!(%peer, "events: {MAX_CONNECTIONS} subscribers connected: one more refused");
+                    continue;
+                }
                 next_id += 1;
+                st.connections.fetch_add(1, Relaxed);
                 let (s, st) = (s.clone(), st.clone());
-                tokio::spawn(serve(stream, peer, next_id, s, st));
+                tokio::spawn(async move {
+                    serve(stream, peer, next_id, s, st.clone()).await;
+                    st.connections.fetch_sub(1, Relaxed);
+                });
             }
         });
         Ok(PubSocket { subs, stats, local })
