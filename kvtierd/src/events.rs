@@ -57,7 +57,6 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{Context, Result};
 use kvstore::{BlockEvent, EventKind, Store, Tier};
 use parking_lot::Mutex;
-use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::config::EventsSection;
 
@@ -89,20 +88,11 @@ pub struct EventStats {
     /// Resets of subscribers' view after a loss (an `AllBlocksCleared`, then every block
     /// held; see [`Feed`]).
     pub resets: AtomicU64,
-    /// Replay requests served.
-    pub replays: AtomicU64,
     /// The PUB socket's: subscribers, batches not sent to a slow one, subscribers cut off.
     pub socket: Arc<crate::zmtp::PubStats>,
-    /// Replays given up: the requester stopped reading (a send waited past
-    /// [`REPLAY_SEND_DEADLINE`]), or asked again while marked stalled.
-    pub replays_abandoned: AtomicU64,
+    /// The replay socket's: replays served, requesters cut off in one.
+    pub replay: Arc<crate::zmtp::ReplayStats>,
 }
-
-/// Longest a replay waits for room in its requester's queue (the socket library's queue per
-/// peer, bounded) before the requester loses the rest of it.
-pub const REPLAY_SEND_DEADLINE: Duration = Duration::from_secs(1);
-/// How long a requester that stopped reading is not answered.
-const STALLED_REQUESTER: Duration = Duration::from_secs(30);
 
 /// Batches kept for replay, newest last; shared by the publishing loop (which appends) and
 /// the replay task (which copies references out).
@@ -906,7 +896,7 @@ pub async fn start(
     ns_info: NsInfos,
     engine_hashes: Arc<EngineHashes>,
     stats: Arc<EventStats>,
-    mut stop: tokio::sync::watch::Receiver<bool>,
+    stop: tokio::sync::watch::Receiver<bool>,
 ) -> Result<Publisher> {
     let publ = crate::zmtp::PubSocket::bind(
         bind_addr(&cfg.endpoint).trim_start_matches("tcp://"),
@@ -915,17 +905,6 @@ pub async fn start(
     .await
     .with_context(|| format!("binding events.endpoint = {}", cfg.endpoint))?;
     let ep = format!("tcp://{}", publ.local);
-    let mut router: Option<(zeromq::RouterSendHalf, zeromq::RouterRecvHalf)> = None;
-    let mut replay_endpoint = None;
-    if !cfg.replay_endpoint.is_empty() {
-        let mut r = zeromq::RouterSocket::new();
-        let rep = r
-            .bind(&bind_addr(&cfg.replay_endpoint))
-            .await
-            .with_context(|| format!("binding events.replay_endpoint = {}", cfg.replay_endpoint))?;
-        replay_endpoint = Some(rep.to_string());
-        router = Some(r.split());
-    }
     let enc = Encoding {
         array: cfg.encoding == "array",
         int_hashes: cfg.int_hashes,
@@ -959,11 +938,30 @@ pub async fn start(
     }
     drop(feed);
     let buffer_steps = cfg.buffer_steps;
-    let (router_tx, router_rx) = match router {
-        Some((tx, rx)) => (Some(tx), Some(rx)),
-        None => (None, None),
-    };
     let ring = Arc::new(Mutex::new(Ring::default()));
+    // Replays, apart (`zmtp::ReplaySocket`: a task per requester, each write with a
+    // deadline): the live stream never waits on a replay, nor one requester on another.
+    let mut replay_endpoint = None;
+    if !cfg.replay_endpoint.is_empty() {
+        let ring = ring.clone();
+        let replayer: crate::zmtp::Replayer = Arc::new(move |start| {
+            ring.lock()
+                .batches
+                .iter()
+                .filter(|(s, _)| *s >= start)
+                .cloned()
+                .collect()
+        });
+        let r = crate::zmtp::ReplaySocket::bind(
+            bind_addr(&cfg.replay_endpoint).trim_start_matches("tcp://"),
+            topic.clone(),
+            replayer,
+            stats.replay.clone(),
+        )
+        .await
+        .with_context(|| format!("binding events.replay_endpoint = {}", cfg.replay_endpoint))?;
+        replay_endpoint = Some(format!("tcp://{}", r.local));
+    }
     // Publishing: the live stream never waits on a replay.
     {
         let (ring, topic, stats) = (ring.clone(), topic.clone(), stats.clone());
@@ -995,83 +993,6 @@ pub async fn start(
                         seq += 1;
                     }
                     _ = stop.changed() => break,
-                }
-            }
-        });
-    }
-    // Replays, apart: one requester at a time, each send bounded by REPLAY_SEND_DEADLINE; a
-    // requester that stopped reading loses its replay and is not answered for a while, so
-    // however many replays it asks for it holds at most its queue in the socket library
-    // (references to batches of the ring).
-    if let (Some(mut router), Some(mut requests)) = (router_tx, router_rx) {
-        tokio::spawn(async move {
-            let mut stalled: HashMap<bytes::Bytes, std::time::Instant> = HashMap::new();
-            loop {
-                let req = tokio::select! {
-                    r = requests.recv() => r,
-                    _ = stop.changed() => break,
-                };
-                let Ok(req) = req else { continue };
-                let frames = req.into_vec();
-                // [identity, empty delimiter, start sequence] from a REQ socket.
-                let start = match frames.as_slice() {
-                    [_, _, s] if s.len() == 8 => {
-                        let mut b = [0u8; 8];
-                        b.copy_from_slice(s);
-                        u64::from_be_bytes(b)
-                    }
-                    _ => {
-                        tracing::warn!(
-                            frames = frames.len(),
-                            "events: a replay request that is not [start sequence]: ignored"
-                        );
-                        continue;
-                    }
-                };
-                let id = frames[0].clone();
-                let now = std::time::Instant::now();
-                stalled.retain(|_, until| *until > now);
-                if stalled.contains_key(&id) {
-                    stats.replays_abandoned.fetch_add(1, Relaxed);
-                    continue;
-                }
-                stats.replays.fetch_add(1, Relaxed);
-                let batches: Vec<(u64, bytes::Bytes)> = ring
-                    .lock()
-                    .batches
-                    .iter()
-                    .filter(|(s, _)| *s >= start)
-                    .cloned()
-                    .collect();
-                let mut whole = true;
-                for (s, payload) in batches {
-                    let mut m = ZmqMessage::from(id.clone());
-                    m.push_back(bytes::Bytes::new());
-                    m.push_back(topic.clone());
-                    m.push_back(bytes::Bytes::copy_from_slice(&s.to_be_bytes()));
-                    m.push_back(payload);
-                    match tokio::time::timeout(REPLAY_SEND_DEADLINE, router.send(m)).await {
-                        Ok(Ok(())) => {}
-                        Ok(Err(_)) => {
-                            whole = false;
-                            break;
-                        }
-                        Err(_) => {
-                            whole = false;
-                            stats.replays_abandoned.fetch_add(1, Relaxed);
-                            stalled.insert(id.clone(), now + STALLED_REQUESTER);
-                            tracing::warn!("events: a replay requester stopped reading: its replay is given up");
-                            break;
-                        }
-                    }
-                }
-                if whole {
-                    let mut end = ZmqMessage::from(id);
-                    end.push_back(bytes::Bytes::new());
-                    end.push_back(bytes::Bytes::new());
-                    end.push_back(bytes::Bytes::copy_from_slice(&(-1i64).to_be_bytes()));
-                    end.push_back(bytes::Bytes::new());
-                    let _ = tokio::time::timeout(REPLAY_SEND_DEADLINE, router.send(end)).await;
                 }
             }
         });

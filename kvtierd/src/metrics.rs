@@ -469,7 +469,7 @@ fn collect(d: &Daemon, o: &mut Out) -> fmt::Result {
         (
             "event_replays",
             "KV event replay requests served.",
-            &d.events.replays,
+            &d.events.replay.replays,
         ),
         (
             "event_subscriber_skips",
@@ -483,8 +483,8 @@ fn collect(d: &Daemon, o: &mut Out) -> fmt::Result {
         ),
         (
             "event_replays_abandoned",
-            "KV event replays given up: the requester stopped reading (or asked again within 30 s of that); the live stream never waits on a replay.",
-            &d.events.replays_abandoned,
+            "KV event replay requesters disconnected in a replay: a write waited 1 s (it stopped reading), or the replay took 60 s; the live stream and other requesters never wait on one.",
+            &d.events.replay.abandoned,
         ),
     ] {
         o.counter(name, help, &one(v.load(Relaxed)))?;

@@ -1,17 +1,22 @@
-//! A ZMQ PUB socket (ZMTP 3.0, NULL mechanism; RFC 23 and 29) that no subscriber can make the
-//! daemon hoard memory for or wait on: what the KV events go out on.
+//! ZMQ's PUB and ROUTER sockets as kvtierd's KV events need them (ZMTP 3.0, NULL mechanism;
+//! RFC 23 and 29), spoken by the daemon itself so that no subscriber or replay requester can
+//! make it hoard memory or wait.
 //!
-//! The `zeromq` crate's PUB socket (still used for the replay ROUTER socket) queues up to
-//! 100,000 messages per subscriber and writes them with no deadline. A subscriber that stops
-//! reading with its connection open (a router hung or stopped, a network that drops without a
-//! reset) so holds the last 100,000 batches (up to 4,096 events, ~80 KiB, each: gigabytes in a
-//! burst of saves) for as long as it stays connected, and its writer waits forever. Here each
-//! subscriber has a queue bounded in bytes ([`MAX_QUEUED_BYTES`]: past it, batches are not
-//! sent to it, counted, as libzmq's high-water mark drops them; the subscriber sees the gap in
-//! the sequence numbers and asks the replay socket), and each write has a deadline
-//! ([`WRITE_DEADLINE`]): past it the subscriber is disconnected (ZMQ SUB sockets reconnect on
-//! their own), counted. The handshake has a deadline too, a peer's frames are bounded
-//! ([`MAX_INBOUND_FRAME`]), and so is the number of connections ([`MAX_CONNECTIONS`]).
+//! The `zeromq` crate, used before, queues up to 100,000 messages per peer and writes them
+//! with no deadline. A subscriber that stops reading with its connection open (a router hung
+//! or stopped, a network that drops without a reset) so held the last 100,000 batches (up to
+//! 4,096 events, ~80 KiB, each: gigabytes in a burst of saves) for as long as it stayed
+//! connected, and its writer waited forever. Here:
+//! - [`PubSocket`]: each subscriber has a queue bounded in bytes ([`MAX_QUEUED_BYTES`]: past
+//!   it, batches are not sent to it, counted, as libzmq's high-water mark drops them; the
+//!   subscriber sees the gap in the sequence numbers and asks the replay socket), and each
+//!   write has a deadline ([`WRITE_DEADLINE`]): past it the subscriber is disconnected (ZMQ SUB
+//!   sockets reconnect on their own), counted.
+//! - [`ReplaySocket`]: each requester is served by a task of its own that writes straight to
+//!   its socket, each write within [`REPLAY_WRITE_DEADLINE`] and each replay within
+//!   [`REPLAY_DEADLINE`]; past either it is disconnected, counted.
+//! - Both: the handshake has a deadline, a peer's frames are bounded ([`MAX_INBOUND_FRAME`]),
+//!   and so is the number of connections ([`MAX_CONNECTIONS`]).
 //!
 //! Subscriptions come as ZMTP 3.0 messages (`0x01` + topic, `0x00` + topic to cancel) or as
 //! ZMTP 3.1's `SUBSCRIBE` / `CANCEL` commands; a `PING` is answered with a `PONG`. A message
@@ -83,38 +88,14 @@ pub struct PubSocket {
 impl PubSocket {
     /// Binds `addr` and accepts subscribers in a task of its own.
     pub async fn bind(addr: &str, stats: Arc<PubStats>) -> Result<Self> {
-        let l = TcpListener::bind(addr)
-            .await
-            .with_context(|| format!("binding {addr}"))?;
-        let local = l.local_addr()?;
         let subs: Arc<Mutex<Vec<Sub>>> = Arc::default();
         let (s, st) = (subs.clone(), stats.clone());
-        tokio::spawn(async move {
-            let mut next_id = 0u64;
-            loop {
-                let (stream, peer) = match l.accept().await {
-                    Ok(c) => c,
-                    Err(e) => {
-                        // Out of descriptors and the like: a while later, try again.
-                        tracing::warn!(error = %e, "events: accepting a subscriber failed");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                        continue;
-                    }
-                };
-                if st.connections.load(Relaxed) >= MAX_CONNECTIONS {
-                    st.cut.fetch_add(1, Relaxed);
-                    tracing::warn!(%peer, "events: {MAX_CONNECTIONS} subscribers connected: one more refused");
-                    continue;
-                }
-                next_id += 1;
-                st.connections.fetch_add(1, Relaxed);
-                let (s, st) = (s.clone(), st.clone());
-                tokio::spawn(async move {
-                    serve(stream, peer, next_id, s, st.clone()).await;
-                    st.connections.fetch_sub(1, Relaxed);
-                });
-            }
-        });
+        let mut next_id = 0u64;
+        let local = accept(addr, stats.clone(), "subscriber", move |stream, peer| {
+            next_id += 1;
+            serve(stream, peer, next_id, s.clone(), st.clone())
+        })
+        .await?;
         Ok(PubSocket { subs, stats, local })
     }
 
@@ -141,6 +122,51 @@ impl PubSocket {
     }
 }
 
+/// Binds `addr` and, in a task of its own, hands each connection (at most
+/// [`MAX_CONNECTIONS`] at once, counted in `stats.connections`; past it one is closed at once
+/// and counted in `stats.cut`) to `serve`.
+async fn accept<F, Fut>(
+    addr: &str,
+    stats: Arc<PubStats>,
+    what: &'static str,
+    mut serve: F,
+) -> Result<SocketAddr>
+where
+    F: FnMut(TcpStream, SocketAddr) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let l = TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
+    let local = l.local_addr()?;
+    tokio::spawn(async move {
+        loop {
+            let (stream, peer) = match l.accept().await {
+                Ok(c) => c,
+                Err(e) => {
+                    // Out of descriptors and the like: a while later, try again.
+                    tracing::warn!(error = %e, "events: accepting a {what} failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            if stats.connections.load(Relaxed) >= MAX_CONNECTIONS {
+                stats.cut.fetch_add(1, Relaxed);
+                tracing::warn!(%peer, "events: {MAX_CONNECTIONS} connections open: a {what} refused");
+                continue;
+            }
+            stats.connections.fetch_add(1, Relaxed);
+            let _ = stream.set_nodelay(true);
+            let (fut, st) = (serve(stream, peer), stats.clone());
+            tokio::spawn(async move {
+                fut.await;
+                st.connections.fetch_sub(1, Relaxed);
+            });
+        }
+    });
+    Ok(local)
+}
+
 /// One connection: the handshake, then its reader (subscriptions, pings) and its writer.
 async fn serve(
     stream: TcpStream,
@@ -149,10 +175,10 @@ async fn serve(
     subs: Arc<Mutex<Vec<Sub>>>,
     stats: Arc<PubStats>,
 ) {
-    let _ = stream.set_nodelay(true);
     let (mut rd, wr) = stream.into_split();
     let mut wr = BufWriter::with_capacity(64 << 10, wr);
-    match tokio::time::timeout(HANDSHAKE_DEADLINE, handshake(&mut rd, &mut wr)).await {
+    let shake = handshake(&mut rd, &mut wr, b"PUB", &[b"SUB", b"XSUB"]);
+    match tokio::time::timeout(HANDSHAKE_DEADLINE, shake).await {
         Ok(Ok(())) => {}
         Ok(Err(e)) => {
             stats.cut.fetch_add(1, Relaxed);
@@ -194,9 +220,9 @@ async fn serve(
     }
 }
 
-/// The greeting (ZMTP 3.0, NULL, as server) and READY both ways; the peer must be a SUB or
-/// XSUB socket.
-async fn handshake<R, W>(rd: &mut R, wr: &mut W) -> Result<()>
+/// The greeting (ZMTP 3.0, NULL, as server) and READY both ways, as a socket of type `ours`;
+/// the peer's type must be one of `theirs`.
+async fn handshake<R, W>(rd: &mut R, wr: &mut W, ours: &[u8], theirs: &[&[u8]]) -> Result<()>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -225,7 +251,7 @@ where
     let mut ready = Vec::with_capacity(32);
     ready.push(5);
     ready.extend_from_slice(b"READY");
-    property(&mut ready, "Socket-Type", b"PUB");
+    property(&mut ready, "Socket-Type", ours);
     write_frame(wr, 0x04, &ready).await?;
     wr.flush().await?;
     let (flags, body) = read_frame(rd).await?;
@@ -237,12 +263,190 @@ where
         .find(|(k, _)| k.eq_ignore_ascii_case(b"Socket-Type"))
         .map(|(_, v)| v);
     anyhow::ensure!(
-        matches!(ty.as_deref(), Some(b"SUB") | Some(b"XSUB")),
-        "the peer is a {} socket: a PUB socket speaks to SUB and XSUB",
+        ty.as_deref().is_some_and(|t| theirs.contains(&t)),
+        "the peer is a {} socket: a {} socket speaks to {}",
         ty.map_or("(unnamed)".into(), |t| String::from_utf8_lossy(&t)
-            .into_owned())
+            .into_owned()),
+        String::from_utf8_lossy(ours),
+        theirs
+            .iter()
+            .map(|t| String::from_utf8_lossy(t))
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     Ok(())
+}
+
+/// What a replay request for sequence `start` on is answered with: `(sequence, payload)` of
+/// each batch still buffered from `start` on, in order.
+pub type Replayer = Arc<dyn Fn(u64) -> Vec<(u64, Bytes)> + Send + Sync>;
+
+/// Longest one write of a replay may wait for the requester's socket; past it the requester
+/// is disconnected (it stopped reading), counted in `abandoned`.
+pub const REPLAY_WRITE_DEADLINE: Duration = Duration::from_secs(1);
+/// Longest one replay may take, however slowly the requester reads.
+pub const REPLAY_DEADLINE: Duration = Duration::from_secs(60);
+
+/// Counters of the replay socket.
+#[derive(Default)]
+pub struct ReplayStats {
+    /// Replay requests answered (whole or not).
+    pub replays: AtomicU64,
+    /// Requesters disconnected in a replay: a write waited past [`REPLAY_WRITE_DEADLINE`], or
+    /// the replay past [`REPLAY_DEADLINE`].
+    pub abandoned: AtomicU64,
+    /// Connections, and those refused or broken (see [`PubStats`]).
+    pub conns: Arc<PubStats>,
+}
+
+/// The replay socket: a ROUTER socket as vLLM's publisher has one. A REQ or DEALER peer sends
+/// `[empty, start sequence (8 bytes, big-endian)]`; the answer, on its connection, is one
+/// message `[empty, topic, sequence, payload]` per batch from that sequence on, then `[empty,
+/// empty, -1, empty]`. Each connection is served by a task of its own, writing straight to its
+/// socket (no queue): a requester that stops reading holds one replay's references to buffered
+/// batches for [`REPLAY_WRITE_DEADLINE`] and is disconnected, and never delays another.
+pub struct ReplaySocket {
+    /// Where it listens (the port filled in).
+    pub local: SocketAddr,
+}
+
+impl ReplaySocket {
+    /// Binds `addr`; `replayer` answers each request, every batch under `topic`.
+    pub async fn bind(
+        addr: &str,
+        topic: Bytes,
+        replayer: Replayer,
+        stats: Arc<ReplayStats>,
+    ) -> Result<Self> {
+        let conns = stats.conns.clone();
+        let local = accept(addr, conns, "replay requester", move |stream, peer| {
+            serve_replays(stream, peer, topic.clone(), replayer.clone(), stats.clone())
+        })
+        .await?;
+        Ok(ReplaySocket { local })
+    }
+}
+
+/// One requester's connection: the handshake, then its requests one after another.
+async fn serve_replays(
+    stream: TcpStream,
+    peer: SocketAddr,
+    topic: Bytes,
+    replayer: Replayer,
+    stats: Arc<ReplayStats>,
+) {
+    let (mut rd, wr) = stream.into_split();
+    let mut wr = BufWriter::with_capacity(64 << 10, wr);
+    let shake = handshake(&mut rd, &mut wr, b"ROUTER", &[b"REQ", b"DEALER"]);
+    match tokio::time::timeout(HANDSHAKE_DEADLINE, shake).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            stats.conns.cut.fetch_add(1, Relaxed);
+            tracing::warn!(%peer, error = %e, "events: a replay requester's handshake failed");
+            return;
+        }
+        Err(_) => {
+            stats.conns.cut.fetch_add(1, Relaxed);
+            tracing::warn!(%peer, "events: a replay requester's handshake took too long");
+            return;
+        }
+    }
+    loop {
+        let frames = match read_message(&mut rd).await {
+            Ok(Some(f)) => f,
+            Ok(None) => return,
+            Err(e) => {
+                stats.conns.cut.fetch_add(1, Relaxed);
+                tracing::warn!(%peer, error = %e, "events: a replay requester was disconnected");
+                return;
+            }
+        };
+        // [empty delimiter, start sequence]: what REQ sends (a DEALER sends the delimiter
+        // itself).
+        let start = match frames.as_slice() {
+            [e, s] if e.is_empty() && s.len() == 8 => {
+                u64::from_be_bytes([s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7]])
+            }
+            _ => {
+                tracing::warn!(
+                    %peer,
+                    frames = frames.len(),
+                    "events: a replay request that is not [empty, start sequence]: ignored"
+                );
+                continue;
+            }
+        };
+        stats.replays.fetch_add(1, Relaxed);
+        let batches = replayer(start);
+        let send = async {
+            for (seq, payload) in batches {
+                let seq = Bytes::copy_from_slice(&seq.to_be_bytes());
+                let msg = [Bytes::new(), topic.clone(), seq, payload];
+                timed(REPLAY_WRITE_DEADLINE, write_message(&mut wr, &msg)).await?;
+            }
+            let end_seq = Bytes::copy_from_slice(&(-1i64).to_be_bytes());
+            let end = [Bytes::new(), Bytes::new(), end_seq, Bytes::new()];
+            timed(REPLAY_WRITE_DEADLINE, write_message(&mut wr, &end)).await
+        };
+        let outcome = match tokio::time::timeout(REPLAY_DEADLINE, send).await {
+            Ok(r) => r,
+            Err(_) => Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "the replay took longer than {} s",
+                    REPLAY_DEADLINE.as_secs()
+                ),
+            )),
+        };
+        if let Err(e) = outcome {
+            stats.abandoned.fetch_add(1, Relaxed);
+            tracing::warn!(%peer, error = %e, "events: a replay requester stopped reading: disconnected");
+            return;
+        }
+    }
+}
+
+/// `f` (a write and its flush) within `deadline`.
+async fn timed(
+    deadline: Duration,
+    f: impl std::future::Future<Output = std::io::Result<()>>,
+) -> std::io::Result<()> {
+    match tokio::time::timeout(deadline, f).await {
+        Ok(r) => r,
+        Err(_) => Err(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("a write waited {} s", deadline.as_secs()),
+        )),
+    }
+}
+
+/// One message (its frames), flushed.
+async fn write_message<W: AsyncWrite + Unpin>(wr: &mut W, frames: &[Bytes]) -> std::io::Result<()> {
+    let n = frames.len();
+    for (i, f) in frames.iter().enumerate() {
+        write_frame(wr, if i + 1 < n { 0x01 } else { 0 }, f).await?;
+    }
+    wr.flush().await
+}
+
+/// A message from the peer (commands skipped; at most 16 frames). None: the peer closed.
+async fn read_message<R: AsyncRead + Unpin>(rd: &mut R) -> Result<Option<Vec<Vec<u8>>>> {
+    let mut frames = Vec::new();
+    loop {
+        let (flags, body) = match read_frame(rd).await {
+            Ok(f) => f,
+            Err(e) if is_eof(&e) && frames.is_empty() => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        if flags & 0x04 != 0 {
+            continue;
+        }
+        anyhow::ensure!(frames.len() < 16, "a message of more than 16 frames");
+        frames.push(body);
+        if flags & 0x01 == 0 {
+            return Ok(Some(frames));
+        }
+    }
 }
 
 /// Subscriptions and pings until the peer goes.
