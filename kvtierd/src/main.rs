@@ -4,6 +4,7 @@
 
 mod admin;
 mod config;
+mod conns;
 mod events;
 #[cfg(test)]
 mod fuzz_tests;
@@ -115,11 +116,22 @@ pub struct Daemon {
     pub ns_info: events::NsInfos,
     /// KV event publisher counters.
     pub events: Arc<events::EventStats>,
+    /// Connections to the admin gRPC listener refused or closed silent.
+    pub admin_conns: Arc<conns::ConnStats>,
+    /// Connections to the metrics listener refused or closed silent.
+    pub metrics_conns: Arc<conns::ConnStats>,
     /// Engine hashes of stored blocks, for KV events (only while `[events]` is on).
     pub engine_hashes: Option<Arc<events::EngineHashes>>,
     /// The remote tier, when `[cluster]` is on.
     pub cluster: Option<Cluster>,
 }
+
+/// Connections to the admin gRPC listener at once: in all, and from one address (a router,
+/// the CLI and a few operators need a handful; each Watch is a stream on one of them).
+const ADMIN_CONNS: conns::Limits = conns::Limits {
+    total: 1024,
+    per_address: 256,
+};
 
 /// This node's remote tier and data-plane server.
 pub struct Cluster {
@@ -216,6 +228,8 @@ impl Daemon {
             conn_serial: AtomicU64::new(0),
             ns_info: Arc::default(),
             events: Arc::default(),
+            admin_conns: Arc::default(),
+            metrics_conns: Arc::default(),
             cluster: None,
         };
         d.keep_engine_tags();
@@ -477,6 +491,30 @@ fn main() -> ExitCode {
     }
 }
 
+/// Raises the soft limit on open files to the hard one (systemd's default soft limit is
+/// 1,024): engine connections, admin and metrics connections, peers and the disk tier's files
+/// all take descriptors, and running out stops every listener from accepting.
+fn raise_fd_limit() {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into the rlimit it is given, which lives for the call.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } != 0 || r.rlim_cur >= r.rlim_max {
+        return;
+    }
+    let from = r.rlim_cur;
+    r.rlim_cur = r.rlim_max;
+    // SAFETY: setrlimit reads the rlimit it is given, which lives for the call.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &r) } == 0 {
+        tracing::info!(
+            from,
+            to = r.rlim_cur,
+            "open files limit raised to the hard limit"
+        );
+    }
+}
+
 fn run() -> Result<()> {
     let args = Args::parse();
     let mut sets = Vec::new();
@@ -515,6 +553,7 @@ fn run() -> Result<()> {
         .log_internal_errors(false)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    raise_fd_limit();
 
     std::fs::create_dir_all(&cfg.data_dir)
         .with_context(|| format!("creating the data directory {}", cfg.data_dir.display()))?;
@@ -731,15 +770,17 @@ fn run() -> Result<()> {
             admin::check_token(cfg.server.token.clone()),
         );
         let mut grpc_stop = stop_rx.clone();
+        let gate = conns::Gate::new("admin gRPC", ADMIN_CONNS, d.admin_conns.clone());
         let grpc_task = tokio::spawn(
             tonic::transport::Server::builder()
+                // A peer that answers no ping for 20 s is dropped (a Watch's client that
+                // hung, a cut network): its connection, its streams' threads and slots go.
+                .http2_keepalive_interval(Some(Duration::from_secs(30)))
+                .http2_keepalive_timeout(Some(Duration::from_secs(20)))
                 .add_service(svc)
-                .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::TcpListenerStream::new(grpc),
-                    async move {
-                        let _ = grpc_stop.changed().await;
-                    },
-                ),
+                .serve_with_incoming_shutdown(conns::incoming(grpc, gate), async move {
+                    let _ = grpc_stop.changed().await;
+                }),
         );
 
         tokio::select! {

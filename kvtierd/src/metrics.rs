@@ -5,6 +5,7 @@
 use std::fmt;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
@@ -489,6 +490,19 @@ fn collect(d: &Daemon, o: &mut Out) -> fmt::Result {
     ] {
         o.counter(name, help, &one(v.load(Relaxed)))?;
     }
+    let mut closed = Vec::new();
+    for (listener, c) in [("admin", &d.admin_conns), ("metrics", &d.metrics_conns)] {
+        for (reason, v) in [("refused", &c.refused), ("silent", &c.silent)] {
+            let mut l = label("listener", listener);
+            l.push(("reason", reason.into()));
+            closed.push((l, v.load(Relaxed)));
+        }
+    }
+    o.counter(
+        "connections_closed",
+        "Admin gRPC and metrics connections closed by the daemon, by reason: refused (at accept: too many open, in all or from its address), silent (nothing sent within 10 s of connecting).",
+        &closed,
+    )?;
     o.gauge(
         "event_subscribers",
         "KV event subscribers connected to the PUB socket.",
@@ -608,16 +622,56 @@ pub async fn serve(
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready))
         .fallback(|| async { (StatusCode::NOT_FOUND, "GET /metrics, /healthz or /readyz\n") })
-        .with_state(d);
-    let r = axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            let _ = stop.changed().await;
-        })
-        .await;
-    if let Err(e) = r {
-        tracing::warn!("metrics listener failed: {e}");
+        .with_state(d.clone());
+    let d_conns = d.metrics_conns.clone();
+    let gate = crate::conns::Gate::new("metrics", METRICS_CONNS, d_conns);
+    loop {
+        let (stream, peer) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(c) => c,
+                Err(e) => {
+                    // Out of descriptors and the like: a moment later, again.
+                    tracing::warn!(error = %e, "metrics: accepting a connection failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            _ = stop.changed() => return,
+        };
+        let Some(io) = gate.admit(stream, peer) else {
+            continue;
+        };
+        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+        let mut stop = stop.clone();
+        tokio::spawn(async move {
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HEADER_DEADLINE)
+                .serve_connection(hyper_util::rt::TokioIo::new(io), svc);
+            tokio::pin!(conn);
+            // A scraper's keep-alive connection is closed between requests after
+            // MAX_CONNECTION_AGE (it opens another), and at shutdown.
+            tokio::select! {
+                _ = conn.as_mut() => return,
+                _ = tokio::time::sleep(MAX_CONNECTION_AGE) => {}
+                _ = stop.changed() => {}
+            }
+            conn.as_mut().graceful_shutdown();
+            let _ = tokio::time::timeout(HEADER_DEADLINE, conn).await;
+        });
     }
 }
+
+/// Connections to the metrics listener at once: in all, and from one address.
+const METRICS_CONNS: crate::conns::Limits = crate::conns::Limits {
+    total: 256,
+    per_address: 64,
+};
+/// Longest a request's head may take to arrive (and an idle keep-alive connection to wait for
+/// the next one).
+const HEADER_DEADLINE: Duration = Duration::from_secs(10);
+/// A connection is closed between requests after this long.
+const MAX_CONNECTION_AGE: Duration = Duration::from_secs(300);
 
 async fn ready(State(d): State<Arc<Daemon>>) -> Response {
     if d.stopping() {

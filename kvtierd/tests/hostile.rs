@@ -543,3 +543,84 @@ fn tenants_cannot_read_or_alter_each_others_blocks() {
     drop(d);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A GET of /metrics from a socket bound to `from` (another loopback address: a different
+/// peer for the daemon's per-address caps), with deadlines.
+fn metrics_from(from: &str, addr: &str) -> String {
+    rt().block_on(async {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let s = tokio::net::TcpSocket::new_v4().unwrap();
+        s.bind(format!("{from}:0").parse().unwrap()).unwrap();
+        let mut c = s.connect(addr.parse().unwrap()).await.unwrap();
+        let t = Duration::from_secs(30);
+        tokio::time::timeout(t, c.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n"))
+            .await
+            .expect("write in time")
+            .unwrap();
+        let mut out = String::new();
+        tokio::time::timeout(t, c.read_to_string(&mut out))
+            .await
+            .expect("answered in time")
+            .unwrap();
+        out
+    })
+}
+
+/// Idle TCP connections to the admin gRPC and metrics listeners (a slowloris, half-open
+/// peers): past the per-address cap they are closed at accept, and the rest after 10 s of
+/// silence, so file descriptors and slots come back; peers from other addresses are answered
+/// meanwhile. Neither tonic nor hyper bounded the wait for a connection's first byte.
+#[test]
+fn idle_connections_cannot_hold_the_admin_and_metrics_listeners() {
+    use std::io::Read;
+    let d = Kvtierd::start("idle-tcp", &[], true);
+    for (listener, addr, cap) in [("metrics", &d.metrics, 64), ("admin", &d.grpc, 256)] {
+        let mut idle: Vec<std::net::TcpStream> = (0..cap + 20)
+            .map(|_| std::net::TcpStream::connect(addr.as_str()).unwrap())
+            .collect();
+        // Another address is served while they sit there.
+        let m = metrics_from("127.0.0.2", &d.metrics);
+        assert!(m.contains("kvtier_connections_closed_total"), "{m}");
+        // Each is closed: at once past the cap, at the deadline for the others (after what
+        // the server says first: HTTP/2's settings).
+        for s in &mut idle {
+            s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+            let mut b = Vec::new();
+            match s.read_to_end(&mut b) {
+                Ok(_) => assert!(b.len() < 1024, "{listener}: {} bytes", b.len()),
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+                Err(e) => panic!("{listener}: an idle connection was not closed: {e}"),
+            }
+        }
+        let m = metrics_from("127.0.0.2", &d.metrics);
+        let sample = |reason: &str| {
+            let name = format!(
+                "kvtier_connections_closed_total{{listener=\"{listener}\",reason=\"{reason}\"}}"
+            );
+            m.lines()
+                .find_map(|l| l.strip_prefix(name.as_str())?.trim().parse::<f64>().ok())
+                .unwrap_or_else(|| panic!("no {name} in {m}"))
+        };
+        assert!(
+            sample("refused") >= 20.0,
+            "{listener}: {}",
+            sample("refused")
+        );
+        assert!(
+            sample("silent") >= cap as f64,
+            "{listener}: {}",
+            sample("silent")
+        );
+    }
+    // Slots came back: from 127.0.0.1 again, both answer.
+    assert!(metrics(&d.metrics).contains("kvtier_connections_closed_total"));
+    rt().block_on(async {
+        let mut a =
+            kvtier_proto::admin::admin_client::AdminClient::connect(format!("http://{}", d.grpc))
+                .await
+                .unwrap();
+        a.health(kvtier_proto::admin::HealthRequest::default())
+            .await
+            .unwrap();
+    });
+}
