@@ -761,10 +761,18 @@ impl Feed {
         self.owed.store(true, SeqCst);
     }
 
-    /// Queues `payload`, waiting for room (a reset's batches: dropping one would owe another
-    /// reset). False: the publisher is gone.
+    /// Queues `payload`, waiting for room: `events.hwm` batches and 64 MiB (a reset's
+    /// batches: dropping one would owe another reset). False: the publisher is gone.
     fn send_waiting(&self, payload: Vec<u8>, events: usize) -> bool {
         let len = payload.len() as u64;
+        // The publishing task drains the queue (it waits on no socket): a wait here is a
+        // moment's.
+        while self.queued.load(Relaxed) + len > MAX_QUEUED_BYTES {
+            if self.tx.is_closed() {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
         self.queued.fetch_add(len, Relaxed);
         if self.tx.blocking_send(payload).is_err() {
             self.queued.fetch_sub(len, Relaxed);
