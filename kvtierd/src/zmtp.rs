@@ -32,6 +32,7 @@ use anyhow::{Context, Result};
 use bytes::Bytes;
 use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
@@ -175,22 +176,10 @@ async fn serve(
     subs: Arc<Mutex<Vec<Sub>>>,
     stats: Arc<PubStats>,
 ) {
-    let (mut rd, wr) = stream.into_split();
-    let mut wr = BufWriter::with_capacity(64 << 10, wr);
-    let shake = handshake(&mut rd, &mut wr, b"PUB", &[b"SUB", b"XSUB"]);
-    match tokio::time::timeout(HANDSHAKE_DEADLINE, shake).await {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => {
-            stats.cut.fetch_add(1, Relaxed);
-            tracing::warn!(%peer, error = %e, "events: a subscriber's handshake failed");
-            return;
-        }
-        Err(_) => {
-            stats.cut.fetch_add(1, Relaxed);
-            tracing::warn!(%peer, "events: a subscriber's handshake took too long");
-            return;
-        }
-    }
+    let Some((mut rd, wr)) = greet(stream, peer, b"PUB", &[b"SUB", b"XSUB"], &stats.cut).await
+    else {
+        return;
+    };
     let (tx, rx) = mpsc::unbounded_channel();
     let queued = Arc::new(AtomicU64::new(0));
     subs.lock().push(Sub {
@@ -218,6 +207,32 @@ async fn serve(
         stats.cut.fetch_add(1, Relaxed);
         tracing::warn!(%peer, error = %e, "events: a subscriber was disconnected");
     }
+}
+
+/// `stream` split, buffered, and through [`handshake`] within [`HANDSHAKE_DEADLINE`]; None
+/// (logged, counted in `cut`) if not.
+async fn greet(
+    stream: TcpStream,
+    peer: SocketAddr,
+    ours: &[u8],
+    theirs: &[&[u8]],
+    cut: &AtomicU64,
+) -> Option<(OwnedReadHalf, BufWriter<OwnedWriteHalf>)> {
+    let (mut rd, wr) = stream.into_split();
+    let mut wr = BufWriter::with_capacity(64 << 10, wr);
+    let e = match tokio::time::timeout(
+        HANDSHAKE_DEADLINE,
+        handshake(&mut rd, &mut wr, ours, theirs),
+    )
+    .await
+    {
+        Ok(Ok(())) => return Some((rd, wr)),
+        Ok(Err(e)) => format!("{e:#}"),
+        Err(_) => format!("no handshake within {} s", HANDSHAKE_DEADLINE.as_secs()),
+    };
+    cut.fetch_add(1, Relaxed);
+    tracing::warn!(%peer, error = %e, "events: a {} socket's peer failed its handshake", String::from_utf8_lossy(ours));
+    None
 }
 
 /// The greeting (ZMTP 3.0, NULL, as server) and READY both ways, as a socket of type `ours`;
@@ -335,22 +350,11 @@ async fn serve_replays(
     replayer: Replayer,
     stats: Arc<ReplayStats>,
 ) {
-    let (mut rd, wr) = stream.into_split();
-    let mut wr = BufWriter::with_capacity(64 << 10, wr);
-    let shake = handshake(&mut rd, &mut wr, b"ROUTER", &[b"REQ", b"DEALER"]);
-    match tokio::time::timeout(HANDSHAKE_DEADLINE, shake).await {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => {
-            stats.conns.cut.fetch_add(1, Relaxed);
-            tracing::warn!(%peer, error = %e, "events: a replay requester's handshake failed");
-            return;
-        }
-        Err(_) => {
-            stats.conns.cut.fetch_add(1, Relaxed);
-            tracing::warn!(%peer, "events: a replay requester's handshake took too long");
-            return;
-        }
-    }
+    let cut = &stats.conns.cut;
+    let Some((mut rd, mut wr)) = greet(stream, peer, b"ROUTER", &[b"REQ", b"DEALER"], cut).await
+    else {
+        return;
+    };
     loop {
         let frames = match read_message(&mut rd).await {
             Ok(Some(f)) => f,

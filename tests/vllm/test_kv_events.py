@@ -85,6 +85,26 @@ def subscriber(endpoint, side):
                 return sub
 
 
+class Reader:
+    """Reads `sub` on a thread of its own into `got`, (sequence, payload) each, until
+    stopped: a burst's batches are read as they come, whatever the test does meanwhile."""
+
+    def __init__(self, sub):
+        self.sub, self.got, self._stop = sub, [], threading.Event()
+        self._t = threading.Thread(target=self._run)
+        self._t.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            if self.sub.poll(100):
+                _, seq, payload = self.sub.recv_multipart()
+                self.got.append((int.from_bytes(seq, "big"), payload))
+
+    def stop(self):
+        self._stop.set()
+        self._t.join()
+
+
 def receive(sub, until, timeout=30.0):
     """(seq, payload) messages until `until(messages)` holds."""
     got, end = [], time.monotonic() + timeout
@@ -420,16 +440,8 @@ def test_a_burst_of_100k_saves_arrives_in_order_without_gaps(tmp_path):
         sub = subscriber(d.events, side)
         ns, fp = setup_ns(side, "events-burst")
         keys = [engine_key(fp, i.to_bytes(32, "little")) for i in range(n)]
-        got, stop = [], threading.Event()
-
-        def read():
-            while not stop.is_set():
-                if sub.poll(100):
-                    _, seq, payload = sub.recv_multipart()
-                    got.append((int.from_bytes(seq, "big"), payload))
-
-        t = threading.Thread(target=read)
-        t.start()
+        reader = Reader(sub)
+        got = reader.got
         for k in keys:
             assert side.put(ns, k, b"z" * 1024)
         dec = msgspec.msgpack.Decoder(type=KVEventBatch)
@@ -446,8 +458,7 @@ def test_a_burst_of_100k_saves_arrives_in_order_without_gaps(tmp_path):
         end = time.monotonic() + 60
         while count(list(got)) < n and time.monotonic() < end:
             time.sleep(0.2)
-        stop.set()
-        t.join()
+        reader.stop()
         seqs = [s for s, _ in got]
         # Live: in sequence order, with no gap and no event lost.
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "gaps in the live stream"
@@ -506,16 +517,8 @@ def test_a_subscriber_that_stops_reading_is_cut_off_and_holds_up_no_one(tmp_path
             time.sleep(0.05)
         ns, fp = setup_ns(side, "events-stalled")
         keys = [engine_key(fp, i.to_bytes(32, "little")) for i in range(n)]
-        got, stop = [], threading.Event()
-
-        def read():
-            while not stop.is_set():
-                if sub.poll(100):
-                    _, seq, payload = sub.recv_multipart()
-                    got.append((int.from_bytes(seq, "big"), payload))
-
-        t = threading.Thread(target=read)
-        t.start()
+        reader = Reader(sub)
+        got = reader.got
         for k in keys:
             assert side.put(ns, k, b"s" * 1024)
         dec = msgspec.msgpack.Decoder(type=KVEventBatch)
@@ -530,8 +533,7 @@ def test_a_subscriber_that_stops_reading_is_cut_off_and_holds_up_no_one(tmp_path
                 f"{len(stored(list(got)))} of {n} blocks arrived, "
                 f"{metric(d, 'kvtier_event_subscribers_cut_total')} subscribers cut")
             time.sleep(0.2)
-        stop.set()
-        t.join()
+        reader.stop()
         assert stored(got)[-n:] == keys
         seqs = [s for s, _ in got]
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "gaps in the live stream"
@@ -555,16 +557,8 @@ def test_lost_events_reset_the_view_which_then_matches_the_node(tmp_path):
     try:
         side = Sidecar(d.socket, "events-test")
         sub = subscriber(d.events, side)
-        got, stop = [], threading.Event()
-
-        def read():
-            while not stop.is_set():
-                if sub.poll(100):
-                    _, seq, payload = sub.recv_multipart()
-                    got.append((int.from_bytes(seq, "big"), payload))
-
-        t = threading.Thread(target=read)
-        t.start()
+        reader = Reader(sub)
+        got = reader.got
         ns_a, fp_a = setup_ns(side, "events-lost-a")
         ns_b, fp_b = setup_ns(side, "events-lost-b")
         a = [engine_key(fp_a, i.to_bytes(32, "little")) for i in range(3000)]
@@ -600,8 +594,7 @@ def test_lost_events_reset_the_view_which_then_matches_the_node(tmp_path):
                 f"the view never matched the node: {len(view['CPU'] & set(a))} removed blocks "
                 f"held, {len(set(b) - view['CPU'])} held blocks missing, {resets} resets")
             time.sleep(0.1)
-        stop.set()
-        t.join()
+        reader.stop()
         # Events were lost, and said so: the test saw the loss it is about.
         assert metric(d, "kvtier_events_lost_total") > 0
         assert metric(d, "kvtier_event_resets_total") >= 1 and resets >= 1
