@@ -718,9 +718,10 @@ struct Feed {
     enc: Encoding,
     infos: NsInfos,
     engine: Arc<EngineHashes>,
-    /// Resets queued so far. A reset is queued under this lock, so a thread that reads a new
-    /// count queues its snapshot after that reset.
-    resets: Mutex<u64>,
+    /// Resets queued so far, counted once the reset is in the queue: a thread that reads a new
+    /// count queues its snapshot after that reset. (No lock: the reset's send may wait for
+    /// room, and no thread waits on another's.)
+    resets: AtomicU64,
     /// Events were lost since the last reset.
     owed: AtomicBool,
 }
@@ -765,8 +766,9 @@ impl Feed {
     /// batches: dropping one would owe another reset). False: the publisher is gone.
     fn send_waiting(&self, payload: Vec<u8>, events: usize) -> bool {
         let len = payload.len() as u64;
-        // The publishing task drains the queue (it waits on no socket): a wait here is a
-        // moment's.
+        // The 64 MiB bound is a byte count beside the channel, so there is nothing to wait on
+        // but time: a 1 ms pause, only in a reset (rare), only while the publishing task
+        // drains the queue (it waits on no socket, so the wait is a moment's).
         while self.queued.load(Relaxed) + len > MAX_QUEUED_BYTES {
             if self.tx.is_closed() {
                 return false;
@@ -788,15 +790,14 @@ impl Feed {
         if !self.owed.load(SeqCst) {
             return true;
         }
-        let mut resets = self.resets.lock();
-        // Cleared first: a loss from here on owes the next reset.
+        // Cleared first, by one thread: a loss from here on owes the next reset.
         if !self.owed.swap(false, SeqCst) {
             return true;
         }
         if !self.send_waiting(cleared_batch(now_secs(), self.enc), 1) {
             return false;
         }
-        *resets += 1;
+        self.resets.fetch_add(1, SeqCst);
         self.stats.resets.fetch_add(1, Relaxed);
         true
     }
@@ -860,7 +861,7 @@ impl Feed {
             if !self.reset_if_owed() {
                 return;
             }
-            let resets = *self.resets.lock();
+            let resets = self.resets.load(SeqCst);
             if resets != seen_resets {
                 seen_resets = resets;
                 snapshot_owed = true;
@@ -928,7 +929,7 @@ pub async fn start(
         enc,
         infos: ns_info,
         engine: engine_hashes,
-        resets: Mutex::new(0),
+        resets: AtomicU64::new(0),
         owed: AtomicBool::new(false),
     });
     // Sequence 0: whatever a subscriber knew of this node is void.
