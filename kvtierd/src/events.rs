@@ -706,10 +706,12 @@ fn bind_addr(endpoint: &str) -> String {
 /// `AllBlocksCleared` (the subscriber forgets the node; what it learns after is a subset of
 /// what the node holds, never more), then each store's snapshot (every block it holds, as
 /// `BlockStored`), sent by the store's own thread before its next batch, so each block's later
-/// events follow it in order and the view converges to the node's. A store announces itself
-/// again at most once per [`RESYNC_GAP`]: a store that keeps outrunning its publisher leaves
-/// subscribers with a subset of its blocks in between, not a snapshot's worth of events on
-/// every loss.
+/// events follow it in order and the view converges to the node's. The events the store had
+/// queued before its snapshot are not published (the snapshot covers them; after it, one older
+/// than a lost event could undo the snapshot for good). A store announces itself again at most
+/// once per [`RESYNC_GAP`] (or 4 × its last snapshot's time) after its last snapshot ended: a
+/// store that keeps outrunning its publisher leaves subscribers with a subset of its blocks in
+/// between, not a snapshot's worth of events on every loss.
 struct Feed {
     tx: tokio::sync::mpsc::Sender<Vec<u8>>,
     /// Bytes of the batches in `tx`'s queue.
@@ -837,6 +839,8 @@ impl Feed {
         let (mut seen_lost, mut seen_resets) = (0u64, 0u64);
         let mut snapshot_owed = false;
         let mut last_snapshot: Option<Instant> = None;
+        let mut gap = RESYNC_GAP;
+        let mut withheld = Vec::new();
         loop {
             let first = match sub.recv_timeout(IDLE_CHECK) {
                 Ok(e) => Some(e),
@@ -866,12 +870,30 @@ impl Feed {
                 seen_resets = resets;
                 snapshot_owed = true;
             }
-            if snapshot_owed && last_snapshot.is_none_or(|at| at.elapsed() >= RESYNC_GAP) {
-                snapshot_owed = false;
-                last_snapshot = Some(Instant::now());
-                if !self.snapshot(t, store) {
-                    return;
+            if snapshot_owed {
+                // Every event queued now happened before the snapshot owed, which covers it.
+                // Published after the snapshot, one older than an event this store lost
+                // would undo what the snapshot says, for good: a block's `BlockStored` whose
+                // `BlockRemoved` was lost would make it "held" again. So until the snapshot
+                // this store's events go unpublished (subscribers know a subset of its
+                // blocks meanwhile), though still tracked for their engine hashes.
+                withheld.clear();
+                withheld.extend(first);
+                withheld.extend(sub.try_iter().take(sub.capacity().unwrap_or(1 << 16)));
+                let _ = self.engine.resolve_all(t, &withheld);
+                if last_snapshot.is_none_or(|at| at.elapsed() >= gap) {
+                    snapshot_owed = false;
+                    let started = Instant::now();
+                    if !self.snapshot(t, store) {
+                        return;
+                    }
+                    // Measured from its end, and at least 4 × what it took: a store whose
+                    // snapshot outlasts the gap and loses events meanwhile still publishes
+                    // more than it withholds.
+                    gap = RESYNC_GAP.max(started.elapsed() * 4);
+                    last_snapshot = Some(Instant::now());
                 }
+                continue;
             }
             let Some(first) = first else { continue };
             // Let a stream of saves gather for a moment unless a backlog waits: the store's
@@ -1422,5 +1444,123 @@ mod tests {
         let mut want = Vec::new();
         rmp::encode::write_uint(&mut want, low).unwrap();
         assert!(b.windows(want.len()).any(|w| w == want.as_slice()));
+    }
+
+    /// The block keys a batch stores and removes, and whether it clears every block (array
+    /// encoding, integer hashes: what this test's feed publishes).
+    fn decode(b: &[u8]) -> (bool, Vec<u64>, Vec<u64>) {
+        use rmp::decode::{read_array_len, read_f64, read_int, read_marker, read_str_from_slice};
+        let mut rd = b;
+        assert_eq!(read_array_len(&mut rd).unwrap(), 3);
+        read_f64(&mut rd).unwrap();
+        let (mut cleared, mut stored, mut removed) = (false, Vec::new(), Vec::new());
+        for _ in 0..read_array_len(&mut rd).unwrap() {
+            let n = read_array_len(&mut rd).unwrap();
+            let (kind, rest) = read_str_from_slice(rd).unwrap();
+            rd = rest;
+            let keys = |rd: &mut &[u8]| -> Vec<u64> {
+                let k = read_array_len(rd).unwrap();
+                (0..k).map(|_| read_int(rd).unwrap()).collect()
+            };
+            let skip_nil = |rd: &mut &[u8]| assert_eq!(read_marker(rd).unwrap(), rmp::Marker::Null);
+            match (kind, n) {
+                ("AllBlocksCleared", 1) => cleared = true,
+                ("BlockStored", 8) => {
+                    stored.extend(keys(&mut rd));
+                    skip_nil(&mut rd); // parent
+                                       // Token ids: none known here.
+                    assert!(matches!(
+                        read_marker(&mut rd).unwrap(),
+                        rmp::Marker::Null | rmp::Marker::FixArray(0)
+                    ));
+                    read_int::<u64, _>(&mut rd).unwrap();
+                    skip_nil(&mut rd);
+                    rd = read_str_from_slice(rd).unwrap().1;
+                    skip_nil(&mut rd);
+                }
+                ("BlockRemoved", 3) => {
+                    removed.extend(keys(&mut rd));
+                    rd = read_str_from_slice(rd).unwrap().1;
+                }
+                other => panic!("unexpected event {other:?}"),
+            }
+        }
+        (cleared, stored, removed)
+    }
+
+    /// A store that lost events (its channel full) queued, before the loss, a block's
+    /// `BlockStored` whose `BlockRemoved` was the event lost. Published after the reset's
+    /// snapshot it would make the removed block "held" for good in every subscriber's view;
+    /// the view rebuilt from what the feed publishes must end as the store's.
+    #[test]
+    fn events_queued_before_a_loss_are_not_published_over_the_snapshot() {
+        let store: &'static Store = Box::leak(Box::new(
+            kvstore::StoreConfig {
+                capacity_bytes: 4 << 20,
+                segment_bytes: 1 << 20,
+                size_classes: vec![4096],
+                ..Default::default()
+            }
+            .build()
+            .unwrap(),
+        ));
+        let ns = store
+            .register_fingerprint(kvstore::Fingerprint(BlockKey(7)))
+            .unwrap();
+        // Room for 4 events: blocks 1-4 stored fill it; block 1's removal is lost.
+        let sub = store.subscribe(4);
+        for k in 1..=4u128 {
+            store.put(ns, BlockKey(k), &[1u8; 4096]).unwrap();
+        }
+        assert!(store.remove(&BlockKey(1)));
+        assert_eq!(sub.lost(), 1);
+        let (tx, mut rx) = tokio::sync::mpsc::channel(1024);
+        let feed = Arc::new(Feed {
+            tx,
+            queued: Arc::default(),
+            stats: Arc::default(),
+            enc: Encoding {
+                array: true,
+                int_hashes: true,
+                remote_medium: false,
+            },
+            infos: NsInfos::default(),
+            engine: Arc::default(),
+            resets: AtomicU64::new(0),
+            owed: AtomicBool::new(false),
+        });
+        let f = feed.clone();
+        std::thread::spawn(move || f.run(0, store, sub));
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        // The view a router keeps, until it holds block 9, stored after all of the above.
+        let mut view = std::collections::BTreeSet::new();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut sentinel = false;
+        while !view.contains(&9) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let b = rt
+                .block_on(async { tokio::time::timeout(left, rx.recv()).await })
+                .ok()
+                .flatten()
+                .expect("the feed publishes block 9 within 60 s");
+            let (cleared, stored, removed) = decode(&b);
+            if cleared {
+                view.clear();
+            }
+            view.extend(stored);
+            for k in removed {
+                view.remove(&k);
+            }
+            if !sentinel && view == [2, 3, 4].into() {
+                sentinel = true;
+                store.put(ns, BlockKey(9), &[1u8; 4096]).unwrap();
+            }
+        }
+        assert_eq!(view, [2, 3, 4, 9].into(), "the view after the reset");
+        assert_eq!(feed.stats.lost_events.load(Relaxed), 1);
+        assert_eq!(feed.stats.resets.load(Relaxed), 1);
     }
 }

@@ -481,7 +481,14 @@ def test_two_nodes_share_a_prefix_over_the_remote_tier(model, ref, tmp_path):
         side = Sidecar(b.socket, "e2e-test")
         deadline = time.time() + 90  # a failed push is tried again 1, 4 and 16 s later
         while not all(side.match_prefix(keys(p)) == len(p) // BS for p in (A, C, F)):
-            assert time.time() < deadline, "node B never saw the prefixes"
+            if time.time() > deadline:
+                # What each node did: its pushes (tries, retries, failures), its peers
+                # (breakers, failures) and what it holds; the daemons' warnings are on stderr.
+                seen = [side.match_prefix(keys(p)) for p in (A, C, F)]
+                state = {n: {"stats": d.cli("stats"), "cluster": d.cli("cluster")}
+                         for n, d in (("A", a), ("B", b))}
+                raise AssertionError(f"node B never saw the prefixes: {seen} of "
+                                     f"{[len(p) // BS for p in (A, C, F)]} blocks; {state}")
             time.sleep(0.2)
         # The blocks placement gives B are in its host memory now (pushed); the rest are A's.
         on_b = next(t for t in b.cli("stats")["tiers"] if t["tier"] == "host")["blocks"]
