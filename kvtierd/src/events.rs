@@ -929,8 +929,10 @@ pub async fn start(
     stats: Arc<EventStats>,
     stop: tokio::sync::watch::Receiver<bool>,
 ) -> Result<Publisher> {
+    let topic = bytes::Bytes::from(cfg.topic.clone().into_bytes());
     let publ = crate::zmtp::PubSocket::bind(
         bind_addr(&cfg.endpoint).trim_start_matches("tcp://"),
+        topic.clone(),
         stats.socket.clone(),
     )
     .await
@@ -941,7 +943,6 @@ pub async fn start(
         int_hashes: cfg.int_hashes,
         remote_medium: cfg.remote_medium,
     };
-    let topic = bytes::Bytes::from(cfg.topic.clone().into_bytes());
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<u8>>(cfg.hwm);
     let queued = Arc::new(AtomicU64::new(0));
     let feed = Arc::new(Feed {
@@ -976,12 +977,9 @@ pub async fn start(
     if !cfg.replay_endpoint.is_empty() {
         let ring = ring.clone();
         let replayer: crate::zmtp::Replayer = Arc::new(move |start| {
-            ring.lock()
-                .batches
-                .iter()
-                .filter(|(s, _)| *s >= start)
-                .cloned()
-                .collect()
+            let r = ring.lock();
+            let i = r.batches.partition_point(|(s, _)| *s < start);
+            r.batches.get(i).cloned()
         });
         let r = crate::zmtp::ReplaySocket::bind(
             bind_addr(&cfg.replay_endpoint).trim_start_matches("tcp://"),
@@ -995,7 +993,7 @@ pub async fn start(
     }
     // Publishing: the live stream never waits on a replay.
     {
-        let (ring, topic, stats) = (ring.clone(), topic.clone(), stats.clone());
+        let (ring, stats) = (ring.clone(), stats.clone());
         let mut stop = stop.clone();
         tokio::spawn(async move {
             let mut seq: u64 = 0;
@@ -1005,8 +1003,7 @@ pub async fn start(
                         let Some(payload) = m else { break };
                         queued.fetch_sub(payload.len() as u64, Relaxed);
                         let payload = bytes::Bytes::from(payload);
-                        publ.send(vec![
-                            topic.clone(),
+                        publ.send(&[
                             bytes::Bytes::copy_from_slice(&seq.to_be_bytes()),
                             payload.clone(),
                         ]);

@@ -16,15 +16,22 @@
 //!   its socket, each write within [`REPLAY_WRITE_DEADLINE`] and each replay within
 //!   [`REPLAY_DEADLINE`]; past either it is disconnected, counted.
 //! - Both: the handshake has a deadline, a peer's frames are bounded ([`MAX_INBOUND_FRAME`]),
-//!   and so is the number of connections ([`MAX_CONNECTIONS`]).
+//!   and so is the number of connections ([`MAX_CONNECTIONS`], [`MAX_PER_ADDRESS`] from one
+//!   address). TCP keepalive finds peers that vanished without a reset; a subscriber that
+//!   subscribes to nothing within [`SUBSCRIBE_DEADLINE`], and a replay requester that asks
+//!   nothing for [`REPLAY_IDLE`], are disconnected (a ZMQ socket reconnects on its own).
 //!
-//! Subscriptions come as ZMTP 3.0 messages (`0x01` + topic, `0x00` + topic to cancel) or as
-//! ZMTP 3.1's `SUBSCRIBE` / `CANCEL` commands; a `PING` is answered with a `PONG`. A message
-//! goes to each subscriber with a subscription that is a prefix of its first frame.
+//! Every message of the PUB socket has the socket's topic as its first frame, so only the
+//! subscriptions that are prefixes of the topic can match; they are all a subscriber's state
+//! kept (counts by length: a few bytes, whatever it sends). Subscriptions come as ZMTP 3.0
+//! messages (`0x01` + topic, `0x00` + topic to cancel) or as ZMTP 3.1's `SUBSCRIBE` / `CANCEL`
+//! commands. A `PING` is answered with a `PONG` (its context cut to 16 bytes, RFC 37), one at a
+//! time: pings sent while a `PONG` waits are not answered.
 
-use std::net::SocketAddr;
-use std::sync::atomic::AtomicU64;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -49,6 +56,12 @@ pub const MAX_INBOUND_FRAME: u64 = 64 << 10;
 /// once (counted as cut). A subscriber's connection waits for its subscriptions with no
 /// deadline (it may say nothing for hours), so their number is what is bounded.
 pub const MAX_CONNECTIONS: u64 = 1024;
+/// Most connections at once from one address.
+pub const MAX_PER_ADDRESS: u64 = 64;
+/// Longest a subscriber may stay connected with no subscription a message could match.
+pub const SUBSCRIBE_DEADLINE: Duration = Duration::from_secs(30);
+/// Longest a replay requester's connection may stay without a request.
+pub const REPLAY_IDLE: Duration = Duration::from_secs(120);
 
 /// Counters of the socket.
 #[derive(Default)]
@@ -67,9 +80,35 @@ pub struct PubStats {
 /// One subscriber: its subscriptions, and its writer's queue.
 struct Sub {
     id: u64,
-    topics: Vec<Vec<u8>>,
+    /// Its subscriptions that are prefixes of the topic, counted by their length (a CANCEL
+    /// takes back one SUBSCRIBE of the same bytes).
+    prefixes: Vec<u32>,
+    /// Their sum: the subscriber gets every message while it is above 0.
+    active: u32,
     tx: mpsc::UnboundedSender<Out>,
     queued: Arc<AtomicU64>,
+    /// A `PONG` waits in `tx`.
+    pong: Arc<AtomicBool>,
+}
+
+impl Sub {
+    /// A SUBSCRIBE (`on`) or CANCEL of `t`, for a socket of topic `topic`.
+    fn subscribe(&mut self, topic: &[u8], t: &[u8], on: bool) {
+        if !topic.starts_with(t) {
+            // It matches no message: nothing to keep.
+            return;
+        }
+        let Some(n) = self.prefixes.get_mut(t.len()) else {
+            return;
+        };
+        if on {
+            *n = n.saturating_add(1);
+            self.active = self.active.saturating_add(1);
+        } else if *n > 0 {
+            *n -= 1;
+            self.active -= 1;
+        }
+    }
 }
 
 /// What a subscriber's writer sends: a message's frames, or a PONG with its context.
@@ -82,40 +121,53 @@ enum Out {
 pub struct PubSocket {
     subs: Arc<Mutex<Vec<Sub>>>,
     stats: Arc<PubStats>,
+    topic: Bytes,
     /// Where it listens (the port filled in).
     pub local: SocketAddr,
 }
 
 impl PubSocket {
-    /// Binds `addr` and accepts subscribers in a task of its own.
-    pub async fn bind(addr: &str, stats: Arc<PubStats>) -> Result<Self> {
+    /// Binds `addr` and accepts subscribers in a task of its own; every message sent has
+    /// `topic` as its first frame.
+    pub async fn bind(addr: &str, topic: Bytes, stats: Arc<PubStats>) -> Result<Self> {
         let subs: Arc<Mutex<Vec<Sub>>> = Arc::default();
-        let (s, st) = (subs.clone(), stats.clone());
+        let (s, st, tp) = (subs.clone(), stats.clone(), topic.clone());
         let mut next_id = 0u64;
         let local = accept(addr, stats.clone(), "subscriber", move |stream, peer| {
             next_id += 1;
-            serve(stream, peer, next_id, s.clone(), st.clone())
+            serve(stream, peer, next_id, tp.clone(), s.clone(), st.clone())
         })
         .await?;
-        Ok(PubSocket { subs, stats, local })
+        Ok(PubSocket {
+            subs,
+            stats,
+            topic,
+            local,
+        })
     }
 
-    /// Queues `frames` (one message) for every subscriber whose subscription is a prefix of
-    /// the first frame; a subscriber with [`MAX_QUEUED_BYTES`] queued does not get it.
-    pub fn send(&self, frames: Vec<Bytes>) {
-        let Some(first) = frames.first() else { return };
-        let bytes: u64 = frames.iter().map(|f| f.len() as u64 + 9).sum();
+    /// Queues the message `[topic, rest...]` for every subscriber with a subscription (a
+    /// prefix of the topic); a subscriber with [`MAX_QUEUED_BYTES`] queued does not get it.
+    pub fn send(&self, rest: &[Bytes]) {
+        let bytes: u64 =
+            (self.topic.len() as u64 + 9) + rest.iter().map(|f| f.len() as u64 + 9).sum::<u64>();
         let mut msg: Option<Arc<[Bytes]>> = None;
         let subs = self.subs.lock();
         for s in subs.iter() {
-            if !s.topics.iter().any(|t| first.starts_with(t)) {
+            if s.active == 0 {
                 continue;
             }
             if s.queued.load(Relaxed) + bytes > MAX_QUEUED_BYTES {
                 self.stats.skipped.fetch_add(1, Relaxed);
                 continue;
             }
-            let m = msg.get_or_insert_with(|| Arc::from(frames.clone())).clone();
+            let m = msg
+                .get_or_insert_with(|| {
+                    std::iter::once(self.topic.clone())
+                        .chain(rest.iter().cloned())
+                        .collect()
+                })
+                .clone();
             s.queued.fetch_add(bytes, Relaxed);
             // A closed queue: the subscriber is going away.
             let _ = s.tx.send(Out::Message(m));
@@ -124,8 +176,9 @@ impl PubSocket {
 }
 
 /// Binds `addr` and, in a task of its own, hands each connection (at most
-/// [`MAX_CONNECTIONS`] at once, counted in `stats.connections`; past it one is closed at once
-/// and counted in `stats.cut`) to `serve`.
+/// [`MAX_CONNECTIONS`] at once, counted in `stats.connections`, and [`MAX_PER_ADDRESS`] from
+/// one address; past either one is closed at once and counted in `stats.cut`), with TCP
+/// keepalive on, to `serve`.
 async fn accept<F, Fut>(
     addr: &str,
     stats: Arc<PubStats>,
@@ -140,6 +193,7 @@ where
         .await
         .with_context(|| format!("binding {addr}"))?;
     let local = l.local_addr()?;
+    let from: Arc<Mutex<HashMap<IpAddr, u64>>> = Arc::default();
     tokio::spawn(async move {
         loop {
             let (stream, peer) = match l.accept().await {
@@ -151,17 +205,42 @@ where
                     continue;
                 }
             };
-            if stats.connections.load(Relaxed) >= MAX_CONNECTIONS {
-                stats.cut.fetch_add(1, Relaxed);
-                tracing::warn!(%peer, "events: {MAX_CONNECTIONS} connections open: a {what} refused");
-                continue;
+            let ip = peer.ip();
+            {
+                let mut f = from.lock();
+                let n = f.entry(ip).or_insert(0);
+                if stats.connections.load(Relaxed) >= MAX_CONNECTIONS || *n >= MAX_PER_ADDRESS {
+                    if *n == 0 {
+                        f.remove(&ip);
+                    }
+                    drop(f);
+                    stats.cut.fetch_add(1, Relaxed);
+                    tracing::warn!(%peer, "events: {MAX_CONNECTIONS} connections open, or \
+                        {MAX_PER_ADDRESS} from this address: a {what} refused");
+                    continue;
+                }
+                *n += 1;
             }
             stats.connections.fetch_add(1, Relaxed);
             let _ = stream.set_nodelay(true);
-            let (fut, st) = (serve(stream, peer), stats.clone());
+            // A peer gone without a reset (a host down, a cut network) is found in ~1 min.
+            let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(
+                &socket2::TcpKeepalive::new()
+                    .with_time(Duration::from_secs(30))
+                    .with_interval(Duration::from_secs(10))
+                    .with_retries(3),
+            );
+            let (fut, st, from) = (serve(stream, peer), stats.clone(), from.clone());
             tokio::spawn(async move {
                 fut.await;
                 st.connections.fetch_sub(1, Relaxed);
+                let mut f = from.lock();
+                if let Some(n) = f.get_mut(&ip) {
+                    *n -= 1;
+                    if *n == 0 {
+                        f.remove(&ip);
+                    }
+                }
             });
         }
     });
@@ -173,6 +252,7 @@ async fn serve(
     stream: TcpStream,
     peer: SocketAddr,
     id: u64,
+    topic: Bytes,
     subs: Arc<Mutex<Vec<Sub>>>,
     stats: Arc<PubStats>,
 ) {
@@ -182,18 +262,33 @@ async fn serve(
     };
     let (tx, rx) = mpsc::unbounded_channel();
     let queued = Arc::new(AtomicU64::new(0));
+    let pong = Arc::new(AtomicBool::new(false));
     subs.lock().push(Sub {
         id,
-        topics: Vec::new(),
+        prefixes: vec![0; topic.len() + 1],
+        active: 0,
         tx: tx.clone(),
         queued: queued.clone(),
+        pong: pong.clone(),
     });
     stats.subscribers.fetch_add(1, Relaxed);
-    let mut writer = tokio::spawn(write_loop(wr, rx, queued));
-    let reading = read_loop(&mut rd, id, &subs, &tx);
+    let mut writer = tokio::spawn(write_loop(wr, rx, queued, pong));
+    let reading = read_loop(&mut rd, id, &topic, &subs, &tx);
+    let subscribed = async {
+        tokio::time::sleep(SUBSCRIBE_DEADLINE).await;
+        let on = |s: &Sub| s.id == id && s.active > 0;
+        if subs.lock().iter().any(on) {
+            std::future::pending::<()>().await;
+        }
+    };
     // Whichever ends first ends the connection.
     let outcome = tokio::select! {
         r = reading => r.map_err(|e| format!("{e:#}")),
+        () = subscribed => Err(format!(
+            "no subscription to {:?} within {} s",
+            String::from_utf8_lossy(&topic),
+            SUBSCRIBE_DEADLINE.as_secs()
+        )),
         w = &mut writer => match w {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(e),
@@ -292,13 +387,17 @@ where
     Ok(())
 }
 
-/// What a replay request for sequence `start` on is answered with: `(sequence, payload)` of
-/// each batch still buffered from `start` on, in order.
-pub type Replayer = Arc<dyn Fn(u64) -> Vec<(u64, Bytes)> + Send + Sync>;
+/// The first batch still buffered from sequence `start` on: `(sequence, payload)`. A replay
+/// takes its batches one at a time, so a requester that reads slowly holds one batch, not a
+/// copy of the buffer (a batch that leaves the buffer meanwhile is not replayed).
+pub type Replayer = Arc<dyn Fn(u64) -> Option<(u64, Bytes)> + Send + Sync>;
 
-/// Longest one write of a replay may wait for the requester's socket; past it the requester
-/// is disconnected (it stopped reading), counted in `abandoned`.
+/// Longest one write of a replay may wait for the requester's socket, plus
+/// [`REPLAY_WRITE_PER_MIB`] per MiB of the message; past it the requester is disconnected (it
+/// stopped reading), counted in `abandoned`.
 pub const REPLAY_WRITE_DEADLINE: Duration = Duration::from_secs(1);
+/// What a MiB adds to a replay write's deadline (a batch of a burst of saves may be ~20 MiB).
+pub const REPLAY_WRITE_PER_MIB: Duration = Duration::from_millis(250);
 /// Longest one replay may take, however slowly the requester reads.
 pub const REPLAY_DEADLINE: Duration = Duration::from_secs(60);
 
@@ -356,10 +455,14 @@ async fn serve_replays(
         return;
     };
     loop {
-        let frames = match read_message(&mut rd).await {
-            Ok(Some(f)) => f,
-            Ok(None) => return,
-            Err(e) => {
+        let frames = match tokio::time::timeout(REPLAY_IDLE, read_message(&mut rd)).await {
+            Ok(Ok(Some(f))) => f,
+            Ok(Ok(None)) => return,
+            Err(_) => {
+                tracing::debug!(%peer, "events: a replay requester idle for {} s: disconnected", REPLAY_IDLE.as_secs());
+                return;
+            }
+            Ok(Err(e)) => {
                 stats.conns.cut.fetch_add(1, Relaxed);
                 tracing::warn!(%peer, error = %e, "events: a replay requester was disconnected");
                 return;
@@ -381,12 +484,15 @@ async fn serve_replays(
             }
         };
         stats.replays.fetch_add(1, Relaxed);
-        let batches = replayer(start);
         let send = async {
-            for (seq, payload) in batches {
+            let mut next = start;
+            while let Some((seq, payload)) = replayer(next) {
+                next = seq + 1;
+                let deadline =
+                    REPLAY_WRITE_DEADLINE + REPLAY_WRITE_PER_MIB * (payload.len() >> 20) as u32;
                 let seq = Bytes::copy_from_slice(&seq.to_be_bytes());
                 let msg = [Bytes::new(), topic.clone(), seq, payload];
-                timed(REPLAY_WRITE_DEADLINE, write_message(&mut wr, &msg)).await?;
+                timed(deadline, write_message(&mut wr, &msg)).await?;
             }
             let end_seq = Bytes::copy_from_slice(&(-1i64).to_be_bytes());
             let end = [Bytes::new(), Bytes::new(), end_seq, Bytes::new()];
@@ -419,7 +525,7 @@ async fn timed(
         Ok(r) => r,
         Err(_) => Err(std::io::Error::new(
             std::io::ErrorKind::TimedOut,
-            format!("a write waited {} s", deadline.as_secs()),
+            format!("a write waited {:.1} s", deadline.as_secs_f64()),
         )),
     }
 }
@@ -457,6 +563,7 @@ async fn read_message<R: AsyncRead + Unpin>(rd: &mut R) -> Result<Option<Vec<Vec
 async fn read_loop<R: AsyncRead + Unpin>(
     rd: &mut R,
     id: u64,
+    topic: &[u8],
     subs: &Mutex<Vec<Sub>>,
     tx: &mpsc::UnboundedSender<Out>,
 ) -> Result<()> {
@@ -466,16 +573,25 @@ async fn read_loop<R: AsyncRead + Unpin>(
             Err(e) if is_eof(&e) => return Ok(()),
             Err(e) => return Err(e),
         };
-        let (subscribe, topic) = if flags & 0x04 != 0 {
+        let (subscribe, t) = if flags & 0x04 != 0 {
             let name = command_name(&body)?;
             let rest = &body[1 + name.len()..];
             match name {
                 b"SUBSCRIBE" => (true, rest.to_vec()),
                 b"CANCEL" => (false, rest.to_vec()),
                 b"PING" => {
-                    // TTL (2 bytes), then the context to echo.
+                    // TTL (2 bytes), then the context to echo (at most 16 bytes); one PONG
+                    // waits at a time, whatever the peer sends.
                     let ctx = rest.get(2..).unwrap_or_default();
-                    let _ = tx.send(Out::Pong(Bytes::copy_from_slice(ctx)));
+                    let ctx = &ctx[..ctx.len().min(16)];
+                    let pending = subs
+                        .lock()
+                        .iter()
+                        .find(|s| s.id == id)
+                        .map(|s| s.pong.clone());
+                    if pending.is_some_and(|p| !p.swap(true, Relaxed)) {
+                        let _ = tx.send(Out::Pong(Bytes::copy_from_slice(ctx)));
+                    }
                     continue;
                 }
                 _ => continue,
@@ -488,15 +604,8 @@ async fn read_loop<R: AsyncRead + Unpin>(
                 _ => continue,
             }
         };
-        let mut g = subs.lock();
-        if let Some(s) = g.iter_mut().find(|s| s.id == id) {
-            if subscribe {
-                if s.topics.len() < 1024 {
-                    s.topics.push(topic);
-                }
-            } else if let Some(i) = s.topics.iter().position(|t| *t == topic) {
-                s.topics.swap_remove(i);
-            }
+        if let Some(s) = subs.lock().iter_mut().find(|s| s.id == id) {
+            s.subscribe(topic, &t, subscribe);
         }
     }
 }
@@ -507,6 +616,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     mut wr: W,
     mut rx: mpsc::UnboundedReceiver<Out>,
     queued: Arc<AtomicU64>,
+    pong: Arc<AtomicBool>,
 ) -> Result<(), String> {
     while let Some(first) = rx.recv().await {
         let mut next = Some(first);
@@ -524,6 +634,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(
                         queued.fetch_sub(bytes, Relaxed);
                     }
                     Out::Pong(ctx) => {
+                        pong.store(false, Relaxed);
                         let mut b = Vec::with_capacity(5 + ctx.len());
                         b.push(4);
                         b.extend_from_slice(b"PONG");
@@ -625,7 +736,14 @@ mod tests {
 
     /// A peer that does the handshake as a `socket_type` socket (by hand, as RFC 23 says).
     async fn peer(addr: SocketAddr, socket_type: &[u8]) -> TcpStream {
-        let mut s = TcpStream::connect(addr).await.unwrap();
+        peer_from([127, 0, 0, 1], addr, socket_type).await
+    }
+
+    /// [`peer`] from address `ip`.
+    async fn peer_from(ip: [u8; 4], addr: SocketAddr, socket_type: &[u8]) -> TcpStream {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.bind(SocketAddr::from((ip, 0))).unwrap();
+        let mut s = sock.connect(addr).await.unwrap();
         let mut g = [0u8; 64];
         g[0] = 0xff;
         g[9] = 0x7f;
@@ -651,31 +769,30 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_subscriber_that_reads_nothing_never_has_more_than_its_queue_held_for_it() {
         let stats = Arc::new(PubStats::default());
-        let p = PubSocket::bind("127.0.0.1:0", stats.clone()).await.unwrap();
+        let p = PubSocket::bind("127.0.0.1:0", Bytes::new(), stats.clone())
+            .await
+            .unwrap();
         let mut stalled = peer(p.local, b"SUB").await;
         write_frame(&mut stalled, 0, &[1]).await.unwrap(); // every topic
         until("the subscription", || {
-            p.subs.lock().first().is_some_and(|s| !s.topics.is_empty())
+            p.subs.lock().first().is_some_and(|s| s.active > 0)
         })
         .await;
         // 64 MiB offered to a peer that reads nothing.
         let big = Bytes::from(vec![7u8; 1 << 20]);
         for i in 0u64..64 {
-            p.send(vec![
-                Bytes::new(),
-                Bytes::copy_from_slice(&i.to_be_bytes()),
-                big.clone(),
-            ]);
+            p.send(&[Bytes::copy_from_slice(&i.to_be_bytes()), big.clone()]);
             let queued = p.subs.lock()[0].queued.load(Relaxed);
             assert!(queued <= MAX_QUEUED_BYTES, "{queued} bytes queued");
         }
         // (What the kernel's buffers took while the writer ran was not queued.)
         let skipped = stats.skipped.load(Relaxed);
         assert!(skipped > 0, "{skipped} of 64 skipped");
-        // A message for a topic it did not ask for is not queued for it.
-        p.subs.lock()[0].topics = vec![b"kv".to_vec()];
+        // Once it cancels its subscription nothing is queued for it.
+        write_frame(&mut stalled, 0, &[0]).await.unwrap();
+        until("the cancel", || p.subs.lock()[0].active == 0).await;
         let before = stats.skipped.load(Relaxed);
-        p.send(vec![Bytes::from_static(b"other"), big.clone()]);
+        p.send(std::slice::from_ref(&big));
         assert_eq!(stats.skipped.load(Relaxed), before);
         drop(stalled);
     }
@@ -683,7 +800,9 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_peer_that_is_not_a_subscriber_or_sends_a_huge_frame_is_cut_off() {
         let stats = Arc::new(PubStats::default());
-        let p = PubSocket::bind("127.0.0.1:0", stats.clone()).await.unwrap();
+        let p = PubSocket::bind("127.0.0.1:0", Bytes::new(), stats.clone())
+            .await
+            .unwrap();
         // Another PUB socket: refused at the handshake.
         let mut other = peer(p.local, b"PUB").await;
         until("the PUB peer cut off", || stats.cut.load(Relaxed) == 1).await;
@@ -707,6 +826,100 @@ mod tests {
         })
         .await;
         assert!(p.subs.lock().is_empty());
+    }
+
+    /// A subscriber's state is a count per prefix of the topic, whatever it sends: a
+    /// subscription to anything else matches no message and is not kept; a CANCEL takes back
+    /// one SUBSCRIBE of the same bytes, and one of bytes never subscribed takes nothing.
+    #[test]
+    fn subscriptions_are_counts_of_the_topics_prefixes() {
+        let (tx, _rx) = mpsc::unbounded_channel();
+        let mut s = Sub {
+            id: 1,
+            prefixes: vec![0; 3],
+            active: 0,
+            tx,
+            queued: Arc::default(),
+            pong: Arc::default(),
+        };
+        let topic = b"kv";
+        for t in [&b""[..], b"k", b"k", b"x", b"kvx", &[b'k'; 60_000][..]] {
+            s.subscribe(topic, t, true);
+        }
+        assert_eq!((s.active, s.prefixes.len()), (3, 3));
+        s.subscribe(topic, b"kv", false); // never subscribed
+        s.subscribe(topic, b"x", false);
+        assert_eq!(s.active, 3);
+        s.subscribe(topic, b"k", false);
+        s.subscribe(topic, b"", false);
+        assert_eq!(s.active, 1, "one \"k\" left");
+        s.subscribe(topic, b"k", false);
+        s.subscribe(topic, b"k", false);
+        assert_eq!(s.active, 0);
+    }
+
+    /// A peer that floods PINGs and reads nothing has one PONG queued for it, not one per PING.
+    #[tokio::test]
+    async fn a_ping_flood_queues_one_pong() {
+        let mut ping = vec![4];
+        ping.extend_from_slice(b"PING");
+        ping.extend_from_slice(&[0, 100]); // TTL
+        ping.extend_from_slice(&[9u8; 200]); // a context longer than RFC 37's 16 bytes
+        let mut wire = Vec::new();
+        for _ in 0..10_000 {
+            write_frame(&mut wire, 0x04, &ping).await.unwrap();
+        }
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let subs = Mutex::new(vec![Sub {
+            id: 1,
+            prefixes: vec![0; 1],
+            active: 0,
+            tx: tx.clone(),
+            queued: Arc::default(),
+            pong: Arc::default(),
+        }]);
+        read_loop(&mut wire.as_slice(), 1, b"", &subs, &tx)
+            .await
+            .unwrap();
+        assert_eq!(rx.len(), 1);
+        match rx.try_recv() {
+            Ok(Out::Pong(ctx)) => assert_eq!(ctx.len(), 16),
+            _ => panic!("not a PONG"),
+        }
+    }
+
+    /// One address holds at most [`MAX_PER_ADDRESS`] connections (another is still let in),
+    /// and a subscriber that subscribes to nothing is disconnected after
+    /// [`SUBSCRIBE_DEADLINE`] while one that did stays.
+    #[tokio::test(start_paused = true)]
+    async fn one_address_cannot_hold_every_slot_and_an_idle_peer_goes() {
+        let stats = Arc::new(PubStats::default());
+        let p = PubSocket::bind("127.0.0.1:0", Bytes::from_static(b"kv"), stats.clone())
+            .await
+            .unwrap();
+        let mut held = Vec::new();
+        for _ in 0..MAX_PER_ADDRESS {
+            held.push(peer(p.local, b"SUB").await);
+        }
+        until("the handshakes", || {
+            stats.subscribers.load(Relaxed) == MAX_PER_ADDRESS
+        })
+        .await;
+        let mut refused = TcpStream::connect(p.local).await.unwrap();
+        let mut rest = Vec::new();
+        let _ = refused.read_to_end(&mut rest).await;
+        assert!(rest.is_empty(), "the 65th connection was served");
+        assert_eq!(stats.cut.load(Relaxed), 1);
+        let mut other = peer_from([127, 0, 0, 2], p.local, b"SUB").await;
+        write_frame(&mut other, 0, b"\x01kv").await.unwrap();
+        until("the other address's subscriber", || {
+            p.subs.lock().iter().any(|s| s.active > 0)
+        })
+        .await;
+        // Past the deadline, the 64 that subscribed to nothing are gone, the other is not.
+        until("the idle ones cut", || stats.subscribers.load(Relaxed) == 1).await;
+        assert_eq!(stats.cut.load(Relaxed), 1 + MAX_PER_ADDRESS);
+        assert_eq!(p.subs.lock()[0].active, 1);
     }
 
     #[test]
