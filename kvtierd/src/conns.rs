@@ -2,11 +2,13 @@
 //! address), and a deadline for a connection's first byte, so that idle or half-open
 //! connections can neither exhaust the daemon's file descriptors nor hold every slot.
 //!
-//! A connection past either cap is closed at accept (counted). A connection that sends
-//! nothing within [`FIRST_BYTE`] (no HTTP/2 preface, no request line) is closed (counted):
-//! neither tonic nor hyper bound that wait. What comes after is the servers': hyper's header
-//! deadline on the metrics listener, HTTP/2 keepalive pings on the admin one (a peer that
-//! answers none is dropped).
+//! A connection past either cap is closed at accept (counted). A connection that has not sent
+//! its listener's [`Limits::preface`] bytes within [`FIRST_BYTE`] (the 24 bytes of HTTP/2's
+//! preface: h2 waits for them with no deadline, and keepalive pings start only after) is
+//! closed (counted). A write that makes no progress for [`WRITE_STALL`] (a peer that stopped
+//! reading a response) fails, and the connection goes (counted). What comes after the preface
+//! is the servers': hyper's header deadline on the metrics listener, HTTP/2 keepalive pings
+//! on the admin one (a peer that answers none is dropped).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -23,8 +25,10 @@ use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
-/// Longest a new connection may stay silent.
+/// Longest a new connection may take to send its preface.
 pub const FIRST_BYTE: Duration = Duration::from_secs(10);
+/// Longest a write may wait for the peer to read.
+pub const WRITE_STALL: Duration = Duration::from_secs(30);
 
 /// Caps of one listener.
 #[derive(Clone, Copy, Debug)]
@@ -33,6 +37,8 @@ pub struct Limits {
     pub total: usize,
     /// Connections at once from one address.
     pub per_address: usize,
+    /// Bytes a new connection must send within [`FIRST_BYTE`].
+    pub preface: usize,
 }
 
 /// Counters of one listener.
@@ -40,8 +46,10 @@ pub struct Limits {
 pub struct ConnStats {
     /// Connections closed at accept: a cap was reached.
     pub refused: AtomicU64,
-    /// Connections closed because they sent nothing within [`FIRST_BYTE`].
+    /// Connections closed because they sent no preface within [`FIRST_BYTE`].
     pub silent: AtomicU64,
+    /// Connections closed because a write waited [`WRITE_STALL`] for the peer.
+    pub stalled: AtomicU64,
 }
 
 #[derive(Default)]
@@ -95,6 +103,8 @@ impl Gate {
         Some(Guarded {
             io: stream,
             first: Some(Box::pin(tokio::time::sleep(FIRST_BYTE))),
+            want: self.limits.preface.max(1),
+            stall: None,
             _slot: Slot {
                 gate: self.clone(),
                 ip,
@@ -122,13 +132,41 @@ impl Drop for Slot {
     }
 }
 
-/// An admitted connection: its reads fail with `TimedOut` if the first byte does not come
-/// within [`FIRST_BYTE`].
+/// An admitted connection: its reads fail with `TimedOut` if the preface does not come within
+/// [`FIRST_BYTE`], and its writes if one waits [`WRITE_STALL`] for the peer.
 pub struct Guarded {
     io: TcpStream,
-    /// Until the first byte: its deadline.
+    /// Until the preface: its deadline.
     first: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Bytes of the preface still to come.
+    want: usize,
+    /// While a write waits for the peer: its deadline.
+    stall: Option<Pin<Box<tokio::time::Sleep>>>,
     _slot: Slot,
+}
+
+impl Guarded {
+    /// `r`, the outcome of a write: while it waits, whether it waited past [`WRITE_STALL`].
+    fn stalled<T>(&mut self, cx: &mut Context<'_>, r: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
+        if !r.is_pending() {
+            self.stall = None;
+            return r;
+        }
+        let s = self
+            .stall
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(WRITE_STALL)));
+        match s.as_mut().poll(cx) {
+            Poll::Ready(()) => {
+                self.stall = None;
+                self._slot.gate.stats.stalled.fetch_add(1, Relaxed);
+                Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("the peer read nothing for {} s", WRITE_STALL.as_secs()),
+                )))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
 }
 
 impl AsyncRead for Guarded {
@@ -144,7 +182,10 @@ impl AsyncRead for Guarded {
         };
         match r {
             Poll::Ready(Ok(())) if buf.filled().len() > before => {
-                self.first = None;
+                self.want = self.want.saturating_sub(buf.filled().len() - before);
+                if self.want == 0 {
+                    self.first = None;
+                }
                 Poll::Ready(Ok(()))
             }
             Poll::Pending => match deadline.as_mut().poll(cx) {
@@ -153,7 +194,7 @@ impl AsyncRead for Guarded {
                     self._slot.gate.stats.silent.fetch_add(1, Relaxed);
                     Poll::Ready(Err(io::Error::new(
                         io::ErrorKind::TimedOut,
-                        format!("nothing sent within {} s", FIRST_BYTE.as_secs()),
+                        format!("no preface within {} s", FIRST_BYTE.as_secs()),
                     )))
                 }
                 Poll::Pending => Poll::Pending,
@@ -169,7 +210,8 @@ impl AsyncWrite for Guarded {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
+        let r = Pin::new(&mut self.io).poll_write(cx, buf);
+        self.stalled(cx, r)
     }
 
     fn poll_write_vectored(
@@ -177,7 +219,8 @@ impl AsyncWrite for Guarded {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+        let r = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        self.stalled(cx, r)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -243,6 +286,7 @@ mod tests {
             Limits {
                 total: 3,
                 per_address: 2,
+                preface: 4,
             },
             stats.clone(),
         );
@@ -266,7 +310,17 @@ mod tests {
         let e = g.read(&mut b).await.unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::TimedOut);
         assert_eq!(stats.silent.load(Relaxed), 1);
-        // One that sends reads on, past the deadline.
+        // One that sends part of its preface and waits: closed at the deadline too.
+        drop(g);
+        let mut c = TcpStream::connect(addr).await.unwrap();
+        let (s, peer) = l.accept().await.unwrap();
+        let mut g = gate.admit(s, peer).unwrap();
+        c.write_all(b"P").await.unwrap();
+        assert_eq!(g.read(&mut b).await.unwrap(), 1);
+        let e = g.read(&mut b).await.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        assert_eq!(stats.silent.load(Relaxed), 2);
+        // One that sends its preface reads on, past the deadline.
         let mut c = clients.pop().unwrap();
         drop(g);
         clients.push(TcpStream::connect(addr).await.unwrap());
@@ -275,10 +329,21 @@ mod tests {
         let c2 = clients.last_mut().unwrap();
         c2.write_all(b"hi").await.unwrap();
         assert_eq!(g.read(&mut b).await.unwrap(), 2);
+        c2.write_all(b"there").await.unwrap();
+        assert_eq!(g.read(&mut b).await.unwrap(), 5);
         tokio::time::advance(FIRST_BYTE * 2).await;
         c2.write_all(b"again").await.unwrap();
         assert_eq!(g.read(&mut b).await.unwrap(), 5);
-        assert_eq!(stats.silent.load(Relaxed), 1);
+        assert_eq!(stats.silent.load(Relaxed), 2);
+        // A peer that reads nothing: the write that fills its socket fails at the deadline.
+        let chunk = vec![0u8; 1 << 20];
+        let e = loop {
+            if let Err(e) = g.write(&chunk).await {
+                break e;
+            }
+        };
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        assert_eq!(stats.stalled.load(Relaxed), 1);
         c.shutdown().await.unwrap();
     }
 }

@@ -131,6 +131,8 @@ pub struct Daemon {
 const ADMIN_CONNS: conns::Limits = conns::Limits {
     total: 1024,
     per_address: 256,
+    // HTTP/2's connection preface.
+    preface: 24,
 };
 
 /// This node's remote tier and data-plane server.

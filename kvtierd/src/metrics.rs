@@ -492,7 +492,11 @@ fn collect(d: &Daemon, o: &mut Out) -> fmt::Result {
     }
     let mut closed = Vec::new();
     for (listener, c) in [("admin", &d.admin_conns), ("metrics", &d.metrics_conns)] {
-        for (reason, v) in [("refused", &c.refused), ("silent", &c.silent)] {
+        for (reason, v) in [
+            ("refused", &c.refused),
+            ("silent", &c.silent),
+            ("stalled", &c.stalled),
+        ] {
             let mut l = label("listener", listener);
             l.push(("reason", reason.into()));
             closed.push((l, v.load(Relaxed)));
@@ -500,7 +504,7 @@ fn collect(d: &Daemon, o: &mut Out) -> fmt::Result {
     }
     o.counter(
         "connections_closed",
-        "Admin gRPC and metrics connections closed by the daemon, by reason: refused (at accept: too many open, in all or from its address), silent (nothing sent within 10 s of connecting).",
+        "Admin gRPC and metrics connections closed by the daemon, by reason: refused (at accept: too many open, in all or from its address), silent (no preface within 10 s of connecting: HTTP/2's 24 bytes, a request's first byte), stalled (a response the peer read nothing of for 30 s).",
         &closed,
     )?;
     o.gauge(
@@ -666,6 +670,8 @@ pub async fn serve(
 const METRICS_CONNS: crate::conns::Limits = crate::conns::Limits {
     total: 256,
     per_address: 64,
+    // The request line's first byte (hyper's header deadline bounds the rest).
+    preface: 1,
 };
 /// Longest a request's head may take to arrive (and an idle keep-alive connection to wait for
 /// the next one).
