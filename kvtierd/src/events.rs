@@ -156,6 +156,10 @@ struct Held {
     parent: Option<EngineHash>,
     /// Its token ids, if the engine said (empty: not said).
     tokens: Arc<[u32]>,
+    /// The last snapshot of its store that saw it ([`EngineHashes::sweep`]).
+    seen: u32,
+    /// Noted (or recovered) since its store's last sweep.
+    fresh: bool,
 }
 
 /// Most token ids kept for one block (more: none are kept for it).
@@ -207,6 +211,8 @@ pub struct EngineHashes {
     map: Mutex<HashMap<(usize, u128), Held>>,
     /// Hashes not kept because [`MAX_ENGINE_HASHES`] blocks had one.
     pub refused: AtomicU64,
+    /// Hashes forgotten by sweeps after lost events ([`EngineHashes::sweep`]).
+    pub swept: AtomicU64,
 }
 
 impl EngineHashes {
@@ -226,6 +232,7 @@ impl EngineHashes {
                 _ => Arc::from(Vec::new()),
             };
             if let Some(h) = m.get_mut(&(t, b.key)) {
+                h.fresh = true;
                 h.hash = hash;
                 if parent.is_some() {
                     h.parent = parent;
@@ -241,6 +248,8 @@ impl EngineHashes {
                         tiers: 0,
                         parent,
                         tokens,
+                        seen: 0,
+                        fresh: true,
                     },
                 );
             } else {
@@ -263,6 +272,8 @@ impl EngineHashes {
                 tiers: 0,
                 parent: tag.parent,
                 tokens: Arc::from(Vec::new()),
+                seen: 0,
+                fresh: true,
             });
             h.tiers |= tier_bit(Tier::Disk);
         }
@@ -339,27 +350,71 @@ impl EngineHashes {
 
     /// How to publish each of `events` (of store `t`), in order: one lock for the batch.
     fn resolve_all(&self, t: usize, events: &[BlockEvent]) -> Vec<Resolved> {
+        self.resolve_all_in(t, events, None)
+    }
+
+    /// [`EngineHashes::resolve_all`]; with `snapshot`, `events` are snapshot `snapshot` of
+    /// store `t`'s: the tiers each block is found in replace what was tracked for it (a lost
+    /// `Removed` left a tier's bit set), and it is marked seen for [`EngineHashes::sweep`].
+    fn resolve_all_in(
+        &self,
+        t: usize,
+        events: &[BlockEvent],
+        snapshot: Option<u32>,
+    ) -> Vec<Resolved> {
         let mut m = self.map.lock();
         if m.is_empty() {
             return events.iter().map(|e| Resolved::key(e.key.0)).collect();
         }
         events
             .iter()
-            .map(|e| Self::resolve_in(&mut m, t, e))
+            .map(|e| Self::resolve_in(&mut m, t, e, snapshot))
             .collect()
+    }
+
+    /// After snapshot `snapshot` of store `t` (every event of which went through
+    /// [`EngineHashes::resolve_all_in`]): forgets the blocks it did not see, unless noted
+    /// since the last sweep (a commit under way, or a block stored while the snapshot ran,
+    /// whose events follow it). What lost events left behind (a block no tier holds any
+    /// more) so goes, instead of holding its slot of [`MAX_ENGINE_HASHES`] for good. One pass
+    /// over the table under its lock (tens of ms at millions of blocks): only after a loss.
+    /// Returns how many were forgotten.
+    fn sweep(&self, t: usize, snapshot: u32) -> usize {
+        let mut m = self.map.lock();
+        let before = m.len();
+        m.retain(|&(s, _), h| {
+            if s != t {
+                return true;
+            }
+            let keep = h.seen == snapshot || h.fresh;
+            h.fresh = false;
+            keep
+        });
+        let gone = before - m.len();
+        self.swept.fetch_add(gone as u64, Relaxed);
+        gone
     }
 
     /// The hash to publish event `e` of store `t` under, tracking where the block is.
     #[cfg(test)]
     fn resolve(&self, t: usize, e: &BlockEvent) -> Hash {
-        Self::resolve_in(&mut self.map.lock(), t, e).hash
+        Self::resolve_in(&mut self.map.lock(), t, e, None).hash
     }
 
-    fn resolve_in(m: &mut HashMap<(usize, u128), Held>, t: usize, e: &BlockEvent) -> Resolved {
+    fn resolve_in(
+        m: &mut HashMap<(usize, u128), Held>,
+        t: usize,
+        e: &BlockEvent,
+        snapshot: Option<u32>,
+    ) -> Resolved {
         let k = (t, e.key.0);
         let Some(h) = m.get_mut(&k) else {
             return Resolved::key(e.key.0);
         };
+        if let Some(g) = snapshot.filter(|&g| h.seen != g) {
+            h.seen = g;
+            h.tiers = 0;
+        }
         let stored = |h: &Held| Resolved {
             hash: Hash::Engine(h.hash),
             parent: h.parent,
@@ -805,8 +860,8 @@ impl Feed {
     }
 
     /// The batch of `events` of store `t`.
-    fn encode(&self, t: usize, events: &[BlockEvent]) -> Vec<u8> {
-        let resolved = self.engine.resolve_all(t, events);
+    fn encode(&self, t: usize, events: &[BlockEvent], snapshot: Option<u32>) -> Vec<u8> {
+        let resolved = self.engine.resolve_all_in(t, events, snapshot);
         let rs = {
             let m = self.infos.lock();
             let mut next = resolved.into_iter();
@@ -819,15 +874,27 @@ impl Feed {
         batch(now_secs(), &rs, self.enc)
     }
 
-    /// Every block store `t` holds, as `BlockStored` batches. False: the publisher is gone.
-    fn snapshot(&self, t: usize, store: &Store) -> bool {
+    /// Every block store `t` holds, as `BlockStored` batches (snapshot number `n` of the
+    /// store: the engine hashes of the blocks it did not see are then swept). False: the
+    /// publisher is gone.
+    fn snapshot(&self, t: usize, store: &Store, n: u32) -> bool {
         let mut open = true;
         store.resident_events(MAX_EVENTS_PER_BATCH, |events| {
             open = events
                 .chunks(MAX_EVENTS_PER_BATCH)
-                .all(|part| self.send_waiting(self.encode(t, part), part.len()));
+                .all(|part| self.send_waiting(self.encode(t, part, Some(n)), part.len()));
             open
         });
+        if open {
+            let gone = self.engine.sweep(t, n);
+            if gone > 0 {
+                tracing::info!(
+                    store = t,
+                    gone,
+                    "events: engine hashes of blocks no tier holds, left by lost events, forgotten"
+                );
+            }
+        }
         open
     }
 
@@ -840,6 +907,7 @@ impl Feed {
         let mut snapshot_owed = false;
         let mut last_snapshot: Option<Instant> = None;
         let mut gap = RESYNC_GAP;
+        let mut snapshots = 0u32;
         let mut withheld = Vec::new();
         loop {
             let first = match sub.recv_timeout(IDLE_CHECK) {
@@ -884,7 +952,8 @@ impl Feed {
                 if last_snapshot.is_none_or(|at| at.elapsed() >= gap) {
                     snapshot_owed = false;
                     let started = Instant::now();
-                    if !self.snapshot(t, store) {
+                    snapshots += 1;
+                    if !self.snapshot(t, store, snapshots) {
                         return;
                     }
                     // Measured from its end, and at least 4 × what it took: a store whose
@@ -906,7 +975,7 @@ impl Feed {
             buf.push(first);
             buf.extend(sub.try_iter().take(MAX_EVENTS_PER_BATCH - 1));
             backlog = buf.len() == MAX_EVENTS_PER_BATCH;
-            self.try_send(self.encode(t, &buf), buf.len());
+            self.try_send(self.encode(t, &buf, None), buf.len());
         }
     }
 }
@@ -1375,6 +1444,62 @@ mod tests {
         assert_eq!(medium(Tier::Remote, enc), "REMOTE");
         assert_eq!(locality(Tier::Remote), "REMOTE");
         assert_eq!(locality(Tier::Disk), "LOCAL");
+    }
+
+    /// A block whose `BlockRemoved` was lost keeps its engine hash until a snapshot of its
+    /// store sweeps the map: the snapshot's view of each block's tiers replaces what was
+    /// tracked, a block it did not see is forgotten unless noted since the last sweep (a
+    /// commit under way), and that grace lasts one sweep.
+    #[test]
+    fn a_snapshot_sweeps_the_engine_hashes_that_lost_events_left() {
+        let hs = EngineHashes::default();
+        let hash: Vec<u8> = (0..32).collect();
+        let note = |keys: &[u128]| {
+            hs.note(
+                0,
+                keys.iter().map(|&key| Described {
+                    key,
+                    hash: &hash,
+                    parent: None,
+                    tokens: None,
+                }),
+            )
+        };
+        note(&[1, 2]);
+        hs.note(
+            1,
+            [Described {
+                key: 1,
+                hash: &hash,
+                parent: None,
+                tokens: None,
+            }],
+        );
+        for k in [1, 2] {
+            hs.resolve(0, &ev(EventKind::Stored, k, Tier::Host, 0));
+            hs.resolve(0, &ev(EventKind::Stored, k, Tier::Disk, 0));
+        }
+        hs.resolve(1, &ev(EventKind::Stored, 1, Tier::Host, 0));
+        // Block 1 left both tiers and block 2 its host copy: those events were lost. A first
+        // sweep spares every block noted since the start.
+        assert_eq!(hs.sweep(0, 1), 0);
+        note(&[3]); // a commit under way
+        let snap = hs.resolve_all_in(0, &[ev(EventKind::Stored, 2, Tier::Disk, 0)], Some(2));
+        assert!(matches!(snap[0].hash, Hash::Engine(_)));
+        assert_eq!(hs.sweep(0, 2), 1, "block 1 forgotten");
+        assert_eq!(hs.len(), 3, "2 and 3 of store 0, 1 of store 1");
+        // Block 2's tiers are the snapshot's: its disk copy's removal forgets it.
+        hs.resolve(0, &ev(EventKind::Removed, 2, Tier::Disk, 0));
+        assert_eq!(hs.len(), 2);
+        // Block 3's commit never stored it (its events lost too): gone at the next sweep.
+        assert_eq!(hs.sweep(0, 3), 1);
+        assert_eq!(hs.len(), 1);
+        assert_eq!(hs.swept.load(Relaxed), 2);
+        assert_eq!(
+            hs.resolve(1, &ev(EventKind::Removed, 1, Tier::Host, 0)),
+            Hash::Engine(EngineHash::new(&hash).unwrap()),
+            "another store's block untouched"
+        );
     }
 
     #[test]

@@ -523,6 +523,11 @@ fn collect(d: &Daemon, o: &mut Out) -> fmt::Result {
             "Engine hashes not kept (the table was full): those blocks' events use kvtier keys.",
             &one(h.refused.load(Relaxed)),
         )?;
+        o.counter(
+            "event_engine_hashes_swept",
+            "Engine hashes forgotten after lost events: blocks no tier held any more (their BlockRemoved was lost).",
+            &one(h.swept.load(Relaxed)),
+        )?;
     }
     let lat = d.latency_buckets();
     let samples: Vec<(Labels, &LatencyBuckets)> =
