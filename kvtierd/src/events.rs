@@ -200,6 +200,20 @@ impl Resolved {
     }
 }
 
+/// How [`EngineHashes::resolve_all_in`] tracks the events it resolves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Track {
+    /// As they come.
+    Live,
+    /// Snapshot number `n` of the store: the tiers each block is found in replace what was
+    /// tracked for it (a lost `Removed` left a tier's bit set), and it is marked seen.
+    Snapshot(u32),
+    /// Live, after snapshot `n` (the events its store queued while it ran, before its sweep):
+    /// a stored block is marked seen by it too (the scan may have missed a block that moved
+    /// between tiers meanwhile).
+    After(u32),
+}
+
 fn tier_bit(t: Tier) -> u8 {
     1 << (t as u8 & 7)
 }
@@ -350,32 +364,25 @@ impl EngineHashes {
 
     /// How to publish each of `events` (of store `t`), in order: one lock for the batch.
     fn resolve_all(&self, t: usize, events: &[BlockEvent]) -> Vec<Resolved> {
-        self.resolve_all_in(t, events, None)
+        self.resolve_all_in(t, events, Track::Live)
     }
 
-    /// [`EngineHashes::resolve_all`]; with `snapshot`, `events` are snapshot `snapshot` of
-    /// store `t`'s: the tiers each block is found in replace what was tracked for it (a lost
-    /// `Removed` left a tier's bit set), and it is marked seen for [`EngineHashes::sweep`].
-    fn resolve_all_in(
-        &self,
-        t: usize,
-        events: &[BlockEvent],
-        snapshot: Option<u32>,
-    ) -> Vec<Resolved> {
+    /// [`EngineHashes::resolve_all`], tracked as `track` says (for [`EngineHashes::sweep`]).
+    fn resolve_all_in(&self, t: usize, events: &[BlockEvent], track: Track) -> Vec<Resolved> {
         let mut m = self.map.lock();
         if m.is_empty() {
             return events.iter().map(|e| Resolved::key(e.key.0)).collect();
         }
         events
             .iter()
-            .map(|e| Self::resolve_in(&mut m, t, e, snapshot))
+            .map(|e| Self::resolve_in(&mut m, t, e, track))
             .collect()
     }
 
     /// After snapshot `snapshot` of store `t` (every event of which went through
-    /// [`EngineHashes::resolve_all_in`]): forgets the blocks it did not see, unless noted
-    /// since the last sweep (a commit under way, or a block stored while the snapshot ran,
-    /// whose events follow it). What lost events left behind (a block no tier holds any
+    /// [`EngineHashes::resolve_all_in`], then those its store queued while it ran, as
+    /// [`Track::After`]): forgets the blocks neither saw stored, unless noted since the last
+    /// sweep (a commit under way). What lost events left behind (a block no tier holds any
     /// more) so goes, instead of holding its slot of [`MAX_ENGINE_HASHES`] for good. One pass
     /// over the table under its lock (tens of ms at millions of blocks): only after a loss.
     /// Returns how many were forgotten.
@@ -398,22 +405,26 @@ impl EngineHashes {
     /// The hash to publish event `e` of store `t` under, tracking where the block is.
     #[cfg(test)]
     fn resolve(&self, t: usize, e: &BlockEvent) -> Hash {
-        Self::resolve_in(&mut self.map.lock(), t, e, None).hash
+        Self::resolve_in(&mut self.map.lock(), t, e, Track::Live).hash
     }
 
     fn resolve_in(
         m: &mut HashMap<(usize, u128), Held>,
         t: usize,
         e: &BlockEvent,
-        snapshot: Option<u32>,
+        track: Track,
     ) -> Resolved {
         let k = (t, e.key.0);
         let Some(h) = m.get_mut(&k) else {
             return Resolved::key(e.key.0);
         };
-        if let Some(g) = snapshot.filter(|&g| h.seen != g) {
-            h.seen = g;
-            h.tiers = 0;
+        match track {
+            Track::Snapshot(g) if h.seen != g => {
+                h.seen = g;
+                h.tiers = 0;
+            }
+            Track::After(g) if e.kind == EventKind::Stored && e.tier != Tier::Remote => h.seen = g,
+            _ => {}
         }
         let stored = |h: &Held| Resolved {
             hash: Hash::Engine(h.hash),
@@ -860,8 +871,8 @@ impl Feed {
     }
 
     /// The batch of `events` of store `t`.
-    fn encode(&self, t: usize, events: &[BlockEvent], snapshot: Option<u32>) -> Vec<u8> {
-        let resolved = self.engine.resolve_all_in(t, events, snapshot);
+    fn encode(&self, t: usize, events: &[BlockEvent], track: Track) -> Vec<u8> {
+        let resolved = self.engine.resolve_all_in(t, events, track);
         let rs = {
             let m = self.infos.lock();
             let mut next = resolved.into_iter();
@@ -875,27 +886,28 @@ impl Feed {
     }
 
     /// Every block store `t` holds, as `BlockStored` batches (snapshot number `n` of the
-    /// store: the engine hashes of the blocks it did not see are then swept). False: the
-    /// publisher is gone.
+    /// store, for [`EngineHashes::sweep`]). False: the publisher is gone.
     fn snapshot(&self, t: usize, store: &Store, n: u32) -> bool {
         let mut open = true;
         store.resident_events(MAX_EVENTS_PER_BATCH, |events| {
-            open = events
-                .chunks(MAX_EVENTS_PER_BATCH)
-                .all(|part| self.send_waiting(self.encode(t, part, Some(n)), part.len()));
+            open = events.chunks(MAX_EVENTS_PER_BATCH).all(|part| {
+                self.send_waiting(self.encode(t, part, Track::Snapshot(n)), part.len())
+            });
             open
         });
-        if open {
-            let gone = self.engine.sweep(t, n);
-            if gone > 0 {
-                tracing::info!(
-                    store = t,
-                    gone,
-                    "events: engine hashes of blocks no tier holds, left by lost events, forgotten"
-                );
-            }
-        }
         open
+    }
+
+    /// [`EngineHashes::sweep`] after snapshot `n` of store `t`, logged.
+    fn sweep(&self, t: usize, n: u32) {
+        let gone = self.engine.sweep(t, n);
+        if gone > 0 {
+            tracing::info!(
+                store = t,
+                gone,
+                "events: engine hashes of blocks no tier holds, left by lost events, forgotten"
+            );
+        }
     }
 
     /// The thread of store `t`: its events (`sub`) in batches, resets when events were lost,
@@ -908,6 +920,9 @@ impl Feed {
         let mut last_snapshot: Option<Instant> = None;
         let mut gap = RESYNC_GAP;
         let mut snapshots = 0u32;
+        // After a snapshot: its number, and how many events its store queued while it ran
+        // (handled before its sweep).
+        let mut sweep: Option<(u32, usize)> = None;
         let mut withheld = Vec::new();
         loop {
             let first = match sub.recv_timeout(IDLE_CHECK) {
@@ -956,6 +971,10 @@ impl Feed {
                     if !self.snapshot(t, store, snapshots) {
                         return;
                     }
+                    match sub.len() {
+                        0 => self.sweep(t, snapshots),
+                        left => sweep = Some((snapshots, left)),
+                    }
                     // Measured from its end, and at least 4 × what it took: a store whose
                     // snapshot outlasts the gap and loses events meanwhile still publishes
                     // more than it withholds.
@@ -975,7 +994,16 @@ impl Feed {
             buf.push(first);
             buf.extend(sub.try_iter().take(MAX_EVENTS_PER_BATCH - 1));
             backlog = buf.len() == MAX_EVENTS_PER_BATCH;
-            self.try_send(self.encode(t, &buf, None), buf.len());
+            let track = sweep.map_or(Track::Live, |(n, _)| Track::After(n));
+            self.try_send(self.encode(t, &buf, track), buf.len());
+            if let Some((n, left)) = sweep {
+                let left = left.saturating_sub(buf.len());
+                sweep = Some((n, left));
+                if left == 0 {
+                    self.sweep(t, n);
+                    sweep = None;
+                }
+            }
         }
     }
 }
@@ -1484,7 +1512,11 @@ mod tests {
         // sweep spares every block noted since the start.
         assert_eq!(hs.sweep(0, 1), 0);
         note(&[3]); // a commit under way
-        let snap = hs.resolve_all_in(0, &[ev(EventKind::Stored, 2, Tier::Disk, 0)], Some(2));
+        let snap = hs.resolve_all_in(
+            0,
+            &[ev(EventKind::Stored, 2, Tier::Disk, 0)],
+            Track::Snapshot(2),
+        );
         assert!(matches!(snap[0].hash, Hash::Engine(_)));
         assert_eq!(hs.sweep(0, 2), 1, "block 1 forgotten");
         assert_eq!(hs.len(), 3, "2 and 3 of store 0, 1 of store 1");
@@ -1495,6 +1527,22 @@ mod tests {
         assert_eq!(hs.sweep(0, 3), 1);
         assert_eq!(hs.len(), 1);
         assert_eq!(hs.swept.load(Relaxed), 2);
+        // A block the scan missed (it moved between tiers while the scan ran) but whose
+        // `Stored` its store queued meanwhile is kept.
+        note(&[4]);
+        hs.resolve(0, &ev(EventKind::Stored, 4, Tier::Host, 0));
+        assert_eq!(hs.sweep(0, 4), 0, "noted since the last sweep");
+        hs.resolve_all_in(
+            0,
+            &[ev(EventKind::Stored, 4, Tier::Disk, 0)],
+            Track::After(5),
+        );
+        assert_eq!(hs.sweep(0, 5), 0);
+        assert_eq!(
+            hs.sweep(0, 6),
+            1,
+            "seen by neither snapshot 6 nor what followed it"
+        );
         assert_eq!(
             hs.resolve(1, &ev(EventKind::Removed, 1, Tier::Host, 0)),
             Hash::Engine(EngineHash::new(&hash).unwrap()),
