@@ -456,7 +456,19 @@ async fn serve_replays(
     };
     loop {
         let frames = match tokio::time::timeout(REPLAY_IDLE, read_message(&mut rd)).await {
-            Ok(Ok(Some(f))) => f,
+            Ok(Ok(Some(Inbound::Message(f)))) => f,
+            Ok(Ok(Some(Inbound::Ping(ctx)))) => {
+                let sent = async {
+                    write_frame(&mut wr, 0x04, &pong(&ctx)).await?;
+                    wr.flush().await
+                };
+                if let Err(e) = timed(REPLAY_WRITE_DEADLINE, sent).await {
+                    stats.abandoned.fetch_add(1, Relaxed);
+                    tracing::warn!(%peer, error = %e, "events: a replay requester stopped reading: disconnected");
+                    return;
+                }
+                continue;
+            }
             Ok(Ok(None)) => return,
             Err(_) => {
                 tracing::debug!(%peer, "events: a replay requester idle for {} s: disconnected", REPLAY_IDLE.as_secs());
@@ -539,8 +551,17 @@ async fn write_message<W: AsyncWrite + Unpin>(wr: &mut W, frames: &[Bytes]) -> s
     wr.flush().await
 }
 
-/// A message from the peer (commands skipped; at most 16 frames). None: the peer closed.
-async fn read_message<R: AsyncRead + Unpin>(rd: &mut R) -> Result<Option<Vec<Vec<u8>>>> {
+/// What a replay requester sent.
+enum Inbound {
+    /// A message: its frames.
+    Message(Vec<Vec<u8>>),
+    /// A `PING`: the context to echo in the `PONG`.
+    Ping(Vec<u8>),
+}
+
+/// A message from the peer, or a `PING` between messages (other commands skipped; at most 16
+/// frames). None: the peer closed.
+async fn read_message<R: AsyncRead + Unpin>(rd: &mut R) -> Result<Option<Inbound>> {
     let mut frames = Vec::new();
     loop {
         let (flags, body) = match read_frame(rd).await {
@@ -549,14 +570,33 @@ async fn read_message<R: AsyncRead + Unpin>(rd: &mut R) -> Result<Option<Vec<Vec
             Err(e) => return Err(e),
         };
         if flags & 0x04 != 0 {
+            if command_name(&body)? == b"PING" && frames.is_empty() {
+                return Ok(Some(Inbound::Ping(ping_context(&body).to_vec())));
+            }
             continue;
         }
         anyhow::ensure!(frames.len() < 16, "a message of more than 16 frames");
         frames.push(body);
         if flags & 0x01 == 0 {
-            return Ok(Some(frames));
+            return Ok(Some(Inbound::Message(frames)));
         }
     }
+}
+
+/// The context a `PING` command (`body`) asks to be echoed: after its TTL (2 bytes), at most
+/// 16 bytes (RFC 37).
+fn ping_context(body: &[u8]) -> &[u8] {
+    let ctx = body.get(1 + 4 + 2..).unwrap_or_default();
+    &ctx[..ctx.len().min(16)]
+}
+
+/// A `PONG` command's body echoing `ctx`.
+fn pong(ctx: &[u8]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(5 + ctx.len());
+    b.push(4);
+    b.extend_from_slice(b"PONG");
+    b.extend_from_slice(ctx);
+    b
 }
 
 /// Subscriptions and pings until the peer goes.
@@ -567,12 +607,19 @@ async fn read_loop<R: AsyncRead + Unpin>(
     subs: &Mutex<Vec<Sub>>,
     tx: &mpsc::UnboundedSender<Out>,
 ) -> Result<()> {
+    // Whether the next data frame starts a message (only a message's first frame may be a
+    // subscription, as libzmq's XPUB reads them).
+    let mut first = true;
     loop {
         let (flags, body) = match read_frame(rd).await {
             Ok(f) => f,
             Err(e) if is_eof(&e) => return Ok(()),
             Err(e) => return Err(e),
         };
+        let starts = first;
+        if flags & 0x04 == 0 {
+            first = flags & 0x01 == 0;
+        }
         let (subscribe, t) = if flags & 0x04 != 0 {
             let name = command_name(&body)?;
             let rest = &body[1 + name.len()..];
@@ -580,10 +627,8 @@ async fn read_loop<R: AsyncRead + Unpin>(
                 b"SUBSCRIBE" => (true, rest.to_vec()),
                 b"CANCEL" => (false, rest.to_vec()),
                 b"PING" => {
-                    // TTL (2 bytes), then the context to echo (at most 16 bytes); one PONG
-                    // waits at a time, whatever the peer sends.
-                    let ctx = rest.get(2..).unwrap_or_default();
-                    let ctx = &ctx[..ctx.len().min(16)];
+                    // One PONG waits at a time, whatever the peer sends.
+                    let ctx = ping_context(&body);
                     let pending = subs
                         .lock()
                         .iter()
@@ -596,6 +641,8 @@ async fn read_loop<R: AsyncRead + Unpin>(
                 }
                 _ => continue,
             }
+        } else if !starts {
+            continue;
         } else {
             match body.split_first() {
                 Some((1, t)) => (true, t.to_vec()),
@@ -616,7 +663,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     mut wr: W,
     mut rx: mpsc::UnboundedReceiver<Out>,
     queued: Arc<AtomicU64>,
-    pong: Arc<AtomicBool>,
+    pong_waits: Arc<AtomicBool>,
 ) -> Result<(), String> {
     while let Some(first) = rx.recv().await {
         let mut next = Some(first);
@@ -634,12 +681,8 @@ async fn write_loop<W: AsyncWrite + Unpin>(
                         queued.fetch_sub(bytes, Relaxed);
                     }
                     Out::Pong(ctx) => {
-                        pong.store(false, Relaxed);
-                        let mut b = Vec::with_capacity(5 + ctx.len());
-                        b.push(4);
-                        b.extend_from_slice(b"PONG");
-                        b.extend_from_slice(&ctx);
-                        write_frame(&mut wr, 0x04, &b).await?;
+                        pong_waits.store(false, Relaxed);
+                        write_frame(&mut wr, 0x04, &pong(&ctx)).await?;
                     }
                 }
                 next = rx.try_recv().ok();
@@ -686,7 +729,10 @@ async fn write_frame<W: AsyncWrite + Unpin>(
 /// A frame from the peer: (flags, body), at most [`MAX_INBOUND_FRAME`] bytes.
 async fn read_frame<R: AsyncRead + Unpin>(rd: &mut R) -> Result<(u8, Vec<u8>)> {
     let flags = rd.read_u8().await?;
-    anyhow::ensure!(flags & !0x07 == 0, "a frame with flags {flags:#04x}");
+    anyhow::ensure!(
+        flags & !0x07 == 0 && flags & 0x05 != 0x05,
+        "a frame with flags {flags:#04x}"
+    );
     let len = if flags & 0x02 != 0 {
         rd.read_u64().await?
     } else {
@@ -886,6 +932,63 @@ mod tests {
             Ok(Out::Pong(ctx)) => assert_eq!(ctx.len(), 16),
             _ => panic!("not a PONG"),
         }
+    }
+
+    /// Only a message's first frame may be a subscription (a second frame that starts with
+    /// 0x01 is data); a command frame marked MORE breaks the connection.
+    #[tokio::test]
+    async fn only_a_messages_first_frame_subscribes_and_a_command_with_more_is_an_error() {
+        let (tx, _rx) = mpsc::unbounded_channel();
+        let subs = Mutex::new(vec![Sub {
+            id: 1,
+            prefixes: vec![0; 1],
+            active: 0,
+            tx: tx.clone(),
+            queued: Arc::default(),
+            pong: Arc::default(),
+        }]);
+        let mut wire = Vec::new();
+        write_frame(&mut wire, 0x01, b"x").await.unwrap();
+        write_frame(&mut wire, 0, &[1]).await.unwrap();
+        read_loop(&mut wire.as_slice(), 1, b"", &subs, &tx)
+            .await
+            .unwrap();
+        assert_eq!(subs.lock()[0].active, 0);
+        write_frame(&mut wire, 0, &[1]).await.unwrap();
+        read_loop(&mut wire.as_slice(), 1, b"", &subs, &tx)
+            .await
+            .unwrap();
+        assert_eq!(subs.lock()[0].active, 1);
+        let mut bad = Vec::new();
+        write_frame(&mut bad, 0x05, b"\x04PING\0\0").await.unwrap();
+        assert!(read_loop(&mut bad.as_slice(), 1, b"", &subs, &tx)
+            .await
+            .is_err());
+    }
+
+    /// The replay socket answers a requester's PING (a DEALER with `ZMQ_HEARTBEAT_IVL`
+    /// would drop a peer that does not).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_replay_socket_answers_pings() {
+        let stats = Arc::new(ReplayStats::default());
+        let r = ReplaySocket::bind("127.0.0.1:0", Bytes::new(), Arc::new(|_| None), stats)
+            .await
+            .unwrap();
+        let mut s = peer(r.local, b"DEALER").await;
+        let mut ping = vec![4];
+        ping.extend_from_slice(b"PING");
+        ping.extend_from_slice(&[0, 10]);
+        ping.extend_from_slice(b"ctx");
+        write_frame(&mut s, 0x04, &ping).await.unwrap();
+        let mut greeting = [0u8; 64];
+        s.read_exact(&mut greeting).await.unwrap();
+        let (_, ready) = read_frame(&mut s).await.unwrap();
+        assert_eq!(command_name(&ready).unwrap(), b"READY");
+        let (flags, body) = tokio::time::timeout(Duration::from_secs(30), read_frame(&mut s))
+            .await
+            .expect("a PONG within 30 s")
+            .unwrap();
+        assert_eq!((flags, body), (0x04, pong(b"ctx")));
     }
 
     /// One address holds at most [`MAX_PER_ADDRESS`] connections (another is still let in),
