@@ -779,6 +779,10 @@ fn run() -> Result<()> {
                 // hung, a cut network): its connection, its streams' threads and slots go.
                 .http2_keepalive_interval(Some(Duration::from_secs(30)))
                 .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+                // A peer that answers pings and opens no stream holds its slot 30 min at
+                // most: then GOAWAY, and the connection ends once its streams have (a
+                // Watch's goes on; a gRPC client opens a new connection for its next call).
+                .max_connection_age(Duration::from_secs(30 * 60))
                 .add_service(svc)
                 .serve_with_incoming_shutdown(conns::incoming(grpc, gate), async move {
                     let _ = grpc_stop.changed().await;
