@@ -617,26 +617,52 @@ const WATCH_BATCH: usize = 1024;
 /// Where a Watch thread sends the stream's messages, each within `deadline`.
 pub(crate) struct WatchOut<T> {
     tx: tokio::sync::mpsc::Sender<Result<T, Status>>,
-    /// The runtime whose timer bounds a send that waits for room.
-    rt: tokio::runtime::Handle,
     deadline: Duration,
+}
+
+/// Wakes the thread that polls a future by hand ([`WatchOut::send`]).
+struct Unpark(std::thread::Thread);
+
+impl std::task::Wake for Unpark {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
+    }
 }
 
 impl<T> WatchOut<T> {
     /// Sends `m`: false when the watcher is gone, or took nothing for `deadline` (a client
     /// that stopped reading, or vanished without closing its connection: its thread, its
     /// slot among `server.max_watchers` and its snapshot's copy of the disk index go).
+    /// Waits for room on this thread, parked until the channel wakes it or the deadline: no
+    /// runtime's timer (one that shuts down while a send waits would panic in it).
     fn send(&self, m: Result<T, Status>) -> bool {
+        use std::future::Future;
         use tokio::sync::mpsc::error::TrySendError;
-        match self.tx.try_send(m) {
-            Ok(()) => true,
-            Err(TrySendError::Closed(_)) => false,
-            Err(TrySendError::Full(m)) => self.rt.block_on(async {
-                matches!(
-                    tokio::time::timeout(self.deadline, self.tx.send(m)).await,
-                    Ok(Ok(()))
-                )
-            }),
+        let m = match self.tx.try_send(m) {
+            Ok(()) => return true,
+            Err(TrySendError::Closed(_)) => return false,
+            Err(TrySendError::Full(m)) => m,
+        };
+        let end = std::time::Instant::now() + self.deadline;
+        let waker = std::task::Waker::from(Arc::new(Unpark(std::thread::current())));
+        let mut cx = std::task::Context::from_waker(&waker);
+        let mut room = std::pin::pin!(self.tx.reserve());
+        loop {
+            match room.as_mut().poll(&mut cx) {
+                std::task::Poll::Ready(Ok(permit)) => {
+                    permit.send(m);
+                    return true;
+                }
+                std::task::Poll::Ready(Err(_)) => return false,
+                std::task::Poll::Pending => {}
+            }
+            let left = end.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            // Woken by the channel (room, or the receiver gone), else at the deadline; a
+            // spurious wake polls again.
+            std::thread::park_timeout(left);
         }
     }
 }
@@ -736,7 +762,6 @@ impl AdminService {
         let (tx, rx) = tokio::sync::mpsc::channel(queue);
         let out = WatchOut {
             tx,
-            rt: tokio::runtime::Handle::current(),
             deadline: Duration::from_millis(self.d.cfg.server.watch_send_timeout_ms),
         };
         let d = self.d.clone();
@@ -767,8 +792,7 @@ mod tests {
     use super::*;
     use kvstore::{Fingerprint, StoreConfig};
 
-    /// A runtime for the stream's timer (multi-threaded: a `Handle::block_on` from another
-    /// thread drives no timer of a current-thread runtime), and a store with a namespace.
+    /// A runtime for the test's reads of the stream, and a store with a namespace.
     fn setup() -> (tokio::runtime::Runtime, Arc<kvstore::Store>, NsId) {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -789,6 +813,28 @@ mod tests {
         (rt, Arc::new(store), ns)
     }
 
+    /// A send that waits for room needs no runtime: it goes through once the reader takes a
+    /// message, and fails at once when the reader goes.
+    #[test]
+    fn a_send_that_waits_for_room_needs_no_runtime() {
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<u32, Status>>(1);
+        let out = Arc::new(WatchOut {
+            tx,
+            deadline: Duration::from_secs(60),
+        });
+        assert!(out.send(Ok(1)));
+        let o = out.clone();
+        let waiting = std::thread::spawn(move || o.send(Ok(2)));
+        assert_eq!(rx.blocking_recv().map(|r| r.ok()), Some(Some(1)));
+        assert_eq!(rx.blocking_recv().map(|r| r.ok()), Some(Some(2)));
+        assert!(waiting.join().unwrap());
+        let o = out.clone();
+        assert!(out.send(Ok(3)));
+        let waiting = std::thread::spawn(move || o.send(Ok(4)));
+        drop(rx);
+        assert!(!waiting.join().unwrap(), "the reader is gone");
+    }
+
     fn one_a_message(events: Vec<pb::BlockEvent>, out: &WatchOut<pb::BlockEvent>) -> bool {
         events.into_iter().all(|e| out.send(Ok(e)))
     }
@@ -799,18 +845,13 @@ mod tests {
         store: &Arc<kvstore::Store>,
         sub_capacity: usize,
         deadline: Duration,
-        rt: &tokio::runtime::Runtime,
     ) -> (
         tokio::sync::mpsc::Receiver<Result<pb::BlockEvent, Status>>,
         std::sync::mpsc::Receiver<()>,
     ) {
         let sub = store.subscribe(sub_capacity);
         let (tx, rx) = tokio::sync::mpsc::channel(1);
-        let out = WatchOut {
-            tx,
-            rt: rt.handle().clone(),
-            deadline,
-        };
+        let out = WatchOut { tx, deadline };
         let (done_tx, done) = std::sync::mpsc::channel();
         let store = store.clone();
         std::thread::spawn(move || {
@@ -825,7 +866,7 @@ mod tests {
         let (rt, store, ns) = setup();
         // Room for 4 events in the subscription, 1 message in the stream, a batch in hand:
         // 20 stored while the client reads nothing cannot all reach it.
-        let (mut rx, done) = watcher(&store, 4, Duration::from_secs(60), &rt);
+        let (mut rx, done) = watcher(&store, 4, Duration::from_secs(60));
         for i in 0..20u128 {
             store.put(ns, BlockKey(i + 1), &[1u8; 4096]).unwrap();
         }
@@ -854,8 +895,8 @@ mod tests {
 
     #[test]
     fn a_watcher_that_reads_nothing_is_dropped_after_the_send_deadline() {
-        let (rt, store, ns) = setup();
-        let (rx, done) = watcher(&store, 1024, Duration::from_millis(100), &rt);
+        let (_rt, store, ns) = setup();
+        let (rx, done) = watcher(&store, 1024, Duration::from_millis(100));
         // One message fits in the stream; the second waits for a reader that never reads.
         for i in 0..3u128 {
             store.put(ns, BlockKey(i + 1), &[1u8; 4096]).unwrap();
