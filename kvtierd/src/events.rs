@@ -954,6 +954,9 @@ impl Feed {
                 snapshot_owed = true;
             }
             if snapshot_owed {
+                // (A sweep still waiting for the last snapshot's events waits for the next
+                // snapshot's instead: the events withheld here are not counted.)
+                sweep = None;
                 // Every event queued now happened before the snapshot owed, which covers it.
                 // Published after the snapshot, one older than an event this store lost
                 // would undo what the snapshot says, for good: a block's `BlockStored` whose
@@ -971,10 +974,13 @@ impl Feed {
                     if !self.snapshot(t, store, snapshots) {
                         return;
                     }
-                    match sub.len() {
-                        0 => self.sweep(t, snapshots),
-                        left => sweep = Some((snapshots, left)),
-                    }
+                    sweep = match sub.len() {
+                        0 => {
+                            self.sweep(t, snapshots);
+                            None
+                        }
+                        left => Some((snapshots, left)),
+                    };
                     // Measured from its end, and at least 4 × what it took: a store whose
                     // snapshot outlasts the gap and loses events meanwhile still publishes
                     // more than it withholds.
@@ -1076,7 +1082,8 @@ pub async fn start(
         let replayer: crate::zmtp::Replayer = Arc::new(move |start| {
             let r = ring.lock();
             let i = r.batches.partition_point(|(s, _)| *s < start);
-            r.batches.get(i).cloned()
+            let newest = r.batches.back()?.0;
+            r.batches.get(i).map(|(s, p)| (*s, p.clone(), newest))
         });
         let r = crate::zmtp::ReplaySocket::bind(
             bind_addr(&cfg.replay_endpoint).trim_start_matches("tcp://"),

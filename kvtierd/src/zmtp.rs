@@ -87,8 +87,6 @@ struct Sub {
     active: u32,
     tx: mpsc::UnboundedSender<Out>,
     queued: Arc<AtomicU64>,
-    /// A `PONG` waits in `tx`.
-    pong: Arc<AtomicBool>,
 }
 
 impl Sub {
@@ -102,8 +100,11 @@ impl Sub {
             return;
         };
         if on {
-            *n = n.saturating_add(1);
-            self.active = self.active.saturating_add(1);
+            // (`active` is the sum of the counts: neither passes u32::MAX.)
+            if self.active < u32::MAX {
+                *n += 1;
+                self.active += 1;
+            }
         } else if *n > 0 {
             *n -= 1;
             self.active -= 1;
@@ -230,21 +231,39 @@ where
                     .with_interval(Duration::from_secs(10))
                     .with_retries(3),
             );
-            let (fut, st, from) = (serve(stream, peer), stats.clone(), from.clone());
+            let slot = Slot {
+                stats: stats.clone(),
+                from: from.clone(),
+                ip,
+            };
+            let fut = serve(stream, peer);
             tokio::spawn(async move {
+                let _slot = slot;
                 fut.await;
-                st.connections.fetch_sub(1, Relaxed);
-                let mut f = from.lock();
-                if let Some(n) = f.get_mut(&ip) {
-                    *n -= 1;
-                    if *n == 0 {
-                        f.remove(&ip);
-                    }
-                }
             });
         }
     });
     Ok(local)
+}
+
+/// A connection's place in [`accept`]'s counts, given back when it goes (however it goes).
+struct Slot {
+    stats: Arc<PubStats>,
+    from: Arc<Mutex<HashMap<IpAddr, u64>>>,
+    ip: IpAddr,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.stats.connections.fetch_sub(1, Relaxed);
+        let mut f = self.from.lock();
+        if let Some(n) = f.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                f.remove(&self.ip);
+            }
+        }
+    }
 }
 
 /// One connection: the handshake, then its reader (subscriptions, pings) and its writer.
@@ -269,11 +288,10 @@ async fn serve(
         active: 0,
         tx: tx.clone(),
         queued: queued.clone(),
-        pong: pong.clone(),
     });
     stats.subscribers.fetch_add(1, Relaxed);
-    let mut writer = tokio::spawn(write_loop(wr, rx, queued, pong));
-    let reading = read_loop(&mut rd, id, &topic, &subs, &tx);
+    let mut writer = tokio::spawn(write_loop(wr, rx, queued, pong.clone()));
+    let reading = read_loop(&mut rd, id, &topic, &subs, &tx, &pong);
     let subscribed = async {
         tokio::time::sleep(SUBSCRIBE_DEADLINE).await;
         let on = |s: &Sub| s.id == id && s.active > 0;
@@ -387,10 +405,11 @@ where
     Ok(())
 }
 
-/// The first batch still buffered from sequence `start` on: `(sequence, payload)`. A replay
-/// takes its batches one at a time, so a requester that reads slowly holds one batch, not a
-/// copy of the buffer (a batch that leaves the buffer meanwhile is not replayed).
-pub type Replayer = Arc<dyn Fn(u64) -> Option<(u64, Bytes)> + Send + Sync>;
+/// The first batch still buffered from sequence `start` on, and the newest sequence buffered:
+/// `(sequence, payload, newest)`. A replay takes its batches one at a time, up to the newest
+/// when it began, so a requester that reads slowly holds one batch, not a copy of the buffer
+/// (a batch that leaves the buffer meanwhile is not replayed).
+pub type Replayer = Arc<dyn Fn(u64) -> Option<(u64, Bytes, u64)> + Send + Sync>;
 
 /// Longest one write of a replay may wait for the requester's socket, plus
 /// [`REPLAY_WRITE_PER_MIB`] per MiB of the message; past it the requester is disconnected (it
@@ -454,8 +473,11 @@ async fn serve_replays(
     else {
         return;
     };
+    // Since the last replay (or the handshake): PINGs and requests it cannot read do not
+    // extend it.
+    let mut idle_until = tokio::time::Instant::now() + REPLAY_IDLE;
     loop {
-        let frames = match tokio::time::timeout(REPLAY_IDLE, read_message(&mut rd)).await {
+        let frames = match tokio::time::timeout_at(idle_until, read_message(&mut rd)).await {
             Ok(Ok(Some(Inbound::Message(f)))) => f,
             Ok(Ok(Some(Inbound::Ping(ctx)))) => {
                 let sent = async {
@@ -497,8 +519,15 @@ async fn serve_replays(
         };
         stats.replays.fetch_add(1, Relaxed);
         let send = async {
+            // What was buffered when the request came, not what is published while it is
+            // answered (the requester gets that on its SUB socket).
             let mut next = start;
-            while let Some((seq, payload)) = replayer(next) {
+            let mut last = None;
+            while let Some((seq, payload, newest)) = replayer(next) {
+                let last = *last.get_or_insert(newest);
+                if seq > last {
+                    break;
+                }
                 next = seq + 1;
                 let deadline =
                     REPLAY_WRITE_DEADLINE + REPLAY_WRITE_PER_MIB * (payload.len() >> 20) as u32;
@@ -525,6 +554,7 @@ async fn serve_replays(
             tracing::warn!(%peer, error = %e, "events: a replay requester stopped reading: disconnected");
             return;
         }
+        idle_until = tokio::time::Instant::now() + REPLAY_IDLE;
     }
 }
 
@@ -606,6 +636,7 @@ async fn read_loop<R: AsyncRead + Unpin>(
     topic: &[u8],
     subs: &Mutex<Vec<Sub>>,
     tx: &mpsc::UnboundedSender<Out>,
+    pong_waits: &AtomicBool,
 ) -> Result<()> {
     // Whether the next data frame starts a message (only a message's first frame may be a
     // subscription, as libzmq's XPUB reads them).
@@ -629,12 +660,7 @@ async fn read_loop<R: AsyncRead + Unpin>(
                 b"PING" => {
                     // One PONG waits at a time, whatever the peer sends.
                     let ctx = ping_context(&body);
-                    let pending = subs
-                        .lock()
-                        .iter()
-                        .find(|s| s.id == id)
-                        .map(|s| s.pong.clone());
-                    if pending.is_some_and(|p| !p.swap(true, Relaxed)) {
+                    if !pong_waits.swap(true, Relaxed) {
                         let _ = tx.send(Out::Pong(Bytes::copy_from_slice(ctx)));
                     }
                     continue;
@@ -886,7 +912,6 @@ mod tests {
             active: 0,
             tx,
             queued: Arc::default(),
-            pong: Arc::default(),
         };
         let topic = b"kv";
         for t in [&b""[..], b"k", b"k", b"x", b"kvx", &[b'k'; 60_000][..]] {
@@ -922,11 +947,17 @@ mod tests {
             active: 0,
             tx: tx.clone(),
             queued: Arc::default(),
-            pong: Arc::default(),
         }]);
-        read_loop(&mut wire.as_slice(), 1, b"", &subs, &tx)
-            .await
-            .unwrap();
+        read_loop(
+            &mut wire.as_slice(),
+            1,
+            b"",
+            &subs,
+            &tx,
+            &AtomicBool::new(false),
+        )
+        .await
+        .unwrap();
         assert_eq!(rx.len(), 1);
         match rx.try_recv() {
             Ok(Out::Pong(ctx)) => assert_eq!(ctx.len(), 16),
@@ -945,25 +976,45 @@ mod tests {
             active: 0,
             tx: tx.clone(),
             queued: Arc::default(),
-            pong: Arc::default(),
         }]);
         let mut wire = Vec::new();
         write_frame(&mut wire, 0x01, b"x").await.unwrap();
         write_frame(&mut wire, 0, &[1]).await.unwrap();
-        read_loop(&mut wire.as_slice(), 1, b"", &subs, &tx)
-            .await
-            .unwrap();
+        read_loop(
+            &mut wire.as_slice(),
+            1,
+            b"",
+            &subs,
+            &tx,
+            &AtomicBool::new(false),
+        )
+        .await
+        .unwrap();
         assert_eq!(subs.lock()[0].active, 0);
         write_frame(&mut wire, 0, &[1]).await.unwrap();
-        read_loop(&mut wire.as_slice(), 1, b"", &subs, &tx)
-            .await
-            .unwrap();
+        read_loop(
+            &mut wire.as_slice(),
+            1,
+            b"",
+            &subs,
+            &tx,
+            &AtomicBool::new(false),
+        )
+        .await
+        .unwrap();
         assert_eq!(subs.lock()[0].active, 1);
         let mut bad = Vec::new();
         write_frame(&mut bad, 0x05, b"\x04PING\0\0").await.unwrap();
-        assert!(read_loop(&mut bad.as_slice(), 1, b"", &subs, &tx)
-            .await
-            .is_err());
+        assert!(read_loop(
+            &mut bad.as_slice(),
+            1,
+            b"",
+            &subs,
+            &tx,
+            &AtomicBool::new(false)
+        )
+        .await
+        .is_err());
     }
 
     /// The replay socket answers a requester's PING (a DEALER with `ZMQ_HEARTBEAT_IVL`
@@ -991,10 +1042,62 @@ mod tests {
         assert_eq!((flags, body), (0x04, pong(b"ctx")));
     }
 
+    /// A replay answers with what was buffered when the request came, not what is published
+    /// while it is answered (the requester's SUB socket gets that), so it ends.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_replay_ends_at_what_was_buffered_when_it_was_asked_for() {
+        let ring = Arc::new(Mutex::new((0u64..3).collect::<Vec<u64>>()));
+        let r = ring.clone();
+        let replayer: Replayer = Arc::new(move |start| {
+            let mut r = r.lock();
+            let newest = *r.last()?;
+            let found = r.iter().find(|&&s| s >= start).copied();
+            // Published meanwhile: a batch each time a batch is taken.
+            r.push(newest + 1);
+            found.map(|s| (s, Bytes::from_static(b"payload"), newest))
+        });
+        let stats = Arc::new(ReplayStats::default());
+        let sock = ReplaySocket::bind("127.0.0.1:0", Bytes::new(), replayer, stats)
+            .await
+            .unwrap();
+        let mut s = peer(sock.local, b"DEALER").await;
+        write_frame(&mut s, 0x01, b"").await.unwrap();
+        write_frame(&mut s, 0, &0u64.to_be_bytes()).await.unwrap();
+        let mut greeting = [0u8; 64];
+        s.read_exact(&mut greeting).await.unwrap();
+        read_frame(&mut s).await.unwrap(); // READY
+        let mut seqs = Vec::new();
+        loop {
+            let mut frames = Vec::new();
+            loop {
+                let (flags, body) =
+                    tokio::time::timeout(Duration::from_secs(30), read_frame(&mut s))
+                        .await
+                        .expect("the replay goes on within 30 s")
+                        .unwrap();
+                frames.push(body);
+                if flags & 0x01 == 0 {
+                    break;
+                }
+            }
+            let seq = i64::from_be_bytes(frames[2].as_slice().try_into().unwrap());
+            if seq == -1 {
+                break;
+            }
+            seqs.push(seq);
+        }
+        assert_eq!(seqs, [0, 1, 2]);
+        assert!(
+            ring.lock().len() > 3,
+            "batches were published during the replay"
+        );
+    }
+
     /// One address holds at most [`MAX_PER_ADDRESS`] connections (another is still let in),
     /// and a subscriber that subscribes to nothing is disconnected after
-    /// [`SUBSCRIBE_DEADLINE`] while one that did stays.
-    #[tokio::test(start_paused = true)]
+    /// [`SUBSCRIBE_DEADLINE`] while one that did stays. (Set up in real time, with real
+    /// sockets; then the clock is paused and moved past the deadline.)
+    #[tokio::test]
     async fn one_address_cannot_hold_every_slot_and_an_idle_peer_goes() {
         let stats = Arc::new(PubStats::default());
         let p = PubSocket::bind("127.0.0.1:0", Bytes::from_static(b"kv"), stats.clone())
@@ -1020,6 +1123,8 @@ mod tests {
         })
         .await;
         // Past the deadline, the 64 that subscribed to nothing are gone, the other is not.
+        tokio::time::pause();
+        tokio::time::advance(SUBSCRIBE_DEADLINE + Duration::from_secs(1)).await;
         until("the idle ones cut", || stats.subscribers.load(Relaxed) == 1).await;
         assert_eq!(stats.cut.load(Relaxed), 1 + MAX_PER_ADDRESS);
         assert_eq!(p.subs.lock()[0].active, 1);
