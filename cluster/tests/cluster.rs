@@ -208,6 +208,67 @@ async fn pushes_to_an_owner_that_was_down_are_retried_when_it_is_back() {
     again.abort();
 }
 
+/// An owner down for longer than the pinned retries (1 s, 4 s, 16 s by default; 10, 40, 160 ms
+/// here) still gets its blocks once it is back: the later tries (64×, 256×, 1,024× the first
+/// wait) hold only the keys, so meanwhile no block is pinned for it and no queue byte used.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_down_past_the_pinned_retries_still_gets_its_blocks() {
+    let mut nodes = cluster_with(2, &["s"], DEADLINE, Duration::from_millis(10)).await;
+    let id = register(&nodes);
+    nodes[1].server.abort();
+    let _ = (&mut nodes[1].server).await;
+    let (keys, data) = blocks_owned_by(8, 5, &nodes[0].remote.placement(), &nodes[1].addr);
+    for (k, d) in keys.iter().zip(&data) {
+        nodes[0].store.put(id, *k, d).unwrap();
+    }
+    let to_b = keys
+        .iter()
+        .filter(|k| nodes[0].remote.placement().owner(k) == Some(nodes[1].addr.as_str()))
+        .count();
+    let a = nodes[0].store;
+    tokio::task::block_in_place(|| {
+        // Every block of B's past its pinned tries (3 each, then a late one queued): none
+        // pinned or queued for the push any more.
+        let until = Instant::now() + Duration::from_secs(30);
+        while a.stats().push_retries < 4 * to_b as u64 || a.stats().push_queue_bytes > 0 {
+            assert!(Instant::now() < until, "{:?}", a.stats());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(a.stats().pushes, 0);
+    });
+    let l = tokio::net::TcpListener::bind(&nodes[1].addr).await.unwrap();
+    let again = tokio::spawn(serve(
+        l,
+        nodes[1].store,
+        ServerConfig {
+            node: nodes[1].addr.clone(),
+            secret: "s".into(),
+            capacity: nodes[1].store.capacity_bytes(),
+            timeout: DEADLINE,
+        },
+        nodes[1].stats.clone(),
+    ));
+    tokio::task::block_in_place(|| {
+        let until = Instant::now() + Duration::from_secs(60);
+        while (a.stats().pushes as usize) < to_b {
+            assert!(
+                Instant::now() < until,
+                "late pushes did not arrive: {:?}",
+                a.stats()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let b = nodes[1].store;
+        for (i, k) in keys.iter().enumerate() {
+            if nodes[0].remote.placement().owner(k) == Some(nodes[1].addr.as_str()) {
+                assert_eq!(b.load(&[*k]).unwrap().block(0), &data[i][..], "block {i}");
+            }
+        }
+    });
+    assert_eq!(a.stats().push_failed, 0, "{:?}", a.stats());
+    again.abort();
+}
+
 /// A peer that answers every question and then sends bytes that are not the block it
 /// announced: the block is a miss, counted, and never published.
 #[test]

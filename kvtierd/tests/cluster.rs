@@ -347,7 +347,8 @@ fn a_wrong_cluster_secret_is_refused() {
     wait_until("A refuses B", 20, || {
         metric(&metrics(&a), "kvtier_remote_auth_failures_total") > 0.0
     });
-    // B's pushes failed (and are retried later: 1 s, 4 s, 16 s, then given up).
+    // B's pushes failed (and are retried later: 1 s, 4 s, 16 s pinned, then 64 s, 256 s,
+    // 1,024 s by key, then given up).
     wait_until("B's pushes fail", 30, || {
         let st = cli(&b, &["cluster"]);
         st["push_retries"].as_u64().unwrap() + st["push_failed"].as_u64().unwrap() > 0

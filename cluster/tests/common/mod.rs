@@ -53,6 +53,16 @@ pub async fn cluster(n: usize, secrets: &[&str]) -> Vec<Node> {
 
 /// `n` nodes with deadlines of `timeout` (set-up, requests, peers' requests).
 pub async fn cluster_timed(n: usize, secrets: &[&str], timeout: Duration) -> Vec<Node> {
+    cluster_with(n, secrets, timeout, StoreConfig::default().push_retry_first).await
+}
+
+/// [`cluster_timed`], a failed push's first retry after `push_retry_first`.
+pub async fn cluster_with(
+    n: usize,
+    secrets: &[&str],
+    timeout: Duration,
+    push_retry_first: Duration,
+) -> Vec<Node> {
     let mut listeners = Vec::new();
     for _ in 0..n {
         listeners.push(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap());
@@ -64,7 +74,14 @@ pub async fn cluster_timed(n: usize, secrets: &[&str], timeout: Duration) -> Vec
     let mut nodes = Vec::new();
     for (i, l) in listeners.into_iter().enumerate() {
         let secret = secrets[i.min(secrets.len() - 1)];
-        nodes.push(node_timed(l, &addrs[i], &addrs, secret, timeout));
+        nodes.push(node_with(
+            l,
+            &addrs[i],
+            &addrs,
+            secret,
+            timeout,
+            push_retry_first,
+        ));
     }
     nodes
 }
@@ -86,6 +103,19 @@ pub fn node_timed(
     secret: &str,
     timeout: Duration,
 ) -> Node {
+    let first = StoreConfig::default().push_retry_first;
+    node_with(l, me, members, secret, timeout, first)
+}
+
+/// [`node_timed`], a failed push's first retry after `push_retry_first`.
+pub fn node_with(
+    l: tokio::net::TcpListener,
+    me: &str,
+    members: &[String],
+    secret: &str,
+    timeout: Duration,
+    push_retry_first: Duration,
+) -> Node {
     let members: Vec<Member> = members
         .iter()
         .map(|a| Member::new(a.clone(), 1.0))
@@ -106,6 +136,7 @@ pub fn node_timed(
             capacity_bytes: 64 << 20,
             segment_bytes: 16 << 20,
             remote: Some(kvstore::SharedTier(remote.clone())),
+            push_retry_first,
             ..Default::default()
         }
         .build()

@@ -78,6 +78,9 @@ pub struct StoreConfig {
     /// of the host tier: queued blocks are pinned); a block past it is not pushed (counted in
     /// `push_dropped`), so a slow network never holds up an engine.
     pub push_queue_bytes: u64,
+    /// The wait before a failed push's first retry (then 4× longer each time; see the
+    /// pusher: three tries holding the block's pin, three more without).
+    pub push_retry_first: Duration,
 }
 
 impl Default for StoreConfig {
@@ -100,6 +103,7 @@ impl Default for StoreConfig {
             disk: None,
             remote: None,
             push_queue_bytes: 256 << 20,
+            push_retry_first: Duration::from_secs(1),
         }
     }
 }

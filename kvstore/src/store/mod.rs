@@ -331,6 +331,7 @@ pub(crate) struct Inner {
     /// The write-behind tier committed blocks are pushed to (the remote tier).
     pub(crate) push_to: Option<usize>,
     pub(crate) push_queue_bytes: u64,
+    pub(crate) push_retry_first: Duration,
     pub(crate) arena: Arena,
     pub(crate) seg_pages: u32,
     pub(crate) class_sizes: Vec<usize>,
@@ -513,6 +514,7 @@ impl Store {
                 .push_queue_bytes
                 .min(n_segments * cfg.segment_bytes / 4)
                 .max(1),
+            push_retry_first: cfg.push_retry_first,
             arena,
             seg_pages,
             class_sizes,

@@ -1,13 +1,16 @@
 //! The pusher thread and the push queue it owns (with a write-behind tier, the remote tier):
 //! committed blocks pushed to it in batches, each pinned while queued; the queue is bounded by
 //! bytes and a block past it is not pushed (counted), so no commit ever waits for the network.
-//! A failed push is tried again after 1 s, 4 s and 16 s.
+//! A failed push is tried again after 1 s, 4 s and 16 s holding its block's pin, then after
+//! 64 s, 256 s and 1,024 s holding only its key (pinned again for the try, if the block is
+//! still in host memory): an owner down for minutes still gets the block once it is back,
+//! and its blocks never hold host memory or the queue's bytes that long.
 //!
 //! Its lock is a leaf: nothing else is taken while it is held.
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering::Relaxed;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crate::events::EventKind;
 use crate::io::IoBuf;
@@ -18,10 +21,15 @@ use crate::types::MapKey;
 use super::super::Inner;
 use super::{Demote, Queue};
 
-/// Tries of a failed push after the first, and the wait before the first of them (then 4×
-/// longer each time: 1 s, 4 s, 16 s, long enough for an owner's restart).
+/// Tries of a failed push after the first that hold the block's pin (the waits are
+/// `push_retry_first`, 1 s by default, then 4× longer each time: 1 s, 4 s, 16 s, long enough
+/// for an owner's restart)...
 const PUSH_RETRIES: u8 = 3;
-const PUSH_RETRY_FIRST: Duration = Duration::from_secs(1);
+/// ...and those after them that hold only its key (64 s, 256 s, 1,024 s: an owner down for
+/// minutes, a breaker open at its longest pause).
+const LATE_RETRIES: u8 = 3;
+/// Most keys waiting for a late try; past it a failed push is given up.
+const MAX_LATE: usize = 1 << 16;
 
 #[derive(Default)]
 struct State {
@@ -31,6 +39,8 @@ struct State {
     bytes: u64,
     /// Pushes that failed, waiting for their next try (due time, tries so far), due order.
     retry: VecDeque<(Instant, u8, Demote)>,
+    /// Pushes that failed [`PUSH_RETRIES`] + 1 times: their keys (no pin), the same way.
+    late: VecDeque<(Instant, u8, BlockKey)>,
     stop: bool,
 }
 
@@ -45,7 +55,8 @@ impl Default for Pushes {
 
 /// What the pusher takes next.
 enum Next {
-    Batch(Vec<(u8, Demote)>),
+    /// Queued and retried blocks (tries so far), and the keys due for a late try.
+    Batch(Vec<(u8, Demote)>, Vec<(u8, BlockKey)>),
     /// Stopped: these were queued and are not pushed.
     Stopped(Vec<Demote>),
 }
@@ -87,21 +98,41 @@ impl Pushes {
         true
     }
 
-    /// The next batch: retries that are due, then queued blocks up to `max_bytes`.
+    /// Queues `key`, whose push failed for the `tries`th time, for a late try at `at`; false
+    /// if stopped or [`MAX_LATE`] keys wait.
+    fn late(&self, at: Instant, tries: u8, key: BlockKey) -> bool {
+        let mut q = self.0.q.lock();
+        if q.stop || q.late.len() >= MAX_LATE {
+            return false;
+        }
+        let pos = q.late.partition_point(|r| r.0 <= at);
+        q.late.insert(pos, (at, tries, key));
+        true
+    }
+
+    /// The next batch: retries that are due, then queued blocks up to `max_bytes`; and the
+    /// keys due for a late try.
     fn next(&self, max_bytes: u64) -> Next {
         let mut q = self.0.q.lock();
         loop {
             if q.stop {
                 let mut left: Vec<Demote> = q.push.drain(..).collect();
                 left.extend(q.retry.drain(..).map(|r| r.2));
+                q.late.clear();
                 q.bytes = 0;
                 return Next::Stopped(left);
             }
-            let due = q.retry.front().is_some_and(|r| r.0 <= Instant::now());
+            let now = Instant::now();
+            let due = q.retry.front().is_some_and(|r| r.0 <= now)
+                || q.late.front().is_some_and(|r| r.0 <= now);
             if !q.push.is_empty() || due {
                 break;
             }
-            match q.retry.front().map(|r| r.0) {
+            let first = match (q.retry.front(), q.late.front()) {
+                (Some(a), Some(b)) => Some(a.0.min(b.0)),
+                (a, b) => a.map(|r| r.0).or(b.map(|r| r.0)),
+            };
+            match first {
                 Some(at) => {
                     self.0.cv.wait_until(&mut q, at);
                 }
@@ -126,11 +157,37 @@ impl Pushes {
             batch.extend(q.push.pop_front().map(|d| (0, d)));
         }
         q.bytes -= bytes;
-        Next::Batch(batch)
+        let mut late = Vec::new();
+        while q.late.front().is_some_and(|r| r.0 <= now) {
+            late.extend(q.late.pop_front().map(|(_, tries, k)| (tries, k)));
+        }
+        Next::Batch(batch, late)
     }
 }
 
 impl Inner {
+    /// `key`'s block pinned for a late push try, if it is Ready in host memory.
+    fn pin_for_push(&self, key: BlockKey) -> Option<Demote> {
+        let e = self.shard(key).lock().pin(MapKey::from(key)).ok()??;
+        let slot = e.slot();
+        // The class's lock after the shard's is released (a class's comes first in the order).
+        let (page, len) = {
+            let c = self.classes[slot.class as usize].lock();
+            (
+                c.page_of(slot.idx, self.seg_pages),
+                c.lens[slot.idx as usize],
+            )
+        };
+        Some(Demote {
+            key,
+            slot,
+            page,
+            cap: self.class_sizes[slot.class as usize],
+            len,
+            ns: e.ns,
+        })
+    }
+
     /// Queues a committed block (pinned for the push) for the write-behind tier; when the
     /// queue is full it is not pushed (its pin is dropped, counted).
     pub(crate) fn enqueue_push(&self, d: Demote) {
@@ -143,15 +200,23 @@ impl Inner {
     /// The pusher: batches of committed blocks to the write-behind tier (the remote tier), in
     /// commit order. A failed push is tried again after 1 s, 4 s and 16 s (an owner that
     /// restarts or a breaker that closes again still gets the block), holding its pin and its
-    /// bytes of the push queue meanwhile; after that the block stays local only. Nothing waits
-    /// for a push.
+    /// bytes of the push queue meanwhile; then after 64 s, 256 s and 1,024 s holding only its
+    /// key, if the block is still in host memory then; after that the block stays local only.
+    /// Nothing waits for a push.
     pub(super) fn pusher_loop(&self) {
         let Some(tier) = self.push_to.and_then(|i| self.tiers.get(i)) else {
             return;
         };
         loop {
             let batch = match self.work.push.next(self.max_batch_bytes) {
-                Next::Batch(b) => b,
+                Next::Batch(mut b, late) => {
+                    // Pinned again for their try (no lock of the queue's held), if still here.
+                    b.extend(
+                        late.into_iter()
+                            .filter_map(|(tries, k)| Some((tries, self.pin_for_push(k)?))),
+                    );
+                    b
+                }
                 Next::Stopped(left) => {
                     // Shutting down: what is queued is not pushed.
                     for d in left {
@@ -197,10 +262,21 @@ impl Inner {
                     WriteOutcome::Cancelled => {}
                     WriteOutcome::Busy | WriteOutcome::Failed if *tries < PUSH_RETRIES => {
                         // Keeps its pin and its share of the queue until the next try.
-                        let at = Instant::now() + PUSH_RETRY_FIRST * (1 << (2 * tries));
+                        let at = Instant::now() + self.push_retry_first * (1 << (2 * tries));
                         if self.work.push.retry(at, tries + 1, *d) {
                             self.stats.push_retries.fetch_add(1, Relaxed);
                             continue;
+                        }
+                    }
+                    WriteOutcome::Busy | WriteOutcome::Failed
+                        if *tries < PUSH_RETRIES + LATE_RETRIES =>
+                    {
+                        // Its key only: the pin goes below.
+                        let at = Instant::now() + self.push_retry_first * (1 << (2 * tries));
+                        if self.work.push.late(at, tries + 1, d.key) {
+                            self.stats.push_retries.fetch_add(1, Relaxed);
+                        } else {
+                            self.stats.push_failed.fetch_add(1, Relaxed);
                         }
                     }
                     WriteOutcome::Busy | WriteOutcome::Failed => {
