@@ -10,7 +10,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering::Relaxed;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::events::EventKind;
 use crate::io::IoBuf;
@@ -166,6 +166,13 @@ impl Pushes {
 }
 
 impl Inner {
+    /// The wait before the try after the `tries`th: `push_retry_first`, 4× longer each time.
+    fn retry_wait(&self, tries: u8) -> Duration {
+        self.push_retry_first
+            .saturating_mul(1 << (2 * u32::from(tries)))
+            .min(Duration::from_secs(24 * 3600))
+    }
+
     /// `key`'s block pinned for a late push try, if it is Ready in host memory.
     fn pin_for_push(&self, key: BlockKey) -> Option<Demote> {
         let e = self.shard(key).lock().pin(MapKey::from(key)).ok()??;
@@ -210,11 +217,32 @@ impl Inner {
         loop {
             let batch = match self.work.push.next(self.max_batch_bytes) {
                 Next::Batch(mut b, late) => {
-                    // Pinned again for their try (no lock of the queue's held), if still here.
-                    b.extend(
-                        late.into_iter()
-                            .filter_map(|(tries, k)| Some((tries, self.pin_for_push(k)?))),
-                    );
+                    // Pinned again for their try (no lock of the queue's held), if still in
+                    // host memory, up to the batch's bytes (they count in no queue): the rest
+                    // go back, due now, for the next batch.
+                    let mut bytes: u64 = b.iter().map(|(_, d)| u64::from(d.len)).sum();
+                    let now = Instant::now();
+                    for (tries, k) in late {
+                        if !b.is_empty() && bytes >= self.max_batch_bytes {
+                            if !self.work.push.late(now, tries, k) {
+                                self.stats.push_failed.fetch_add(1, Relaxed);
+                            }
+                            continue;
+                        }
+                        match self.pin_for_push(k) {
+                            Some(d) => {
+                                bytes += u64::from(d.len);
+                                b.push((tries, d));
+                            }
+                            // Gone from host memory since: given up.
+                            None => {
+                                self.stats.push_failed.fetch_add(1, Relaxed);
+                            }
+                        }
+                    }
+                    if b.is_empty() {
+                        continue;
+                    }
                     b
                 }
                 Next::Stopped(left) => {
@@ -262,7 +290,7 @@ impl Inner {
                     WriteOutcome::Cancelled => {}
                     WriteOutcome::Busy | WriteOutcome::Failed if *tries < PUSH_RETRIES => {
                         // Keeps its pin and its share of the queue until the next try.
-                        let at = Instant::now() + self.push_retry_first * (1 << (2 * tries));
+                        let at = Instant::now() + self.retry_wait(*tries);
                         if self.work.push.retry(at, tries + 1, *d) {
                             self.stats.push_retries.fetch_add(1, Relaxed);
                             continue;
@@ -272,7 +300,7 @@ impl Inner {
                         if *tries < PUSH_RETRIES + LATE_RETRIES =>
                     {
                         // Its key only: the pin goes below.
-                        let at = Instant::now() + self.push_retry_first * (1 << (2 * tries));
+                        let at = Instant::now() + self.retry_wait(*tries);
                         if self.work.push.late(at, tries + 1, d.key) {
                             self.stats.push_retries.fetch_add(1, Relaxed);
                         } else {
