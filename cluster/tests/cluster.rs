@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use kvstore::{BlockKey, StoreConfig, Tier};
-use kvtier_cluster::{serve, Member, RemoteConfig, RemoteTier, ServerConfig};
+use kvtier_cluster::{Member, RemoteConfig, RemoteTier};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefix_saved_on_one_node_loads_byte_exact_on_another() {
@@ -150,13 +150,7 @@ async fn pushes_to_an_owner_that_was_down_are_retried_when_it_is_back() {
     nodes[1].server.abort();
     let _ = (&mut nodes[1].server).await;
     let (keys, data) = blocks(16, 4);
-    for (k, d) in keys.iter().zip(&data) {
-        nodes[0].store.put(id, *k, d).unwrap();
-    }
-    let to_b = keys
-        .iter()
-        .filter(|k| nodes[0].remote.placement().owner(k) == Some(nodes[1].addr.as_str()))
-        .count();
+    let to_b = put_owned(&nodes[0], id, &keys, &data, &nodes[1]);
     assert!(to_b > 0);
     tokio::task::block_in_place(|| {
         let until = Instant::now() + Duration::from_secs(10);
@@ -166,18 +160,7 @@ async fn pushes_to_an_owner_that_was_down_are_retried_when_it_is_back() {
         }
     });
     // B is back on its address (same store): the retries deliver every block it owns.
-    let l = tokio::net::TcpListener::bind(&nodes[1].addr).await.unwrap();
-    let again = tokio::spawn(serve(
-        l,
-        nodes[1].store,
-        ServerConfig {
-            node: nodes[1].addr.clone(),
-            secret: "s".into(),
-            capacity: nodes[1].store.capacity_bytes(),
-            timeout: Duration::from_millis(1500),
-        },
-        nodes[1].stats.clone(),
-    ));
+    let again = serve_again(&nodes[1], "s", DEADLINE).await;
     tokio::task::block_in_place(|| {
         let until = Instant::now() + Duration::from_secs(30);
         while (nodes[0].store.stats().pushes as usize) < to_b {
@@ -218,13 +201,7 @@ async fn an_owner_down_past_the_pinned_retries_still_gets_its_blocks() {
     nodes[1].server.abort();
     let _ = (&mut nodes[1].server).await;
     let (keys, data) = blocks_owned_by(8, 5, &nodes[0].remote.placement(), &nodes[1].addr);
-    for (k, d) in keys.iter().zip(&data) {
-        nodes[0].store.put(id, *k, d).unwrap();
-    }
-    let to_b = keys
-        .iter()
-        .filter(|k| nodes[0].remote.placement().owner(k) == Some(nodes[1].addr.as_str()))
-        .count();
+    let to_b = put_owned(&nodes[0], id, &keys, &data, &nodes[1]);
     let a = nodes[0].store;
     tokio::task::block_in_place(|| {
         // Every block of B's past its pinned tries (3 each, then a late one queued): none
@@ -241,18 +218,7 @@ async fn an_owner_down_past_the_pinned_retries_still_gets_its_blocks() {
         |k: &BlockKey| nodes[0].remote.placement().owner(k) == Some(nodes[1].addr.as_str());
     let gone = *keys.iter().find(|k| b_owns(k)).unwrap();
     assert!(a.remove(&gone));
-    let l = tokio::net::TcpListener::bind(&nodes[1].addr).await.unwrap();
-    let again = tokio::spawn(serve(
-        l,
-        nodes[1].store,
-        ServerConfig {
-            node: nodes[1].addr.clone(),
-            secret: "s".into(),
-            capacity: nodes[1].store.capacity_bytes(),
-            timeout: DEADLINE,
-        },
-        nodes[1].stats.clone(),
-    ));
+    let again = serve_again(&nodes[1], "s", DEADLINE).await;
     tokio::task::block_in_place(|| {
         let until = Instant::now() + Duration::from_secs(60);
         while (a.stats().pushes as usize) < to_b - 1 || a.stats().push_failed < 1 {

@@ -929,6 +929,26 @@ mod tests {
         assert_eq!(s.active, 0);
     }
 
+    /// Subscriber 1 of a socket whose topic is empty, queueing into `tx`.
+    fn one_sub(tx: &mpsc::UnboundedSender<Out>) -> Mutex<Vec<Sub>> {
+        Mutex::new(vec![Sub {
+            id: 1,
+            prefixes: vec![0; 1],
+            active: 0,
+            tx: tx.clone(),
+            queued: Arc::default(),
+        }])
+    }
+
+    /// [`read_loop`] of subscriber 1 of a socket whose topic is empty, over `wire`.
+    async fn feed(
+        wire: &[u8],
+        subs: &Mutex<Vec<Sub>>,
+        tx: &mpsc::UnboundedSender<Out>,
+    ) -> Result<()> {
+        read_loop(&mut &wire[..], 1, b"", subs, tx, &AtomicBool::new(false)).await
+    }
+
     /// A peer that floods PINGs and reads nothing has one PONG queued for it, not one per PING.
     #[tokio::test]
     async fn a_ping_flood_queues_one_pong() {
@@ -941,23 +961,8 @@ mod tests {
             write_frame(&mut wire, 0x04, &ping).await.unwrap();
         }
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let subs = Mutex::new(vec![Sub {
-            id: 1,
-            prefixes: vec![0; 1],
-            active: 0,
-            tx: tx.clone(),
-            queued: Arc::default(),
-        }]);
-        read_loop(
-            &mut wire.as_slice(),
-            1,
-            b"",
-            &subs,
-            &tx,
-            &AtomicBool::new(false),
-        )
-        .await
-        .unwrap();
+        let subs = one_sub(&tx);
+        feed(&wire, &subs, &tx).await.unwrap();
         assert_eq!(rx.len(), 1);
         match rx.try_recv() {
             Ok(Out::Pong(ctx)) => assert_eq!(ctx.len(), 16),
@@ -970,51 +975,18 @@ mod tests {
     #[tokio::test]
     async fn only_a_messages_first_frame_subscribes_and_a_command_with_more_is_an_error() {
         let (tx, _rx) = mpsc::unbounded_channel();
-        let subs = Mutex::new(vec![Sub {
-            id: 1,
-            prefixes: vec![0; 1],
-            active: 0,
-            tx: tx.clone(),
-            queued: Arc::default(),
-        }]);
+        let subs = one_sub(&tx);
         let mut wire = Vec::new();
         write_frame(&mut wire, 0x01, b"x").await.unwrap();
         write_frame(&mut wire, 0, &[1]).await.unwrap();
-        read_loop(
-            &mut wire.as_slice(),
-            1,
-            b"",
-            &subs,
-            &tx,
-            &AtomicBool::new(false),
-        )
-        .await
-        .unwrap();
+        feed(&wire, &subs, &tx).await.unwrap();
         assert_eq!(subs.lock()[0].active, 0);
         write_frame(&mut wire, 0, &[1]).await.unwrap();
-        read_loop(
-            &mut wire.as_slice(),
-            1,
-            b"",
-            &subs,
-            &tx,
-            &AtomicBool::new(false),
-        )
-        .await
-        .unwrap();
+        feed(&wire, &subs, &tx).await.unwrap();
         assert_eq!(subs.lock()[0].active, 1);
         let mut bad = Vec::new();
         write_frame(&mut bad, 0x05, b"\x04PING\0\0").await.unwrap();
-        assert!(read_loop(
-            &mut bad.as_slice(),
-            1,
-            b"",
-            &subs,
-            &tx,
-            &AtomicBool::new(false)
-        )
-        .await
-        .is_err());
+        assert!(feed(&bad, &subs, &tx).await.is_err());
     }
 
     /// The replay socket answers a requester's PING (a DEALER with `ZMQ_HEARTBEAT_IVL`

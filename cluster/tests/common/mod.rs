@@ -163,6 +163,45 @@ pub fn node_with(
     }
 }
 
+/// `node`'s data-plane server started again on its address (its store as it is), with
+/// deadlines of `timeout`.
+pub async fn serve_again(
+    node: &Node,
+    secret: &str,
+    timeout: Duration,
+) -> tokio::task::JoinHandle<()> {
+    let l = tokio::net::TcpListener::bind(&node.addr).await.unwrap();
+    tokio::spawn(serve(
+        l,
+        node.store,
+        ServerConfig {
+            node: node.addr.clone(),
+            secret: secret.into(),
+            capacity: node.store.capacity_bytes(),
+            timeout,
+        },
+        node.stats.clone(),
+    ))
+}
+
+/// Saves each of `data` under its key in `node`'s store; returns how many of the keys
+/// placement (as `node` sees it) gives `owner`.
+pub fn put_owned(
+    node: &Node,
+    id: NsId,
+    keys: &[BlockKey],
+    data: &[Vec<u8>],
+    owner: &Node,
+) -> usize {
+    for (k, d) in keys.iter().zip(data) {
+        node.store.put(id, *k, d).unwrap();
+    }
+    let p = node.remote.placement();
+    keys.iter()
+        .filter(|k| p.owner(k) == Some(owner.addr.as_str()))
+        .count()
+}
+
 pub fn blocks(n: usize, seed: u8) -> (Vec<BlockKey>, Vec<Vec<u8>>) {
     let keys = ns().token_keys(&vec![u32::from(seed) + 1; 16 * n], &[]);
     let data = (0..n)
