@@ -141,9 +141,9 @@ pub struct Encoding {
 /// identifier" (its KVCR tier says "kvcr").
 pub const OWNERSHIP: &str = "kvtier";
 
-/// Most blocks whose engine hash is kept (an 80-byte entry each, 90–185 bytes with the hash
-/// table's load): past it, new blocks are
-/// published under their kvtier keys (counted in `EngineHashes::refused`).
+/// Most blocks whose engine hash is kept (a 128-byte entry each with its key, ~150–295 bytes
+/// with the hash table's load): past it, new blocks are published under their kvtier keys
+/// (counted in `EngineHashes::refused`).
 const MAX_ENGINE_HASHES: usize = 8 << 20;
 
 pub use kvstore::{EngineHash, EngineTag};
