@@ -41,8 +41,6 @@ const BREAKER_MIN: Duration = Duration::from_millis(500);
 const BREAKER_MAX: Duration = Duration::from_secs(30);
 /// Idle connections kept per peer.
 const POOL: usize = 4;
-/// Longest a push waits for the probe of a peer whose breaker's pause ended.
-const PUSH_PROBE: Duration = Duration::from_millis(500);
 /// Bytes read (and hashed) at a time.
 const PIECE: usize = 256 << 10;
 /// PUT requests written ahead of their replies.
@@ -372,8 +370,7 @@ impl RemoteTier {
 
     /// Where a push of `key` goes: its owners other than this node (`None` where the breaker is
     /// open), and the member a block no owner took goes to instead (`None` when that is this
-    /// node or its breaker is open). A breaker past its pause is probed at once
-    /// ([`RemoteTier::usable_for_push`]).
+    /// node or its breaker is open).
     fn push_targets(
         &self,
         p: &Placement,
@@ -394,7 +391,7 @@ impl RemoteTier {
         };
         let mut picked = known
             .into_iter()
-            .map(|k| k.map(|peer| peer.filter(|q| self.usable_for_push(q))));
+            .map(|k| k.map(|peer| peer.filter(|q| self.usable(q))));
         let owners = picked.by_ref().take(r).flatten().collect();
         let spare = picked.next().flatten().flatten();
         (owners, spare)
@@ -412,46 +409,33 @@ impl RemoteTier {
     /// answered, the breaker closes (the connection goes to the pool); not, the pause doubles.
     /// Only the strikes that opened the breaker ever cost a caller a wait.
     fn usable(&self, peer: &Arc<Peer>) -> bool {
-        if let Some(usable) = Self::probe_due(peer) {
-            return usable;
+        let mut b = peer.breaker.lock();
+        let Some(until) = b.open_until else {
+            return true;
+        };
+        if b.probing || Instant::now() < until {
+            return false;
         }
+        b.probing = true;
+        drop(b);
         let (p, secret, me) = (peer.clone(), self.cfg.secret.clone(), self.cfg.me.clone());
         let timeout = self.cfg.timeout;
         let spawned = std::thread::Builder::new()
             .name("kvtier-probe".into())
-            .spawn(move || probe(&p, &secret, &me, Instant::now() + timeout));
+            .spawn(move || {
+                match connect_to(&p.addr, &secret, &me, Instant::now() + timeout) {
+                    Ok(c) => {
+                        p.ok();
+                        p.pool.lock().push(c);
+                    }
+                    Err(e) => p.failed(&e),
+                }
+                p.breaker.lock().probing = false;
+            });
         if spawned.is_err() {
             peer.breaker.lock().probing = false;
         }
         false
-    }
-
-    /// [`RemoteTier::usable`] for a push (on the pusher's thread, which no engine waits on): a
-    /// peer whose breaker's pause has ended is probed here and now rather than in the
-    /// background, so the push that finds it back goes through instead of counting as failed
-    /// while the probe it started runs (a late try of the pusher's comes minutes later). The
-    /// probe waits [`PUSH_PROBE`] at most (a peer that answers slower stays down until its
-    /// next pause ends): a peer gone silent holds up the pusher that long per pause, not
-    /// `cluster.timeout_ms`.
-    fn usable_for_push(&self, peer: &Arc<Peer>) -> bool {
-        Self::probe_due(peer).unwrap_or_else(|| {
-            let deadline = Instant::now() + self.cfg.timeout.min(PUSH_PROBE);
-            probe(peer, &self.cfg.secret, &self.cfg.me, deadline)
-        })
-    }
-
-    /// Whether `peer`'s breaker lets it be asked (`Some`), or None: its pause ended and the
-    /// caller is to probe it (marked as probing, so no one else does).
-    fn probe_due(peer: &Peer) -> Option<bool> {
-        let mut b = peer.breaker.lock();
-        let Some(until) = b.open_until else {
-            return Some(true);
-        };
-        if b.probing || Instant::now() < until {
-            return Some(false);
-        }
-        b.probing = true;
-        None
     }
 
     /// Sends one request of `op` for `keys` (no payload) to `peer` on a fresh or pooled
@@ -856,25 +840,6 @@ impl RemoteTier {
     fn id(&self) -> u64 {
         self.next_id.fetch_add(1, Relaxed)
     }
-}
-
-/// Probes `peer` (its breaker marked probing): a connection set up and authenticated by
-/// `deadline` closes the breaker (the connection goes to the pool); else the pause doubles.
-/// Whether it answered.
-fn probe(peer: &Peer, secret: &str, me: &str, deadline: Instant) -> bool {
-    let ok = match connect_to(&peer.addr, secret, me, deadline) {
-        Ok(c) => {
-            peer.ok();
-            peer.pool.lock().push(c);
-            true
-        }
-        Err(e) => {
-            peer.failed(&e);
-            false
-        }
-    };
-    peer.breaker.lock().probing = false;
-    ok
 }
 
 /// A new connection to `addr`, set up and authenticated as `me` by `deadline`.

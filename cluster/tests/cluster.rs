@@ -246,59 +246,6 @@ async fn an_owner_down_past_the_pinned_retries_still_gets_its_blocks() {
     again.abort();
 }
 
-/// The first push after an owner's breaker pause ended goes through if the owner is back:
-/// the push probes it there and then (with the probe in the background that try failed,
-/// and the block waited for the next, 4× later; past the last try it was never pushed).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_push_after_the_breaker_pause_probes_the_owner_and_goes_through() {
-    let mut nodes = cluster(2, &["s"]).await;
-    let id = register(&nodes);
-    nodes[1].server.abort();
-    let _ = (&mut nodes[1].server).await;
-    let (keys, data) = blocks_owned_by(8, 6, &nodes[0].remote.placement(), &nodes[1].addr);
-    let b_state = || {
-        nodes[0]
-            .remote
-            .peers()
-            .into_iter()
-            .find(|p| p.addr == nodes[1].addr)
-            .map(|p| p.state)
-    };
-    tokio::task::block_in_place(|| {
-        // Three lookups that fail open A's breaker for B (a 0.5 s pause)...
-        for _ in 0..3 {
-            nodes[0].remote.held_by_owners(&keys);
-        }
-        assert_eq!(b_state(), Some("down"));
-        // ...which ends with nothing asking B since.
-        let until = Instant::now() + Duration::from_secs(30);
-        while b_state() != Some("failing") {
-            assert!(Instant::now() < until, "B's breaker pause never ended");
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    });
-    // B is back; then A saves.
-    let again = serve_again(&nodes[1], "s", DEADLINE).await;
-    let to_b = put_owned(&nodes[0], id, &keys, &data, &nodes[1]);
-    let a = nodes[0].store;
-    tokio::task::block_in_place(|| {
-        let until = Instant::now() + Duration::from_secs(60);
-        while (a.stats().pushes as usize) < to_b {
-            assert!(
-                Instant::now() < until,
-                "pushes did not arrive: {:?}",
-                a.stats()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    });
-    // The first try went through.
-    let s = a.stats();
-    assert_eq!((s.push_retries, s.push_failed), (0, 0), "{s:?}");
-    assert_eq!(b_state(), Some("up"));
-    again.abort();
-}
-
 /// A peer that answers every question and then sends bytes that are not the block it
 /// announced: the block is a miss, counted, and never published.
 #[test]

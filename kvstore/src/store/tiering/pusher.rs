@@ -26,7 +26,7 @@ use super::{Demote, Queue};
 /// for an owner's restart)...
 const PUSH_RETRIES: u8 = 3;
 /// ...and those after them that hold only its key (64 s, 256 s, 1,024 s: an owner down for
-/// minutes; each later than a breaker's longest pause, 30 s).
+/// minutes, a breaker open at its longest pause).
 const LATE_RETRIES: u8 = 3;
 /// Most keys waiting for a late try; past it a failed push is given up.
 const MAX_LATE: usize = 1 << 16;
