@@ -206,11 +206,11 @@ async fn an_owner_down_past_the_pinned_retries_still_gets_its_blocks() {
     tokio::task::block_in_place(|| {
         // Every block of B's past its pinned tries (3 each, then a late one queued): none
         // pinned or queued for the push any more.
-        let until = Instant::now() + Duration::from_secs(30);
-        while a.stats().push_retries < 4 * to_b as u64 || a.stats().push_queue_bytes > 0 {
-            assert!(Instant::now() < until, "{:?}", a.stats());
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let past_pinned = poll_until(30, || {
+            let s = a.stats();
+            s.push_retries >= 4 * to_b as u64 && s.push_queue_bytes == 0
+        });
+        assert!(past_pinned, "{:?}", a.stats());
         assert_eq!(a.stats().pushes, 0);
     });
     // One of them leaves A's memory meanwhile: its late try gives it up (nothing to pin).
@@ -220,15 +220,11 @@ async fn an_owner_down_past_the_pinned_retries_still_gets_its_blocks() {
     assert!(a.remove(&gone));
     let again = serve_again(&nodes[1], "s", DEADLINE).await;
     tokio::task::block_in_place(|| {
-        let until = Instant::now() + Duration::from_secs(60);
-        while (a.stats().pushes as usize) < to_b - 1 || a.stats().push_failed < 1 {
-            assert!(
-                Instant::now() < until,
-                "late pushes did not arrive: {:?}",
-                a.stats()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        let arrived = poll_until(60, || {
+            let s = a.stats();
+            s.pushes as usize >= to_b - 1 && s.push_failed >= 1
+        });
+        assert!(arrived, "late pushes did not arrive: {:?}", a.stats());
         let b = nodes[1].store;
         for (i, k) in keys.iter().enumerate() {
             if b_owns(k) && *k != gone {

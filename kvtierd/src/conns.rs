@@ -37,7 +37,7 @@ pub struct Limits {
     pub total: usize,
     /// Connections at once from one address.
     pub per_address: usize,
-    /// Bytes a new connection must send within [`FIRST_BYTE`].
+    /// Bytes a new connection must send within [`FIRST_BYTE`] ([`Gate::admit`]).
     pub preface: usize,
 }
 
@@ -80,6 +80,20 @@ impl Gate {
 
     /// `stream` from `peer` with its slot, or None (closed, counted) past a cap.
     pub fn admit(self: &Arc<Self>, stream: TcpStream, peer: SocketAddr) -> Option<Guarded> {
+        let slot = self.enter(peer)?;
+        let _ = stream.set_nodelay(true);
+        Some(Guarded {
+            io: stream,
+            first: Some(Box::pin(tokio::time::sleep(FIRST_BYTE))),
+            want: self.limits.preface.max(1),
+            stall: None,
+            _slot: slot,
+        })
+    }
+
+    /// A slot for a connection from `peer`, or None (counted in `refused`, logged) past a
+    /// cap: for a listener that serves its connections itself (the events sockets).
+    pub fn enter(self: &Arc<Self>, peer: SocketAddr) -> Option<Slot> {
         let ip = peer.ip();
         {
             let mut c = self.counts.lock();
@@ -99,22 +113,16 @@ impl Gate {
             c.total += 1;
             *c.per_address.entry(ip).or_insert(0) += 1;
         }
-        let _ = stream.set_nodelay(true);
-        Some(Guarded {
-            io: stream,
-            first: Some(Box::pin(tokio::time::sleep(FIRST_BYTE))),
-            want: self.limits.preface.max(1),
-            stall: None,
-            _slot: Slot {
-                gate: self.clone(),
-                ip,
-            },
+        Some(Slot {
+            gate: self.clone(),
+            ip,
         })
     }
 }
 
-/// A connection's place under its gate's caps, given back when the connection goes.
-struct Slot {
+/// A connection's place under its gate's caps, given back when dropped (however the
+/// connection goes).
+pub struct Slot {
     gate: Arc<Gate>,
     ip: IpAddr,
 }
@@ -152,6 +160,7 @@ impl Guarded {
             self.stall = None;
             return r;
         }
+        // The write's deadline: a timer armed while it waits, polled beside it (no pause).
         let s = self
             .stall
             .get_or_insert_with(|| Box::pin(tokio::time::sleep(WRITE_STALL)));

@@ -28,8 +28,7 @@
 //! commands. A `PING` is answered with a `PONG` (its context cut to 16 bytes, RFC 37), one at a
 //! time: pings sent while a `PONG` waits are not answered.
 
-use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::Arc;
@@ -68,8 +67,6 @@ pub const REPLAY_IDLE: Duration = Duration::from_secs(120);
 pub struct PubStats {
     /// Subscribers connected (handshake done).
     pub subscribers: AtomicU64,
-    /// Connections open (subscribers, and peers in their handshake).
-    pub connections: AtomicU64,
     /// Messages not sent to a subscriber because [`MAX_QUEUED_BYTES`] were queued for it.
     pub skipped: AtomicU64,
     /// Subscribers disconnected: a write waited past [`WRITE_DEADLINE`], or a broken
@@ -177,9 +174,9 @@ impl PubSocket {
 }
 
 /// Binds `addr` and, in a task of its own, hands each connection (at most
-/// [`MAX_CONNECTIONS`] at once, counted in `stats.connections`, and [`MAX_PER_ADDRESS`] from
-/// one address; past either one is closed at once and counted in `stats.cut`), with TCP
-/// keepalive on, to `serve`.
+/// [`MAX_CONNECTIONS`] at once and [`MAX_PER_ADDRESS`] from one address, under a
+/// [`crate::conns::Gate`]; past either one is closed at once and counted in `stats.cut`), with
+/// TCP keepalive on, to `serve`.
 async fn accept<F, Fut>(
     addr: &str,
     stats: Arc<PubStats>,
@@ -194,7 +191,12 @@ where
         .await
         .with_context(|| format!("binding {addr}"))?;
     let local = l.local_addr()?;
-    let from: Arc<Mutex<HashMap<IpAddr, u64>>> = Arc::default();
+    let limits = crate::conns::Limits {
+        total: MAX_CONNECTIONS as usize,
+        per_address: MAX_PER_ADDRESS as usize,
+        preface: 0, // (the handshake has its own deadline)
+    };
+    let gate = crate::conns::Gate::new("events", limits, Arc::default());
     tokio::spawn(async move {
         loop {
             let (stream, peer) = match l.accept().await {
@@ -206,23 +208,10 @@ where
                     continue;
                 }
             };
-            let ip = peer.ip();
-            {
-                let mut f = from.lock();
-                let n = f.entry(ip).or_insert(0);
-                if stats.connections.load(Relaxed) >= MAX_CONNECTIONS || *n >= MAX_PER_ADDRESS {
-                    if *n == 0 {
-                        f.remove(&ip);
-                    }
-                    drop(f);
-                    stats.cut.fetch_add(1, Relaxed);
-                    tracing::warn!(%peer, "events: {MAX_CONNECTIONS} connections open, or \
-                        {MAX_PER_ADDRESS} from this address: a {what} refused");
-                    continue;
-                }
-                *n += 1;
-            }
-            stats.connections.fetch_add(1, Relaxed);
+            let Some(slot) = gate.enter(peer) else {
+                stats.cut.fetch_add(1, Relaxed);
+                continue;
+            };
             let _ = stream.set_nodelay(true);
             // A peer gone without a reset (a host down, a cut network) is found in ~1 min.
             let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(
@@ -231,11 +220,6 @@ where
                     .with_interval(Duration::from_secs(10))
                     .with_retries(3),
             );
-            let slot = Slot {
-                stats: stats.clone(),
-                from: from.clone(),
-                ip,
-            };
             let fut = serve(stream, peer);
             tokio::spawn(async move {
                 let _slot = slot;
@@ -244,26 +228,6 @@ where
         }
     });
     Ok(local)
-}
-
-/// A connection's place in [`accept`]'s counts, given back when it goes (however it goes).
-struct Slot {
-    stats: Arc<PubStats>,
-    from: Arc<Mutex<HashMap<IpAddr, u64>>>,
-    ip: IpAddr,
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.stats.connections.fetch_sub(1, Relaxed);
-        let mut f = self.from.lock();
-        if let Some(n) = f.get_mut(&self.ip) {
-            *n -= 1;
-            if *n == 0 {
-                f.remove(&self.ip);
-            }
-        }
-    }
 }
 
 /// One connection: the handshake, then its reader (subscriptions, pings) and its writer.
@@ -292,6 +256,7 @@ async fn serve(
     stats.subscribers.fetch_add(1, Relaxed);
     let mut writer = tokio::spawn(write_loop(wr, rx, queued, pong.clone()));
     let reading = read_loop(&mut rd, id, &topic, &subs, &tx, &pong);
+    // A deadline (the timer, raced against the connection below), not a pause.
     let subscribed = async {
         tokio::time::sleep(SUBSCRIBE_DEADLINE).await;
         let on = |s: &Sub| s.id == id && s.active > 0;
