@@ -39,6 +39,10 @@ const BREAKER_FAILURES: u32 = 3;
 /// First and longest pause of an open breaker.
 const BREAKER_MIN: Duration = Duration::from_millis(500);
 const BREAKER_MAX: Duration = Duration::from_secs(30);
+/// Longest a late push ([`RemoteTier::write_late`]) waits for the probe of an owner whose
+/// breaker's pause has ended: a connection set up and authenticated (one round trip and a
+/// hash on loopback or a LAN).
+const PUSH_PROBE: Duration = Duration::from_millis(500);
 /// Idle connections kept per peer.
 const POOL: usize = 4;
 /// Bytes read (and hashed) at a time.
@@ -371,10 +375,13 @@ impl RemoteTier {
     /// Where a push of `key` goes: its owners other than this node (`None` where the breaker is
     /// open), and the member a block no owner took goes to instead (`None` when that is this
     /// node or its breaker is open).
+    /// With `probe`, a peer whose breaker's pause has ended is probed on this thread
+    /// ([`RemoteTier::usable_now`]).
     fn push_targets(
         &self,
         p: &Placement,
         key: &BlockKey,
+        probe: bool,
     ) -> (Vec<Option<Arc<Peer>>>, Option<Arc<Peer>>) {
         let r = self.cfg.replicas.max(1);
         let all = p.owners(key, r + 1);
@@ -389,9 +396,17 @@ impl RemoteTier {
                 })
                 .collect()
         };
-        let mut picked = known
-            .into_iter()
-            .map(|k| k.map(|peer| peer.filter(|q| self.usable(q))));
+        let mut picked = known.into_iter().map(|k| {
+            k.map(|peer| {
+                peer.filter(|q| {
+                    if probe {
+                        self.usable_now(q)
+                    } else {
+                        self.usable(q)
+                    }
+                })
+            })
+        });
         let owners = picked.by_ref().take(r).flatten().collect();
         let spare = picked.next().flatten().flatten();
         (owners, spare)
@@ -409,33 +424,45 @@ impl RemoteTier {
     /// answered, the breaker closes (the connection goes to the pool); not, the pause doubles.
     /// Only the strikes that opened the breaker ever cost a caller a wait.
     fn usable(&self, peer: &Arc<Peer>) -> bool {
-        let mut b = peer.breaker.lock();
-        let Some(until) = b.open_until else {
-            return true;
-        };
-        if b.probing || Instant::now() < until {
-            return false;
+        if let Some(usable) = Self::probe_due(peer) {
+            return usable;
         }
-        b.probing = true;
-        drop(b);
         let (p, secret, me) = (peer.clone(), self.cfg.secret.clone(), self.cfg.me.clone());
         let timeout = self.cfg.timeout;
         let spawned = std::thread::Builder::new()
             .name("kvtier-probe".into())
-            .spawn(move || {
-                match connect_to(&p.addr, &secret, &me, Instant::now() + timeout) {
-                    Ok(c) => {
-                        p.ok();
-                        p.pool.lock().push(c);
-                    }
-                    Err(e) => p.failed(&e),
-                }
-                p.breaker.lock().probing = false;
-            });
+            .spawn(move || probe(&p, &secret, &me, Instant::now() + timeout));
         if spawned.is_err() {
             peer.breaker.lock().probing = false;
         }
         false
+    }
+
+    /// [`RemoteTier::usable`] for a late push (the pusher's thread, which no engine waits
+    /// on): a peer whose breaker's pause has ended is probed here, for at most
+    /// [`PUSH_PROBE`], and asked if it answered. So a late try that finds its owner back
+    /// goes through, where a probe in the background would count it failed while it runs
+    /// (and the next try comes 4× later, or never). A peer gone silent holds up the pusher
+    /// that long once per pause, and only when a late try comes due.
+    fn usable_now(&self, peer: &Arc<Peer>) -> bool {
+        Self::probe_due(peer).unwrap_or_else(|| {
+            let deadline = Instant::now() + self.cfg.timeout.min(PUSH_PROBE);
+            probe(peer, &self.cfg.secret, &self.cfg.me, deadline)
+        })
+    }
+
+    /// Whether `peer`'s breaker lets it be asked (`Some`), or `None`: its pause has ended
+    /// and the caller is to probe it (marked as probing, so no one else does).
+    fn probe_due(peer: &Peer) -> Option<bool> {
+        let mut b = peer.breaker.lock();
+        let Some(until) = b.open_until else {
+            return Some(true);
+        };
+        if b.probing || Instant::now() < until {
+            return Some(false);
+        }
+        b.probing = true;
+        None
     }
 
     /// Sends one request of `op` for `keys` (no payload) to `peer` on a fresh or pooled
@@ -842,6 +869,25 @@ impl RemoteTier {
     }
 }
 
+/// Probes `peer` (its breaker marked probing): a connection set up and authenticated by
+/// `deadline` closes the breaker (the connection goes to the pool); else the pause doubles.
+/// Whether it answered.
+fn probe(peer: &Peer, secret: &str, me: &str, deadline: Instant) -> bool {
+    let ok = match connect_to(&peer.addr, secret, me, deadline) {
+        Ok(c) => {
+            peer.ok();
+            peer.pool.lock().push(c);
+            true
+        }
+        Err(e) => {
+            peer.failed(&e);
+            false
+        }
+    };
+    peer.breaker.lock().probing = false;
+    ok
+}
+
 /// A new connection to `addr`, set up and authenticated as `me` by `deadline`.
 fn connect_to(addr: &str, secret: &str, me: &str, deadline: Instant) -> io::Result<TcpStream> {
     let left = remaining(deadline)?;
@@ -925,6 +971,98 @@ fn info_of(b: &Block, ns: Option<u16>) -> Option<BlockInfo> {
     })
 }
 
+impl RemoteTier {
+    /// [`LowerTier::write`], and with `probe` [`LowerTier::write_late`]: owners whose
+    /// breaker's pause has ended are probed on this thread ([`RemoteTier::usable_now`]).
+    fn write_with(
+        &self,
+        items: Vec<WriteItem>,
+        still_wanted: &(dyn Fn(&BlockKey) -> bool + Sync),
+        probe: bool,
+    ) -> Vec<WriteOutcome> {
+        // Blocks this node owns alone are not pushed anywhere: "cancelled" (nothing to do).
+        let mut out = vec![WriteOutcome::Cancelled; items.len()];
+        let started = Instant::now();
+        let deadline = started + self.cfg.timeout;
+        let shared: Vec<(BlockKey, u16, Buf, u32, u64)> = items
+            .iter()
+            .map(|it| {
+                let buf = Buf {
+                    ptr: it.buf.as_ptr(),
+                    cap: it.buf.cap(),
+                };
+                (it.key, it.ns, buf, it.len, it.checksum)
+            })
+            .collect();
+        let p = self.placement();
+        let targets: Vec<_> = items
+            .iter()
+            .map(|it| self.push_targets(&p, &it.key, probe))
+            .collect();
+        // Round one: every block to every owner but this node, each peer on its own thread.
+        let groups = group_by(
+            targets
+                .iter()
+                .enumerate()
+                .flat_map(|(i, (owners, _))| owners.iter().flatten().map(move |p| (p, i))),
+        );
+        let settle = |out: &mut [WriteOutcome], results: Vec<Vec<(usize, WriteOutcome)>>| {
+            for (i, o) in results.into_iter().flatten() {
+                // With replicas, the best outcome of any owner counts.
+                if rank(o) > rank(out[i]) {
+                    out[i] = o;
+                }
+            }
+        };
+        // Round one gets half the deadline where a block has somewhere else to go.
+        let first_by = if targets.iter().any(|(_, next)| next.is_some()) {
+            started + self.cfg.timeout / 2
+        } else {
+            deadline
+        };
+        let shared = &shared;
+        let push = |by: Instant| {
+            move |peer: &Arc<Peer>, idx: &[usize]| self.push_to(peer, idx, shared, still_wanted, by)
+        };
+        settle(&mut out, Self::fan_out(&groups, push(first_by)));
+        // Round two: a block no owner took (owner down, timed out, full) goes to the next
+        // member in rendezvous order, where reads look next; when that is this node, or it is
+        // down too, the block is busy (the pusher tries the owners again later).
+        let mut spare = Vec::new();
+        for (i, (owners, next)) in targets.iter().enumerate() {
+            let taken = matches!(
+                out[i],
+                WriteOutcome::Written | WriteOutcome::Present | WriteOutcome::Corrupt
+            );
+            if owners.is_empty() || taken || !still_wanted(&items[i].key) {
+                continue;
+            }
+            match next {
+                Some(peer) if remaining(deadline).is_ok() => spare.push((peer, i)),
+                _ => out[i] = WriteOutcome::Busy,
+            }
+        }
+        let groups = group_by(spare.into_iter());
+        settle(&mut out, Self::fan_out(&groups, push(deadline)));
+        for (i, (owners, _)) in targets.iter().enumerate() {
+            if !owners.is_empty()
+                && out[i] == WriteOutcome::Cancelled
+                && still_wanted(&items[i].key)
+            {
+                out[i] = WriteOutcome::Failed;
+            }
+        }
+        self.stats.writes.fetch_add(1, Relaxed);
+        let _ = self
+            .lat
+            .lock()
+            .1
+            .record((started.elapsed().as_micros() as u64).max(1));
+        drop(items);
+        out
+    }
+}
+
 impl LowerTier for RemoteTier {
     fn kind(&self) -> Tier {
         Tier::Remote
@@ -1000,86 +1138,15 @@ impl LowerTier for RemoteTier {
         items: Vec<WriteItem>,
         still_wanted: &(dyn Fn(&BlockKey) -> bool + Sync),
     ) -> Vec<WriteOutcome> {
-        // Blocks this node owns alone are not pushed anywhere: "cancelled" (nothing to do).
-        let mut out = vec![WriteOutcome::Cancelled; items.len()];
-        let started = Instant::now();
-        let deadline = started + self.cfg.timeout;
-        let shared: Vec<(BlockKey, u16, Buf, u32, u64)> = items
-            .iter()
-            .map(|it| {
-                let buf = Buf {
-                    ptr: it.buf.as_ptr(),
-                    cap: it.buf.cap(),
-                };
-                (it.key, it.ns, buf, it.len, it.checksum)
-            })
-            .collect();
-        let p = self.placement();
-        let targets: Vec<_> = items
-            .iter()
-            .map(|it| self.push_targets(&p, &it.key))
-            .collect();
-        // Round one: every block to every owner but this node, each peer on its own thread.
-        let groups = group_by(
-            targets
-                .iter()
-                .enumerate()
-                .flat_map(|(i, (owners, _))| owners.iter().flatten().map(move |p| (p, i))),
-        );
-        let settle = |out: &mut [WriteOutcome], results: Vec<Vec<(usize, WriteOutcome)>>| {
-            for (i, o) in results.into_iter().flatten() {
-                // With replicas, the best outcome of any owner counts.
-                if rank(o) > rank(out[i]) {
-                    out[i] = o;
-                }
-            }
-        };
-        // Round one gets half the deadline where a block has somewhere else to go.
-        let first_by = if targets.iter().any(|(_, next)| next.is_some()) {
-            started + self.cfg.timeout / 2
-        } else {
-            deadline
-        };
-        let shared = &shared;
-        let push = |by: Instant| {
-            move |peer: &Arc<Peer>, idx: &[usize]| self.push_to(peer, idx, shared, still_wanted, by)
-        };
-        settle(&mut out, Self::fan_out(&groups, push(first_by)));
-        // Round two: a block no owner took (owner down, timed out, full) goes to the next
-        // member in rendezvous order, where reads look next; when that is this node, or it is
-        // down too, the block is busy (the pusher tries the owners again later).
-        let mut spare = Vec::new();
-        for (i, (owners, next)) in targets.iter().enumerate() {
-            let taken = matches!(
-                out[i],
-                WriteOutcome::Written | WriteOutcome::Present | WriteOutcome::Corrupt
-            );
-            if owners.is_empty() || taken || !still_wanted(&items[i].key) {
-                continue;
-            }
-            match next {
-                Some(peer) if remaining(deadline).is_ok() => spare.push((peer, i)),
-                _ => out[i] = WriteOutcome::Busy,
-            }
-        }
-        let groups = group_by(spare.into_iter());
-        settle(&mut out, Self::fan_out(&groups, push(deadline)));
-        for (i, (owners, _)) in targets.iter().enumerate() {
-            if !owners.is_empty()
-                && out[i] == WriteOutcome::Cancelled
-                && still_wanted(&items[i].key)
-            {
-                out[i] = WriteOutcome::Failed;
-            }
-        }
-        self.stats.writes.fetch_add(1, Relaxed);
-        let _ = self
-            .lat
-            .lock()
-            .1
-            .record((started.elapsed().as_micros() as u64).max(1));
-        drop(items);
-        out
+        self.write_with(items, still_wanted, false)
+    }
+
+    fn write_late(
+        &self,
+        items: Vec<WriteItem>,
+        still_wanted: &(dyn Fn(&BlockKey) -> bool + Sync),
+    ) -> Vec<WriteOutcome> {
+        self.write_with(items, still_wanted, true)
     }
 
     fn remove(&self, _key: &BlockKey) -> bool {

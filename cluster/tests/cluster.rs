@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kvstore::{BlockKey, StoreConfig, Tier};
+use kvstore::{BlockKey, LowerTier, StoreConfig, Tier};
 use kvtier_cluster::{Member, RemoteConfig, RemoteTier};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -239,6 +239,79 @@ async fn an_owner_down_past_the_pinned_retries_still_gets_its_blocks() {
     });
     let s = a.stats();
     assert_eq!((s.pushes as usize, s.push_failed), (to_b - 1, 1), "{s:?}");
+    again.abort();
+}
+
+/// A late push (the pusher's tries minutes after a push failed) that finds its owner's
+/// breaker past its pause probes the owner there and then, and the owner, back, gets the
+/// block. An ordinary push in the same state starts the probe in the background and is busy
+/// meanwhile (so a first try never waits on a peer that keeps failing): with nothing else
+/// asking that owner, a last try made that way was lost although the owner was back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_push_probes_an_owner_whose_breaker_pause_ended() {
+    let mut nodes = cluster(2, &["s"]).await;
+    let id = register(&nodes);
+    nodes[1].server.abort();
+    let _ = (&mut nodes[1].server).await;
+    let (keys, data) = blocks_owned_by(8, 31, &nodes[0].remote.placement(), &nodes[1].addr);
+    let placement = nodes[0].remote.placement();
+    let i = (0..keys.len())
+        .find(|&i| placement.owner(&keys[i]) == Some(nodes[1].addr.as_str()))
+        .unwrap();
+    let item = |i: usize| kvstore::WriteItem {
+        key: keys[i],
+        ns: id.0 as u16,
+        // SAFETY: `data` outlives every write below, and nobody writes it.
+        buf: unsafe { kvstore::io::IoBuf::from_raw(data[i].as_ptr() as *mut u8, data[i].len()) },
+        len: data[i].len() as u32,
+        checksum: kvstore::checksum(&data[i]),
+    };
+    let b_state = || {
+        nodes[0]
+            .remote
+            .peers()
+            .into_iter()
+            .find(|p| p.addr == nodes[1].addr)
+            .map(|p| p.state)
+    };
+    // B is down; three failed lookups open A's breaker for it, and its pause ends with
+    // nothing asking B since.
+    let breaker_past_its_pause = || {
+        tokio::task::block_in_place(|| {
+            for _ in 0..3 {
+                nodes[0].remote.held_by_owners(&keys);
+            }
+            assert_eq!(b_state(), Some("down"));
+            wait_until("B's breaker pause ends", 30, || {
+                b_state() == Some("failing")
+            });
+        })
+    };
+    breaker_past_its_pause();
+    // B is back.
+    let again = serve_again(&nodes[1], "s", DEADLINE).await;
+    tokio::task::block_in_place(|| {
+        // An ordinary push: busy, and the probe it started closes the breaker.
+        let out = nodes[0].remote.write(vec![item(i)], &|_| true);
+        assert_eq!(out, vec![kvstore::WriteOutcome::Busy]);
+        wait_until("the background probe finds B", 30, || {
+            b_state() == Some("up")
+        });
+        assert!(nodes[1].store.probe_local(&keys[i..=i])[0].is_none());
+    });
+    // The same again: B down, its breaker past its pause, B back.
+    again.abort();
+    let _ = again.await;
+    breaker_past_its_pause();
+    let again = serve_again(&nodes[1], "s", DEADLINE).await;
+    tokio::task::block_in_place(|| {
+        // A late push in the same state goes through at once.
+        let out = nodes[0].remote.write_late(vec![item(i)], &|_| true);
+        assert_eq!(out, vec![kvstore::WriteOutcome::Written]);
+        assert_eq!(b_state(), Some("up"));
+        let b = nodes[1].store;
+        assert_eq!(b.load(&keys[i..=i]).unwrap().block(0), &data[i][..]);
+    });
     again.abort();
 }
 

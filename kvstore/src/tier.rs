@@ -204,6 +204,18 @@ pub trait LowerTier: Send + Sync {
         items: Vec<WriteItem>,
         still_wanted: &(dyn Fn(&BlockKey) -> bool + Sync),
     ) -> Vec<WriteOutcome>;
+    /// [`LowerTier::write`] of a write-behind tier's late tries (the pusher's, minutes after
+    /// a push failed): a tier that stops asking a failing target for a while (the remote
+    /// tier's breakers) asks one whose pause has ended there and then, rather than counting
+    /// the try as failed while it finds out in the background. With no other traffic to
+    /// that target, nothing else would find out before the try (the last one given up).
+    fn write_late(
+        &self,
+        items: Vec<WriteItem>,
+        still_wanted: &(dyn Fn(&BlockKey) -> bool + Sync),
+    ) -> Vec<WriteOutcome> {
+        self.write(items, still_wanted)
+    }
     /// Removes a block (an in-flight write of it is cancelled); false if absent.
     fn remove(&self, key: &BlockKey) -> bool;
     /// Removes every block of a namespace; returns their keys.
@@ -268,6 +280,13 @@ impl<T: LowerTier + ?Sized> LowerTier for std::sync::Arc<T> {
         still_wanted: &(dyn Fn(&BlockKey) -> bool + Sync),
     ) -> Vec<WriteOutcome> {
         (**self).write(items, still_wanted)
+    }
+    fn write_late(
+        &self,
+        items: Vec<WriteItem>,
+        still_wanted: &(dyn Fn(&BlockKey) -> bool + Sync),
+    ) -> Vec<WriteOutcome> {
+        (**self).write_late(items, still_wanted)
     }
     fn remove(&self, key: &BlockKey) -> bool {
         (**self).remove(key)

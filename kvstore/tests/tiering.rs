@@ -521,3 +521,108 @@ fn a_stalled_peer_does_not_hold_up_disk_loads() {
     // The stalled read ends as a miss: nothing is served from it.
     assert_eq!(remote_load.join().unwrap().unwrap(), 0);
 }
+
+/// A write-behind tier whose owner never takes a block: it counts the pusher's writes, the
+/// ordinary ones and the late ones apart.
+#[derive(Default)]
+struct RefusingOwner {
+    writes: std::sync::atomic::AtomicU64,
+    late_writes: std::sync::atomic::AtomicU64,
+}
+
+impl kvstore::LowerTier for RefusingOwner {
+    fn kind(&self) -> Tier {
+        Tier::Remote
+    }
+    fn local(&self) -> bool {
+        false
+    }
+    fn write_behind(&self) -> bool {
+        true
+    }
+    fn lookup(&self, _key: &BlockKey) -> Option<kvstore::BlockInfo> {
+        None
+    }
+    fn pin(&self, _key: &BlockKey) -> bool {
+        false
+    }
+    fn unpin(&self, _key: &BlockKey) {}
+    fn read(&self, items: Vec<kvstore::ReadItem>) -> Vec<kvstore::ReadOutcome> {
+        vec![kvstore::ReadOutcome::Miss; items.len()]
+    }
+    fn write(
+        &self,
+        items: Vec<kvstore::WriteItem>,
+        _still_wanted: &(dyn Fn(&BlockKey) -> bool + Sync),
+    ) -> Vec<kvstore::WriteOutcome> {
+        self.writes
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        vec![kvstore::WriteOutcome::Failed; items.len()]
+    }
+    fn write_late(
+        &self,
+        items: Vec<kvstore::WriteItem>,
+        _still_wanted: &(dyn Fn(&BlockKey) -> bool + Sync),
+    ) -> Vec<kvstore::WriteOutcome> {
+        self.late_writes
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        vec![kvstore::WriteOutcome::Failed; items.len()]
+    }
+    fn remove(&self, _key: &BlockKey) -> bool {
+        false
+    }
+    fn clear_namespace(&self, _ns: u16) -> Vec<BlockKey> {
+        Vec::new()
+    }
+    fn namespace_usage(&self) -> Vec<kvstore::NsUsage> {
+        Vec::new()
+    }
+    fn stats(&self) -> kvstore::TierStats {
+        kvstore::TierStats {
+            tier: Some(Tier::Remote),
+            ..Default::default()
+        }
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// A push that keeps failing is tried 3 times more holding its pin, then 3 times late holding
+/// only its key, and then given up; the late tries go through `LowerTier::write_late` (the
+/// remote tier probes there an owner whose breaker's pause has ended), the others do not.
+#[test]
+fn late_push_tries_are_written_as_late() {
+    let owner = Arc::new(RefusingOwner::default());
+    let store = StoreConfig {
+        capacity_bytes: 4 << 20,
+        segment_bytes: 1 << 20,
+        size_classes: vec![64 << 10],
+        shards: 4,
+        remote: Some(kvstore::SharedTier(owner.clone())),
+        // Tries after 1, 4, 16 ms (pinned), then 64, 256 and 1,024 ms (late).
+        push_retry_first: Duration::from_millis(1),
+        ..Default::default()
+    }
+    .build()
+    .unwrap();
+    let id = ns(&store);
+    store.put(id, key(1), &data(1)).unwrap();
+    let until = Instant::now() + Duration::from_secs(60);
+    while store.stats().push_failed == 0 {
+        assert!(
+            Instant::now() < until,
+            "never given up: {:?}",
+            store.stats()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let s = store.stats();
+    assert_eq!(
+        (s.pushes, s.push_retries, s.push_failed),
+        (0, 6, 1),
+        "{s:?}"
+    );
+    let n = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!((n(&owner.writes), n(&owner.late_writes)), (4, 3));
+}

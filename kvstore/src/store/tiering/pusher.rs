@@ -276,7 +276,13 @@ impl Inner {
                     .get(&MapKey::from(*k))
                     .is_some_and(|e| e.ready())
             };
-            let outcomes = tier.write(items, &still_wanted);
+            // A batch with a late try in it: an owner whose breaker's pause has ended is
+            // asked there and then (`LowerTier::write_late`).
+            let outcomes = if batch.iter().any(|(tries, _)| *tries > PUSH_RETRIES) {
+                tier.write_late(items, &still_wanted)
+            } else {
+                tier.write(items, &still_wanted)
+            };
             for ((tries, d), o) in batch.iter().zip(outcomes) {
                 match o {
                     WriteOutcome::Written | WriteOutcome::Present => {
