@@ -40,8 +40,9 @@ const BREAKER_FAILURES: u32 = 3;
 const BREAKER_MIN: Duration = Duration::from_millis(500);
 const BREAKER_MAX: Duration = Duration::from_secs(30);
 /// Longest a late push ([`RemoteTier::write_late`]) waits for the probe of an owner whose
-/// breaker's pause has ended: a connection set up and authenticated (one round trip and a
-/// hash on loopback or a LAN).
+/// breaker's pause has ended: a connection set up and authenticated (a few round trips and
+/// a hash on loopback or a LAN). A peer slower than that is left to a background probe
+/// with the whole `cluster.timeout_ms`, as for reads.
 const PUSH_PROBE: Duration = Duration::from_millis(500);
 /// Idle connections kept per peer.
 const POOL: usize = 4;
@@ -106,7 +107,8 @@ struct Breaker {
     open_until: Option<Instant>,
     pause: Duration,
     ever_ok: bool,
-    /// A background probe of the peer is under way (see [`RemoteTier::usable`]).
+    /// A probe of the peer is under way, in the background or on a late push's thread
+    /// (see [`RemoteTier::usable`], [`RemoteTier::usable_now`]).
     probing: bool,
 }
 
@@ -422,11 +424,18 @@ impl RemoteTier {
     /// Whether `peer` may be asked now. A peer whose breaker is open is not; once its pause
     /// ended, one probe in the background (a connection set up and authenticated) decides:
     /// answered, the breaker closes (the connection goes to the pool); not, the pause doubles.
-    /// Only the strikes that opened the breaker ever cost a caller a wait.
+    /// Only the strikes that opened the breaker ever cost a caller a wait (and a late push's
+    /// probe, [`RemoteTier::usable_now`], its pusher).
     fn usable(&self, peer: &Arc<Peer>) -> bool {
         if let Some(usable) = Self::probe_due(peer) {
             return usable;
         }
+        self.probe_in_background(peer);
+        false
+    }
+
+    /// Probes `peer` (marked probing) in a thread of its own, within `cluster.timeout_ms`.
+    fn probe_in_background(&self, peer: &Arc<Peer>) {
         let (p, secret, me) = (peer.clone(), self.cfg.secret.clone(), self.cfg.me.clone());
         let timeout = self.cfg.timeout;
         let spawned = std::thread::Builder::new()
@@ -435,20 +444,45 @@ impl RemoteTier {
         if spawned.is_err() {
             peer.breaker.lock().probing = false;
         }
-        false
     }
 
     /// [`RemoteTier::usable`] for a late push (the pusher's thread, which no engine waits
     /// on): a peer whose breaker's pause has ended is probed here, for at most
     /// [`PUSH_PROBE`], and asked if it answered. So a late try that finds its owner back
     /// goes through, where a probe in the background would count it failed while it runs
-    /// (and the next try comes 4× later, or never). A peer gone silent holds up the pusher
-    /// that long once per pause, and only when a late try comes due.
+    /// (and the next try comes 4× later, or never). A peer that refuses counts a failure,
+    /// as a background probe's would. One that does not answer in time is left to a
+    /// background probe with the whole timeout, so the shorter wait here never doubles a
+    /// pause that reads then live with. A peer gone silent so holds up the pusher
+    /// [`PUSH_PROBE`] once per pause, and only when a late try comes due.
     fn usable_now(&self, peer: &Arc<Peer>) -> bool {
-        Self::probe_due(peer).unwrap_or_else(|| {
-            let deadline = Instant::now() + self.cfg.timeout.min(PUSH_PROBE);
-            probe(peer, &self.cfg.secret, &self.cfg.me, deadline)
-        })
+        if let Some(usable) = Self::probe_due(peer) {
+            return usable;
+        }
+        let deadline = Instant::now() + self.cfg.timeout.min(PUSH_PROBE);
+        match connect_to(&peer.addr, &self.cfg.secret, &self.cfg.me, deadline) {
+            Ok(c) => {
+                peer.ok();
+                peer.pool.lock().push(c);
+                peer.breaker.lock().probing = false;
+                true
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
+                ) =>
+            {
+                // Still marked probing: the background probe takes over.
+                self.probe_in_background(peer);
+                false
+            }
+            Err(e) => {
+                peer.failed(&e);
+                peer.breaker.lock().probing = false;
+                false
+            }
+        }
     }
 
     /// Whether `peer`'s breaker lets it be asked (`Some`), or `None`: its pause has ended
@@ -871,21 +905,15 @@ impl RemoteTier {
 
 /// Probes `peer` (its breaker marked probing): a connection set up and authenticated by
 /// `deadline` closes the breaker (the connection goes to the pool); else the pause doubles.
-/// Whether it answered.
-fn probe(peer: &Peer, secret: &str, me: &str, deadline: Instant) -> bool {
-    let ok = match connect_to(&peer.addr, secret, me, deadline) {
+fn probe(peer: &Peer, secret: &str, me: &str, deadline: Instant) {
+    match connect_to(&peer.addr, secret, me, deadline) {
         Ok(c) => {
             peer.ok();
             peer.pool.lock().push(c);
-            true
         }
-        Err(e) => {
-            peer.failed(&e);
-            false
-        }
-    };
+        Err(e) => peer.failed(&e),
+    }
     peer.breaker.lock().probing = false;
-    ok
 }
 
 /// A new connection to `addr`, set up and authenticated as `me` by `deadline`.
@@ -983,7 +1011,6 @@ impl RemoteTier {
         // Blocks this node owns alone are not pushed anywhere: "cancelled" (nothing to do).
         let mut out = vec![WriteOutcome::Cancelled; items.len()];
         let started = Instant::now();
-        let deadline = started + self.cfg.timeout;
         let shared: Vec<(BlockKey, u16, Buf, u32, u64)> = items
             .iter()
             .map(|it| {
@@ -999,6 +1026,9 @@ impl RemoteTier {
             .iter()
             .map(|it| self.push_targets(&p, &it.key, probe))
             .collect();
+        // From here (a late push's probes above are not the pushes' time).
+        let now = Instant::now();
+        let deadline = now + self.cfg.timeout;
         // Round one: every block to every owner but this node, each peer on its own thread.
         let groups = group_by(
             targets
@@ -1016,7 +1046,7 @@ impl RemoteTier {
         };
         // Round one gets half the deadline where a block has somewhere else to go.
         let first_by = if targets.iter().any(|(_, next)| next.is_some()) {
-            started + self.cfg.timeout / 2
+            now + self.cfg.timeout / 2
         } else {
             deadline
         };

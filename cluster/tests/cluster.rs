@@ -274,14 +274,14 @@ async fn a_late_push_probes_an_owner_whose_breaker_pause_ended() {
             .find(|p| p.addr == nodes[1].addr)
             .map(|p| p.state)
     };
-    // B is down; three failed lookups open A's breaker for it, and its pause ends with
+    // B is down; failed lookups (three) open A's breaker for it, and its pause ends with
     // nothing asking B since.
     let breaker_past_its_pause = || {
         tokio::task::block_in_place(|| {
-            for _ in 0..3 {
+            wait_until("A's breaker for B opens", 30, || {
                 nodes[0].remote.held_by_owners(&keys);
-            }
-            assert_eq!(b_state(), Some("down"));
+                b_state() == Some("down")
+            });
             wait_until("B's breaker pause ends", 30, || {
                 b_state() == Some("failing")
             });
@@ -313,6 +313,65 @@ async fn a_late_push_probes_an_owner_whose_breaker_pause_ended() {
         assert_eq!(b.load(&keys[i..=i]).unwrap().block(0), &data[i][..]);
     });
     again.abort();
+}
+
+/// A late push whose owner's breaker is past its pause and whose owner accepts connections but
+/// never answers (a black hole): the push waits its short probe, is busy, and leaves the
+/// verdict to a background probe with the whole timeout, so the short wait alone never
+/// doubles the pause (which reads then live with); that probe then does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_push_leaves_a_silent_owner_to_the_background_probe() {
+    let mut nodes = cluster(2, &["s"]).await;
+    let id = register(&nodes);
+    nodes[1].server.abort();
+    let _ = (&mut nodes[1].server).await;
+    // B's address now accepts and never says a word.
+    let hole = std::net::TcpListener::bind(&nodes[1].addr).unwrap();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for s in hole.incoming() {
+            held.extend(s.ok());
+        }
+    });
+    let (keys, data) = blocks_owned_by(8, 33, &nodes[0].remote.placement(), &nodes[1].addr);
+    let placement = nodes[0].remote.placement();
+    let i = (0..keys.len())
+        .find(|&i| placement.owner(&keys[i]) == Some(nodes[1].addr.as_str()))
+        .unwrap();
+    let b_state = || {
+        nodes[0]
+            .remote
+            .peers()
+            .into_iter()
+            .find(|p| p.addr == nodes[1].addr)
+            .map(|p| p.state)
+    };
+    tokio::task::block_in_place(|| {
+        wait_until("A's breaker for B opens", 60, || {
+            nodes[0].remote.held_by_owners(&keys);
+            b_state() == Some("down")
+        });
+        wait_until("B's breaker pause ends", 30, || {
+            b_state() == Some("failing")
+        });
+        let item = kvstore::WriteItem {
+            key: keys[i],
+            ns: id.0 as u16,
+            // SAFETY: `data` outlives the write, and nobody writes it.
+            buf: unsafe {
+                kvstore::io::IoBuf::from_raw(data[i].as_ptr() as *mut u8, data[i].len())
+            },
+            len: data[i].len() as u32,
+            checksum: kvstore::checksum(&data[i]),
+        };
+        let out = nodes[0].remote.write_late(vec![item], &|_| true);
+        assert_eq!(out, vec![kvstore::WriteOutcome::Busy]);
+        // Not re-opened by the late push's short probe: the background one (1.5 s) runs.
+        assert_eq!(b_state(), Some("failing"));
+        wait_until("the background probe reopens B's breaker", 30, || {
+            b_state() == Some("down")
+        });
+    });
 }
 
 /// A peer that answers every question and then sends bytes that are not the block it

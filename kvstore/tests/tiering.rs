@@ -522,12 +522,35 @@ fn a_stalled_peer_does_not_hold_up_disk_loads() {
     assert_eq!(remote_load.join().unwrap().unwrap(), 0);
 }
 
-/// A write-behind tier whose owner never takes a block: it counts the pusher's writes, the
-/// ordinary ones and the late ones apart.
-#[derive(Default)]
+/// A write-behind tier whose owner refuses one key and takes every other, 5 ms a write: it
+/// records the keys of the pusher's writes, the ordinary ones and the late ones apart.
 struct RefusingOwner {
-    writes: std::sync::atomic::AtomicU64,
-    late_writes: std::sync::atomic::AtomicU64,
+    refused: BlockKey,
+    writes: std::sync::Mutex<Vec<BlockKey>>,
+    late_writes: std::sync::Mutex<Vec<BlockKey>>,
+}
+
+impl RefusingOwner {
+    fn take(
+        &self,
+        items: Vec<kvstore::WriteItem>,
+        log: &std::sync::Mutex<Vec<BlockKey>>,
+    ) -> Vec<kvstore::WriteOutcome> {
+        log.lock().unwrap().extend(items.iter().map(|it| it.key));
+        // As slow as a write over the network: the saves made meanwhile queue up, so a late
+        // try comes due with first pushes queued, and is batched with them.
+        std::thread::sleep(Duration::from_millis(5));
+        items
+            .iter()
+            .map(|it| {
+                if it.key == self.refused {
+                    kvstore::WriteOutcome::Failed
+                } else {
+                    kvstore::WriteOutcome::Written
+                }
+            })
+            .collect()
+    }
 }
 
 impl kvstore::LowerTier for RefusingOwner {
@@ -555,18 +578,14 @@ impl kvstore::LowerTier for RefusingOwner {
         items: Vec<kvstore::WriteItem>,
         _still_wanted: &(dyn Fn(&BlockKey) -> bool + Sync),
     ) -> Vec<kvstore::WriteOutcome> {
-        self.writes
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        vec![kvstore::WriteOutcome::Failed; items.len()]
+        self.take(items, &self.writes)
     }
     fn write_late(
         &self,
         items: Vec<kvstore::WriteItem>,
         _still_wanted: &(dyn Fn(&BlockKey) -> bool + Sync),
     ) -> Vec<kvstore::WriteOutcome> {
-        self.late_writes
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        vec![kvstore::WriteOutcome::Failed; items.len()]
+        self.take(items, &self.late_writes)
     }
     fn remove(&self, _key: &BlockKey) -> bool {
         false
@@ -589,15 +608,20 @@ impl kvstore::LowerTier for RefusingOwner {
 }
 
 /// A push that keeps failing is tried 3 times more holding its pin, then 3 times late holding
-/// only its key, and then given up; the late tries go through `LowerTier::write_late` (the
-/// remote tier probes there an owner whose breaker's pause has ended), the others do not.
+/// only its key, and then given up. Only its late tries go through `LowerTier::write_late`
+/// (where the remote tier may first probe an owner whose breaker's pause has ended): the
+/// first pushes of the blocks saved meanwhile, batched with them, are written apart.
 #[test]
-fn late_push_tries_are_written_as_late() {
-    let owner = Arc::new(RefusingOwner::default());
+fn late_push_tries_are_written_apart_as_late() {
+    let owner = Arc::new(RefusingOwner {
+        refused: key(1),
+        writes: Default::default(),
+        late_writes: Default::default(),
+    });
     let store = StoreConfig {
-        capacity_bytes: 4 << 20,
+        capacity_bytes: 64 << 20,
         segment_bytes: 1 << 20,
-        size_classes: vec![64 << 10],
+        size_classes: vec![4096],
         shards: 4,
         remote: Some(kvstore::SharedTier(owner.clone())),
         // Tries after 1, 4, 16 ms (pinned), then 64, 256 and 1,024 ms (late).
@@ -607,7 +631,9 @@ fn late_push_tries_are_written_as_late() {
     .build()
     .unwrap();
     let id = ns(&store);
-    store.put(id, key(1), &data(1)).unwrap();
+    store.put(id, key(1), &[1u8; 4096]).unwrap();
+    // Blocks saved all along, so that late tries meet first pushes in the pusher's batches.
+    let mut saved = 0u32;
     let until = Instant::now() + Duration::from_secs(60);
     while store.stats().push_failed == 0 {
         assert!(
@@ -615,14 +641,32 @@ fn late_push_tries_are_written_as_late() {
             "never given up: {:?}",
             store.stats()
         );
-        std::thread::sleep(Duration::from_millis(5));
+        saved += 1;
+        store.put(id, key(1 + saved), &[2u8; 4096]).unwrap();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let until = Instant::now() + Duration::from_secs(60);
+    while store.stats().pushes < u64::from(saved) {
+        assert!(Instant::now() < until, "pushes: {:?}", store.stats());
+        std::thread::sleep(Duration::from_millis(2));
     }
     let s = store.stats();
     assert_eq!(
         (s.pushes, s.push_retries, s.push_failed),
-        (0, 6, 1),
+        (u64::from(saved), 6, 1),
         "{s:?}"
     );
-    let n = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::SeqCst);
-    assert_eq!((n(&owner.writes), n(&owner.late_writes)), (4, 3));
+    let writes = owner.writes.lock().unwrap().clone();
+    let late = owner.late_writes.lock().unwrap().clone();
+    assert_eq!(
+        late,
+        vec![key(1); 3],
+        "only the late tries are written as late"
+    );
+    assert_eq!(writes.iter().filter(|k| **k == key(1)).count(), 4);
+    assert_eq!(
+        writes.len(),
+        4 + saved as usize,
+        "each other block written once"
+    );
 }

@@ -209,7 +209,11 @@ impl Inner {
     /// restarts or a breaker that closes again still gets the block), holding its pin and its
     /// bytes of the push queue meanwhile; then after 64 s, 256 s and 1,024 s holding only its
     /// key, if the block is still in host memory then; after that the block stays local only.
-    /// Nothing waits for a push.
+    /// A batch's late tries are written after its other pushes, apart
+    /// ([`crate::tier::LowerTier::write_late`]): the remote tier may first probe an owner
+    /// whose breaker's pause has ended, holding up the pusher (at most 500 ms a probe) but
+    /// not the other pushes of that batch, whose owners are never probed inline. Nothing
+    /// else waits for a push.
     pub(super) fn pusher_loop(&self) {
         let Some(tier) = self.push_to.and_then(|i| self.tiers.get(i)) else {
             return;
@@ -253,7 +257,13 @@ impl Inner {
                     return;
                 }
             };
-            let items = batch
+            // Late tries last (a stable sort: commit order within each part): they are
+            // written apart, with `LowerTier::write_late`, which may probe an owner whose
+            // breaker's pause has ended there and then; the others never wait for that.
+            let mut batch = batch;
+            batch.sort_by_key(|(tries, _)| *tries > PUSH_RETRIES);
+            let late_from = batch.partition_point(|(tries, _)| *tries <= PUSH_RETRIES);
+            let mut items: Vec<WriteItem> = batch
                 .iter()
                 .map(|(_, d)| {
                     let checksum =
@@ -276,13 +286,14 @@ impl Inner {
                     .get(&MapKey::from(*k))
                     .is_some_and(|e| e.ready())
             };
-            // A batch with a late try in it: an owner whose breaker's pause has ended is
-            // asked there and then (`LowerTier::write_late`).
-            let outcomes = if batch.iter().any(|(tries, _)| *tries > PUSH_RETRIES) {
-                tier.write_late(items, &still_wanted)
-            } else {
-                tier.write(items, &still_wanted)
-            };
+            let late = items.split_off(late_from);
+            let mut outcomes = Vec::with_capacity(batch.len());
+            if !items.is_empty() {
+                outcomes.extend(tier.write(items, &still_wanted));
+            }
+            if !late.is_empty() {
+                outcomes.extend(tier.write_late(late, &still_wanted));
+            }
             for ((tries, d), o) in batch.iter().zip(outcomes) {
                 match o {
                     WriteOutcome::Written | WriteOutcome::Present => {
