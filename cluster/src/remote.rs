@@ -441,7 +441,10 @@ impl RemoteTier {
         let spawned = std::thread::Builder::new()
             .name("kvtier-probe".into())
             .spawn(move || probe(&p, &secret, &me, Instant::now() + timeout));
-        if spawned.is_err() {
+        if let Err(e) = spawned {
+            // Not probed: as if it failed (the pause doubles; no one pays for it again
+            // before the next pause ends).
+            peer.failed(&e);
             peer.breaker.lock().probing = false;
         }
     }
@@ -916,6 +919,18 @@ fn probe(peer: &Peer, secret: &str, me: &str, deadline: Instant) {
     peer.breaker.lock().probing = false;
 }
 
+/// A stream read within a deadline: the read timeout is what is left of it before each read,
+/// so a peer that trickles its bytes cannot stretch a header past the deadline (a timeout set
+/// once bounds each read, not the sum).
+struct Deadlined<'a>(&'a TcpStream, Instant);
+
+impl Read for Deadlined<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.0.set_read_timeout(Some(remaining(self.1)?))?;
+        (&mut &*self.0).read(buf)
+    }
+}
+
 /// A new connection to `addr`, set up and authenticated as `me` by `deadline`.
 fn connect_to(addr: &str, secret: &str, me: &str, deadline: Instant) -> io::Result<TcpStream> {
     let left = remaining(deadline)?;
@@ -926,15 +941,15 @@ fn connect_to(addr: &str, secret: &str, me: &str, deadline: Instant) -> io::Resu
     let mut s = TcpStream::connect_timeout(&sock, left)?;
     s.set_nodelay(true)?;
     wire::keepalive(&s)?;
-    s.set_read_timeout(Some(remaining(deadline)?))?;
     s.set_write_timeout(Some(remaining(deadline)?))?;
-    let hello: Hello = wire::read_header(&mut s)?;
+    let hello: Hello = wire::read_header(&mut Deadlined(&s, deadline))?;
     if hello.version != CLUSTER_VERSION {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
             format!("peer speaks cluster protocol {}", hello.version),
         ));
     }
+    s.set_write_timeout(Some(remaining(deadline)?))?;
     wire::write_header(
         &mut s,
         &Auth {
@@ -943,7 +958,7 @@ fn connect_to(addr: &str, secret: &str, me: &str, deadline: Instant) -> io::Resu
             node: me.to_string(),
         },
     )?;
-    let r: AuthReply = wire::read_header(&mut s)?;
+    let r: AuthReply = wire::read_header(&mut Deadlined(&s, deadline))?;
     if !r.error.is_empty() {
         tracing::error!(peer = %addr, error = %r.error, "cluster: the peer refused this node");
         return Err(io::Error::new(io::ErrorKind::PermissionDenied, r.error));
@@ -1010,7 +1025,6 @@ impl RemoteTier {
     ) -> Vec<WriteOutcome> {
         // Blocks this node owns alone are not pushed anywhere: "cancelled" (nothing to do).
         let mut out = vec![WriteOutcome::Cancelled; items.len()];
-        let started = Instant::now();
         let shared: Vec<(BlockKey, u16, Buf, u32, u64)> = items
             .iter()
             .map(|it| {
@@ -1026,7 +1040,8 @@ impl RemoteTier {
             .iter()
             .map(|it| self.push_targets(&p, &it.key, probe))
             .collect();
-        // From here (a late push's probes above are not the pushes' time).
+        // From here: a late push's probes above are not the pushes' time (deadline,
+        // latency).
         let now = Instant::now();
         let deadline = now + self.cfg.timeout;
         // Round one: every block to every owner but this node, each peer on its own thread.
@@ -1087,7 +1102,7 @@ impl RemoteTier {
             .lat
             .lock()
             .1
-            .record((started.elapsed().as_micros() as u64).max(1));
+            .record((now.elapsed().as_micros() as u64).max(1));
         drop(items);
         out
     }

@@ -294,6 +294,7 @@ impl Inner {
             if !late.is_empty() {
                 outcomes.extend(tier.write_late(late, &still_wanted));
             }
+            debug_assert_eq!(outcomes.len(), batch.len(), "an outcome a block");
             for ((tries, d), o) in batch.iter().zip(outcomes) {
                 match o {
                     WriteOutcome::Written | WriteOutcome::Present => {
