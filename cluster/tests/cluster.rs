@@ -254,26 +254,9 @@ async fn a_late_push_probes_an_owner_whose_breaker_pause_ended() {
     nodes[1].server.abort();
     let _ = (&mut nodes[1].server).await;
     let (keys, data) = blocks_owned_by(8, 31, &nodes[0].remote.placement(), &nodes[1].addr);
-    let placement = nodes[0].remote.placement();
-    let i = (0..keys.len())
-        .find(|&i| placement.owner(&keys[i]) == Some(nodes[1].addr.as_str()))
-        .unwrap();
-    let item = |i: usize| kvstore::WriteItem {
-        key: keys[i],
-        ns: id.0 as u16,
-        // SAFETY: `data` outlives every write below, and nobody writes it.
-        buf: unsafe { kvstore::io::IoBuf::from_raw(data[i].as_ptr() as *mut u8, data[i].len()) },
-        len: data[i].len() as u32,
-        checksum: kvstore::checksum(&data[i]),
-    };
-    let b_state = || {
-        nodes[0]
-            .remote
-            .peers()
-            .into_iter()
-            .find(|p| p.addr == nodes[1].addr)
-            .map(|p| p.state)
-    };
+    let i = first_owned_by(&nodes[0], &keys, &nodes[1].addr);
+    let item = |i: usize| write_item(keys[i], id, &data[i]);
+    let b_state = || Some(peer_status(&nodes[0], &nodes[1].addr).state);
     // B is down; failed lookups (three) open A's breaker for it, and its pause ends with
     // nothing asking B since.
     let breaker_past_its_pause = || {
@@ -338,18 +321,8 @@ async fn a_late_push_leaves_a_silent_owner_to_the_background_probe() {
         }
     });
     let (keys, data) = blocks_owned_by(8, 33, &nodes[0].remote.placement(), &nodes[1].addr);
-    let placement = nodes[0].remote.placement();
-    let i = (0..keys.len())
-        .find(|&i| placement.owner(&keys[i]) == Some(nodes[1].addr.as_str()))
-        .unwrap();
-    let b = || {
-        nodes[0]
-            .remote
-            .peers()
-            .into_iter()
-            .find(|p| p.addr == nodes[1].addr)
-            .unwrap()
-    };
+    let i = first_owned_by(&nodes[0], &keys, &nodes[1].addr);
+    let b = || peer_status(&nodes[0], &nodes[1].addr);
     let b_state = || Some(b().state);
     tokio::task::block_in_place(|| {
         wait_until("A's breaker for B opens", 60, || {
@@ -359,16 +332,7 @@ async fn a_late_push_leaves_a_silent_owner_to_the_background_probe() {
         wait_until("B's breaker pause ends", 30, || {
             b_state() == Some("failing")
         });
-        let item = kvstore::WriteItem {
-            key: keys[i],
-            ns: id.0 as u16,
-            // SAFETY: `data` outlives the write, and nobody writes it.
-            buf: unsafe {
-                kvstore::io::IoBuf::from_raw(data[i].as_ptr() as *mut u8, data[i].len())
-            },
-            len: data[i].len() as u32,
-            checksum: kvstore::checksum(&data[i]),
-        };
+        let item = write_item(keys[i], id, &data[i]);
         let (connections, failures) = (accepted.load(Relaxed), b().failures);
         let out = nodes[0].remote.write_late(vec![item], &|_| true);
         assert_eq!(out, vec![kvstore::WriteOutcome::Busy]);

@@ -280,3 +280,32 @@ pub fn wait_placed(nodes: &[Node], keys: &[BlockKey]) {
         );
     }
 }
+
+/// What `node`'s remote tier says of its peer at `addr` (breaker state, failures).
+pub fn peer_status(node: &Node, addr: &str) -> kvtier_cluster::PeerStatus {
+    node.remote
+        .peers()
+        .into_iter()
+        .find(|p| p.addr == addr)
+        .expect("a member")
+}
+
+/// One block to write through a remote tier directly (as the store's pusher does).
+pub fn write_item(key: BlockKey, ns: NsId, data: &[u8]) -> kvstore::WriteItem {
+    kvstore::WriteItem {
+        key,
+        ns: ns.0 as u16,
+        // SAFETY: the tests keep `data` alive past the write and never write it.
+        buf: unsafe { kvstore::io::IoBuf::from_raw(data.as_ptr() as *mut u8, data.len()) },
+        len: data.len() as u32,
+        checksum: kvstore::checksum(data),
+    }
+}
+
+/// The first of `keys` that `owner` owns in `node`'s placement.
+pub fn first_owned_by(node: &Node, keys: &[BlockKey], owner: &str) -> usize {
+    let p = node.remote.placement();
+    (0..keys.len())
+        .find(|&i| p.owner(&keys[i]) == Some(owner))
+        .expect("a key of the owner's")
+}
