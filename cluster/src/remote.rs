@@ -562,8 +562,7 @@ impl RemoteTier {
 
     /// Reads the reply to request `id` on `c`.
     fn reply(c: &mut TcpStream, id: u64, n: usize, deadline: Instant) -> io::Result<Reply> {
-        c.set_read_timeout(Some(remaining(deadline)?))?;
-        let r: Reply = wire::read_header(c)?;
+        let r: Reply = wire::read_header(&mut Deadlined(c, deadline))?;
         if r.id != id {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,

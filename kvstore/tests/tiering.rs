@@ -522,34 +522,73 @@ fn a_stalled_peer_does_not_hold_up_disk_loads() {
     assert_eq!(remote_load.join().unwrap().unwrap(), 0);
 }
 
-/// A write-behind tier whose owner refuses one key and takes every other, 5 ms a write: it
-/// records the keys of the pusher's writes, the ordinary ones and the late ones apart.
+/// What a [`RefusingOwner`] was asked to write, and whether it holds a write.
+#[derive(Default)]
+struct OwnerLog {
+    writes: Vec<BlockKey>,
+    late_writes: Vec<BlockKey>,
+    holding: bool,
+    released: bool,
+}
+
+/// A write-behind tier whose owner refuses one key, takes every other (but `sentinel`, which
+/// it cancels: nothing counted) and holds the refused key's fourth ordinary write (its last
+/// pinned try) until released: it records the keys of the pusher's writes, the ordinary ones
+/// and the late ones apart.
 struct RefusingOwner {
     refused: BlockKey,
-    writes: std::sync::Mutex<Vec<BlockKey>>,
-    late_writes: std::sync::Mutex<Vec<BlockKey>>,
+    sentinel: BlockKey,
+    log: std::sync::Mutex<OwnerLog>,
+    changed: std::sync::Condvar,
 }
 
 impl RefusingOwner {
-    fn take(
-        &self,
-        items: Vec<kvstore::WriteItem>,
-        log: &std::sync::Mutex<Vec<BlockKey>>,
-    ) -> Vec<kvstore::WriteOutcome> {
-        log.lock().unwrap().extend(items.iter().map(|it| it.key));
-        // As slow as a write over the network: the saves made meanwhile queue up, so a late
-        // try comes due with first pushes queued, and is batched with them.
-        std::thread::sleep(Duration::from_millis(5));
+    fn take(&self, items: Vec<kvstore::WriteItem>, late: bool) -> Vec<kvstore::WriteOutcome> {
+        let mut log = self.log.lock().unwrap();
+        let keys = items.iter().map(|it| it.key);
+        if late {
+            log.late_writes.extend(keys);
+        } else {
+            log.writes.extend(keys);
+        }
+        let refused = |l: &OwnerLog| l.writes.iter().filter(|k| **k == self.refused).count();
+        if !late && items.iter().any(|it| it.key == self.refused) && refused(&log) == 4 {
+            log.holding = true;
+            self.changed.notify_all();
+            let until = Instant::now() + Duration::from_secs(60);
+            while !log.released && Instant::now() < until {
+                log = self
+                    .changed
+                    .wait_timeout(log, until - Instant::now())
+                    .unwrap()
+                    .0;
+            }
+        }
+        self.changed.notify_all();
         items
             .iter()
-            .map(|it| {
-                if it.key == self.refused {
-                    kvstore::WriteOutcome::Failed
-                } else {
-                    kvstore::WriteOutcome::Written
-                }
+            .map(|it| match it.key {
+                k if k == self.refused => kvstore::WriteOutcome::Failed,
+                k if k == self.sentinel => kvstore::WriteOutcome::Cancelled,
+                _ => kvstore::WriteOutcome::Written,
             })
             .collect()
+    }
+
+    /// Waits (60 s at most) until `done` holds of the log.
+    fn wait(&self, what: &str, done: impl Fn(&OwnerLog) -> bool) {
+        let until = Instant::now() + Duration::from_secs(60);
+        let mut log = self.log.lock().unwrap();
+        while !done(&log) {
+            let now = Instant::now();
+            assert!(now < until, "{what}: not within 60 s");
+            log = self.changed.wait_timeout(log, until - now).unwrap().0;
+        }
+    }
+
+    fn release(&self) {
+        self.log.lock().unwrap().released = true;
+        self.changed.notify_all();
     }
 }
 
@@ -578,14 +617,14 @@ impl kvstore::LowerTier for RefusingOwner {
         items: Vec<kvstore::WriteItem>,
         _still_wanted: &(dyn Fn(&BlockKey) -> bool + Sync),
     ) -> Vec<kvstore::WriteOutcome> {
-        self.take(items, &self.writes)
+        self.take(items, false)
     }
     fn write_late(
         &self,
         items: Vec<kvstore::WriteItem>,
         _still_wanted: &(dyn Fn(&BlockKey) -> bool + Sync),
     ) -> Vec<kvstore::WriteOutcome> {
-        self.take(items, &self.late_writes)
+        self.take(items, true)
     }
     fn remove(&self, _key: &BlockKey) -> bool {
         false
@@ -610,13 +649,15 @@ impl kvstore::LowerTier for RefusingOwner {
 /// A push that keeps failing is tried 3 times more holding its pin, then 3 times late holding
 /// only its key, and then given up. Only its late tries go through `LowerTier::write_late`
 /// (where the remote tier may first probe an owner whose breaker's pause has ended): the
-/// first pushes of the blocks saved meanwhile, batched with them, are written apart.
+/// first pushes of blocks saved while its last pinned try was being written, batched with
+/// its first late try, are written apart.
 #[test]
 fn late_push_tries_are_written_apart_as_late() {
     let owner = Arc::new(RefusingOwner {
         refused: key(1),
-        writes: Default::default(),
-        late_writes: Default::default(),
+        sentinel: key(99),
+        log: Default::default(),
+        changed: Default::default(),
     });
     let store = StoreConfig {
         capacity_bytes: 64 << 20,
@@ -624,49 +665,36 @@ fn late_push_tries_are_written_apart_as_late() {
         size_classes: vec![4096],
         shards: 4,
         remote: Some(kvstore::SharedTier(owner.clone())),
-        // Tries after 1, 4, 16 ms (pinned), then 64, 256 and 1,024 ms (late).
-        push_retry_first: Duration::from_millis(1),
+        // Every try due at once: the pusher's batches alone decide what goes with what.
+        push_retry_first: Duration::ZERO,
         ..Default::default()
     }
     .build()
     .unwrap();
     let id = ns(&store);
     store.put(id, key(1), &[1u8; 4096]).unwrap();
-    // Blocks saved all along, so that late tries meet first pushes in the pusher's batches.
-    let mut saved = 0u32;
-    let until = Instant::now() + Duration::from_secs(60);
-    while store.stats().push_failed == 0 {
-        assert!(
-            Instant::now() < until,
-            "never given up: {:?}",
-            store.stats()
-        );
-        saved += 1;
-        store.put(id, key(1 + saved), &[2u8; 4096]).unwrap();
-        std::thread::sleep(Duration::from_millis(2));
+    owner.wait("the refused key's last pinned try", |l| l.holding);
+    // Queued behind it; its first late try comes due with them.
+    for i in 2..=5 {
+        store.put(id, key(i), &[2u8; 4096]).unwrap();
     }
-    let until = Instant::now() + Duration::from_secs(60);
-    while store.stats().pushes < u64::from(saved) {
-        assert!(Instant::now() < until, "pushes: {:?}", store.stats());
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    owner.release();
+    owner.wait("three late tries", |l| l.late_writes.len() >= 3);
+    // One write more: once the owner sees it, the pusher has settled every batch before it.
+    store.put(id, key(99), &[3u8; 4096]).unwrap();
+    owner.wait("the sentinel's write", |l| l.writes.contains(&key(99)));
+    let log = owner.log.lock().unwrap();
+    assert_eq!(
+        log.late_writes,
+        vec![key(1); 3],
+        "only the late tries written as late"
+    );
+    assert_eq!(log.writes.iter().filter(|k| **k == key(1)).count(), 4);
+    assert_eq!(log.writes.len(), 4 + 4 + 1, "each other block written once");
     let s = store.stats();
     assert_eq!(
         (s.pushes, s.push_retries, s.push_failed),
-        (u64::from(saved), 6, 1),
+        (4, 6, 1),
         "{s:?}"
-    );
-    let writes = owner.writes.lock().unwrap().clone();
-    let late = owner.late_writes.lock().unwrap().clone();
-    assert_eq!(
-        late,
-        vec![key(1); 3],
-        "only the late tries are written as late"
-    );
-    assert_eq!(writes.iter().filter(|k| **k == key(1)).count(), 4);
-    assert_eq!(
-        writes.len(),
-        4 + saved as usize,
-        "each other block written once"
     );
 }
