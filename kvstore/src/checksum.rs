@@ -55,6 +55,7 @@ fn copy_piece(d: &mut [u8], s: &[u8], nt: bool, ahead: usize) -> u64 {
 pub(crate) unsafe fn copy_out_hashed_raw(dst: &mut [u8], src: *const u8) -> u64 {
     let mut l = Leaves::new();
     let len = dst.len();
+    prefetch_start(src, len);
     for (i, d) in dst.chunks_mut(CHUNK).enumerate() {
         let ahead = len - i * CHUNK - d.len();
         // SAFETY: piece `i` lies within the `dst.len()` bytes the caller vouched for, apart
@@ -217,6 +218,7 @@ pub(crate) unsafe fn scatter_hashed_raw(
     let mut cur = RunCursor::new(runs, len);
     let mut segs = Vec::new();
     let mut l = Leaves::new();
+    prefetch_start(src, len);
     for at in (0..len).step_by(CHUNK) {
         let n = CHUNK.min(len - at);
         cur.next(n, &mut segs);
@@ -289,6 +291,17 @@ unsafe fn copy_piece_raw(d: &mut [u8], s: *const u8, ahead: usize) -> u64 {
     // SAFETY: as above.
     unsafe { std::ptr::copy_nonoverlapping(s, d.as_mut_ptr(), d.len()) };
     oneshot(d)
+}
+
+/// Prefetches the start of a block a get copies out (see `fused::prefetch_start`), where
+/// the kernels run.
+fn prefetch_start(src: *const u8, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if len >= fused::MIN_LEN && fused::available() {
+        fused::prefetch_start(src, len);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (src, len);
 }
 
 /// Bytes per piece of the chunked checksum; the fused copy-and-hash helpers copy this much at a
@@ -547,6 +560,7 @@ pub fn copy_hashed(dst: &mut [u8], src: &[u8]) -> u64 {
 pub fn copy_out_hashed(dst: &mut [u8], src: &[u8]) -> u64 {
     assert_eq!(dst.len(), src.len(), "copy_out_hashed: lengths differ");
     let mut l = Leaves::new();
+    prefetch_start(src.as_ptr(), src.len());
     for (i, (d, s)) in dst.chunks_mut(CHUNK).zip(src.chunks(CHUNK)).enumerate() {
         l.push(copy_piece(d, s, NT_OUT, src.len() - i * CHUNK - s.len()));
     }

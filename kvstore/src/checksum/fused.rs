@@ -319,12 +319,13 @@ pub(super) unsafe fn copy_xxh3(dst: &mut [u8], src: *const u8, nt: bool, ahead: 
 
 /// How far ahead of the stripe it copies a kernel prefetches its source, in bytes (0: not
 /// at all), chosen once: `KVTIER_COPY_PREFETCH` (bytes) where set, to time the choices on one
-/// machine; else 4 KiB on Intel CPUs and none on others. Measured with `hashbench` (256 KiB
-/// blocks into a buffer that stays in cache): on an Intel Xeon (AVX-512), out of DRAM the
-/// AVX-512 kernel ran at 0.82 of memcpy with no prefetch, 0.89 at 512 bytes ahead, 0.95 at
-/// 2 KiB and 1.0 at 4 to 16 KiB, and out of L3 at 0.87 → 0.95; on an AMD EPYC (an earlier
-/// session) 1 KiB ahead was slower than none and 256 bytes the same, so AMD keeps none
-/// until a distance is measured to help there (bench/RESULTS.md).
+/// machine; else 4 KiB on Intel CPUs, 8 KiB on AMD ones and none on others. Measured with
+/// `hashbench` (256 KiB blocks into a buffer that stays in cache): on an Intel Xeon
+/// (AVX-512), out of DRAM the AVX-512 kernel ran at 0.82 of memcpy with no prefetch, 0.89 at
+/// 512 bytes ahead, 0.95 at 2 KiB and 1.0 at 4 to 16 KiB, and out of L3 at 0.87 → 0.95; on
+/// an AMD EPYC of family 0x1A (Zen 5) at 0.63 with none, 0.70 at 2 KiB, 0.80 at 4 KiB, 0.84
+/// at 8 KiB, 0.75 at 16 KiB and 0.70 at 32 KiB (1 KiB was slower than none there, as on an
+/// earlier EPYC, where 4 KiB and more were not tried; bench/RESULTS.md).
 #[cfg(target_arch = "x86_64")]
 pub(super) fn prefetch_distance() -> usize {
     static CHOSEN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
@@ -341,10 +342,10 @@ pub(super) fn prefetch_distance() -> usize {
         vendor[..4].copy_from_slice(&id.ebx.to_le_bytes());
         vendor[4..8].copy_from_slice(&id.edx.to_le_bytes());
         vendor[8..].copy_from_slice(&id.ecx.to_le_bytes());
-        if &vendor == b"GenuineIntel" {
-            4096
-        } else {
-            0
+        match &vendor {
+            b"GenuineIntel" => 4096,
+            b"AuthenticAMD" => 8192,
+            _ => 0,
         }
     })
 }
@@ -357,6 +358,24 @@ fn prefetch_window(len: usize, ahead: usize) -> (usize, usize) {
     match prefetch_distance() {
         0 => (0, 0),
         pf => (len.saturating_add(ahead), pf),
+    }
+}
+
+/// Prefetches the first `len` bytes at `src`, up to the kernels' prefetch distance, past the
+/// first line: a copy of a block out of DRAM starts with as many lines in flight as the
+/// kernels keep ahead of each stripe later (else its first stripes wait on DRAM one by one;
+/// a later piece's start was prefetched by the piece before it). Only a hint.
+#[cfg(target_arch = "x86_64")]
+pub(super) fn prefetch_start(src: *const u8, len: usize) {
+    let end = len.min(prefetch_distance());
+    for off in (STRIPE..end).step_by(STRIPE) {
+        // SAFETY: SSE is part of x86-64; a prefetch never faults and reads nothing the
+        // program sees (the address is inside the caller's range anyway).
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                src.wrapping_add(off) as *const i8,
+            )
+        };
     }
 }
 
