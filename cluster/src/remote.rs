@@ -562,7 +562,7 @@ impl RemoteTier {
 
     /// Reads the reply to request `id` on `c`.
     fn reply(c: &mut TcpStream, id: u64, n: usize, deadline: Instant) -> io::Result<Reply> {
-        let r: Reply = wire::read_header(&mut Deadlined(c, deadline))?;
+        let r: Reply = wire::read_header(&mut Deadlined::new(c, deadline))?;
         if r.id != id {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
@@ -715,8 +715,10 @@ impl RemoteTier {
         deadline: Instant,
     ) -> io::Result<(TcpStream, Vec<(usize, BlockInfo)>)> {
         let ask: Vec<BlockKey> = idx.iter().map(|&i| keys[i]).collect();
-        let (mut c, r) = self.ask(peer, Op::Get, &ask, deadline)?;
+        let (c, r) = self.ask(peer, Op::Get, &ask, deadline)?;
         let mut hits = Vec::new();
+        // Every payload by the deadline, however the peer paces them.
+        let mut rd = Deadlined::new(&c, deadline);
         // Present blocks come first, their payloads in order.
         for (&i, b) in idx.iter().zip(&r.blocks) {
             if !b.present {
@@ -729,7 +731,6 @@ impl RemoteTier {
                     "a block that does not fit its slot",
                 ));
             }
-            c.set_read_timeout(Some(remaining(deadline)?))?;
             // SAFETY: the buffer is the block's reserved host slot (or an owned buffer), `cap`
             // >= `len` bytes, written by this thread alone this round (`Buf`); engines map the
             // arena writable, so it is never a `&mut [u8]`.
@@ -741,7 +742,7 @@ impl RemoteTier {
             let mut at = 0;
             while at < len {
                 let n = PIECE.min(len - at);
-                c.read_exact(&mut piece[..n])?;
+                rd.read_exact(&mut piece[..n])?;
                 h.update(&piece[..n]);
                 // SAFETY: within the slot (above).
                 unsafe { dst.write(at, &piece[..n]) };
@@ -918,15 +919,46 @@ fn probe(peer: &Peer, secret: &str, me: &str, deadline: Instant) {
     peer.breaker.lock().probing = false;
 }
 
-/// A stream read within a deadline: the read timeout is what is left of it before each read,
-/// so a peer that trickles its bytes cannot stretch a header past the deadline (a timeout set
-/// once bounds each read, not the sum).
-struct Deadlined<'a>(&'a TcpStream, Instant);
+/// How far past its deadline a [`Deadlined`] read may end: the read timeout is set again
+/// once this much time has passed since it was last set.
+const READ_SLACK: Duration = Duration::from_millis(5);
+
+/// A stream read within a deadline, however the peer paces its bytes: a timeout set once
+/// bounds each read, not their sum, so a peer that trickles a header or a block's payload
+/// a few bytes at a time could stretch it without end. Each read fails once the deadline
+/// has passed, and the socket's read timeout is set again to what is left whenever more
+/// than [`READ_SLACK`] has passed since it was set: no read ends more than that past the
+/// deadline, and a transfer that runs at speed sets it about once (a `setsockopt` per read
+/// would cost a 2 MiB block dozens of system calls).
+struct Deadlined<'a> {
+    s: &'a TcpStream,
+    deadline: Instant,
+    /// When the read timeout was last set (to what was left of the deadline then).
+    set_at: Option<Instant>,
+}
+
+impl<'a> Deadlined<'a> {
+    fn new(s: &'a TcpStream, deadline: Instant) -> Self {
+        Deadlined {
+            s,
+            deadline,
+            set_at: None,
+        }
+    }
+}
 
 impl Read for Deadlined<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        self.0.set_read_timeout(Some(remaining(self.1)?))?;
-        (&mut &*self.0).read(buf)
+        let left = remaining(self.deadline)?;
+        let now = Instant::now();
+        if self
+            .set_at
+            .is_none_or(|t| now.duration_since(t) > READ_SLACK)
+        {
+            self.s.set_read_timeout(Some(left))?;
+            self.set_at = Some(now);
+        }
+        (&mut &*self.s).read(buf)
     }
 }
 
@@ -941,7 +973,7 @@ fn connect_to(addr: &str, secret: &str, me: &str, deadline: Instant) -> io::Resu
     s.set_nodelay(true)?;
     wire::keepalive(&s)?;
     s.set_write_timeout(Some(remaining(deadline)?))?;
-    let hello: Hello = wire::read_header(&mut Deadlined(&s, deadline))?;
+    let hello: Hello = wire::read_header(&mut Deadlined::new(&s, deadline))?;
     if hello.version != CLUSTER_VERSION {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
@@ -957,7 +989,7 @@ fn connect_to(addr: &str, secret: &str, me: &str, deadline: Instant) -> io::Resu
             node: me.to_string(),
         },
     )?;
-    let r: AuthReply = wire::read_header(&mut Deadlined(&s, deadline))?;
+    let r: AuthReply = wire::read_header(&mut Deadlined::new(&s, deadline))?;
     if !r.error.is_empty() {
         tracing::error!(peer = %addr, error = %r.error, "cluster: the peer refused this node");
         return Err(io::Error::new(io::ErrorKind::PermissionDenied, r.error));

@@ -402,3 +402,55 @@ async fn a_push_whose_slot_changed_after_its_commit_is_refused_and_counted_damag
     assert_eq!(nodes[1].stats.corrupt.load(Relaxed), 1);
     assert!(nodes[1].store.probe_local(&keys[i..i + 1])[0].is_none());
 }
+
+/// A peer that answers a GET a few bytes at a time costs a miss by the deadline, never a load
+/// held for as long as it takes: the reader's deadline bounds all the reads of a reply (its
+/// header and each block's payload), not each read. Nothing partial is served or kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_trickles_its_blocks_costs_a_miss_by_the_deadline() {
+    let (nodes, proxy) = with_a_proxy(3).await;
+    let id = register(&nodes);
+    let slow = nodes[2].addr.clone();
+    let (keys, data) = blocks_owned_by(8, 21, &nodes[0].remote.placement(), &slow);
+    // Its own blocks, stored there only (no other node could serve them at speed).
+    let theirs: Vec<usize> = (0..keys.len())
+        .filter(|&i| owner_of(&nodes, &keys[i]).addr == slow)
+        .collect();
+    for &i in &theirs {
+        nodes[2].store.put(id, keys[i], &data[i]).unwrap();
+    }
+    let (i, j) = (theirs[0], *theirs.last().unwrap());
+    // Its replies come back at 256 bytes per 20 ms (12.8 KB/s): the handshake and a reply's
+    // header well within the 1.5 s deadline, a block of 100 KB in 8 s.
+    proxy.set(Fault::Trickle {
+        bytes: 256,
+        every: Duration::from_millis(20),
+    });
+    let b = nodes[1].store;
+    let errors = nodes[1].remote.stats().read_errors;
+    tokio::task::block_in_place(|| {
+        let k = keys[i];
+        let l = answered("a load from a trickling peer", Duration::from_secs(30), {
+            move || b.load(&[k]).unwrap().len()
+        });
+        assert_eq!(l, 0, "a block that never arrived whole was served");
+    });
+    // The read itself ends by its deadline, as an error (with a timeout per read only, it
+    // ran on for the 8 s, holding the tier's reader, and then succeeded).
+    tokio::task::block_in_place(|| {
+        wait_until("the trickled read ends as an error", 30, || {
+            nodes[1].remote.stats().read_errors > errors
+        })
+    });
+    let t = nodes[1].remote.stats();
+    assert_eq!(t.checksum_failures, 0, "{t:?}");
+    assert!(!b.in_host(&keys[i]), "part of a block was kept");
+    // At speed again: its blocks load whole (once its breaker's pause is over).
+    proxy.set(Fault::None);
+    tokio::task::block_in_place(|| {
+        wait_until("the peer serves at speed again", 60, || {
+            let l = b.load(&keys[j..=j]).unwrap();
+            l.len() == 1 && l.block(0) == &data[j][..]
+        })
+    });
+}

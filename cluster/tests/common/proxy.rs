@@ -6,6 +6,7 @@
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 
 /// What the proxy does to its links.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -20,6 +21,9 @@ pub enum Fault {
     /// Forward this many more bytes toward the upstream (over all links), then close the link
     /// that crossed it (a peer that dies mid-frame).
     CutAfter(u64),
+    /// Forward toward the upstream as it comes, and back from it `bytes` at a time, one such
+    /// piece per `every` (a peer that answers, slowly enough to hold a reader forever).
+    Trickle { bytes: usize, every: Duration },
 }
 
 struct Shared {
@@ -130,10 +134,48 @@ fn pump(mut from: TcpStream, mut to: TcpStream, sh: &Shared, upstream: bool) {
                 _ => n,
             }
         };
+        if !upstream {
+            if let Some(sent) = trickle(&mut to, &buf[..allow], sh) {
+                if sent < allow {
+                    break;
+                }
+                continue;
+            }
+        }
         if to.write_all(&buf[..allow]).is_err() || allow < n {
             break;
         }
     }
     let _ = to.shutdown(Shutdown::Both);
     let _ = from.shutdown(Shutdown::Both);
+}
+
+/// Under [`Fault::Trickle`], writes `data` to `to` a piece at a time, one piece per tick (the
+/// wait ends early when the fault changes), and returns how much it wrote; `None` when the
+/// fault is not a trickle.
+fn trickle(to: &mut TcpStream, data: &[u8], sh: &Shared) -> Option<usize> {
+    let mut at = 0;
+    let mut g = sh.fault.lock().unwrap();
+    let Fault::Trickle { .. } = g.0 else {
+        return None;
+    };
+    while at < data.len() {
+        let (bytes, every) = match g.0 {
+            Fault::Trickle { bytes, every } => (bytes.max(1), every),
+            Fault::Cut => return Some(at),
+            _ => (data.len() - at, Duration::ZERO),
+        };
+        let n = bytes.min(data.len() - at);
+        drop(g);
+        if to.write_all(&data[at..at + n]).is_err() {
+            return Some(at);
+        }
+        at += n;
+        g = sh.fault.lock().unwrap();
+        if at < data.len() && !every.is_zero() {
+            // The pace of the fault, not a wait for a condition: a change of fault ends it.
+            g = sh.changed.wait_timeout(g, every).unwrap().0;
+        }
+    }
+    Some(at)
 }
