@@ -962,14 +962,54 @@ impl Read for Deadlined<'_> {
     }
 }
 
+/// The first address `addr` (`host:port`) names, by `deadline`: an IP address at once; a host
+/// name on a thread of its own, left behind if it is late (`getaddrinfo` takes no timeout,
+/// and waits out an unreachable DNS server for seconds a try).
+fn resolve(addr: &str, deadline: Instant) -> io::Result<SocketAddr> {
+    resolve_with(addr, deadline, |a| a.to_socket_addrs().map(|i| i.collect()))
+}
+
+/// [`resolve`] with `lookup` for the resolver.
+fn resolve_with(
+    addr: &str,
+    deadline: Instant,
+    lookup: impl FnOnce(&str) -> io::Result<Vec<SocketAddr>> + Send + 'static,
+) -> io::Result<SocketAddr> {
+    if let Ok(a) = addr.parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    let left = remaining(deadline)?;
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    let name = addr.to_string();
+    std::thread::Builder::new()
+        .name("kvtier-resolve".into())
+        .spawn(move || {
+            let _ = tx.send(lookup(&name));
+        })?;
+    let found = match rx.recv_timeout(left) {
+        Ok(r) => r?,
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("resolving {addr}: cluster.timeout_ms passed"),
+            ))
+        }
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+            return Err(io::Error::other(format!(
+                "resolving {addr}: the resolver failed"
+            )))
+        }
+    };
+    found
+        .into_iter()
+        .next()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("{addr}: no address")))
+}
+
 /// A new connection to `addr`, set up and authenticated as `me` by `deadline`.
 fn connect_to(addr: &str, secret: &str, me: &str, deadline: Instant) -> io::Result<TcpStream> {
-    let left = remaining(deadline)?;
-    let sock: SocketAddr = addr
-        .to_socket_addrs()?
-        .next()
-        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no address"))?;
-    let mut s = TcpStream::connect_timeout(&sock, left)?;
+    let sock = resolve(addr, deadline)?;
+    let mut s = TcpStream::connect_timeout(&sock, remaining(deadline)?)?;
     s.set_nodelay(true)?;
     wire::keepalive(&s)?;
     s.set_write_timeout(Some(remaining(deadline)?))?;
@@ -1276,5 +1316,39 @@ impl LowerTier for RemoteTier {
 
     fn as_any(&self) -> &dyn std::any::Any {
         self
+    }
+}
+
+#[cfg(test)]
+mod resolve_tests {
+    use super::*;
+
+    #[test]
+    fn a_resolver_that_never_answers_costs_the_deadline_only() {
+        // The resolver blocks until the test ends (its sender is dropped then).
+        let (hold, wait) = std::sync::mpsc::channel::<()>();
+        let deadline = Instant::now() + Duration::from_millis(200);
+        let e = resolve_with("kv-7.cluster.invalid:7070", deadline, move |_| {
+            let _ = wait.recv();
+            Ok(Vec::new())
+        })
+        .unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        assert!(e.to_string().contains("kv-7.cluster.invalid:7070"), "{e}");
+        drop(hold);
+    }
+
+    #[test]
+    fn names_and_addresses_resolve() {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let a = resolve("127.0.0.1:7070", deadline).unwrap();
+        assert_eq!(a, "127.0.0.1:7070".parse().unwrap());
+        let a = resolve("localhost:7070", deadline).unwrap();
+        assert!(a.ip().is_loopback() && a.port() == 7070, "{a}");
+        let e = resolve_with("nowhere:1", deadline, |_| Ok(Vec::new())).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound, "{e}");
+        let e =
+            resolve_with("nowhere:1", deadline, |_| Err(io::Error::other("NXDOMAIN"))).unwrap_err();
+        assert!(e.to_string().contains("NXDOMAIN"), "{e}");
     }
 }
