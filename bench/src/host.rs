@@ -174,31 +174,11 @@ impl Ring {
     /// VM's Xeon some days), the baseline read L3 and the store DRAM: `get 256KiB x1t` at
     /// 64 MiB measured 0.40–0.70 against a baseline that swung 12–24 GB/s.
     fn evict(&self) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let (base, len) = match &self.buf {
-                RingBuf::Small(b) => (b.as_ptr(), b.len()),
-                RingBuf::Huge { ptr, len } => (*ptr as *const u8, *len),
-            };
-            // CLFLUSHOPT (CPUID leaf 7, EBX bit 23) where the CPU has it: unordered among
-            // itself, ~4 × faster here than CLFLUSH, which waits for each line.
-            let opt = std::arch::x86_64::__cpuid_count(7, 0).ebx & (1 << 23) != 0;
-            for off in (0..len).step_by(64) {
-                // SAFETY: `base + off` lies inside the ring's live mapping; a cache-line flush
-                // changes no contents (CLFLUSH is SSE2, on every x86-64 CPU; CLFLUSHOPT only
-                // where CPUID said so).
-                unsafe {
-                    let p = base.add(off);
-                    if opt {
-                        std::arch::asm!("clflushopt [{0}]", in(reg) p, options(nostack, preserves_flags));
-                    } else {
-                        std::arch::x86_64::_mm_clflush(p);
-                    }
-                }
-            }
-            // SAFETY: SSE2; orders the flushes before the timed reads.
-            unsafe { std::arch::x86_64::_mm_mfence() };
-        }
+        let (base, len) = match &self.buf {
+            RingBuf::Small(b) => (b.as_ptr(), b.len()),
+            RingBuf::Huge { ptr, len } => (*ptr as *const u8, *len),
+        };
+        flush(base as usize, len);
     }
 
     fn addr(&self, i: usize) -> usize {
@@ -208,6 +188,35 @@ impl Ring {
         };
         base + i * self.block
     }
+}
+
+/// Writes the `len` bytes at `base` back to memory and drops them from every cache level
+/// (see [`Ring::evict`]). `base..base + len` must lie in live memory.
+fn flush(base: usize, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let base = base as *const u8;
+        // CLFLUSHOPT (CPUID leaf 7, EBX bit 23) where the CPU has it: unordered among
+        // itself, ~4 × faster here than CLFLUSH, which waits for each line.
+        let opt = std::arch::x86_64::__cpuid_count(7, 0).ebx & (1 << 23) != 0;
+        for off in (0..len).step_by(64) {
+            // SAFETY: `base + off` lies inside the caller's live memory; a cache-line flush
+            // changes no contents (CLFLUSH is SSE2, on every x86-64 CPU; CLFLUSHOPT only
+            // where CPUID said so).
+            unsafe {
+                let p = base.add(off);
+                if opt {
+                    std::arch::asm!("clflushopt [{0}]", in(reg) p, options(nostack, preserves_flags));
+                } else {
+                    std::arch::x86_64::_mm_clflush(p);
+                }
+            }
+        }
+        // SAFETY: SSE2; orders the flushes before the timed reads.
+        unsafe { std::arch::x86_64::_mm_mfence() };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (base, len);
 }
 
 fn copy_raw(dst: usize, src: usize, len: usize) {
@@ -250,6 +259,7 @@ fn bandwidth_cases(args: &HostArgs, rows: &mut Vec<Row>) -> Result<()> {
             let total = (per * threads) as u64 * size;
             let mut put_rounds = Vec::new();
             let mut get_rounds = Vec::new();
+            let mut slot_rounds = Vec::new();
             // Round 0 warms caches, TLBs and page tables and is not reported.
             for round in 0..=args.rounds {
                 for i in 0..n as u64 {
@@ -272,6 +282,19 @@ fn bandwidth_cases(args: &HostArgs, rows: &mut Vec<Row>) -> Result<()> {
                         copy_raw(dst_addrs[t], ring.addr(i), block);
                     }
                 });
+                // A second baseline: memcpy of the very slots the gets read, in the same order
+                // (the ring is one contiguous buffer read in order; the store's slots come off
+                // free lists in whatever order earlier removals left them).
+                let slots = (0..per * threads)
+                    .map(|i| slot_addr(&store, key(i as u64)))
+                    .collect::<Result<Vec<usize>>>()?;
+                slots.iter().for_each(|&a| flush(a, block));
+                let base_slots = timed_threads(threads, |t| {
+                    for &a in &slots[t * per..(t + 1) * per] {
+                        copy_raw(dst_addrs[t], a, block);
+                    }
+                });
+                slots.iter().for_each(|&a| flush(a, block));
                 let get = timed_threads(threads, |t| {
                     // SAFETY: thread t is the only user of dsts[t] during this call.
                     let dst =
@@ -284,6 +307,7 @@ fn bandwidth_cases(args: &HostArgs, rows: &mut Vec<Row>) -> Result<()> {
                 if round > 0 {
                     put_rounds.push((gbps(total, put), gbps(total, base_put)));
                     get_rounds.push((gbps(total, get), gbps(total, base_get)));
+                    slot_rounds.push((gbps(total, get), gbps(total, base_slots)));
                 }
             }
             ensure!(
@@ -303,12 +327,25 @@ fn bandwidth_cases(args: &HostArgs, rows: &mut Vec<Row>) -> Result<()> {
                 "memcpy",
                 &get_rounds,
             ));
+            rows.push(row(
+                format!("get {sz} x{threads}t vs memcpy of its slots"),
+                "GB/s",
+                "memcpy of the same slots, in the same order",
+                &slot_rounds,
+            ));
         }
         // Check the bytes once: the last put round stored srcs[0] under thread 0's keys.
         let b = store.get(&key(0)).context("block 0 missing")?;
         ensure!(*b == srcs[0][..], "block 0 holds wrong bytes");
     }
     Ok(())
+}
+
+/// Where in the arena the store holds `k`'s block.
+fn slot_addr(store: &Store, k: BlockKey) -> Result<usize> {
+    let l = store.load(&[k])?;
+    ensure!(l.len() == 1, "block {k} missing");
+    Ok(l.arena_block(0).as_ptr() as usize)
 }
 
 fn put_one(store: &Store, ns: NsId, k: BlockKey, src: &[u8]) {

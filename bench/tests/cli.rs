@@ -39,8 +39,10 @@ fn host_bench_prints_json_last_line() {
         [
             "put 256KiB x1t",
             "get 256KiB x1t",
+            "get 256KiB x1t vs memcpy of its slots",
             "put 256KiB x2t",
             "get 256KiB x2t",
+            "get 256KiB x2t vs memcpy of its slots",
             "match_prefix chain 100 x1t",
             "match_prefix chain 100 x2t",
             "metadata 10000 blocks",
