@@ -178,7 +178,8 @@ impl Ring {
             RingBuf::Small(b) => (b.as_ptr(), b.len()),
             RingBuf::Huge { ptr, len } => (*ptr as *const u8, *len),
         };
-        flush(base as usize, len);
+        // SAFETY: the ring's own live buffer.
+        unsafe { flush(base as usize, len) };
     }
 
     fn addr(&self, i: usize) -> usize {
@@ -191,14 +192,19 @@ impl Ring {
 }
 
 /// Writes the `len` bytes at `base` back to memory and drops them from every cache level
-/// (see [`Ring::evict`]). `base..base + len` must lie in live memory.
-fn flush(base: usize, len: usize) {
+/// (see [`Ring::evict`]).
+///
+/// # Safety
+/// `base..base + len` lies in live, mapped memory (a flush of an unmapped address faults).
+unsafe fn flush(base: usize, len: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         let base = base as *const u8;
         // CLFLUSHOPT (CPUID leaf 7, EBX bit 23) where the CPU has it: unordered among
-        // itself, ~4 × faster here than CLFLUSH, which waits for each line.
-        let opt = std::arch::x86_64::__cpuid_count(7, 0).ebx & (1 << 23) != 0;
+        // itself, ~4 × faster here than CLFLUSH, which waits for each line. Asked once (in
+        // a VM, CPUID is an exit to the hypervisor).
+        static OPT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let opt = *OPT.get_or_init(|| std::arch::x86_64::__cpuid_count(7, 0).ebx & (1 << 23) != 0);
         for off in (0..len).step_by(64) {
             // SAFETY: `base + off` lies inside the caller's live memory; a cache-line flush
             // changes no contents (CLFLUSH is SSE2, on every x86-64 CPU; CLFLUSHOPT only
@@ -284,26 +290,47 @@ fn bandwidth_cases(args: &HostArgs, rows: &mut Vec<Row>) -> Result<()> {
                 });
                 // A second baseline: memcpy of the very slots the gets read, in the same order
                 // (the ring is one contiguous buffer read in order; the store's slots come off
-                // free lists in whatever order earlier removals left them).
+                // free lists in whatever order earlier removals left them). It runs before the
+                // gets in odd rounds and after them in even ones, each flushed from the caches
+                // first, so neither side always finds the pages' translations warm.
                 let slots = (0..per * threads)
                     .map(|i| slot_addr(&store, key(i as u64)))
                     .collect::<Result<Vec<usize>>>()?;
-                slots.iter().for_each(|&a| flush(a, block));
-                let base_slots = timed_threads(threads, |t| {
-                    for &a in &slots[t * per..(t + 1) * per] {
-                        copy_raw(dst_addrs[t], a, block);
+                let flush_slots = || {
+                    for &a in &slots {
+                        // SAFETY: the store's slots, mapped while `store` lives.
+                        unsafe { flush(a, block) };
                     }
-                });
-                slots.iter().for_each(|&a| flush(a, block));
-                let get = timed_threads(threads, |t| {
-                    // SAFETY: thread t is the only user of dsts[t] during this call.
-                    let dst =
-                        unsafe { std::slice::from_raw_parts_mut(dst_addrs[t] as *mut u8, block) };
-                    for i in t * per..(t + 1) * per {
-                        let got = store.get_into(&key(i as u64), dst);
-                        assert!(matches!(got, Ok(Some(_))), "block {i} missing");
-                    }
-                });
+                };
+                let copy_slots = || {
+                    timed_threads(threads, |t| {
+                        for &a in &slots[t * per..(t + 1) * per] {
+                            copy_raw(dst_addrs[t], a, block);
+                        }
+                    })
+                };
+                let gets = || {
+                    timed_threads(threads, |t| {
+                        // SAFETY: thread t is the only user of dsts[t] during this call.
+                        let dst = unsafe {
+                            std::slice::from_raw_parts_mut(dst_addrs[t] as *mut u8, block)
+                        };
+                        for i in t * per..(t + 1) * per {
+                            let got = store.get_into(&key(i as u64), dst);
+                            assert!(matches!(got, Ok(Some(_))), "block {i} missing");
+                        }
+                    })
+                };
+                flush_slots();
+                let (base_slots, get) = if round % 2 == 1 {
+                    let b = copy_slots();
+                    flush_slots();
+                    (b, gets())
+                } else {
+                    let g = gets();
+                    flush_slots();
+                    (copy_slots(), g)
+                };
                 if round > 0 {
                     put_rounds.push((gbps(total, put), gbps(total, base_put)));
                     get_rounds.push((gbps(total, get), gbps(total, base_get)));

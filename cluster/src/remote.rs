@@ -1328,11 +1328,22 @@ mod resolve_tests {
         // The resolver blocks until the test ends (its sender is dropped then).
         let (hold, wait) = std::sync::mpsc::channel::<()>();
         let deadline = Instant::now() + Duration::from_millis(200);
-        let e = resolve_with("kv-7.cluster.invalid:7070", deadline, move |_| {
-            let _ = wait.recv();
-            Ok(Vec::new())
-        })
-        .unwrap_err();
+        // On a thread of its own, waited for with a deadline: a regression fails, not hangs.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(resolve_with(
+                "kv-7.cluster.invalid:7070",
+                deadline,
+                move |_| {
+                    let _ = wait.recv();
+                    Ok(Vec::new())
+                },
+            ));
+        });
+        let e = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("resolve_with did not return by its deadline")
+            .unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
         assert!(e.to_string().contains("kv-7.cluster.invalid:7070"), "{e}");
         drop(hold);

@@ -1,6 +1,6 @@
 //! The cluster under faults, between real sockets: a peer that stalls behind a proxy, a peer
 //! that dies in the middle of a PUT, a flood of connections that never authenticate, a node
-//! that joins. Every wait has a deadline; no assertion is about wall-clock time.
+//! that joins, a peer that trickles its replies. Every wait has a deadline; no assertion is about wall-clock time.
 
 mod common;
 
@@ -445,7 +445,7 @@ async fn a_peer_that_trickles_its_blocks_costs_a_miss_by_the_deadline() {
     let t = nodes[1].remote.stats();
     assert_eq!(t.checksum_failures, 0, "{t:?}");
     assert!(!b.in_host(&keys[i]), "part of a block was kept");
-    // At speed again: its blocks load whole (once its breaker's pause is over).
+    // At speed again: its blocks load whole.
     proxy.set(Fault::None);
     tokio::task::block_in_place(|| {
         wait_until("the peer serves at speed again", 60, || {

@@ -1,6 +1,6 @@
 //! A fault-injecting TCP proxy for tests between real processes (toxiproxy's idea, in-tree):
-//! each connection is forwarded byte for byte until the proxy is told to stall it, cut it now
-//! or cut it a number of bytes later. A member named by the proxy's address is reached only
+//! each connection is forwarded byte for byte until the proxy is told to stall it, cut it now,
+//! cut it a number of bytes later or trickle its replies. A member named by the proxy's address is reached only
 //! through it, so the fault sits on the link, not in the code under test.
 
 use std::io::{Read, Write};
@@ -163,6 +163,10 @@ fn trickle(to: &mut TcpStream, data: &[u8], sh: &Shared) -> Option<usize> {
         let (bytes, every) = match g.0 {
             Fault::Trickle { bytes, every } => (bytes.max(1), every),
             Fault::Cut => return Some(at),
+            Fault::Stall => {
+                g = sh.changed.wait(g).unwrap();
+                continue;
+            }
             _ => (data.len() - at, Duration::ZERO),
         };
         let n = bytes.min(data.len() - at);
