@@ -519,8 +519,7 @@ impl RemoteTier {
             blocks: Vec::new(),
         };
         let mut c = self.connect(peer, deadline)?;
-        c.set_write_timeout(Some(remaining(deadline)?))?;
-        c.write_all(&wire::encode_header(&req))?;
+        Deadlined::new(&c, deadline).write_all(&wire::encode_header(&req))?;
         let r = Self::reply(&mut c, id, keys.len(), deadline)?;
         Ok((c, r))
     }
@@ -818,12 +817,13 @@ impl RemoteTier {
                     Some(c) => c,
                     None => conn.insert(self.connect(peer, deadline)?),
                 };
-                c.set_write_timeout(Some(remaining(deadline)?))?;
-                c.write_all(&wire::encode_header(&req))?;
+                // The header and the payload by the deadline, however slowly the peer reads.
+                let mut w = Deadlined::new(c, deadline);
+                w.write_all(&wire::encode_header(&req))?;
                 // Hashed as it leaves (the slot read once): a slot an engine wrote into after
                 // its commit does not match its commit checksum, sent with it, so the owner
                 // refuses it, and here it counts as damaged.
-                if wire::send_arena_hashed(c, shared)? != checksum {
+                if wire::send_arena_hashed(&mut w, shared)? != checksum {
                     out.push((i, WriteOutcome::Corrupt));
                 }
                 peer.bytes_out.fetch_add(u64::from(len), Relaxed);
@@ -919,22 +919,25 @@ fn probe(peer: &Peer, secret: &str, me: &str, deadline: Instant) {
     peer.breaker.lock().probing = false;
 }
 
-/// How far past its deadline a [`Deadlined`] read may end: the read timeout is set again
-/// once this much time has passed since it was last set.
-const READ_SLACK: Duration = Duration::from_millis(5);
+/// How far past its deadline a [`Deadlined`] read or write may end: its socket timeout is set
+/// again once this much time has passed since it was last set.
+const DEADLINE_SLACK: Duration = Duration::from_millis(5);
 
-/// A stream read within a deadline, however the peer paces its bytes: a timeout set once
-/// bounds each read, not their sum, so a peer that trickles a header or a block's payload
-/// a few bytes at a time could stretch it without end. Each read fails once the deadline
-/// has passed, and the socket's read timeout is set again to what is left whenever more
-/// than [`READ_SLACK`] has passed since it was set: no read ends more than that past the
-/// deadline, and a transfer that runs at speed sets it about once (a `setsockopt` per read
-/// would cost a 2 MiB block dozens of system calls).
+/// A stream read and written within a deadline, however the peer paces its bytes: a socket
+/// timeout set once bounds each `read` or `write`, not their sum, so a peer that trickles a
+/// header or a payload a few bytes at a time (or reads ours that way) could stretch it
+/// without end. Each call fails once the deadline has passed, and the socket's timeout for
+/// that direction is set again to what is left whenever more than [`DEADLINE_SLACK`] has
+/// passed since it was set: no call ends more than that past the deadline, and a transfer
+/// that runs at speed sets it about once (a `setsockopt` per call would cost a 2 MiB block
+/// dozens of system calls).
 struct Deadlined<'a> {
     s: &'a TcpStream,
     deadline: Instant,
-    /// When the read timeout was last set (to what was left of the deadline then).
-    set_at: Option<Instant>,
+    /// When the read timeout was last set (to what was left of the deadline then)…
+    read_set: Option<Instant>,
+    /// …and the write timeout.
+    write_set: Option<Instant>,
 }
 
 impl<'a> Deadlined<'a> {
@@ -942,23 +945,43 @@ impl<'a> Deadlined<'a> {
         Deadlined {
             s,
             deadline,
-            set_at: None,
+            read_set: None,
+            write_set: None,
         }
+    }
+
+    /// What is left of the deadline, and whether the timeout last set at `set` is due to be
+    /// set again (then `set` becomes now).
+    fn due(deadline: Instant, set: &mut Option<Instant>) -> io::Result<Option<Duration>> {
+        let left = remaining(deadline)?;
+        let now = Instant::now();
+        if set.is_none_or(|t| now.duration_since(t) > DEADLINE_SLACK) {
+            *set = Some(now);
+            return Ok(Some(left));
+        }
+        Ok(None)
     }
 }
 
 impl Read for Deadlined<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let left = remaining(self.deadline)?;
-        let now = Instant::now();
-        if self
-            .set_at
-            .is_none_or(|t| now.duration_since(t) > READ_SLACK)
-        {
+        if let Some(left) = Self::due(self.deadline, &mut self.read_set)? {
             self.s.set_read_timeout(Some(left))?;
-            self.set_at = Some(now);
         }
         (&mut &*self.s).read(buf)
+    }
+}
+
+impl Write for Deadlined<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        if let Some(left) = Self::due(self.deadline, &mut self.write_set)? {
+            self.s.set_write_timeout(Some(left))?;
+        }
+        (&mut &*self.s).write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        (&mut &*self.s).flush()
     }
 }
 
@@ -1009,27 +1032,27 @@ fn resolve_with(
 /// A new connection to `addr`, set up and authenticated as `me` by `deadline`.
 fn connect_to(addr: &str, secret: &str, me: &str, deadline: Instant) -> io::Result<TcpStream> {
     let sock = resolve(addr, deadline)?;
-    let mut s = TcpStream::connect_timeout(&sock, remaining(deadline)?)?;
+    let s = TcpStream::connect_timeout(&sock, remaining(deadline)?)?;
     s.set_nodelay(true)?;
     wire::keepalive(&s)?;
-    s.set_write_timeout(Some(remaining(deadline)?))?;
-    let hello: Hello = wire::read_header(&mut Deadlined::new(&s, deadline))?;
+    // Every frame of the handshake, both ways, by the deadline.
+    let mut link = Deadlined::new(&s, deadline);
+    let hello: Hello = wire::read_header(&mut link)?;
     if hello.version != CLUSTER_VERSION {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
             format!("peer speaks cluster protocol {}", hello.version),
         ));
     }
-    s.set_write_timeout(Some(remaining(deadline)?))?;
     wire::write_header(
-        &mut s,
+        &mut link,
         &Auth {
             version: CLUSTER_VERSION,
             mac: wire::mac(secret, &hello.nonce),
             node: me.to_string(),
         },
     )?;
-    let r: AuthReply = wire::read_header(&mut Deadlined::new(&s, deadline))?;
+    let r: AuthReply = wire::read_header(&mut link)?;
     if !r.error.is_empty() {
         tracing::error!(peer = %addr, error = %r.error, "cluster: the peer refused this node");
         return Err(io::Error::new(io::ErrorKind::PermissionDenied, r.error));

@@ -216,12 +216,10 @@ pub fn send_arena_once(
 /// pieces 16 MiB pushes reached 0.71–0.80 of iperf3, with 1 MiB 0.83–0.91): each is copied
 /// out of the slot
 /// once, hashed while in cache, then sent from there, so the slot is read once and what is
-/// hashed is exactly what is sent (the socket's write timeout applies: past it, `TimedOut`).
-/// Returns the checksum of the bytes sent.
-pub fn send_arena_hashed(
-    sock: &mut std::net::TcpStream,
-    b: kvstore::ArenaSlice<'_>,
-) -> io::Result<u64> {
+/// hashed is exactly what is sent (the socket's write timeout applies: past it, `TimedOut`;
+/// the remote tier passes a writer that holds the whole send to its deadline). Returns the
+/// checksum of the bytes sent.
+pub fn send_arena_hashed(sock: &mut impl Write, b: kvstore::ArenaSlice<'_>) -> io::Result<u64> {
     const PIECE: usize = 1 << 20;
     let mut piece = vec![0u8; PIECE.min(b.len())];
     let mut h = kvstore::Checksummer::new();

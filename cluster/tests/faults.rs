@@ -1,6 +1,6 @@
 //! The cluster under faults, between real sockets: a peer that stalls behind a proxy, a peer
 //! that dies in the middle of a PUT, a flood of connections that never authenticate, a node
-//! that joins, a peer that trickles its replies. Every wait has a deadline; no assertion is about wall-clock time.
+//! that joins, a peer that trickles its replies, a peer that reads a push slowly. Every wait has a deadline; no assertion is about wall-clock time.
 
 mod common;
 
@@ -452,5 +452,64 @@ async fn a_peer_that_trickles_its_blocks_costs_a_miss_by_the_deadline() {
             let l = b.load(&keys[j..=j]).unwrap();
             l.len() == 1 && l.block(0) == &data[j][..]
         })
+    });
+}
+
+/// A peer that reads a push a few bytes at a time costs the push its deadline, never a pusher
+/// held for as long as it takes: the writer's deadline bounds all the writes of a request
+/// (its header and the block's payload), not each write. Nothing partial is stored, and the
+/// block arrives whole once the peer reads at speed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_reads_a_push_slowly_costs_the_push_its_deadline() {
+    // The slow reader's own server waits for the payload for two minutes, so only the
+    // pushing side's deadline can end the push.
+    let (la, lb) = (
+        tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
+    );
+    let a = la.local_addr().unwrap().to_string();
+    let proxy = Proxy::start(lb.local_addr().unwrap().to_string());
+    let names = [a.clone(), proxy.addr.clone()];
+    let nodes = [
+        node(la, &a, &names, "s"),
+        node_timed(lb, &proxy.addr, &names, "s", Duration::from_secs(120)),
+    ];
+    let id = register(&nodes);
+    let slow = nodes[1].addr.clone();
+    let (keys, _) = blocks_owned_by(8, 31, &nodes[0].remote.placement(), &slow);
+    let k = *keys
+        .iter()
+        .find(|k| owner_of(&nodes, k).addr == slow)
+        .unwrap();
+    // Far more than the sockets' buffers hold (at most 4 MiB waiting to be sent here), so the
+    // writer waits on the reader.
+    let data: Vec<u8> = (0..12usize << 20)
+        .map(|j| (j as u8) ^ ((j >> 13) as u8))
+        .collect();
+    // It reads at 32 KiB per 100 ms (328 KB/s): the block would take 38 s.
+    proxy.set(Fault::SlowReader {
+        bytes: 32 << 10,
+        every: Duration::from_millis(100),
+    });
+    let errors = nodes[0].remote.stats().write_errors;
+    nodes[0].store.put(id, k, &data).unwrap();
+    // With a timeout per write only, each write went on as long as a few bytes moved, and no
+    // error came in the 30 s.
+    tokio::task::block_in_place(|| {
+        wait_until("the slow push ends as an error", 30, || {
+            nodes[0].remote.stats().write_errors > errors
+        })
+    });
+    assert!(
+        nodes[1].store.probe_local(&[k])[0].is_none(),
+        "part of a block was stored"
+    );
+    // At speed again: the push's retry lands the block whole.
+    proxy.set(Fault::None);
+    tokio::task::block_in_place(|| {
+        wait_placed(&nodes, &[k]);
+        let l = nodes[1].store.load(&[k]).unwrap();
+        assert_eq!(l.len(), 1);
+        assert!(l.block(0) == &data[..], "the pushed block differs");
     });
 }

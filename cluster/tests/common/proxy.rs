@@ -1,7 +1,8 @@
 //! A fault-injecting TCP proxy for tests between real processes (toxiproxy's idea, in-tree):
 //! each connection is forwarded byte for byte until the proxy is told to stall it, cut it now,
-//! cut it a number of bytes later or trickle its replies. A member named by the proxy's address is reached only
-//! through it, so the fault sits on the link, not in the code under test.
+//! cut it a number of bytes later, trickle its replies or read its requests slowly. A member
+//! named by the proxy's address is reached only through it, so the fault sits on the link,
+//! not in the code under test.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -24,6 +25,21 @@ pub enum Fault {
     /// Forward toward the upstream as it comes, and back from it `bytes` at a time, one such
     /// piece per `every` (a peer that answers, slowly enough to hold a reader forever).
     Trickle { bytes: usize, every: Duration },
+    /// Forward back from the upstream as it comes, and toward it `bytes` at a time, one such
+    /// piece per `every` (a peer that reads what it is sent, slowly enough to hold a writer
+    /// forever once the sockets' buffers are full).
+    SlowReader { bytes: usize, every: Duration },
+}
+
+impl Fault {
+    /// The pace of a paced fault in this direction (`upstream`: toward the proxied server).
+    fn pace(self, upstream: bool) -> Option<(usize, Duration)> {
+        match self {
+            Fault::Trickle { bytes, every } if !upstream => Some((bytes.max(1), every)),
+            Fault::SlowReader { bytes, every } if upstream => Some((bytes.max(1), every)),
+            _ => None,
+        }
+    }
 }
 
 struct Shared {
@@ -134,13 +150,11 @@ fn pump(mut from: TcpStream, mut to: TcpStream, sh: &Shared, upstream: bool) {
                 _ => n,
             }
         };
-        if !upstream {
-            if let Some(sent) = trickle(&mut to, &buf[..allow], sh) {
-                if sent < allow {
-                    break;
-                }
-                continue;
+        if let Some(sent) = trickle(&mut to, &buf[..allow], sh, upstream) {
+            if sent < allow {
+                break;
             }
+            continue;
         }
         if to.write_all(&buf[..allow]).is_err() || allow < n {
             break;
@@ -150,24 +164,23 @@ fn pump(mut from: TcpStream, mut to: TcpStream, sh: &Shared, upstream: bool) {
     let _ = from.shutdown(Shutdown::Both);
 }
 
-/// Under [`Fault::Trickle`], writes `data` to `to` a piece at a time, one piece per tick (the
-/// wait ends early when the fault changes), and returns how much it wrote; `None` when the
-/// fault is not a trickle.
-fn trickle(to: &mut TcpStream, data: &[u8], sh: &Shared) -> Option<usize> {
+/// Under a fault paced in this direction ([`Fault::Trickle`] back from the upstream,
+/// [`Fault::SlowReader`] toward it), writes `data` to `to` a piece at a time, one piece per
+/// tick (the wait ends early when the fault changes), and returns how much it wrote; `None`
+/// when the fault is not paced this way.
+fn trickle(to: &mut TcpStream, data: &[u8], sh: &Shared, upstream: bool) -> Option<usize> {
     let mut at = 0;
     let mut g = sh.fault.lock().unwrap();
-    let Fault::Trickle { .. } = g.0 else {
-        return None;
-    };
+    g.0.pace(upstream)?;
     while at < data.len() {
-        let (bytes, every) = match g.0 {
-            Fault::Trickle { bytes, every } => (bytes.max(1), every),
-            Fault::Cut => return Some(at),
-            Fault::Stall => {
+        let (bytes, every) = match (g.0.pace(upstream), g.0) {
+            (Some(p), _) => p,
+            (None, Fault::Cut) => return Some(at),
+            (None, Fault::Stall) => {
                 g = sh.changed.wait(g).unwrap();
                 continue;
             }
-            _ => (data.len() - at, Duration::ZERO),
+            (None, _) => (data.len() - at, Duration::ZERO),
         };
         let n = bytes.min(data.len() - at);
         drop(g);
