@@ -11,6 +11,7 @@
 //! The daemon wires them: the store gets the remote tier last in its chain
 //! (`StoreConfig::remote`), and the server runs beside the engine socket.
 
+mod deadline;
 #[cfg(test)]
 mod fuzz_tests;
 pub mod handoff;

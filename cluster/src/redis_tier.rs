@@ -4,8 +4,16 @@
 //! only the 32-byte headers (GETRANGE), reads and writes are pipelined (one round trip per
 //! batch); a value whose header or checksum does not match is a miss, counted. The same
 //! [`LowerTier`] seam as the kvtierd peers' tier, so the store does not know which it has.
+//!
+//! A standalone server is spoken to on sockets of our own: the `redis` crate parses the URL,
+//! packs the pipelines and parses the replies, and every pipeline is written and its replies
+//! read within one deadline ([`Deadlined`]), so a server that trickles a reply (or reads a
+//! request slowly) costs a call its deadline, never a reader held for as long as it likes.
+//! The crate's own connection sets a timeout per read only. A Redis Cluster goes through the
+//! crate's cluster connection (slot routing, redirections), with that timeout per read.
 
-use std::io;
+use std::io::{self, BufReader, Write};
+use std::net::TcpStream;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
@@ -14,6 +22,8 @@ use kvstore::{
     WriteItem, WriteOutcome,
 };
 use parking_lot::Mutex;
+
+use crate::deadline::{remaining, resolve, Deadlined};
 
 const MAGIC: &[u8; 4] = b"KVT1";
 const HEADER: usize = 32;
@@ -38,8 +48,83 @@ pub struct RedisConfig {
 }
 
 enum Conn {
-    Single(redis::Connection),
-    Cluster(redis::cluster::ClusterConnection),
+    Single(Link),
+    Cluster(Box<redis::cluster::ClusterConnection>),
+}
+
+/// A connection to a standalone server, authenticated and on its database.
+struct Link {
+    s: TcpStream,
+    /// Holds what was read past a reply until the next is parsed (one parser a connection).
+    parser: redis::Parser,
+}
+
+impl Link {
+    /// Writes the packed commands and reads `n` replies, all by `deadline`. A reply that is an
+    /// error fails the call, as the crate's pipelines do.
+    fn query(
+        &mut self,
+        packed: &[u8],
+        n: usize,
+        deadline: Instant,
+    ) -> io::Result<Vec<redis::Value>> {
+        Deadlined::new(&self.s, deadline).write_all(packed)?;
+        let mut rd = BufReader::with_capacity(64 << 10, Deadlined::new(&self.s, deadline));
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            match self.parser.parse_value(&mut rd).map_err(err)? {
+                redis::Value::ServerError(e) => {
+                    return Err(io::Error::other(format!(
+                        "redis: {}",
+                        redis::RedisError::from(e)
+                    )))
+                }
+                v => out.push(v),
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// A new connection to `info`'s server by `deadline`: connected, authenticated (`AUTH`, when
+/// the URL has a password) and on the URL's database (`SELECT`). RESP2 is spoken.
+fn connect_single(info: &redis::ConnectionInfo, deadline: Instant) -> io::Result<Link> {
+    let redis::ConnectionAddr::Tcp(host, port) = &info.addr else {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "cluster.redis: only redis:// URLs (plain TCP) are supported",
+        ));
+    };
+    let name = if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    };
+    let addr = resolve(&name, deadline)?;
+    let s = TcpStream::connect_timeout(&addr, remaining(deadline)?)?;
+    s.set_nodelay(true)?;
+    crate::wire::keepalive(&s)?;
+    let mut link = Link {
+        s,
+        parser: redis::Parser::new(),
+    };
+    let r = &info.redis;
+    let mut setup = redis::pipe();
+    if let Some(pw) = &r.password {
+        let auth = setup.cmd("AUTH");
+        if let Some(user) = &r.username {
+            auth.arg(user);
+        }
+        auth.arg(pw);
+    }
+    if r.db != 0 {
+        setup.cmd("SELECT").arg(r.db);
+    }
+    let n = (r.password.is_some() as usize) + (r.db != 0) as usize;
+    if n > 0 {
+        link.query(&setup.get_packed_pipeline(), n, deadline)?;
+    }
+    Ok(link)
 }
 
 /// One pipelined command.
@@ -69,7 +154,7 @@ struct Counters {
 /// The Redis-backed remote tier.
 pub struct RedisTier {
     cfg: RedisConfig,
-    single: Option<redis::Client>,
+    single: Option<redis::ConnectionInfo>,
     cluster: Option<redis::cluster::ClusterClient>,
     pool: Mutex<Vec<Conn>>,
     breaker: Mutex<Breaker>,
@@ -95,10 +180,8 @@ impl RedisTier {
                 .map_err(err)?;
             (None, Some(c))
         } else {
-            (
-                Some(redis::Client::open(cfg.urls[0].as_str()).map_err(err)?),
-                None,
-            )
+            let c = redis::Client::open(cfg.urls[0].as_str()).map_err(err)?;
+            (Some(c.get_connection_info().clone()), None)
         };
         Ok(Self {
             cfg,
@@ -115,20 +198,13 @@ impl RedisTier {
         format!("{}{key}", self.cfg.prefix)
     }
 
-    fn connect(&self) -> io::Result<Conn> {
+    fn connect(&self, deadline: Instant) -> io::Result<Conn> {
         if let Some(c) = self.pool.lock().pop() {
             return Ok(c);
         }
         match (&self.single, &self.cluster) {
-            (Some(c), _) => {
-                let con = c
-                    .get_connection_with_timeout(self.cfg.timeout)
-                    .map_err(err)?;
-                con.set_read_timeout(Some(self.cfg.timeout)).map_err(err)?;
-                con.set_write_timeout(Some(self.cfg.timeout)).map_err(err)?;
-                Ok(Conn::Single(con))
-            }
-            (_, Some(c)) => Ok(Conn::Cluster(c.get_connection().map_err(err)?)),
+            (Some(info), _) => Ok(Conn::Single(connect_single(info, deadline)?)),
+            (_, Some(c)) => Ok(Conn::Cluster(Box::new(c.get_connection().map_err(err)?))),
             _ => Err(io::Error::other("no client")),
         }
     }
@@ -163,14 +239,16 @@ impl RedisTier {
                 return Err(io::Error::other("redis breaker open"));
             }
         }
-        let res = self.connect().and_then(|mut c| {
+        // One deadline for the call: connecting, writing the pipeline and reading its replies.
+        let deadline = Instant::now() + self.cfg.timeout;
+        let res = self.connect(deadline).and_then(|mut c| {
             let out = match &mut c {
-                Conn::Single(con) => {
+                Conn::Single(link) => {
                     let mut p = redis::pipe();
                     for cmd in cmds {
                         self.add(&mut p, cmd);
                     }
-                    p.query::<Vec<redis::Value>>(con).map_err(err)
+                    link.query(&p.get_packed_pipeline(), cmds.len(), deadline)
                 }
                 Conn::Cluster(con) => {
                     let mut p = redis::cluster::cluster_pipe();

@@ -17,7 +17,7 @@
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::net::TcpStream;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -31,6 +31,7 @@ use kvtier_proto::cluster::{request::Op, Auth, AuthReply, Block, Hello, Reply, R
 use kvtier_proto::CLUSTER_VERSION;
 use parking_lot::{Mutex, RwLock};
 
+use crate::deadline::{remaining, resolve, Deadlined};
 use crate::placement::{Member, Placement};
 use crate::wire::{self, PutOutcome};
 
@@ -919,116 +920,6 @@ fn probe(peer: &Peer, secret: &str, me: &str, deadline: Instant) {
     peer.breaker.lock().probing = false;
 }
 
-/// How far past its deadline a [`Deadlined`] read or write may end: its socket timeout is set
-/// again once this much time has passed since it was last set.
-const DEADLINE_SLACK: Duration = Duration::from_millis(5);
-
-/// A stream read and written within a deadline, however the peer paces its bytes: a socket
-/// timeout set once bounds each `read` or `write`, not their sum, so a peer that trickles a
-/// header or a payload a few bytes at a time (or reads ours that way) could stretch it
-/// without end. Each call fails once the deadline has passed, and the socket's timeout for
-/// that direction is set again to what is left whenever more than [`DEADLINE_SLACK`] has
-/// passed since it was set: no call ends more than that past the deadline, and a transfer
-/// that runs at speed sets it about once (a `setsockopt` per call would cost a 2 MiB block
-/// dozens of system calls).
-struct Deadlined<'a> {
-    s: &'a TcpStream,
-    deadline: Instant,
-    /// When the read timeout was last set (to what was left of the deadline then)…
-    read_set: Option<Instant>,
-    /// …and the write timeout.
-    write_set: Option<Instant>,
-}
-
-impl<'a> Deadlined<'a> {
-    fn new(s: &'a TcpStream, deadline: Instant) -> Self {
-        Deadlined {
-            s,
-            deadline,
-            read_set: None,
-            write_set: None,
-        }
-    }
-
-    /// What is left of the deadline, and whether the timeout last set at `set` is due to be
-    /// set again (then `set` becomes now).
-    fn due(deadline: Instant, set: &mut Option<Instant>) -> io::Result<Option<Duration>> {
-        let left = remaining(deadline)?;
-        let now = Instant::now();
-        if set.is_none_or(|t| now.duration_since(t) > DEADLINE_SLACK) {
-            *set = Some(now);
-            return Ok(Some(left));
-        }
-        Ok(None)
-    }
-}
-
-impl Read for Deadlined<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        if let Some(left) = Self::due(self.deadline, &mut self.read_set)? {
-            self.s.set_read_timeout(Some(left))?;
-        }
-        (&mut &*self.s).read(buf)
-    }
-}
-
-impl Write for Deadlined<'_> {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        if let Some(left) = Self::due(self.deadline, &mut self.write_set)? {
-            self.s.set_write_timeout(Some(left))?;
-        }
-        (&mut &*self.s).write(buf)
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        (&mut &*self.s).flush()
-    }
-}
-
-/// The first address `addr` (`host:port`) names, by `deadline`: an IP address at once; a host
-/// name on a thread of its own, left behind if it is late (`getaddrinfo` takes no timeout,
-/// and waits out an unreachable DNS server for seconds a try).
-fn resolve(addr: &str, deadline: Instant) -> io::Result<SocketAddr> {
-    resolve_with(addr, deadline, |a| a.to_socket_addrs().map(|i| i.collect()))
-}
-
-/// [`resolve`] with `lookup` for the resolver.
-fn resolve_with(
-    addr: &str,
-    deadline: Instant,
-    lookup: impl FnOnce(&str) -> io::Result<Vec<SocketAddr>> + Send + 'static,
-) -> io::Result<SocketAddr> {
-    if let Ok(a) = addr.parse::<SocketAddr>() {
-        return Ok(a);
-    }
-    let left = remaining(deadline)?;
-    let (tx, rx) = std::sync::mpsc::sync_channel(1);
-    let name = addr.to_string();
-    std::thread::Builder::new()
-        .name("kvtier-resolve".into())
-        .spawn(move || {
-            let _ = tx.send(lookup(&name));
-        })?;
-    let found = match rx.recv_timeout(left) {
-        Ok(r) => r?,
-        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-            return Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!("resolving {addr}: cluster.timeout_ms passed"),
-            ))
-        }
-        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-            return Err(io::Error::other(format!(
-                "resolving {addr}: the resolver failed"
-            )))
-        }
-    };
-    found
-        .into_iter()
-        .next()
-        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("{addr}: no address")))
-}
-
 /// A new connection to `addr`, set up and authenticated as `me` by `deadline`.
 fn connect_to(addr: &str, secret: &str, me: &str, deadline: Instant) -> io::Result<TcpStream> {
     let sock = resolve(addr, deadline)?;
@@ -1074,18 +965,6 @@ fn group_by<'a>(it: impl Iterator<Item = (&'a Arc<Peer>, usize)>) -> Groups {
 
 fn hist() -> io::Result<Histogram<u64>> {
     Histogram::new_with_bounds(1, 60_000_000, 2).map_err(|e| io::Error::other(e.to_string()))
-}
-
-fn remaining(deadline: Instant) -> io::Result<Duration> {
-    let left = deadline.saturating_duration_since(Instant::now());
-    if left.is_zero() {
-        Err(io::Error::new(
-            io::ErrorKind::TimedOut,
-            "cluster.timeout_ms passed",
-        ))
-    } else {
-        Ok(left)
-    }
 }
 
 /// Which of two owners' answers to a push counts (the best).
@@ -1339,50 +1218,5 @@ impl LowerTier for RemoteTier {
 
     fn as_any(&self) -> &dyn std::any::Any {
         self
-    }
-}
-
-#[cfg(test)]
-mod resolve_tests {
-    use super::*;
-
-    #[test]
-    fn a_resolver_that_never_answers_costs_the_deadline_only() {
-        // The resolver blocks until the test ends (its sender is dropped then).
-        let (hold, wait) = std::sync::mpsc::channel::<()>();
-        let deadline = Instant::now() + Duration::from_millis(200);
-        // On a thread of its own, waited for with a deadline: a regression fails, not hangs.
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let _ = tx.send(resolve_with(
-                "kv-7.cluster.invalid:7070",
-                deadline,
-                move |_| {
-                    let _ = wait.recv();
-                    Ok(Vec::new())
-                },
-            ));
-        });
-        let e = rx
-            .recv_timeout(Duration::from_secs(30))
-            .expect("resolve_with did not return by its deadline")
-            .unwrap_err();
-        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
-        assert!(e.to_string().contains("kv-7.cluster.invalid:7070"), "{e}");
-        drop(hold);
-    }
-
-    #[test]
-    fn names_and_addresses_resolve() {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let a = resolve("127.0.0.1:7070", deadline).unwrap();
-        assert_eq!(a, "127.0.0.1:7070".parse().unwrap());
-        let a = resolve("localhost:7070", deadline).unwrap();
-        assert!(a.ip().is_loopback() && a.port() == 7070, "{a}");
-        let e = resolve_with("nowhere:1", deadline, |_| Ok(Vec::new())).unwrap_err();
-        assert_eq!(e.kind(), io::ErrorKind::NotFound, "{e}");
-        let e =
-            resolve_with("nowhere:1", deadline, |_| Err(io::Error::other("NXDOMAIN"))).unwrap_err();
-        assert!(e.to_string().contains("NXDOMAIN"), "{e}");
     }
 }

@@ -1,11 +1,16 @@
 //! The Redis-backed remote tier against a real redis-server on loopback (Debian's, installed by
 //! scripts/test.sh): two stores share a prefix through it, byte-exact; a damaged value is a
-//! miss; blocks carry a TTL; a dead Redis costs misses within the deadline.
+//! miss; blocks carry a TTL; a dead Redis, or one that trickles its replies, costs misses
+//! within the deadline.
+
+mod common;
 
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::proxy::{Fault, Proxy};
+use common::{answered, wait_until};
 use kvstore::{LowerTier, Namespace, Store, StoreConfig, Tier, TpShard};
 use kvtier_cluster::{RedisConfig, RedisTier};
 
@@ -76,9 +81,14 @@ fn ns() -> Namespace {
 }
 
 fn store(port: u16) -> (Store, Arc<RedisTier>) {
+    store_at(&format!("127.0.0.1:{port}"))
+}
+
+/// A store whose remote tier is the Redis at `addr` (`host:port`), with 800 ms deadlines.
+fn store_at(addr: &str) -> (Store, Arc<RedisTier>) {
     let t = Arc::new(
         RedisTier::new(RedisConfig {
-            urls: vec![format!("redis://127.0.0.1:{port}/")],
+            urls: vec![format!("redis://{addr}/")],
             cluster: false,
             prefix: "kvtier:".into(),
             ttl_s: 600,
@@ -182,6 +192,58 @@ fn a_dead_redis_costs_misses_within_the_deadline() {
         assert_eq!(n, 0);
     }
     assert_eq!(bt.stats().checksum_failures, 0);
+}
+
+/// A Redis that answers a few bytes at a time costs a read its deadline: the read ends as a
+/// counted error and the load is a miss, with nothing partial kept; at speed again, the block
+/// loads whole. (With a timeout per socket read only, as the `redis` crate's connection sets,
+/// the read ran on for as long as the trickle lasted, and then succeeded.)
+#[test]
+fn a_redis_that_trickles_its_replies_costs_a_miss_by_the_deadline() {
+    let Some(r) = redis() else { return };
+    let (a, _) = store(r.1);
+    let id = a.register_namespace(&ns()).unwrap();
+    let keys = ns().token_keys(&[5; 16 * 2], &[]);
+    let data: Vec<Vec<u8>> = (0..2usize)
+        .map(|i| {
+            (0..100_000usize)
+                .map(|j| (j ^ (i * 7 + j / 251)) as u8)
+                .collect()
+        })
+        .collect();
+    for (k, d) in keys.iter().zip(&data) {
+        a.put(id, *k, d).unwrap();
+    }
+    let until = Instant::now() + Duration::from_secs(60);
+    while a.stats().pushes < 2 {
+        assert!(Instant::now() < until, "not pushed: {:?}", a.stats());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let proxy = Proxy::start(format!("127.0.0.1:{}", r.1));
+    let (b, bt) = store_at(&proxy.addr);
+    let b = Arc::new(b);
+    // Replies come back at 256 bytes per 20 ms (12.8 KB/s): a lookup's 32-byte headers at
+    // once, well within the 800 ms deadline; a block of 100 KB in 8 s.
+    proxy.set(Fault::Trickle {
+        bytes: 256,
+        every: Duration::from_millis(20),
+    });
+    let l = answered("a load from a trickling Redis", Duration::from_secs(30), {
+        let (b, k) = (b.clone(), keys[0]);
+        move || b.load(&[k]).unwrap().len()
+    });
+    assert_eq!(l, 0, "a block that never arrived whole was served");
+    wait_until("the trickled read ends as an error", 30, || {
+        bt.stats().read_errors > 0
+    });
+    assert_eq!(bt.stats().checksum_failures, 0);
+    assert!(!b.in_host(&keys[0]), "part of a block was kept");
+    // At speed again: the block loads whole.
+    proxy.set(Fault::None);
+    wait_until("Redis serves at speed again", 60, || {
+        let l = b.load(&keys[1..]).unwrap();
+        l.len() == 1 && l.block(0) == &data[1][..]
+    });
 }
 
 #[test]
