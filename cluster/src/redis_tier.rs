@@ -5,14 +5,17 @@
 //! batch); a value whose header or checksum does not match is a miss, counted. The same
 //! [`LowerTier`] seam as the kvtierd peers' tier, so the store does not know which it has.
 //!
-//! A standalone server is spoken to on sockets of our own: the `redis` crate parses the URL,
-//! packs the pipelines and parses the replies, and every pipeline is written and its replies
-//! read within one deadline ([`Deadlined`]), so a server that trickles a reply (or reads a
-//! request slowly) costs a call its deadline, never a reader held for as long as it likes.
-//! The crate's own connection sets a timeout per read only. A Redis Cluster goes through the
-//! crate's cluster connection (slot routing, redirections), with that timeout per read.
+//! A standalone server is spoken to on sockets of our own (the `redis` crate parses the URL):
+//! every pipeline is written and its replies read within one deadline ([`Deadlined`]), so a
+//! server that trickles a reply (or reads a request slowly) costs a call its deadline, never
+//! a reader held for as long as it likes (the crate's connection sets a timeout per read
+//! only). Commands are framed here (RESP2 arrays of bulk strings) and a value is read
+//! straight into its block's slot, where the crate's pipelines copied it three times. A Redis
+//! Cluster goes through the crate's cluster connection (slot routing, redirections), with
+//! its timeout per read.
 
-use std::io::{self, BufReader, Write};
+use std::fmt::Display;
+use std::io::{self, BufRead, BufReader, BufWriter, Read, Write};
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
@@ -55,34 +58,103 @@ enum Conn {
 /// A connection to a standalone server, authenticated and on its database.
 struct Link {
     s: TcpStream,
-    /// Holds what was read past a reply until the next is parsed (one parser a connection).
-    parser: redis::Parser,
 }
 
+/// How one RESP2 reply starts (the replies the tier's commands get; an error reply fails the
+/// call, as the crate's pipelines do).
+#[derive(Debug)]
+enum Head {
+    /// `+…` (`OK`).
+    Simple,
+    /// `:n`.
+    Int,
+    /// `$-1`: no such key.
+    Nil,
+    /// `$n`: a value of `n` bytes follows.
+    Bulk(usize),
+}
+
+/// The longest reply line read (a value's bytes are not a line).
+const MAX_LINE: u64 = 4096;
+
+fn bad(what: impl Display) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, format!("redis: {what}"))
+}
+
+/// Reads the first line of a reply.
+fn read_head(rd: &mut impl BufRead) -> io::Result<Head> {
+    let mut line = Vec::with_capacity(32);
+    rd.take(MAX_LINE).read_until(b'\n', &mut line)?;
+    let Some(body) = line.strip_suffix(b"\r\n") else {
+        return Err(match line.len() {
+            0 => bad("the server closed the connection"),
+            _ => bad("a reply line cut short or longer than 4 KiB"),
+        });
+    };
+    let Some((&kind, rest)) = body.split_first() else {
+        return Err(bad("an empty reply line"));
+    };
+    let text = String::from_utf8_lossy(rest);
+    match kind {
+        b'+' => Ok(Head::Simple),
+        b':' => Ok(Head::Int),
+        b'-' => Err(io::Error::other(format!("redis: {text}"))),
+        b'$' => match text.parse::<i64>() {
+            Ok(-1) => Ok(Head::Nil),
+            Ok(n) => usize::try_from(n)
+                .map(Head::Bulk)
+                .map_err(|_| bad(format!("a value of length {n}"))),
+            Err(_) => Err(bad(format!("a value length {text:?}"))),
+        },
+        k => Err(bad(format!("a reply of type {:?}", k as char))),
+    }
+}
+
+/// Writes one command: an array of bulk strings.
+fn frame(w: &mut dyn Write, parts: &[&[u8]]) -> io::Result<()> {
+    write!(w, "*{}\r\n", parts.len())?;
+    for p in parts {
+        write!(w, "${}\r\n", p.len())?;
+        w.write_all(p)?;
+        w.write_all(b"\r\n")?;
+    }
+    Ok(())
+}
+
+/// What a caller does with each reply of a pipeline: its index, how it starts, and a reader
+/// of its value's bytes (read as many as wanted; the rest are skipped).
+type OnReply<'a> = dyn FnMut(usize, Head, &mut dyn Read) -> io::Result<()> + 'a;
+
 impl Link {
-    /// Writes the packed commands and reads `n` replies, all by `deadline`. A reply that is an
-    /// error fails the call, as the crate's pipelines do.
-    fn query(
+    /// Writes a pipeline (`write` frames its commands) and hands each of its `n` replies to
+    /// `reply`, all by `deadline`.
+    fn exchange(
         &mut self,
-        packed: &[u8],
         n: usize,
         deadline: Instant,
-    ) -> io::Result<Vec<redis::Value>> {
-        Deadlined::new(&self.s, deadline).write_all(packed)?;
+        write: impl FnOnce(&mut dyn Write) -> io::Result<()>,
+        reply: &mut OnReply<'_>,
+    ) -> io::Result<()> {
+        let mut w = BufWriter::with_capacity(64 << 10, Deadlined::new(&self.s, deadline));
+        write(&mut w)?;
+        w.flush()?;
+        drop(w);
         let mut rd = BufReader::with_capacity(64 << 10, Deadlined::new(&self.s, deadline));
-        let mut out = Vec::with_capacity(n);
-        for _ in 0..n {
-            match self.parser.parse_value(&mut rd).map_err(err)? {
-                redis::Value::ServerError(e) => {
-                    return Err(io::Error::other(format!(
-                        "redis: {}",
-                        redis::RedisError::from(e)
-                    )))
-                }
-                v => out.push(v),
+        for i in 0..n {
+            let head = read_head(&mut rd)?;
+            let Head::Bulk(len) = head else {
+                reply(i, head, &mut io::empty())?;
+                continue;
+            };
+            let mut body = (&mut rd).take(len as u64);
+            reply(i, Head::Bulk(len), &mut body)?;
+            io::copy(&mut body, &mut io::sink())?;
+            let mut end = [0u8; 2];
+            if body.limit() > 0 || rd.read_exact(&mut end).is_err() || &end != b"\r\n" {
+                return Err(bad("a value cut short"));
             }
         }
-        Ok(out)
+        Ok(())
     }
 }
 
@@ -104,25 +176,31 @@ fn connect_single(info: &redis::ConnectionInfo, deadline: Instant) -> io::Result
     let s = TcpStream::connect_timeout(&addr, remaining(deadline)?)?;
     s.set_nodelay(true)?;
     crate::wire::keepalive(&s)?;
-    let mut link = Link {
-        s,
-        parser: redis::Parser::new(),
-    };
+    let mut link = Link { s };
     let r = &info.redis;
-    let mut setup = redis::pipe();
+    let db = r.db.to_string();
+    let mut setup: Vec<Vec<&[u8]>> = Vec::new();
     if let Some(pw) = &r.password {
-        let auth = setup.cmd("AUTH");
+        let mut auth: Vec<&[u8]> = vec![b"AUTH"];
         if let Some(user) = &r.username {
-            auth.arg(user);
+            auth.push(user.as_bytes());
         }
-        auth.arg(pw);
+        auth.push(pw.as_bytes());
+        setup.push(auth);
     }
     if r.db != 0 {
-        setup.cmd("SELECT").arg(r.db);
+        setup.push(vec![b"SELECT", db.as_bytes()]);
     }
-    let n = (r.password.is_some() as usize) + (r.db != 0) as usize;
-    if n > 0 {
-        link.query(&setup.get_packed_pipeline(), n, deadline)?;
+    if !setup.is_empty() {
+        link.exchange(
+            setup.len(),
+            deadline,
+            |w| setup.iter().try_for_each(|c| frame(w, c)),
+            &mut |_, head, _| match head {
+                Head::Simple => Ok(()),
+                _ => Err(bad("AUTH or SELECT did not answer OK")),
+            },
+        )?;
     }
     Ok(link)
 }
@@ -209,10 +287,9 @@ impl RedisTier {
         }
     }
 
-    /// Runs the commands pipelined, at most ~32 MiB of values per round trip (the client
-    /// buffers a whole pipeline); one reply per command (`None`: nil or empty).
-    fn run(&self, cmds: &[Cmd<'_>]) -> io::Result<Vec<Option<Vec<u8>>>> {
-        let mut out = Vec::with_capacity(cmds.len());
+    /// Runs the commands pipelined, at most ~32 MiB of values per round trip, and hands
+    /// each reply to `reply` with the command's index (see [`OnReply`]).
+    fn run(&self, cmds: &[Cmd<'_>], reply: &mut OnReply<'_>) -> io::Result<()> {
         let mut start = 0;
         while start < cmds.len() {
             let mut end = start;
@@ -225,14 +302,14 @@ impl RedisTier {
                 };
                 end += 1;
             }
-            out.extend(self.run_one(&cmds[start..end])?);
+            self.run_one(&cmds[start..end], &mut |i, h, r| reply(start + i, h, r))?;
             start = end;
         }
-        Ok(out)
+        Ok(())
     }
 
     /// One pipeline.
-    fn run_one(&self, cmds: &[Cmd<'_>]) -> io::Result<Vec<Option<Vec<u8>>>> {
+    fn run_one(&self, cmds: &[Cmd<'_>], reply: &mut OnReply<'_>) -> io::Result<()> {
         {
             let b = self.breaker.lock();
             if b.open_until.is_some_and(|t| Instant::now() < t) {
@@ -243,34 +320,32 @@ impl RedisTier {
         let deadline = Instant::now() + self.cfg.timeout;
         let res = self.connect(deadline).and_then(|mut c| {
             let out = match &mut c {
-                Conn::Single(link) => {
-                    let mut p = redis::pipe();
-                    for cmd in cmds {
-                        self.add(&mut p, cmd);
-                    }
-                    link.query(&p.get_packed_pipeline(), cmds.len(), deadline)
-                }
+                Conn::Single(link) => link.exchange(
+                    cmds.len(),
+                    deadline,
+                    |w| cmds.iter().try_for_each(|cmd| self.frame(w, cmd)),
+                    reply,
+                ),
                 Conn::Cluster(con) => {
                     let mut p = redis::cluster::cluster_pipe();
                     for cmd in cmds {
                         match cmd {
                             Cmd::Header(k) => p.cmd("GETRANGE").arg(*k).arg(0).arg(HEADER - 1),
                             Cmd::Get(k) => p.cmd("GET").arg(*k),
-                            Cmd::Set(k, v) => self.set_args(p.cmd("SET").arg(*k).arg(&v[..])),
+                            Cmd::Set(k, v) => {
+                                let c = p.cmd("SET").arg(*k).arg(&v[..]);
+                                if self.cfg.ttl_s > 0 {
+                                    c.arg("EX").arg(self.cfg.ttl_s);
+                                }
+                                c
+                            }
                         };
                     }
-                    p.query::<Vec<redis::Value>>(con).map_err(err)
+                    p.query::<Vec<redis::Value>>(con)
+                        .map_err(err)
+                        .and_then(|vals| replay(cmds.len(), vals, reply))
                 }
             };
-            // Bulk strings are values; nil, "OK" and anything else are not.
-            let out = out.map(|v| {
-                v.into_iter()
-                    .map(|x| match x {
-                        redis::Value::BulkString(b) if !b.is_empty() => Some(b),
-                        _ => None,
-                    })
-                    .collect::<Vec<_>>()
-            });
             if out.is_ok() {
                 let mut pool = self.pool.lock();
                 if pool.len() < 4 {
@@ -293,26 +368,18 @@ impl RedisTier {
         res
     }
 
-    fn add(&self, p: &mut redis::Pipeline, cmd: &Cmd<'_>) {
+    /// Writes `cmd` as one command.
+    fn frame(&self, w: &mut dyn Write, cmd: &Cmd<'_>) -> io::Result<()> {
+        let end = (HEADER - 1).to_string();
+        let ttl = self.cfg.ttl_s.to_string();
         match cmd {
-            Cmd::Header(k) => {
-                p.cmd("GETRANGE").arg(*k).arg(0).arg(HEADER - 1);
+            Cmd::Header(k) => frame(w, &[b"GETRANGE", k.as_bytes(), b"0", end.as_bytes()]),
+            Cmd::Get(k) => frame(w, &[b"GET", k.as_bytes()]),
+            Cmd::Set(k, v) if self.cfg.ttl_s > 0 => {
+                frame(w, &[b"SET", k.as_bytes(), v, b"EX", ttl.as_bytes()])
             }
-            Cmd::Get(k) => {
-                p.cmd("GET").arg(*k);
-            }
-            Cmd::Set(k, v) => {
-                let c = p.cmd("SET").arg(*k).arg(&v[..]);
-                self.set_args(c);
-            }
+            Cmd::Set(k, v) => frame(w, &[b"SET", k.as_bytes(), v]),
         }
-    }
-
-    fn set_args<'p, P: SetArgs>(&self, p: &'p mut P) -> &'p mut P {
-        if self.cfg.ttl_s > 0 {
-            p.ttl("EX", self.cfg.ttl_s);
-        }
-        p
     }
 
     fn header(&self, v: &[u8]) -> Option<(u32, u64, u16)> {
@@ -327,21 +394,24 @@ impl RedisTier {
     }
 }
 
-/// What a pipeline's SET takes after its value.
-trait SetArgs {
-    fn ttl(&mut self, unit: &str, secs: u64);
-}
-
-impl SetArgs for redis::Pipeline {
-    fn ttl(&mut self, unit: &str, secs: u64) {
-        self.arg(unit).arg(secs);
+/// Hands the crate's replies to a pipeline (a Redis Cluster's) to `reply` as a standalone
+/// server's are.
+fn replay(n: usize, vals: Vec<redis::Value>, reply: &mut OnReply<'_>) -> io::Result<()> {
+    if vals.len() != n {
+        return Err(bad(format!("{} replies to {n} commands", vals.len())));
     }
-}
-
-impl SetArgs for redis::cluster::ClusterPipeline {
-    fn ttl(&mut self, unit: &str, secs: u64) {
-        self.arg(unit).arg(secs);
+    for (i, v) in vals.into_iter().enumerate() {
+        match v {
+            redis::Value::BulkString(b) => reply(i, Head::Bulk(b.len()), &mut &b[..])?,
+            redis::Value::Nil => reply(i, Head::Nil, &mut io::empty())?,
+            redis::Value::Okay | redis::Value::SimpleString(_) => {
+                reply(i, Head::Simple, &mut io::empty())?
+            }
+            redis::Value::Int(_) => reply(i, Head::Int, &mut io::empty())?,
+            other => return Err(bad(format!("an unexpected reply {other:?}"))),
+        }
     }
+    Ok(())
 }
 
 impl LowerTier for RedisTier {
@@ -364,19 +434,22 @@ impl LowerTier for RedisTier {
     fn lookup_batch(&self, keys: &[BlockKey]) -> Vec<Option<BlockInfo>> {
         let names: Vec<String> = keys.iter().map(|k| self.name(k)).collect();
         let cmds: Vec<Cmd<'_>> = names.iter().map(|n| Cmd::Header(n)).collect();
-        match self.run(&cmds) {
-            Ok(v) => v
-                .into_iter()
-                .map(|h| {
-                    let (len, checksum, ns) = self.header(h.as_deref()?)?;
-                    Some(BlockInfo { len, ns, checksum })
-                })
-                .collect(),
-            Err(e) => {
-                tracing::debug!(error = %e, "redis tier: lookup failed (a miss)");
-                vec![None; keys.len()]
+        let mut out = vec![None; keys.len()];
+        let res = self.run(&cmds, &mut |i, head, body| {
+            if let Head::Bulk(_) = head {
+                let mut h = Vec::with_capacity(HEADER);
+                body.take(HEADER as u64).read_to_end(&mut h)?;
+                out[i] = self
+                    .header(&h)
+                    .map(|(len, checksum, ns)| BlockInfo { len, ns, checksum });
             }
+            Ok(())
+        });
+        if let Err(e) = res {
+            tracing::debug!(error = %e, "redis tier: lookup failed (a miss)");
+            return vec![None; keys.len()];
         }
+        out
     }
 
     fn pin(&self, _key: &BlockKey) -> bool {
@@ -389,45 +462,48 @@ impl LowerTier for RedisTier {
         self.stats.reads.fetch_add(1, Relaxed);
         let names: Vec<String> = items.iter().map(|it| self.name(&it.key)).collect();
         let cmds: Vec<Cmd<'_>> = names.iter().map(|n| Cmd::Get(n)).collect();
-        let vals = match self.run(&cmds) {
-            Ok(v) => v,
-            Err(e) => {
-                self.stats.read_errors.fetch_add(1, Relaxed);
-                tracing::debug!(error = %e, "redis tier: read failed (misses)");
-                return vec![ReadOutcome::Miss; items.len()];
+        // Each value is read straight into its block's slot and checked there: verified
+        // blocks stay hits if a later reply fails, the rest are misses.
+        let mut out = vec![ReadOutcome::Miss; items.len()];
+        let res = self.run(&cmds, &mut |i, head, body| {
+            let it = &items[i];
+            let Head::Bulk(n) = head else {
+                return Ok(());
+            };
+            let mut h = [0u8; HEADER];
+            if n < HEADER {
+                return Ok(());
             }
-        };
-        items
-            .iter()
-            .zip(vals)
-            .map(|(it, v)| {
-                let Some(v) = v else {
-                    return ReadOutcome::Miss;
-                };
-                let Some((len, sum, ns)) = self.header(&v) else {
-                    return ReadOutcome::Miss;
-                };
-                let payload = &v[HEADER..];
-                if payload.len() != len as usize || payload.len() > it.buf.cap() {
-                    self.stats.checksum_failures.fetch_add(1, Relaxed);
-                    return ReadOutcome::Miss;
-                }
-                // SAFETY: the buffer is the block's reserved host slot (or an owned buffer),
-                // `cap` >= len bytes, ours alone until this call returns.
-                let dst = unsafe { std::slice::from_raw_parts_mut(it.buf.as_ptr(), payload.len()) };
-                if kvstore::copy_hashed(dst, payload) != sum {
-                    self.stats.checksum_failures.fetch_add(1, Relaxed);
-                    tracing::warn!(key = %it.key, "redis tier: a block failed its checksum: a miss");
-                    return ReadOutcome::Miss;
-                }
-                self.stats.bytes_read.fetch_add(u64::from(len), Relaxed);
-                ReadOutcome::Hit(BlockInfo {
-                    len,
-                    ns,
-                    checksum: sum,
-                })
-            })
-            .collect()
+            body.read_exact(&mut h)?;
+            let Some((len, sum, ns)) = self.header(&h) else {
+                return Ok(());
+            };
+            if n - HEADER != len as usize || len as usize > it.buf.cap() {
+                self.stats.checksum_failures.fetch_add(1, Relaxed);
+                return Ok(());
+            }
+            // SAFETY: the buffer is the block's reserved host slot (or an owned buffer),
+            // `cap` >= len bytes, ours alone until this call returns.
+            let dst = unsafe { std::slice::from_raw_parts_mut(it.buf.as_ptr(), len as usize) };
+            body.read_exact(dst)?;
+            if kvstore::checksum(dst) != sum {
+                self.stats.checksum_failures.fetch_add(1, Relaxed);
+                tracing::warn!(key = %it.key, "redis tier: a block failed its checksum: a miss");
+                return Ok(());
+            }
+            self.stats.bytes_read.fetch_add(u64::from(len), Relaxed);
+            out[i] = ReadOutcome::Hit(BlockInfo {
+                len,
+                ns,
+                checksum: sum,
+            });
+            Ok(())
+        });
+        if let Err(e) = res {
+            self.stats.read_errors.fetch_add(1, Relaxed);
+            tracing::debug!(error = %e, "redis tier: read failed (misses)");
+        }
+        out
     }
 
     fn write(
@@ -474,21 +550,24 @@ impl LowerTier for RedisTier {
             .zip(vals)
             .map(|(n, v)| Cmd::Set(n, v))
             .collect();
-        let bytes: u64 = idx.iter().map(|&i| u64::from(items[i].len)).sum();
-        match self.run(&cmds) {
-            Ok(_) => {
-                self.stats.bytes_written.fetch_add(bytes, Relaxed);
-                for i in idx {
-                    out[i] = WriteOutcome::Written;
-                }
+        // Written once its SET answered OK; a SET with no answer (the call failed first) failed.
+        for &i in &idx {
+            out[i] = WriteOutcome::Failed;
+        }
+        let res = self.run(&cmds, &mut |j, head, _| match head {
+            Head::Simple => {
+                let i = idx[j];
+                out[i] = WriteOutcome::Written;
+                self.stats
+                    .bytes_written
+                    .fetch_add(u64::from(items[i].len), Relaxed);
+                Ok(())
             }
-            Err(e) => {
-                self.stats.write_errors.fetch_add(1, Relaxed);
-                tracing::debug!(error = %e, "redis tier: write failed");
-                for i in idx {
-                    out[i] = WriteOutcome::Failed;
-                }
-            }
+            _ => Err(bad("SET did not answer OK")),
+        });
+        if let Err(e) = res {
+            self.stats.write_errors.fetch_add(1, Relaxed);
+            tracing::debug!(error = %e, "redis tier: write failed");
         }
         out
     }
@@ -529,5 +608,50 @@ impl LowerTier for RedisTier {
 
     fn as_any(&self) -> &dyn std::any::Any {
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(b: &[u8]) -> io::Result<Head> {
+        read_head(&mut &b[..])
+    }
+
+    #[test]
+    fn reply_heads_parse_and_bad_ones_are_named() {
+        assert!(matches!(head(b"+OK\r\n"), Ok(Head::Simple)));
+        assert!(matches!(head(b":12\r\n"), Ok(Head::Int)));
+        assert!(matches!(head(b"$-1\r\n"), Ok(Head::Nil)));
+        assert!(matches!(head(b"$70032\r\nKVT1"), Ok(Head::Bulk(70_032))));
+        let e = head(b"-OOM command not allowed\r\n").unwrap_err();
+        assert!(e.to_string().contains("OOM command not allowed"), "{e}");
+        for (bad, says) in [
+            (&b""[..], "closed"),
+            (b"$12", "cut short"),
+            (b"$-5\r\n", "length -5"),
+            (b"$1x\r\n", "\"1x\""),
+            (b"\r\n", "empty"),
+            (b"*2\r\n", "type '*'"),
+        ] {
+            let e = head(bad).err().unwrap();
+            assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}");
+            assert!(e.to_string().contains(says), "{e} (wanted {says:?})");
+        }
+        // A line longer than the limit is refused, not buffered on.
+        let mut long = vec![b'+'; 10_000];
+        long.extend_from_slice(b"\r\n");
+        assert!(head(&long).is_err());
+    }
+
+    #[test]
+    fn commands_are_arrays_of_bulk_strings() {
+        let mut w = Vec::new();
+        frame(&mut w, &[b"SET", b"k", b"\r\n\0", b"EX", b"60"]).unwrap();
+        assert_eq!(
+            w,
+            b"*5\r\n$3\r\nSET\r\n$1\r\nk\r\n$3\r\n\r\n\0\r\n$2\r\nEX\r\n$2\r\n60\r\n"
+        );
     }
 }

@@ -33,6 +33,11 @@ fn missing(what: &str, var: &str) {
 }
 
 fn redis() -> Option<Redis> {
+    redis_with(&[])
+}
+
+/// A redis-server with `extra` arguments.
+fn redis_with(extra: &[&str]) -> Option<Redis> {
     if Command::new("redis-server")
         .arg("--version")
         .output()
@@ -57,6 +62,7 @@ fn redis() -> Option<Redis> {
             "--appendonly",
             "no",
         ])
+        .args(extra)
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
@@ -86,9 +92,14 @@ fn store(port: u16) -> (Store, Arc<RedisTier>) {
 
 /// A store whose remote tier is the Redis at `addr` (`host:port`), with 800 ms deadlines.
 fn store_at(addr: &str) -> (Store, Arc<RedisTier>) {
+    store_url(&format!("redis://{addr}/"))
+}
+
+/// A store whose remote tier is the Redis `url` names, with 800 ms deadlines.
+fn store_url(url: &str) -> (Store, Arc<RedisTier>) {
     let t = Arc::new(
         RedisTier::new(RedisConfig {
-            urls: vec![format!("redis://{addr}/")],
+            urls: vec![url.to_string()],
             cluster: false,
             prefix: "kvtier:".into(),
             ttl_s: 600,
@@ -192,6 +203,55 @@ fn a_dead_redis_costs_misses_within_the_deadline() {
         assert_eq!(n, 0);
     }
     assert_eq!(bt.stats().checksum_failures, 0);
+}
+
+/// The URL's user, password and database are used: blocks land in that database, and a wrong
+/// password or none costs misses, nothing else.
+#[test]
+fn a_password_and_a_database_in_the_url_are_used() {
+    let Some(r) = redis_with(&["--requirepass", "s3cret"]) else {
+        return;
+    };
+    let (a, _) = store_url(&format!("redis://default:s3cret@127.0.0.1:{}/3", r.1));
+    let id = a.register_namespace(&ns()).unwrap();
+    let keys = ns().token_keys(&[6; 16], &[]);
+    a.put(id, keys[0], &[7u8; 3000]).unwrap();
+    let until = Instant::now() + Duration::from_secs(60);
+    while a.stats().pushes < 1 {
+        assert!(Instant::now() < until, "not pushed: {:?}", a.stats());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let name = format!("kvtier:{}", keys[0]);
+    let in_db = |db: &str| {
+        raw(
+            r.1,
+            &[
+                "-a",
+                "s3cret",
+                "--no-auth-warning",
+                "-n",
+                db,
+                "EXISTS",
+                &name,
+            ],
+        )
+    };
+    assert_eq!(in_db("3"), "1");
+    assert_eq!(in_db("0"), "0");
+    let (b, _) = store_url(&format!("redis://:s3cret@127.0.0.1:{}/3", r.1));
+    let l = b.load(&keys).unwrap();
+    assert_eq!(l.len(), 1);
+    assert_eq!(l.block(0), &[7u8; 3000][..]);
+    drop(l);
+    let (c, ct) = store_url(&format!("redis://:wrong@127.0.0.1:{}/3", r.1));
+    assert_eq!(c.load(&keys).unwrap().len(), 0);
+    let (d, dt) = store_url(&format!("redis://127.0.0.1:{}/3", r.1));
+    assert_eq!(d.load(&keys).unwrap().len(), 0);
+    for t in [&ct, &dt] {
+        let s = t.stats();
+        assert_eq!(s.bytes_read, 0, "{s:?}");
+        assert_eq!(s.checksum_failures, 0, "{s:?}");
+    }
 }
 
 /// A Redis that answers a few bytes at a time costs a read its deadline: the read ends as a
