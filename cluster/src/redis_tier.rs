@@ -209,8 +209,62 @@ fn connect_single(info: &redis::ConnectionInfo, deadline: Instant) -> io::Result
 enum Cmd<'a> {
     Header(&'a str),
     Get(&'a str),
-    Set(&'a str, Vec<u8>),
+    Set(&'a str, Value<'a>),
 }
+
+/// A SET's value: kvtier's header, then the block's bytes, read from its slot as they are
+/// sent (and checked against `sum` before the last of them goes).
+struct Value<'a> {
+    head: [u8; HEADER],
+    src: &'a [u8],
+    sum: u64,
+    /// Set when the slot no longer matched `sum`: the call failed before the SET was whole,
+    /// so Redis never ran it.
+    changed: std::cell::Cell<bool>,
+}
+
+impl Value<'_> {
+    fn len(&self) -> usize {
+        HEADER + self.src.len()
+    }
+
+    /// Writes the value's bytes, the slot's through `piece` ([`PIECE`] bytes at a time: each
+    /// copied out of the slot once, hashed while in cache, sent from there, so what is hashed
+    /// is what is sent). A slot written after its commit fails the write before its last
+    /// piece: the command is never whole, and the connection is dropped with it.
+    fn send(&self, w: &mut dyn Write, piece: &mut Vec<u8>) -> io::Result<()> {
+        w.write_all(&self.head)?;
+        piece.resize(PIECE.min(self.src.len()), 0);
+        let mut h = kvstore::Checksummer::new();
+        let mut at = 0;
+        while at < self.src.len() {
+            let n = PIECE.min(self.src.len() - at);
+            piece[..n].copy_from_slice(&self.src[at..at + n]);
+            h.update(&piece[..n]);
+            at += n;
+            if at == self.src.len() && h.finish() != self.sum {
+                self.changed.set(true);
+                return Err(bad("a block's slot changed after its commit: not stored"));
+            }
+            w.write_all(&piece[..n])?;
+        }
+        Ok(())
+    }
+
+    /// The value in one buffer (for the crate's pipelines), or `None` if the slot changed.
+    fn to_vec(&self) -> Option<Vec<u8>> {
+        let mut v = vec![0u8; self.len()];
+        v[..HEADER].copy_from_slice(&self.head);
+        if kvstore::copy_hashed(&mut v[HEADER..], self.src) != self.sum {
+            self.changed.set(true);
+            return None;
+        }
+        Some(v)
+    }
+}
+
+/// The pieces a SET's value is sent in (half the L2 of the Xeons here, as the peers' pushes).
+const PIECE: usize = 1 << 20;
 
 #[derive(Default)]
 struct Breaker {
@@ -320,20 +374,31 @@ impl RedisTier {
         let deadline = Instant::now() + self.cfg.timeout;
         let res = self.connect(deadline).and_then(|mut c| {
             let out = match &mut c {
-                Conn::Single(link) => link.exchange(
-                    cmds.len(),
-                    deadline,
-                    |w| cmds.iter().try_for_each(|cmd| self.frame(w, cmd)),
-                    reply,
-                ),
+                Conn::Single(link) => {
+                    let mut piece = Vec::new();
+                    link.exchange(
+                        cmds.len(),
+                        deadline,
+                        |w| {
+                            cmds.iter()
+                                .try_for_each(|cmd| self.frame(w, cmd, &mut piece))
+                        },
+                        reply,
+                    )
+                }
                 Conn::Cluster(con) => {
                     let mut p = redis::cluster::cluster_pipe();
+                    let mut changed = false;
                     for cmd in cmds {
                         match cmd {
                             Cmd::Header(k) => p.cmd("GETRANGE").arg(*k).arg(0).arg(HEADER - 1),
                             Cmd::Get(k) => p.cmd("GET").arg(*k),
                             Cmd::Set(k, v) => {
-                                let c = p.cmd("SET").arg(*k).arg(&v[..]);
+                                let Some(v) = v.to_vec() else {
+                                    changed = true;
+                                    break;
+                                };
+                                let c = p.cmd("SET").arg(*k).arg(v);
                                 if self.cfg.ttl_s > 0 {
                                     c.arg("EX").arg(self.cfg.ttl_s);
                                 }
@@ -341,9 +406,13 @@ impl RedisTier {
                             }
                         };
                     }
-                    p.query::<Vec<redis::Value>>(con)
-                        .map_err(err)
-                        .and_then(|vals| replay(cmds.len(), vals, reply))
+                    if changed {
+                        Err(bad("a block's slot changed after its commit: not stored"))
+                    } else {
+                        p.query::<Vec<redis::Value>>(con)
+                            .map_err(err)
+                            .and_then(|vals| replay(cmds.len(), vals, reply))
+                    }
                 }
             };
             if out.is_ok() {
@@ -368,17 +437,28 @@ impl RedisTier {
         res
     }
 
-    /// Writes `cmd` as one command.
-    fn frame(&self, w: &mut dyn Write, cmd: &Cmd<'_>) -> io::Result<()> {
+    /// Writes `cmd` as one command (`piece`: a SET's buffer, kept for the next).
+    fn frame(&self, w: &mut dyn Write, cmd: &Cmd<'_>, piece: &mut Vec<u8>) -> io::Result<()> {
         let end = (HEADER - 1).to_string();
-        let ttl = self.cfg.ttl_s.to_string();
         match cmd {
             Cmd::Header(k) => frame(w, &[b"GETRANGE", k.as_bytes(), b"0", end.as_bytes()]),
             Cmd::Get(k) => frame(w, &[b"GET", k.as_bytes()]),
-            Cmd::Set(k, v) if self.cfg.ttl_s > 0 => {
-                frame(w, &[b"SET", k.as_bytes(), v, b"EX", ttl.as_bytes()])
+            Cmd::Set(k, v) => {
+                let ttl = self.cfg.ttl_s.to_string();
+                let n = if self.cfg.ttl_s > 0 { 5 } else { 3 };
+                write!(
+                    w,
+                    "*{n}\r\n$3\r\nSET\r\n${}\r\n{k}\r\n${}\r\n",
+                    k.len(),
+                    v.len()
+                )?;
+                v.send(w, piece)?;
+                w.write_all(b"\r\n")?;
+                if self.cfg.ttl_s > 0 {
+                    write!(w, "$2\r\nEX\r\n${}\r\n{ttl}\r\n", ttl.len())?;
+                }
+                Ok(())
             }
-            Cmd::Set(k, v) => frame(w, &[b"SET", k.as_bytes(), v]),
         }
     }
 
@@ -524,22 +604,20 @@ impl LowerTier for RedisTier {
                 out[i] = WriteOutcome::Failed;
                 continue;
             };
+            let mut head = [0u8; HEADER];
+            head[..4].copy_from_slice(MAGIC);
+            head[4..8].copy_from_slice(&it.len.to_le_bytes());
+            head[8..16].copy_from_slice(&it.checksum.to_le_bytes());
+            head[16..].copy_from_slice(&crate::wire::fp_bytes(fp));
             // SAFETY: the block's slot is pinned by the caller for this call, `len` <= cap.
             let src = unsafe { std::slice::from_raw_parts(it.buf.as_ptr(), it.len as usize) };
-            let mut v = Vec::with_capacity(HEADER + src.len());
-            v.extend_from_slice(MAGIC);
-            v.extend_from_slice(&it.len.to_le_bytes());
-            v.extend_from_slice(&it.checksum.to_le_bytes());
-            v.extend_from_slice(&crate::wire::fp_bytes(fp));
-            v.resize(HEADER + src.len(), 0);
-            // Checked against the commit checksum as it is copied: a slot an engine wrote
-            // into after its commit is never stored.
-            if kvstore::copy_hashed(&mut v[HEADER..], src) != it.checksum {
-                out[i] = WriteOutcome::Corrupt;
-                continue;
-            }
             names.push(self.name(&it.key));
-            vals.push(v);
+            vals.push(Value {
+                head,
+                src,
+                sum: it.checksum,
+                changed: Default::default(),
+            });
             idx.push(i);
         }
         if idx.is_empty() {
@@ -568,6 +646,13 @@ impl LowerTier for RedisTier {
         if let Err(e) = res {
             self.stats.write_errors.fetch_add(1, Relaxed);
             tracing::debug!(error = %e, "redis tier: write failed");
+        }
+        // Checked against the commit checksum as it is sent: a slot an engine wrote into
+        // after its commit is never stored.
+        for (j, cmd) in cmds.iter().enumerate() {
+            if matches!(cmd, Cmd::Set(_, v) if v.changed.get()) {
+                out[idx[j]] = WriteOutcome::Corrupt;
+            }
         }
         out
     }

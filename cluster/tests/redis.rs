@@ -254,6 +254,45 @@ fn a_password_and_a_database_in_the_url_are_used() {
     }
 }
 
+/// A block whose slot no longer holds the bytes of its commit checksum (an engine wrote into
+/// it after its commit) is never stored: its SET is cut off before its last bytes, so Redis
+/// never runs it, and the block says `Corrupt`. A good block written alone is stored.
+#[test]
+fn a_slot_changed_after_its_commit_is_never_stored() {
+    let Some(r) = redis() else { return };
+    let (_, t) = store(r.1);
+    t.note_namespace(0, ns().fingerprint()).unwrap();
+    let keys = ns().token_keys(&[8; 16 * 2], &[]);
+    // Three pieces of the value and a part, so the check comes after most of it was sent.
+    let len = (3 << 20) + 4096;
+    let mut good = kvstore::AlignedBuf::new(len).unwrap();
+    good.fill_pattern(1);
+    let mut bad = kvstore::AlignedBuf::new(len).unwrap();
+    bad.fill_pattern(2);
+    let sum = kvstore::checksum(&good);
+    let item = |k: kvstore::BlockKey, b: &mut kvstore::AlignedBuf| kvstore::WriteItem {
+        key: k,
+        ns: 0,
+        // SAFETY: the buffer outlives the call and nothing else touches it meanwhile.
+        buf: unsafe { kvstore::io::IoBuf::from_raw(b.as_mut_ptr(), len) },
+        len: len as u32,
+        // The bad buffer's bytes are not the ones this checksum was taken of.
+        checksum: sum,
+    };
+    let out = t.write(vec![item(keys[1], &mut bad)], &|_| true);
+    assert_eq!(out, vec![kvstore::WriteOutcome::Corrupt]);
+    let exists = |k: &kvstore::BlockKey| raw(r.1, &["EXISTS", &format!("kvtier:{k}")]);
+    assert_eq!(exists(&keys[1]), "0", "a changed slot was stored");
+    let out = t.write(vec![item(keys[0], &mut good)], &|_| true);
+    assert_eq!(out, vec![kvstore::WriteOutcome::Written]);
+    assert_eq!(exists(&keys[0]), "1");
+    // The next call runs on a sound connection, and the good block reads back whole.
+    let (b, _) = store(r.1);
+    let l = b.load(&keys[..1]).unwrap();
+    assert_eq!(l.len(), 1);
+    assert!(l.block(0) == &good[..]);
+}
+
 /// A Redis that answers a few bytes at a time costs a read its deadline: the read ends as a
 /// counted error and the load is a miss, with nothing partial kept; at speed again, the block
 /// loads whole. (With a timeout per socket read only, as the `redis` crate's connection sets,
