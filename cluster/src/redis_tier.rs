@@ -208,7 +208,8 @@ fn connect_single(info: &redis::ConnectionInfo, deadline: Instant) -> io::Result
 /// One pipelined command.
 enum Cmd<'a> {
     Header(&'a str),
-    Get(&'a str),
+    /// A value of at most this many bytes (the slot's size) is expected.
+    Get(&'a str, usize),
     Set(&'a str, Value<'a>),
 }
 
@@ -262,6 +263,14 @@ impl Value<'_> {
         Some(v)
     }
 }
+
+/// Bytes of values a pipeline carries at most (the first command goes whatever its size).
+const PIPELINE_BYTES: usize = 32 << 20;
+
+/// …and of GET replies: more in one pipeline made Redis 7 answer slower (`kvtier-bench
+/// remote`, 2 MiB values on loopback: 16 GETs a round trip 2.4 GB/s, 8 4.7–4.9, 4 5.2, 1
+/// 3.3–4.4; a plain client's one at a time 4.6–5.0).
+const GET_PIPELINE_BYTES: usize = 8 << 20;
 
 /// The pieces a SET's value is sent in (half the L2 of the Xeons here, as the peers' pushes).
 const PIECE: usize = 1 << 20;
@@ -341,17 +350,18 @@ impl RedisTier {
         }
     }
 
-    /// Runs the commands pipelined, at most ~32 MiB of values per round trip, and hands
-    /// each reply to `reply` with the command's index (see [`OnReply`]).
+    /// Runs the commands pipelined, at most [`PIPELINE_BYTES`] of values per round trip
+    /// ([`GET_PIPELINE_BYTES`] for GETs), and hands each reply to `reply` with the command's
+    /// index (see [`OnReply`]).
     fn run(&self, cmds: &[Cmd<'_>], reply: &mut OnReply<'_>) -> io::Result<()> {
         let mut start = 0;
         while start < cmds.len() {
             let mut end = start;
             let mut bytes = 0usize;
-            while end < cmds.len() && (end == start || bytes < 32 << 20) {
+            while end < cmds.len() && (end == start || bytes < PIPELINE_BYTES) {
                 bytes += match &cmds[end] {
                     Cmd::Header(_) => HEADER,
-                    Cmd::Get(_) => 2 << 20,
+                    Cmd::Get(_, n) => n * (PIPELINE_BYTES / GET_PIPELINE_BYTES),
                     Cmd::Set(_, v) => v.len(),
                 };
                 end += 1;
@@ -392,7 +402,7 @@ impl RedisTier {
                     for cmd in cmds {
                         match cmd {
                             Cmd::Header(k) => p.cmd("GETRANGE").arg(*k).arg(0).arg(HEADER - 1),
-                            Cmd::Get(k) => p.cmd("GET").arg(*k),
+                            Cmd::Get(k, _) => p.cmd("GET").arg(*k),
                             Cmd::Set(k, v) => {
                                 let Some(v) = v.to_vec() else {
                                     changed = true;
@@ -442,7 +452,7 @@ impl RedisTier {
         let end = (HEADER - 1).to_string();
         match cmd {
             Cmd::Header(k) => frame(w, &[b"GETRANGE", k.as_bytes(), b"0", end.as_bytes()]),
-            Cmd::Get(k) => frame(w, &[b"GET", k.as_bytes()]),
+            Cmd::Get(k, _) => frame(w, &[b"GET", k.as_bytes()]),
             Cmd::Set(k, v) => {
                 let ttl = self.cfg.ttl_s.to_string();
                 let n = if self.cfg.ttl_s > 0 { 5 } else { 3 };
@@ -541,7 +551,11 @@ impl LowerTier for RedisTier {
     fn read(&self, items: Vec<ReadItem>) -> Vec<ReadOutcome> {
         self.stats.reads.fetch_add(1, Relaxed);
         let names: Vec<String> = items.iter().map(|it| self.name(&it.key)).collect();
-        let cmds: Vec<Cmd<'_>> = names.iter().map(|n| Cmd::Get(n)).collect();
+        let cmds: Vec<Cmd<'_>> = names
+            .iter()
+            .zip(&items)
+            .map(|(n, it)| Cmd::Get(n, it.buf.cap()))
+            .collect();
         // Each value is read straight into its block's slot and checked there: verified
         // blocks stay hits if a later reply fails, the rest are misses.
         let mut out = vec![ReadOutcome::Miss; items.len()];
