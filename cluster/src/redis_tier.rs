@@ -1,18 +1,20 @@
 //! The remote tier on an existing Redis or Valkey (standalone, or Redis Cluster) for operators
 //! who already run one: each block is one binary value `KVT1 | len u32 | xxh3-64 u64 |
 //! namespace fingerprint 16 B | payload` under `prefix + hex(key)` with a TTL. Lookups read
-//! only the 32-byte headers (GETRANGE), reads and writes are pipelined (one round trip per
-//! batch); a value whose header or checksum does not match is a miss, counted. The same
-//! [`LowerTier`] seam as the kvtierd peers' tier, so the store does not know which it has.
+//! only the 32-byte headers (GETRANGE), reads and writes are pipelined (a round trip per
+//! batch, or per 32 MiB of values); a value whose header or checksum does not match is a
+//! miss, counted. The same [`LowerTier`] seam as the kvtierd peers' tier, so the store does
+//! not know which it has.
 //!
 //! A standalone server is spoken to on sockets of our own (the `redis` crate parses the URL):
-//! every pipeline is written and its replies read within one deadline ([`Deadlined`]), so a
-//! server that trickles a reply (or reads a request slowly) costs a call its deadline, never
-//! a reader held for as long as it likes (the crate's connection sets a timeout per read
-//! only). Commands are framed here (RESP2 arrays of bulk strings) and a value is read
-//! straight into its block's slot, where the crate's pipelines copied it three times. A Redis
-//! Cluster goes through the crate's cluster connection (slot routing, redirections), with
-//! its timeout per read.
+//! every pipeline is written and its replies read within one deadline (`deadline::Deadlined`),
+//! so a server that trickles a reply (or reads a request slowly) costs a call its deadline,
+//! never a reader held for as long as it likes (the crate's connection sets a timeout per
+//! read only). Commands are framed here (RESP2 arrays of bulk strings); a GET's value is read
+//! straight into its block's slot and a SET's is sent from its slot a piece at a time, where
+//! the crate's pipelines copied each value three times (gets and puts 3.5 × faster, at a
+//! plain client's rate: bench/RESULTS.md). A Redis Cluster goes through the crate's cluster
+//! connection (slot routing, redirections), with its timeout per read.
 
 use std::fmt::Display;
 use std::io::{self, BufRead, BufReader, BufWriter, Read, Write};
