@@ -77,17 +77,22 @@ impl Write for Deadlined<'_> {
 /// name on a thread of its own, left behind if it is late (`getaddrinfo` takes no timeout,
 /// and waits out an unreachable DNS server for seconds a try).
 pub(crate) fn resolve(addr: &str, deadline: Instant) -> io::Result<SocketAddr> {
+    Ok(resolve_all(addr, deadline)?[0])
+}
+
+/// Every address `addr` names, in the resolver's order (never empty), by `deadline`.
+pub(crate) fn resolve_all(addr: &str, deadline: Instant) -> io::Result<Vec<SocketAddr>> {
     resolve_with(addr, deadline, |a| a.to_socket_addrs().map(|i| i.collect()))
 }
 
-/// [`resolve`] with `lookup` for the resolver.
+/// [`resolve_all`] with `lookup` for the resolver.
 pub(crate) fn resolve_with(
     addr: &str,
     deadline: Instant,
     lookup: impl FnOnce(&str) -> io::Result<Vec<SocketAddr>> + Send + 'static,
-) -> io::Result<SocketAddr> {
+) -> io::Result<Vec<SocketAddr>> {
     if let Ok(a) = addr.parse::<SocketAddr>() {
-        return Ok(a);
+        return Ok(vec![a]);
     }
     let left = remaining(deadline)?;
     let (tx, rx) = std::sync::mpsc::sync_channel(1);
@@ -111,10 +116,13 @@ pub(crate) fn resolve_with(
             )))
         }
     };
-    found
-        .into_iter()
-        .next()
-        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("{addr}: no address")))
+    if found.is_empty() {
+        return Err(io::Error::new(
+            io::ErrorKind::NotFound,
+            format!("{addr}: no address"),
+        ));
+    }
+    Ok(found)
 }
 
 pub(crate) fn remaining(deadline: Instant) -> io::Result<Duration> {

@@ -256,41 +256,109 @@ fn a_password_and_a_database_in_the_url_are_used() {
 
 /// A block whose slot no longer holds the bytes of its commit checksum (an engine wrote into
 /// it after its commit) is never stored: its SET is cut off before its last bytes, so Redis
-/// never runs it, and the block says `Corrupt`. A good block written alone is stored.
+/// never runs it, and the block says `Corrupt`. The good blocks of the same call are stored,
+/// and the cut-off counts no failure against Redis.
 #[test]
 fn a_slot_changed_after_its_commit_is_never_stored() {
     let Some(r) = redis() else { return };
     let (_, t) = store(r.1);
     t.note_namespace(0, ns().fingerprint()).unwrap();
-    let keys = ns().token_keys(&[8; 16 * 2], &[]);
+    let keys = ns().token_keys(&[8; 16 * 3], &[]);
     // Three pieces of the value and a part, so the check comes after most of it was sent.
     let len = (3 << 20) + 4096;
-    let mut good = kvstore::AlignedBuf::new(len).unwrap();
-    good.fill_pattern(1);
-    let mut bad = kvstore::AlignedBuf::new(len).unwrap();
-    bad.fill_pattern(2);
-    let sum = kvstore::checksum(&good);
-    let item = |k: kvstore::BlockKey, b: &mut kvstore::AlignedBuf| kvstore::WriteItem {
-        key: k,
-        ns: 0,
-        // SAFETY: the buffer outlives the call and nothing else touches it meanwhile.
-        buf: unsafe { kvstore::io::IoBuf::from_raw(b.as_mut_ptr(), len) },
-        len: len as u32,
-        // The bad buffer's bytes are not the ones this checksum was taken of.
-        checksum: sum,
-    };
-    let out = t.write(vec![item(keys[1], &mut bad)], &|_| true);
-    assert_eq!(out, vec![kvstore::WriteOutcome::Corrupt]);
+    let mut bufs: Vec<kvstore::AlignedBuf> = (0..3)
+        .map(|i| {
+            let mut b = kvstore::AlignedBuf::new(len).unwrap();
+            b.fill_pattern(i);
+            b
+        })
+        .collect();
+    let sums: Vec<u64> = bufs.iter().map(|b| kvstore::checksum(b)).collect();
+    // The middle block's bytes changed after its checksum was taken.
+    bufs[1][12345] ^= 0xFF;
+    let items = bufs
+        .iter_mut()
+        .zip(&sums)
+        .zip(&keys)
+        .map(|((b, &sum), &k)| kvstore::WriteItem {
+            key: k,
+            ns: 0,
+            // SAFETY: the buffer outlives the call and nothing else touches it meanwhile.
+            buf: unsafe { kvstore::io::IoBuf::from_raw(b.as_mut_ptr(), len) },
+            len: len as u32,
+            checksum: sum,
+        })
+        .collect();
+    use kvstore::WriteOutcome::{Corrupt, Written};
+    assert_eq!(t.write(items, &|_| true), vec![Written, Corrupt, Written]);
     let exists = |k: &kvstore::BlockKey| raw(r.1, &["EXISTS", &format!("kvtier:{k}")]);
     assert_eq!(exists(&keys[1]), "0", "a changed slot was stored");
-    let out = t.write(vec![item(keys[0], &mut good)], &|_| true);
-    assert_eq!(out, vec![kvstore::WriteOutcome::Written]);
-    assert_eq!(exists(&keys[0]), "1");
-    // The next call runs on a sound connection, and the good block reads back whole.
+    assert_eq!(
+        (exists(&keys[0]), exists(&keys[2])),
+        ("1".into(), "1".into())
+    );
+    assert_eq!(t.stats().write_errors, 0, "{:?}", t.stats());
+    // The good blocks read back whole.
     let (b, _) = store(r.1);
-    let l = b.load(&keys[..1]).unwrap();
-    assert_eq!(l.len(), 1);
-    assert!(l.block(0) == &good[..]);
+    for i in [0, 2] {
+        let l = b.load(&keys[i..=i]).unwrap();
+        assert_eq!(l.len(), 1);
+        assert!(l.block(0) == &bufs[i][..]);
+    }
+}
+
+/// An error reply among a read's replies (a key holding a list: WRONGTYPE) ends the call:
+/// the blocks verified before it stay hits, the rest are misses, the error is counted, and
+/// the next call runs on a sound connection. The server is named `localhost`, which may
+/// resolve to `::1` first while Redis listens on 127.0.0.1 only: every address is tried.
+#[test]
+fn an_error_reply_mid_read_keeps_the_hits_before_it() {
+    let Some(r) = redis() else { return };
+    let (a, _) = store(r.1);
+    let id = a.register_namespace(&ns()).unwrap();
+    let keys = ns().token_keys(&[9; 16 * 3], &[]);
+    let data: Vec<Vec<u8>> = (0..3u8).map(|i| vec![i + 1; 50_000]).collect();
+    for (k, d) in keys.iter().zip(&data) {
+        a.put(id, *k, d).unwrap();
+    }
+    let until = Instant::now() + Duration::from_secs(60);
+    while a.stats().pushes < 3 {
+        assert!(Instant::now() < until, "not pushed: {:?}", a.stats());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let name = format!("kvtier:{}", keys[1]);
+    assert_eq!(raw(r.1, &["DEL", &name]), "1");
+    assert_eq!(raw(r.1, &["RPUSH", &name, "x"]), "1");
+    let (_, t) = store_url(&format!("redis://localhost:{}/", r.1));
+    let mut bufs: Vec<kvstore::AlignedBuf> = (0..3)
+        .map(|_| kvstore::AlignedBuf::new(64 << 10).unwrap())
+        .collect();
+    let read = |bufs: &mut [kvstore::AlignedBuf], which: &[usize]| {
+        let items = which
+            .iter()
+            .map(|&i| kvstore::ReadItem {
+                key: keys[i],
+                // SAFETY: the buffer outlives the call; each item has its own.
+                buf: unsafe { kvstore::io::IoBuf::from_raw(bufs[i].as_mut_ptr(), 64 << 10) },
+            })
+            .collect();
+        t.read(items)
+    };
+    let out = read(&mut bufs, &[0, 1, 2]);
+    assert!(matches!(out[0], kvstore::ReadOutcome::Hit(_)), "{out:?}");
+    assert!(
+        matches!(
+            out[1..],
+            [kvstore::ReadOutcome::Miss, kvstore::ReadOutcome::Miss]
+        ),
+        "{out:?}"
+    );
+    assert_eq!(&bufs[0][..50_000], &data[0][..]);
+    assert_eq!(t.stats().read_errors, 1, "{:?}", t.stats());
+    let out = read(&mut bufs, &[2]);
+    assert!(matches!(out[..], [kvstore::ReadOutcome::Hit(_)]), "{out:?}");
+    assert_eq!(&bufs[2][..50_000], &data[2][..]);
+    assert_eq!(t.stats().checksum_failures, 0);
 }
 
 /// A Redis that answers a few bytes at a time costs a read its deadline: the read ends as a
