@@ -13,8 +13,8 @@
 //! connection sets a timeout per read only). Commands are framed here (RESP2 arrays of bulk
 //! strings); a GET's value is read straight into its block's slot and a SET's is sent from
 //! its slot a piece at a time, where the crate's pipelines copied each value three times
-//! (2 MiB puts and gets 3.5 × faster, 16 MiB puts 3.6 × and gets 1.6 ×, each at a plain
-//! client's rate: bench/RESULTS.md). A Redis Cluster goes through the crate's cluster
+//! (puts 3.3–4 × faster, gets 4.1 × at 2 MiB and 1.7 × at 16 MiB, each at a plain client's
+//! rate: bench/RESULTS.md). A Redis Cluster goes through the crate's cluster
 //! connection (slot routing, redirections), with its timeout per read.
 
 use std::fmt::Display;

@@ -119,6 +119,20 @@ fn store_url(url: &str) -> (Store, Arc<RedisTier>) {
     (s, t)
 }
 
+/// Puts `data` under `keys` into `s` and waits until every block was pushed to Redis (a push
+/// that timed out is tried again 1, 4 and 16 s later).
+fn put_pushed(s: &Store, id: kvstore::NsId, keys: &[kvstore::BlockKey], data: &[Vec<u8>]) {
+    let before = s.stats().pushes;
+    for (k, d) in keys.iter().zip(data) {
+        s.put(id, *k, d).unwrap();
+    }
+    let until = Instant::now() + Duration::from_secs(60);
+    while s.stats().pushes < before + data.len() as u64 {
+        assert!(Instant::now() < until, "not pushed: {:?}", s.stats());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 fn raw(port: u16, args: &[&str]) -> String {
     let out = Command::new("redis-cli")
         .args(["-p", &port.to_string()])
@@ -138,15 +152,7 @@ fn two_stores_share_a_prefix_through_redis_and_damage_is_a_miss() {
     let data: Vec<Vec<u8>> = (0..6)
         .map(|i| vec![i as u8 + 1; 70_000 + i * 100])
         .collect();
-    for (k, d) in keys.iter().zip(&data) {
-        a.put(id, *k, d).unwrap();
-    }
-    // (A push that timed out is tried again 1, 4 and 16 s later.)
-    let until = Instant::now() + Duration::from_secs(60);
-    while a.stats().pushes < 6 {
-        assert!(Instant::now() < until, "not pushed: {:?}", a.stats());
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    put_pushed(&a, id, &keys, &data);
     let m = b.match_prefix(&keys);
     assert_eq!(m.n, 6);
     assert!(m.tiers.iter().all(|t| *t == Tier::Remote));
@@ -215,12 +221,7 @@ fn a_password_and_a_database_in_the_url_are_used() {
     let (a, _) = store_url(&format!("redis://default:s3cret@127.0.0.1:{}/3", r.1));
     let id = a.register_namespace(&ns()).unwrap();
     let keys = ns().token_keys(&[6; 16], &[]);
-    a.put(id, keys[0], &[7u8; 3000]).unwrap();
-    let until = Instant::now() + Duration::from_secs(60);
-    while a.stats().pushes < 1 {
-        assert!(Instant::now() < until, "not pushed: {:?}", a.stats());
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    put_pushed(&a, id, &keys, &[vec![7u8; 3000]]);
     let name = format!("kvtier:{}", keys[0]);
     let in_db = |db: &str| {
         raw(
@@ -318,14 +319,7 @@ fn an_error_reply_mid_read_keeps_the_hits_before_it() {
     let id = a.register_namespace(&ns()).unwrap();
     let keys = ns().token_keys(&[9; 16 * 3], &[]);
     let data: Vec<Vec<u8>> = (0..3u8).map(|i| vec![i + 1; 50_000]).collect();
-    for (k, d) in keys.iter().zip(&data) {
-        a.put(id, *k, d).unwrap();
-    }
-    let until = Instant::now() + Duration::from_secs(60);
-    while a.stats().pushes < 3 {
-        assert!(Instant::now() < until, "not pushed: {:?}", a.stats());
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    put_pushed(&a, id, &keys, &data);
     let name = format!("kvtier:{}", keys[1]);
     assert_eq!(raw(r.1, &["DEL", &name]), "1");
     assert_eq!(raw(r.1, &["RPUSH", &name, "x"]), "1");
@@ -378,14 +372,7 @@ fn a_redis_that_trickles_its_replies_costs_a_miss_by_the_deadline() {
                 .collect()
         })
         .collect();
-    for (k, d) in keys.iter().zip(&data) {
-        a.put(id, *k, d).unwrap();
-    }
-    let until = Instant::now() + Duration::from_secs(60);
-    while a.stats().pushes < 2 {
-        assert!(Instant::now() < until, "not pushed: {:?}", a.stats());
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    put_pushed(&a, id, &keys, &data);
     let proxy = Proxy::start(format!("127.0.0.1:{}", r.1));
     let (b, bt) = store_at(&proxy.addr);
     let b = Arc::new(b);
