@@ -73,14 +73,10 @@ impl Write for Deadlined<'_> {
     }
 }
 
-/// The first address `addr` (`host:port`) names, by `deadline`: an IP address at once; a host
-/// name on a thread of its own, left behind if it is late (`getaddrinfo` takes no timeout,
-/// and waits out an unreachable DNS server for seconds a try).
-pub(crate) fn resolve(addr: &str, deadline: Instant) -> io::Result<SocketAddr> {
-    Ok(resolve_all(addr, deadline)?[0])
-}
-
-/// Every address `addr` names, in the resolver's order (never empty), by `deadline`.
+/// Every address `addr` (`host:port`) names, in the resolver's order (never empty), by
+/// `deadline`: an IP address at once; a host name on a thread of its own, left behind if it
+/// is late (`getaddrinfo` takes no timeout, and waits out an unreachable DNS server for
+/// seconds a try).
 pub(crate) fn resolve_all(addr: &str, deadline: Instant) -> io::Result<Vec<SocketAddr>> {
     resolve_with(addr, deadline, |a| a.to_socket_addrs().map(|i| i.collect()))
 }
@@ -123,6 +119,19 @@ pub(crate) fn resolve_with(
         ));
     }
     Ok(found)
+}
+
+/// A connection to the first of `addrs` that takes one, in order (`localhost` may resolve to
+/// `::1` first while the server listens on 127.0.0.1 only), by `deadline`.
+pub(crate) fn connect_any(addrs: &[SocketAddr], deadline: Instant) -> io::Result<TcpStream> {
+    let mut last = io::Error::new(io::ErrorKind::NotFound, "no address");
+    for a in addrs {
+        match TcpStream::connect_timeout(a, remaining(deadline)?) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
 }
 
 pub(crate) fn remaining(deadline: Instant) -> io::Result<Duration> {
@@ -168,11 +177,26 @@ mod tests {
     }
 
     #[test]
+    fn every_address_is_tried_in_order() {
+        let good = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        // A port nobody listens on any more: refused.
+        let closed = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let s = connect_any(&[closed, good.local_addr().unwrap()], deadline).unwrap();
+        assert_eq!(s.peer_addr().unwrap(), good.local_addr().unwrap());
+        let e = connect_any(&[closed], deadline).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused, "{e}");
+    }
+
+    #[test]
     fn names_and_addresses_resolve() {
         let deadline = Instant::now() + Duration::from_secs(30);
-        let a = resolve("127.0.0.1:7070", deadline).unwrap();
+        let a = resolve_all("127.0.0.1:7070", deadline).unwrap()[0];
         assert_eq!(a, "127.0.0.1:7070".parse().unwrap());
-        let a = resolve("localhost:7070", deadline).unwrap();
+        let a = resolve_all("localhost:7070", deadline).unwrap()[0];
         assert!(a.ip().is_loopback() && a.port() == 7070, "{a}");
         let e = resolve_with("nowhere:1", deadline, |_| Ok(Vec::new())).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::NotFound, "{e}");

@@ -19,7 +19,7 @@
 
 use std::fmt::Display;
 use std::io::{self, BufRead, BufReader, BufWriter, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::TcpStream;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
@@ -29,7 +29,7 @@ use kvstore::{
 };
 use parking_lot::Mutex;
 
-use crate::deadline::{remaining, resolve_all, Deadlined};
+use crate::deadline::{connect_any, resolve_all, Deadlined};
 
 const MAGIC: &[u8; 4] = b"KVT1";
 const HEADER: usize = 32;
@@ -122,19 +122,6 @@ fn frame(w: &mut dyn Write, parts: &[&[u8]]) -> io::Result<()> {
         w.write_all(b"\r\n")?;
     }
     Ok(())
-}
-
-/// A connection to the first of `addrs` that takes one, in order (`localhost` may resolve to
-/// `::1` first while Redis listens on 127.0.0.1 only), by `deadline`.
-fn connect_any(addrs: &[SocketAddr], deadline: Instant) -> io::Result<TcpStream> {
-    let mut last = io::Error::new(io::ErrorKind::NotFound, "no address");
-    for a in addrs {
-        match TcpStream::connect_timeout(a, remaining(deadline)?) {
-            Ok(s) => return Ok(s),
-            Err(e) => last = e,
-        }
-    }
-    Err(last)
 }
 
 /// What a caller does with each reply of a pipeline: its index, how it starts, and a reader
@@ -800,21 +787,6 @@ mod tests {
         let mut long = vec![b'+'; 10_000];
         long.extend_from_slice(b"\r\n");
         assert!(head(&long).is_err());
-    }
-
-    #[test]
-    fn every_address_is_tried_in_order() {
-        let good = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        // A port nobody listens on any more: refused.
-        let closed = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let s = connect_any(&[closed, good.local_addr().unwrap()], deadline).unwrap();
-        assert_eq!(s.peer_addr().unwrap(), good.local_addr().unwrap());
-        let e = connect_any(&[closed], deadline).unwrap_err();
-        assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused, "{e}");
     }
 
     #[test]

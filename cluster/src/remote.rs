@@ -31,7 +31,7 @@ use kvtier_proto::cluster::{request::Op, Auth, AuthReply, Block, Hello, Reply, R
 use kvtier_proto::CLUSTER_VERSION;
 use parking_lot::{Mutex, RwLock};
 
-use crate::deadline::{remaining, resolve, Deadlined};
+use crate::deadline::{connect_any, remaining, resolve_all, Deadlined};
 use crate::placement::{Member, Placement};
 use crate::wire::{self, PutOutcome};
 
@@ -922,8 +922,7 @@ fn probe(peer: &Peer, secret: &str, me: &str, deadline: Instant) {
 
 /// A new connection to `addr`, set up and authenticated as `me` by `deadline`.
 fn connect_to(addr: &str, secret: &str, me: &str, deadline: Instant) -> io::Result<TcpStream> {
-    let sock = resolve(addr, deadline)?;
-    let s = TcpStream::connect_timeout(&sock, remaining(deadline)?)?;
+    let s = connect_any(&resolve_all(addr, deadline)?, deadline)?;
     s.set_nodelay(true)?;
     wire::keepalive(&s)?;
     // Every frame of the handshake, both ways, by the deadline.
