@@ -126,11 +126,9 @@ fn put_pushed(s: &Store, id: kvstore::NsId, keys: &[kvstore::BlockKey], data: &[
     for (k, d) in keys.iter().zip(data) {
         s.put(id, *k, d).unwrap();
     }
-    let until = Instant::now() + Duration::from_secs(60);
-    while s.stats().pushes < before + data.len() as u64 {
-        assert!(Instant::now() < until, "not pushed: {:?}", s.stats());
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_until("the blocks pushed to Redis", 60, || {
+        s.stats().pushes >= before + data.len() as u64
+    });
 }
 
 fn raw(port: u16, args: &[&str]) -> String {
