@@ -6,7 +6,8 @@
 //! Why not `hashbrown` (what it replaced): three things a 10 M-block node needs.
 //! - **Memory.** The capacity is not a power of two: the table grows by a seventh when 90%
 //!   full, so it runs between 78% and 90% full (hashbrown: 44–88%, plus a control byte a
-//!   bucket).
+//!   bucket). Only small tables, whose memory does not matter, run at most half full
+//!   ([`SPARSE_BELOW`]).
 //!   Robin Hood keeps probes short at that load, a miss included (a probe stops at the first
 //!   bucket whose key sits closer to its home than the probe has come).
 //! - **Prefetching.** A key's home bucket is a function of its hash and the table's size, which
@@ -51,6 +52,14 @@ const MAX_LOAD: (usize, usize) = (9, 10);
 /// The moves are a shard's alone, under its lock, and a store at its size stops growing.
 const GROWTH: (usize, usize) = (8, 7);
 const MIN_CAPACITY: usize = 16;
+/// A table under this many buckets (24 KiB) grows at half full instead, to twice its size.
+/// So a shard of up to 512 keys (32,768 blocks over 64 shards) is at most half full, at a
+/// cost of at most 24 KiB a shard (1.5 MiB for 64), where nothing else of the metadata
+/// weighs; from 922 keys on it is 78–90% full again, and large stores' metadata is
+/// unchanged. Half full, a key is nearly always in its home bucket or the next, and the
+/// probe's exit, a branch on data, is predicted: `match_prefix chain 1000` ran 30% faster
+/// than at 78–90% full, and `chain 4000` 50% (Zen 5).
+const SPARSE_BELOW: usize = 1024;
 /// Buckets a probe compares keys in before it checks whether it can stop early.
 const CHEAP_PROBES: usize = 4;
 
@@ -625,7 +634,13 @@ impl Table {
             return Some(old);
         }
         self.write(|t| {
-            if (t.len + 1) * MAX_LOAD.1 > t.cells().len() * MAX_LOAD.0 {
+            let cap = t.cells().len();
+            let full = if cap < SPARSE_BELOW {
+                (t.len + 1) * 2 > cap
+            } else {
+                (t.len + 1) * MAX_LOAD.1 > cap * MAX_LOAD.0
+            };
+            if full {
                 t.grow();
             }
             place(t.cells(), h, Bucket { key, e });
@@ -635,7 +650,12 @@ impl Table {
     }
 
     fn grow(&mut self) {
-        let cap = (self.cells().len() * GROWTH.0 / GROWTH.1).max(MIN_CAPACITY);
+        let old = self.cells().len();
+        let cap = if old < SPARSE_BELOW {
+            (old * 2).max(MIN_CAPACITY)
+        } else {
+            old * GROWTH.0 / GROWTH.1
+        };
         let new = Cells::new(cap);
         for c in self.cells().iter().filter(|c| !c.is_empty()) {
             let b = c.load();
@@ -833,6 +853,24 @@ mod tests {
             assert_eq!(t.get(&MapKey([i, !i])).map(|e| e.idx), Some(i as u32));
         }
         assert!(t.get(&MapKey([1, 1])).is_none());
+    }
+
+    #[test]
+    fn small_tables_run_at_most_half_full() {
+        let mut t = Table::default();
+        let mut caps = vec![];
+        for i in 0..SPARSE_BELOW as u64 {
+            t.insert(MapKey([i, !i]), entry(i as u32));
+            let load = t.len() as f64 / t.capacity() as f64;
+            if t.capacity() < SPARSE_BELOW {
+                assert!(load <= 0.5, "load {load} at {} keys", t.len());
+            }
+            if caps.last() != Some(&t.capacity()) {
+                caps.push(t.capacity());
+            }
+        }
+        // Doubling from the first 16 buckets to SPARSE_BELOW, then by 8/7 at 90% full.
+        assert_eq!(caps, [16, 32, 64, 128, 256, 512, 1024, 1170]);
     }
 
     #[test]
