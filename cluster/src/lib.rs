@@ -18,6 +18,7 @@ pub mod handoff;
 pub mod membership;
 mod nsmap;
 pub mod placement;
+mod redis_slots;
 pub mod redis_tier;
 pub mod remote;
 pub mod server;

@@ -398,57 +398,144 @@ fn a_redis_that_trickles_its_replies_costs_a_miss_by_the_deadline() {
     });
 }
 
-#[test]
-fn a_redis_cluster_works_the_same() {
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A Redis Cluster of three masters on loopback, slots 0–5460 on node 0 (as `redis-cli
+/// --cluster create` deals them).
+struct RedisCluster {
+    nodes: Vec<Redis>,
+    dir: std::path::PathBuf,
+}
+
+impl Drop for RedisCluster {
+    fn drop(&mut self) {
+        self.nodes.clear();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl RedisCluster {
+    /// Its nodes' `host:port`s.
+    fn addrs(&self) -> Vec<String> {
+        self.nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.1))
+            .collect()
+    }
+
+    /// A store whose remote tier is this cluster (its nodes' URLs as seeds), with deadlines
+    /// of `timeout`.
+    fn store(&self, timeout: Duration) -> (Store, Arc<RedisTier>) {
+        let t = Arc::new(
+            RedisTier::new(RedisConfig {
+                urls: self
+                    .addrs()
+                    .iter()
+                    .map(|a| format!("redis://{a}/"))
+                    .collect(),
+                cluster: true,
+                prefix: "kvtier:".into(),
+                ttl_s: 0,
+                timeout,
+            })
+            .unwrap(),
+        );
+        let s = StoreConfig {
+            capacity_bytes: 32 << 20,
+            segment_bytes: 16 << 20,
+            remote: Some(kvstore::SharedTier(t.clone())),
+            ..Default::default()
+        }
+        .build()
+        .unwrap();
+        s.register_namespace(&ns()).unwrap();
+        (s, t)
+    }
+
+    /// The port of the master holding `key`'s block.
+    fn owner(&self, key: &kvstore::BlockKey) -> u16 {
+        let name = format!("kvtier:{key}");
+        let held: Vec<u16> = self
+            .nodes
+            .iter()
+            .map(|n| n.1)
+            .filter(|&p| raw(p, &["EXISTS", &name]) == "1")
+            .collect();
+        assert_eq!(held.len(), 1, "{name} held by {held:?}");
+        held[0]
+    }
+}
+
+/// A Redis Cluster of three masters; node `i` announces the port `announce(i, port)` names
+/// (a proxy's in front of it) where that is `Some`. `None` when Redis is not installed.
+fn redis_cluster(announce: impl Fn(usize, u16) -> Option<u16>) -> Option<RedisCluster> {
     if Command::new("redis-server")
         .arg("--version")
         .output()
         .is_err()
     {
         missing("redis-server", "KVTIER_REQUIRE_REDIS");
-        return;
+        return None;
     }
-    let dir = std::env::temp_dir().join(format!("kvtier-redis-cluster-{}", std::process::id()));
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "kvtier-redis-cluster-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
     let _ = std::fs::remove_dir_all(&dir);
-    let mut nodes = Vec::new();
+    let mut c = RedisCluster {
+        nodes: Vec::new(),
+        dir: dir.clone(),
+    };
     for i in 0..3 {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        // The bus on a port of its own (port + 10,000 can be past 65,535).
+        let (port, bus) = (free_port(), free_port());
         let d = dir.join(i.to_string());
         std::fs::create_dir_all(&d).unwrap();
-        let c = Command::new("redis-server")
+        let mut args: Vec<String> = [
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            &port.to_string(),
+            "--cluster-port",
+            &bus.to_string(),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--cluster-enabled",
+            "yes",
+        ]
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
+        if let Some(p) = announce(i, port) {
+            args.extend(["--cluster-announce-port".into(), p.to_string()]);
+            args.extend(["--cluster-announce-bus-port".into(), bus.to_string()]);
+        }
+        let child = Command::new("redis-server")
             .current_dir(&d)
-            .args([
-                "--bind",
-                "127.0.0.1",
-                "--port",
-                &port.to_string(),
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--cluster-enabled",
-                "yes",
-            ])
+            .args(&args)
             .stdout(Stdio::null())
             .spawn()
             .unwrap();
-        nodes.push(Redis(c, port));
+        c.nodes.push(Redis(child, port));
     }
-    for n in &nodes {
-        let until = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", n.1)).is_err() {
-            assert!(Instant::now() < until);
-            std::thread::sleep(Duration::from_millis(20));
-        }
+    for n in &c.nodes {
+        wait_until("a cluster node listens", 10, || {
+            std::net::TcpStream::connect(("127.0.0.1", n.1)).is_ok()
+        });
     }
-    let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.1)).collect();
     let out = Command::new("redis-cli")
         .args(["--cluster", "create"])
-        .args(&addrs)
+        .args(c.addrs())
         .args(["--cluster-replicas", "0", "--cluster-yes"])
         .output()
         .unwrap();
@@ -457,51 +544,192 @@ fn a_redis_cluster_works_the_same() {
         "{}",
         String::from_utf8_lossy(&out.stdout)
     );
-    let until = Instant::now() + Duration::from_secs(20);
-    while !raw(nodes[0].1, &["CLUSTER", "INFO"]).contains("cluster_state:ok") {
-        assert!(Instant::now() < until, "cluster not ok");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let mk = || {
-        let t = Arc::new(
-            RedisTier::new(RedisConfig {
-                urls: addrs.iter().map(|a| format!("redis://{a}/")).collect(),
-                cluster: true,
-                prefix: "kvtier:".into(),
-                ttl_s: 0,
-                timeout: Duration::from_secs(2),
-            })
-            .unwrap(),
-        );
-        let s = StoreConfig {
-            capacity_bytes: 32 << 20,
-            segment_bytes: 16 << 20,
-            remote: Some(kvstore::SharedTier(t)),
-            ..Default::default()
+    wait_until("the cluster is ok", 20, || {
+        c.nodes
+            .iter()
+            .all(|n| raw(n.1, &["CLUSTER", "INFO"]).contains("cluster_state:ok"))
+    });
+    // Every node names the announced ports in its slot table.
+    for i in 0..3 {
+        if let Some(p) = announce(i, c.nodes[i].1) {
+            wait_until("the announced port is known", 20, || {
+                c.nodes
+                    .iter()
+                    .all(|n| raw(n.1, &["CLUSTER", "SLOTS"]).contains(&p.to_string()))
+            });
         }
-        .build()
-        .unwrap();
-        s.register_namespace(&ns()).unwrap();
-        s
+    }
+    Some(c)
+}
+
+#[test]
+fn a_redis_cluster_works_the_same() {
+    let Some(c) = redis_cluster(|_, _| None) else {
+        return;
     };
-    let (a, b) = (mk(), mk());
+    let (a, _) = c.store(Duration::from_secs(2));
+    let (b, bt) = c.store(Duration::from_secs(2));
     let id = a.register_namespace(&ns()).unwrap();
     let keys = ns().token_keys(&[4; 16 * 12], &[]);
-    for (i, k) in keys.iter().enumerate() {
-        a.put(id, *k, &vec![i as u8; 9000]).unwrap();
-    }
-    // (A push that timed out is tried again 1, 4 and 16 s later.)
-    let until = Instant::now() + Duration::from_secs(60);
-    while a.stats().pushes < 12 {
-        assert!(Instant::now() < until, "not pushed: {:?}", a.stats().tiers);
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let data: Vec<Vec<u8>> = (0..12).map(|i| vec![i as u8; 9000]).collect();
+    put_pushed(&a, id, &keys, &data);
+    // The blocks landed on every master (routed by slot, not all to one node).
+    let owners: std::collections::BTreeSet<u16> = keys.iter().map(|k| c.owner(k)).collect();
+    assert_eq!(owners.len(), 3, "12 blocks on {owners:?}");
     let l = b.load(&keys).unwrap();
     assert_eq!(l.len(), 12);
-    for i in 0..12 {
-        assert_eq!(l.block(i), &vec![i as u8; 9000][..]);
+    for (i, d) in data.iter().enumerate() {
+        assert_eq!(l.block(i), &d[..]);
     }
+    assert_eq!(bt.stats().read_errors, 0);
+}
+
+/// A master that trickles its replies costs the blocks it serves a miss by the deadline; the
+/// other masters' blocks load, and once it is at speed again, so do its. (Through the
+/// `redis` crate's cluster connection, whose timeout bounds each socket read only, the read
+/// ran on for as long as the trickle lasted, and then succeeded.)
+#[test]
+fn a_cluster_master_that_trickles_costs_its_blocks_a_miss_by_the_deadline() {
+    // Node 0 announces a proxy's port: the tier reaches it only through the proxy.
+    let proxy = std::sync::OnceLock::new();
+    let Some(c) = redis_cluster(|i, port| {
+        (i == 0).then(|| {
+            let p = proxy.get_or_init(|| Proxy::start(format!("127.0.0.1:{port}")));
+            p.addr.rsplit_once(':').unwrap().1.parse().unwrap()
+        })
+    }) else {
+        return;
+    };
+    let proxy = proxy.get().unwrap();
+    let (a, _) = c.store(Duration::from_millis(800));
+    let id = a.register_namespace(&ns()).unwrap();
+    let keys = ns().token_keys(&[6; 16 * 12], &[]);
+    let data: Vec<Vec<u8>> = (0..12usize)
+        .map(|i| {
+            (0..100_000usize)
+                .map(|j| (j ^ (i * 7 + j / 251)) as u8)
+                .collect()
+        })
+        .collect();
+    put_pushed(&a, id, &keys, &data);
+    let slow: Vec<bool> = keys.iter().map(|k| c.owner(k) == c.nodes[0].1).collect();
+    assert!(
+        slow.iter().any(|&s| s) && slow.iter().any(|&s| !s),
+        "no block on node 0, or all: {slow:?}"
+    );
+    let (b, bt) = c.store(Duration::from_millis(800));
+    let b = Arc::new(b);
+    // 256 bytes per 20 ms (12.8 KB/s): headers at once, a block of 100 KB in 8 s.
+    proxy.set(Fault::Trickle {
+        bytes: 256,
+        every: Duration::from_millis(20),
+    });
+    for (i, k) in keys.iter().enumerate() {
+        let l = answered("a load from a cluster", Duration::from_secs(30), {
+            let (b, k) = (b.clone(), *k);
+            move || {
+                let l = b.load(&[k]).unwrap();
+                (l.len() == 1).then(|| l.block(0).to_vec())
+            }
+        });
+        match (slow[i], l) {
+            (true, None) => assert!(!b.in_host(k), "part of a block was kept"),
+            (false, Some(got)) => assert!(got == data[i], "block {i} differs"),
+            (true, Some(_)) => panic!("block {i} came whole through a trickle by the deadline"),
+            (false, None) => panic!("block {i}, on a master at speed, missed"),
+        }
+    }
+    wait_until("the trickled reads end as errors", 30, || {
+        bt.stats().read_errors > 0
+    });
+    assert_eq!(bt.stats().checksum_failures, 0);
+    // At speed again: the slow master's blocks load whole.
+    proxy.set(Fault::None);
+    let i = slow.iter().position(|&s| s).unwrap();
+    wait_until("the master serves at speed again", 60, || {
+        let l = b.load(&keys[i..=i]).unwrap();
+        l.len() == 1 && l.block(0) == &data[i][..]
+    });
+}
+
+/// Blocks whose slot is migrating (`ASK`) or has moved (`MOVED`) since a store read the slot
+/// table are followed to their new master, within the call.
+#[test]
+fn a_cluster_slot_migrating_or_moved_is_followed() {
+    let Some(c) = redis_cluster(|_, _| None) else {
+        return;
+    };
+    let (a, _) = c.store(Duration::from_secs(2));
+    let id = a.register_namespace(&ns()).unwrap();
+    let keys = ns().token_keys(&[8; 16 * 12], &[]);
+    let data: Vec<Vec<u8>> = (0..12).map(|i| vec![i as u8 + 1; 9000]).collect();
+    put_pushed(&a, id, &keys, &data);
+    let (b, bt) = c.store(Duration::from_secs(2));
+    // `b` reads the slot table with its first call.
+    assert_eq!(b.load(&keys[..1]).unwrap().len(), 1);
+    let slot_of = |k: &kvstore::BlockKey| {
+        raw(
+            c.nodes[0].1,
+            &["CLUSTER", "KEYSLOT", &format!("kvtier:{k}")],
+        )
+    };
+    let (ask, moved) = (3, 7);
+    assert_ne!(
+        slot_of(&keys[ask]),
+        slot_of(&keys[moved]),
+        "pick other keys"
+    );
+    let id_of = |port: u16| raw(port, &["CLUSTER", "MYID"]);
+    // Moves key `i`'s slot (and the key) to another master; `finish`: the move is settled
+    // on every node (else the slot is left migrating).
+    let migrate = |i: usize, finish: bool| {
+        let (name, slot) = (format!("kvtier:{}", keys[i]), slot_of(&keys[i]));
+        let src = c.owner(&keys[i]);
+        let dst = c.nodes.iter().map(|n| n.1).find(|&p| p != src).unwrap();
+        let (sid, did) = (id_of(src), id_of(dst));
+        assert_eq!(
+            raw(dst, &["CLUSTER", "SETSLOT", &slot, "IMPORTING", &sid]),
+            "OK"
+        );
+        assert_eq!(
+            raw(src, &["CLUSTER", "SETSLOT", &slot, "MIGRATING", &did]),
+            "OK"
+        );
+        let dst_port = dst.to_string();
+        let m = [
+            "MIGRATE",
+            "127.0.0.1",
+            &dst_port,
+            "",
+            "0",
+            "5000",
+            "KEYS",
+            &name,
+        ];
+        assert_eq!(raw(src, &m), "OK");
+        if finish {
+            for n in &c.nodes {
+                assert_eq!(raw(n.1, &["CLUSTER", "SETSLOT", &slot, "NODE", &did]), "OK");
+            }
+        }
+    };
+    // Migrating: the old master answers ASK for the key it no longer has.
+    migrate(ask, false);
+    let l = b.load(&keys[ask..=ask]).unwrap();
+    assert_eq!(l.len(), 1, "a block in a migrating slot missed");
+    assert_eq!(l.block(0), &data[ask][..]);
     drop(l);
-    drop(nodes);
-    let _ = std::fs::remove_dir_all(&dir);
+    // Moved: the old master answers MOVED.
+    migrate(moved, true);
+    let l = b.load(&keys[moved..=moved]).unwrap();
+    assert_eq!(l.len(), 1, "a block in a moved slot missed");
+    assert_eq!(l.block(0), &data[moved][..]);
+    drop(l);
+    assert_eq!(bt.stats().read_errors, 0);
+    // A store that read the table before the move writes to the new master too.
+    let more = ns().token_keys(&[9; 16 * 12], &[]);
+    let more_data: Vec<Vec<u8>> = (0..12).map(|i| vec![i as u8 + 100; 9000]).collect();
+    put_pushed(&a, id, &more, &more_data);
+    let l = b.load(&more).unwrap();
+    assert_eq!(l.len(), 12);
 }
