@@ -131,15 +131,21 @@ impl SlotTable {
             if a > b || b >= SLOTS {
                 return Err(bad(format!("slots {a}..{b}")));
             }
-            let (Some(Resp::Bulk(ip)), Some(Resp::Int(port))) = (master.first(), master.get(1))
-            else {
-                return Err(bad("a CLUSTER SLOTS master without its address"));
+            // An endpoint that is empty or null (`cluster-preferred-endpoint-type
+            // unknown-endpoint`) is the node asked's; `?` (a hostname preferred, none set) is
+            // no address at all.
+            let ip = match (master.first(), master.get(1)) {
+                (Some(Resp::Bulk(ip)), Some(Resp::Int(_))) if ip.as_slice() == b"?" => {
+                    return Err(bad("a CLUSTER SLOTS master with no known address (\"?\")"));
+                }
+                (Some(Resp::Bulk(ip)), Some(Resp::Int(_))) if !ip.is_empty() => {
+                    String::from_utf8_lossy(ip).into_owned()
+                }
+                (Some(Resp::Bulk(_) | Resp::Nil), Some(Resp::Int(_))) => host.to_string(),
+                _ => return Err(bad("a CLUSTER SLOTS master without its address")),
             };
-            let ip = String::from_utf8_lossy(ip);
-            let ip = if ip.is_empty() || ip == "?" {
-                host.to_string()
-            } else {
-                ip.into_owned()
+            let Some(Resp::Int(port)) = master.get(1) else {
+                unreachable!("matched above");
             };
             let port = u16::try_from(*port).map_err(|_| bad(format!("port {port}")))?;
             let addr = if ip.contains(':') {
@@ -227,7 +233,8 @@ fn read_resp(rd: &mut impl BufRead, depth: usize, budget: &mut usize) -> io::Res
             if n > *budget / 3 {
                 return Err(bad("a CLUSTER SLOTS reply too large"));
             }
-            let mut v = Vec::with_capacity(n);
+            // Grown as elements arrive: a header alone reserves little.
+            let mut v = Vec::with_capacity(n.min(64));
             for _ in 0..n {
                 v.push(read_resp(rd, depth + 1, budget)?);
             }
@@ -311,6 +318,9 @@ mod tests {
         assert_eq!(m.addr(5461), Some("127.0.0.1:7002"));
         assert_eq!(m.addr(5462), Some("10.0.0.9:7001"));
         assert_eq!(m.addr(5460), Some("127.0.0.1:7000"));
+        // A null endpoint is the node asked's too.
+        let t = table(b"*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n$-1\r\n:7005\r\n").unwrap();
+        assert_eq!(t.addr(77), Some("10.0.0.9:7005"));
         // An uncovered slot has no master.
         let t = table(b"*1\r\n*3\r\n:10\r\n:20\r\n*2\r\n$1\r\nh\r\n:1\r\n").unwrap();
         assert_eq!(
@@ -329,6 +339,7 @@ mod tests {
             (b"*1\r\n*3\r\n:5\r\n:1\r\n*2\r\n$1\r\nh\r\n:1\r\n", "slots 5..1"),
             (b"*1\r\n*3\r\n:0\r\n:16384\r\n*2\r\n$1\r\nh\r\n:1\r\n", "slots 0..16384"),
             (b"*1\r\n*3\r\n:0\r\n:1\r\n*2\r\n$1\r\nh\r\n:70000\r\n", "port 70000"),
+            (b"*1\r\n*3\r\n:0\r\n:1\r\n*2\r\n$1\r\n?\r\n:1\r\n", "no known address"),
             (
                 b"*2\r\n*3\r\n:0\r\n:9\r\n*2\r\n$1\r\nh\r\n:1\r\n*3\r\n:9\r\n:10\r\n*2\r\n$1\r\nh\r\n:2\r\n",
                 "overlap",

@@ -85,8 +85,8 @@ struct Slots {
 }
 
 impl Cluster {
-    /// How to reach the master at `addr` (`host:port`, `[v6]:port`): the first URL's
-    /// credentials, database 0 (a cluster has no other).
+    /// How to reach the master at `addr` (`host:port`, `[v6]:port`): its URL's credentials
+    /// if it is a seed, else the first URL's; database 0 (a cluster has no other).
     fn node(&self, addr: &str) -> io::Result<redis::ConnectionInfo> {
         let parsed = addr.rsplit_once(':').and_then(|(h, p)| {
             let h = h
@@ -98,12 +98,33 @@ impl Cluster {
         let Some((host, port)) = parsed.filter(|(h, _)| !h.is_empty()) else {
             return Err(bad(format!("a cluster node address {addr:?}")));
         };
-        let mut redis = self.seeds[0].redis.clone();
+        // A seed's own credentials, else the first URL's.
+        let seed = self.seeds.iter().find(|s| addr_of(s) == addr);
+        let mut redis = seed.unwrap_or(&self.seeds[0]).redis.clone();
         redis.db = 0;
         Ok(redis::ConnectionInfo {
             addr: redis::ConnectionAddr::Tcp(host, port),
             redis,
         })
+    }
+}
+
+/// `r` with an address that names no host (`:6381`, as Redis answers with
+/// `cluster-preferred-endpoint-type unknown-endpoint`) on the host of `addr`, the node that
+/// answered it.
+fn same_host(r: Redirect, addr: &str) -> Redirect {
+    let port = |a: &str| {
+        a.strip_prefix(':')
+            .filter(|p| p.parse::<u16>().is_ok())
+            .map(String::from)
+    };
+    let fix = |a: String| match (port(&a), addr.rsplit_once(':')) {
+        (Some(port), Some((host, _))) => format!("{host}:{port}"),
+        _ => a,
+    };
+    match r {
+        Redirect::Moved(s, a) => Redirect::Moved(s, fix(a)),
+        Redirect::Ask(s, a) => Redirect::Ask(s, fix(a)),
     }
 }
 
@@ -699,11 +720,12 @@ impl RedisTier {
     ) -> io::Result<()> {
         let mut todo: Vec<(usize, Option<Redirect>)> = idx.into_iter().map(|i| (i, None)).collect();
         let mut failed = None;
+        // Read once: past the first round, every command goes where it was redirected.
+        let table = self.slot_table(c, deadline)?;
         for _ in 0..=MAX_REDIRECTS {
             if todo.is_empty() {
                 break;
             }
-            let table = self.slot_table(c, deadline)?;
             // Each master's commands (and those asked after ASKING), in their order.
             let mut groups: BTreeMap<(String, bool), Vec<usize>> = BTreeMap::new();
             for (i, r) in &todo {
@@ -734,7 +756,7 @@ impl RedisTier {
                         reply,
                         &mut |i, text| match redirect(text) {
                             Some(r) => {
-                                next.push((i, Some(r)));
+                                next.push((i, Some(same_host(r, &addr))));
                                 true
                             }
                             None => false,
@@ -742,10 +764,17 @@ impl RedisTier {
                     )
                 });
                 if let Err(e) = sent {
-                    // The master may have failed over: read the table again next time. The
-                    // other masters' commands still go (their hits are kept); the call fails.
-                    tracing::debug!(error = %e, addr, "redis tier: a cluster master failed");
-                    c.table.lock().stale = true;
+                    // The master may have failed over: read the table again next time (not
+                    // for a SET cut off because its block changed: no fault of the master's).
+                    // The other masters' commands still go (their hits are kept); the call
+                    // fails.
+                    let changed = idx
+                        .iter()
+                        .any(|&i| matches!(&cmds[i], Cmd::Set(_, v) if v.changed.get()));
+                    if !changed {
+                        tracing::debug!(error = %e, addr, "redis tier: a cluster master failed");
+                        c.table.lock().stale = true;
+                    }
                     failed.get_or_insert(e);
                 }
             }
@@ -1064,6 +1093,20 @@ mod tests {
         let mut long = vec![b'+'; 10_000];
         long.extend_from_slice(b"\r\n");
         assert!(head(&long).is_err());
+    }
+
+    #[test]
+    fn a_redirect_without_a_host_is_to_the_node_that_answered() {
+        let moved = |a: &str| same_host(Redirect::Moved(7, a.into()), "10.0.0.2:7000");
+        assert_eq!(moved(":7001"), Redirect::Moved(7, "10.0.0.2:7001".into()));
+        assert_eq!(
+            moved("10.0.0.3:7001"),
+            Redirect::Moved(7, "10.0.0.3:7001".into())
+        );
+        // An IPv6 address as Redis writes it (no brackets) is not a bare port.
+        assert_eq!(moved("::1:7001"), Redirect::Moved(7, "::1:7001".into()));
+        let ask = same_host(Redirect::Ask(9, ":7002".into()), "[::1]:7000");
+        assert_eq!(ask, Redirect::Ask(9, "[::1]:7002".into()));
     }
 
     #[test]
