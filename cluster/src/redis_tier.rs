@@ -1,10 +1,10 @@
 //! The remote tier on an existing Redis or Valkey (standalone, or Redis Cluster) for operators
-//! who already run one: each block is one binary value `KVT1 | len u32 | xxh3-64 u64 |
-//! namespace fingerprint 16 B | payload` under `prefix + hex(key)` with a TTL. Lookups read
-//! only the 32-byte headers (GETRANGE), reads and writes are pipelined (a round trip per
-//! batch, or per 32 MiB of values, 8 MiB of GET replies); a value whose header or checksum
-//! does not match is a miss, counted. The same [`LowerTier`] seam as the kvtierd peers' tier,
-//! so the store does not know which it has.
+//! who already run one: each block is one binary value `KVT2 | len u32 | xxh3-64 u64 |
+//! namespace fingerprint 16 B | block key 16 B | payload` under `prefix + hex(key)` with a
+//! TTL. Lookups read only the 48-byte headers (GETRANGE), reads and writes are pipelined (a
+//! round trip per batch, or per 32 MiB of values, 8 MiB of GET replies); a value whose header
+//! or checksum does not match, or that names another key, is a miss, counted. The same
+//! [`LowerTier`] seam as the kvtierd peers' tier, so the store does not know which it has.
 //!
 //! Servers are spoken to on sockets of our own (the `redis` crate parses the URLs): a call's
 //! pipelines are written and their replies read within one deadline (`deadline::Deadlined`),
@@ -35,8 +35,11 @@ use parking_lot::Mutex;
 use crate::deadline::{connect_any, resolve_all, Deadlined};
 use crate::redis_slots::{redirect, slot, Redirect, SlotTable};
 
-const MAGIC: &[u8; 4] = b"KVT1";
-const HEADER: usize = 32;
+/// The value format: `KVT2` carries its block's key (`KVT1`, before it, did not: a value
+/// found under another key's name passed as that block; such values read as misses and age
+/// out by their TTL).
+const MAGIC: &[u8; 4] = b"KVT2";
+const HEADER: usize = 48;
 /// Consecutive failures that open the breaker, and its pause.
 const BREAKER_FAILURES: u32 = 3;
 const BREAKER_PAUSE: Duration = Duration::from_secs(1);
@@ -832,13 +835,22 @@ impl RedisTier {
         }
     }
 
-    fn header(&self, v: &[u8]) -> Option<(u32, u64, u16)> {
+    /// A value's header (`v`, its first [`HEADER`] bytes), found under `key`'s name: its
+    /// length, checksum and namespace, if it is kvtier's and `key`'s. A value that names
+    /// another key is counted with the checksum failures, and a miss.
+    fn header(&self, key: &BlockKey, v: &[u8]) -> Option<(u32, u64, u16)> {
         if v.len() < HEADER || &v[..4] != MAGIC {
             return None;
         }
         let len = u32::from_le_bytes(v[4..8].try_into().ok()?);
         let sum = u64::from_le_bytes(v[8..16].try_into().ok()?);
         let fp = crate::wire::fingerprint(&v[16..32])?;
+        let named = u128::from_le_bytes(v[32..48].try_into().ok()?);
+        if named != key.0 {
+            self.stats.checksum_failures.fetch_add(1, Relaxed);
+            tracing::warn!(%key, named = %BlockKey(named), "redis tier: a value under this key's name is another key's: a miss");
+            return None;
+        }
         let ns = self.ns.id_of(&fp)?;
         Some((len, sum, ns))
     }
@@ -870,7 +882,7 @@ impl LowerTier for RedisTier {
                 let mut h = Vec::with_capacity(HEADER);
                 body.take(HEADER as u64).read_to_end(&mut h)?;
                 out[i] = self
-                    .header(&h)
+                    .header(&keys[i], &h)
                     .map(|(len, checksum, ns)| BlockInfo { len, ns, checksum });
             }
             Ok(())
@@ -909,7 +921,7 @@ impl LowerTier for RedisTier {
                 return Ok(());
             }
             body.read_exact(&mut h)?;
-            let Some((len, sum, ns)) = self.header(&h) else {
+            let Some((len, sum, ns)) = self.header(&it.key, &h) else {
                 return Ok(());
             };
             if n - HEADER != len as usize || len as usize > it.buf.cap() {
@@ -962,7 +974,8 @@ impl LowerTier for RedisTier {
             head[..4].copy_from_slice(MAGIC);
             head[4..8].copy_from_slice(&it.len.to_le_bytes());
             head[8..16].copy_from_slice(&it.checksum.to_le_bytes());
-            head[16..].copy_from_slice(&crate::wire::fp_bytes(fp));
+            head[16..32].copy_from_slice(&crate::wire::fp_bytes(fp));
+            head[32..].copy_from_slice(&it.key.0.to_le_bytes());
             // SAFETY: the block's slot is pinned by the caller for this call, `len` <= cap.
             let src = unsafe { std::slice::from_raw_parts(it.buf.as_ptr(), it.len as usize) };
             names.push(self.name(&it.key));
@@ -1072,7 +1085,7 @@ mod tests {
         assert!(matches!(head(b"+OK\r\n"), Ok(Head::Simple)));
         assert!(matches!(head(b":12\r\n"), Ok(Head::Int)));
         assert!(matches!(head(b"$-1\r\n"), Ok(Head::Nil)));
-        assert!(matches!(head(b"$70032\r\nKVT1"), Ok(Head::Bulk(70_032))));
+        assert!(matches!(head(b"$70032\r\nKVT2"), Ok(Head::Bulk(70_032))));
         assert!(matches!(
             head(b"-OOM command not allowed\r\n"),
             Ok(Head::Error(t)) if t == "OOM command not allowed"
