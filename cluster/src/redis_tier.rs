@@ -40,7 +40,9 @@ use crate::redis_slots::{redirect, slot, Redirect, SlotTable};
 /// out by their TTL).
 const MAGIC: &[u8; 4] = b"KVT2";
 const HEADER: usize = 48;
-/// Consecutive failures that open the breaker, and its pause.
+/// The key of the breaker of reading a cluster's slot table (no server's address).
+const SLOT_TABLE: &str = "CLUSTER SLOTS";
+/// Consecutive failures that open a breaker, and its pause.
 const BREAKER_FAILURES: u32 = 3;
 const BREAKER_PAUSE: Duration = Duration::from_secs(1);
 
@@ -442,7 +444,9 @@ pub struct RedisTier {
     backend: Backend,
     /// Idle connections by server address, at most [`POOLED`] each.
     pool: Mutex<HashMap<String, Vec<Link>>>,
-    breaker: Mutex<Breaker>,
+    /// A breaker a server (keyed as the pool is; [`SLOT_TABLE`] for reading a cluster's slot
+    /// table): one failing master pauses only the commands for its slots.
+    breakers: Mutex<HashMap<String, Breaker>>,
     ns: crate::nsmap::NsMap,
     stats: Counters,
 }
@@ -498,7 +502,7 @@ impl RedisTier {
             cfg,
             backend,
             pool: Mutex::default(),
-            breaker: Mutex::default(),
+            breakers: Mutex::default(),
             ns: Default::default(),
             stats: Counters::default(),
         })
@@ -519,6 +523,36 @@ impl RedisTier {
             return Ok(l);
         }
         connect_link(info, deadline)
+    }
+
+    /// Whether `addr`'s breaker is open (it failed [`BREAKER_FAILURES`] calls in a row less
+    /// than [`BREAKER_PAUSE`] ago): it is not asked.
+    fn paused(&self, addr: &str) -> bool {
+        self.breakers
+            .lock()
+            .get(addr)
+            .and_then(|b| b.open_until)
+            .is_some_and(|t| Instant::now() < t)
+    }
+
+    /// Counts a call to `addr` that succeeded or failed (not when `changed`: a slot an engine
+    /// changed after its commit is that engine's fault, not the server's).
+    fn count(&self, addr: &str, res: Result<(), &io::Error>, changed: bool) {
+        let mut breakers = self.breakers.lock();
+        match res {
+            Ok(()) => {
+                breakers.remove(addr);
+            }
+            Err(_) if changed => {}
+            Err(e) => {
+                let b = breakers.entry(addr.to_string()).or_default();
+                b.failures += 1;
+                if b.failures >= BREAKER_FAILURES {
+                    b.open_until = Some(Instant::now() + BREAKER_PAUSE);
+                    tracing::warn!(error = %e, addr, "redis tier: keeps failing: not asked for a second");
+                }
+            }
+        }
     }
 
     /// Keeps `link` (its exchanges all answered) for the next call.
@@ -563,14 +597,8 @@ impl RedisTier {
         deadline: Instant,
         reply: &mut OnReply<'_>,
     ) -> io::Result<()> {
-        {
-            let b = self.breaker.lock();
-            if b.open_until.is_some_and(|t| Instant::now() < t) {
-                return Err(io::Error::other("redis breaker open"));
-            }
-        }
         let idx: Vec<usize> = (0..cmds.len()).collect();
-        let res = match &self.backend {
+        match &self.backend {
             Backend::Single(info) => self.send(
                 &addr_of(info),
                 info,
@@ -582,24 +610,7 @@ impl RedisTier {
                 &mut no_errors,
             ),
             Backend::Cluster(c) => self.run_cluster(c, cmds, idx, deadline, reply),
-        };
-        // A slot an engine changed after its commit is that engine's fault, not Redis's.
-        let changed = cmds
-            .iter()
-            .any(|c| matches!(c, Cmd::Set(_, v) if v.changed.get()));
-        let mut b = self.breaker.lock();
-        match &res {
-            Ok(_) => *b = Breaker::default(),
-            Err(_) if changed => {}
-            Err(e) => {
-                b.failures += 1;
-                if b.failures >= BREAKER_FAILURES {
-                    b.open_until = Some(Instant::now() + BREAKER_PAUSE);
-                    tracing::warn!(error = %e, "redis tier: keeps failing: not asked for a second");
-                }
-            }
         }
-        res
     }
 
     /// Sends the commands `idx` of `cmds` to the server at `addr` (`info`) in one pipeline,
@@ -607,6 +618,30 @@ impl RedisTier {
     /// indices in `cmds`), their error replies to `error`.
     #[allow(clippy::too_many_arguments)]
     fn send(
+        &self,
+        addr: &str,
+        info: &redis::ConnectionInfo,
+        cmds: &[Cmd<'_>],
+        idx: &[usize],
+        asking: bool,
+        deadline: Instant,
+        reply: &mut OnReply<'_>,
+        error: &mut OnError<'_>,
+    ) -> io::Result<()> {
+        if self.paused(addr) {
+            return Err(io::Error::other(format!("redis {addr}: breaker open")));
+        }
+        let out = self.send_now(addr, info, cmds, idx, asking, deadline, reply, error);
+        let changed = idx
+            .iter()
+            .any(|&i| matches!(&cmds[i], Cmd::Set(_, v) if v.changed.get()));
+        self.count(addr, out.as_ref().copied(), changed);
+        out
+    }
+
+    /// [`RedisTier::send`], its breaker aside.
+    #[allow(clippy::too_many_arguments)]
+    fn send_now(
         &self,
         addr: &str,
         info: &redis::ConnectionInfo,
@@ -691,9 +726,12 @@ impl RedisTier {
                         last: Some(addr.clone()),
                     };
                     // Connections to nodes no longer named (nor seeds) go.
-                    self.pool.lock().retain(|a, _| {
-                        keep.contains(a) || c.seeds.iter().any(|s| addr_of(s) == *a)
-                    });
+                    let kept =
+                        |a: &String| keep.contains(a) || c.seeds.iter().any(|s| addr_of(s) == *a);
+                    self.pool.lock().retain(|a, _| kept(a));
+                    self.breakers
+                        .lock()
+                        .retain(|a, _| a == SLOT_TABLE || kept(a));
                     return Ok(t);
                 }
                 Ok(_) => last = Some(bad(format!("{addr}: CLUSTER SLOTS named no slot"))),
@@ -724,7 +762,12 @@ impl RedisTier {
         let mut todo: Vec<(usize, Option<Redirect>)> = idx.into_iter().map(|i| (i, None)).collect();
         let mut failed = None;
         // Read once: past the first round, every command goes where it was redirected.
-        let table = self.slot_table(c, deadline)?;
+        if self.paused(SLOT_TABLE) {
+            return Err(bad("no cluster node answered CLUSTER SLOTS: paused"));
+        }
+        let table = self.slot_table(c, deadline);
+        self.count(SLOT_TABLE, table.as_ref().map(|_| ()), false);
+        let table = table?;
         for _ in 0..=MAX_REDIRECTS {
             if todo.is_empty() {
                 break;

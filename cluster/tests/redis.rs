@@ -559,6 +559,12 @@ fn redis_cluster(announce: impl Fn(usize, u16) -> Option<u16>) -> Option<RedisCl
             "no",
             "--cluster-enabled",
             "yes",
+            // A master killed by a test stays the owner of its slots (no failover to wait
+            // for), and the others keep serving theirs.
+            "--cluster-node-timeout",
+            "600000",
+            "--cluster-require-full-coverage",
+            "no",
         ]
         .iter()
         .map(|a| a.to_string())
@@ -804,4 +810,39 @@ fn a_cluster_slot_migrating_or_moved_is_followed() {
     for (i, d) in more_data.iter().enumerate() {
         assert_eq!(l.block(i), &d[..]);
     }
+}
+
+/// A master that is down fails the commands for its slots only: after it failed three calls
+/// in a row, the other masters' blocks still load (one breaker a master, where one breaker
+/// for the whole cluster paused every read for a second).
+#[test]
+fn a_dead_cluster_master_pauses_only_its_own_slots() {
+    let Some(mut c) = redis_cluster(|_, _| None) else {
+        return;
+    };
+    let (a, _) = c.store(Duration::from_secs(2));
+    let id = a.register_namespace(&ns()).unwrap();
+    let keys = ns().token_keys(&[11; 16 * 12], &[]);
+    let data: Vec<Vec<u8>> = (0..12).map(|i| vec![i as u8 + 7; 9000]).collect();
+    put_pushed(&a, id, &keys, &data);
+    let dead_port = c.nodes[2].1;
+    let on_dead: Vec<bool> = keys.iter().map(|k| c.owner(k) == dead_port).collect();
+    let dead = on_dead.iter().position(|&d| d).expect("a block on node 2");
+    let live: Vec<usize> = (0..12).filter(|&i| !on_dead[i]).collect();
+    assert!(live.len() >= 2, "{on_dead:?}");
+    let (b, bt) = c.store(Duration::from_millis(800));
+    // `b` reads the slot table.
+    assert_eq!(b.load(&keys[live[0]..=live[0]]).unwrap().len(), 1);
+    c.nodes[2].0.kill().unwrap();
+    c.nodes[2].0.wait().unwrap();
+    for _ in 0..4 {
+        assert_eq!(b.load(&keys[dead..=dead]).unwrap().len(), 0);
+    }
+    let l = b.load(&keys[live[1]..=live[1]]).unwrap();
+    assert_eq!(
+        l.len(),
+        1,
+        "a live master's block missed while another master is down"
+    );
+    assert_eq!(l.block(0), &data[live[1]][..]);
 }
