@@ -830,7 +830,7 @@ fn a_dead_cluster_master_pauses_only_its_own_slots() {
     let dead = on_dead.iter().position(|&d| d).expect("a block on node 2");
     let live: Vec<usize> = (0..12).filter(|&i| !on_dead[i]).collect();
     assert!(live.len() >= 2, "{on_dead:?}");
-    let (b, bt) = c.store(Duration::from_millis(800));
+    let (b, _) = c.store(Duration::from_millis(800));
     // `b` reads the slot table.
     assert_eq!(b.load(&keys[live[0]..=live[0]]).unwrap().len(), 1);
     c.nodes[2].0.kill().unwrap();
