@@ -615,7 +615,8 @@ impl RedisTier {
 
     /// Sends the commands `idx` of `cmds` to the server at `addr` (`info`) in one pipeline,
     /// each after `ASKING` with `asking`, and hands their replies to `reply` (under their
-    /// indices in `cmds`), their error replies to `error`.
+    /// indices in `cmds`), their error replies to `error`; not while the server's breaker is
+    /// open, and counted by it.
     #[allow(clippy::too_many_arguments)]
     fn send(
         &self,
@@ -631,51 +632,36 @@ impl RedisTier {
         if self.paused(addr) {
             return Err(io::Error::other(format!("redis {addr}: breaker open")));
         }
-        let out = self.send_now(addr, info, cmds, idx, asking, deadline, reply, error);
+        let per = if asking { 2 } else { 1 };
+        let out = self.connect(addr, info, deadline).and_then(|mut link| {
+            let mut piece = Vec::new();
+            let out = link.exchange(
+                idx.len() * per,
+                deadline,
+                |w| {
+                    idx.iter().try_for_each(|&i| {
+                        if asking {
+                            frame(w, &[b"ASKING"])?;
+                        }
+                        self.frame(w, &cmds[i], &mut piece)
+                    })
+                },
+                &mut |p, head, body| match (asking && p % 2 == 0, head) {
+                    (true, Head::Simple) => Ok(()),
+                    (true, _) => Err(bad("ASKING did not answer OK")),
+                    (false, head) => reply(idx[p / per], head, body),
+                },
+                &mut |p, text| (!asking || p % 2 == 1) && error(idx[p / per], text),
+            );
+            if out.is_ok() {
+                self.pool(addr, link);
+            }
+            out
+        });
         let changed = idx
             .iter()
             .any(|&i| matches!(&cmds[i], Cmd::Set(_, v) if v.changed.get()));
         self.count(addr, out.as_ref().copied(), changed);
-        out
-    }
-
-    /// [`RedisTier::send`], its breaker aside.
-    #[allow(clippy::too_many_arguments)]
-    fn send_now(
-        &self,
-        addr: &str,
-        info: &redis::ConnectionInfo,
-        cmds: &[Cmd<'_>],
-        idx: &[usize],
-        asking: bool,
-        deadline: Instant,
-        reply: &mut OnReply<'_>,
-        error: &mut OnError<'_>,
-    ) -> io::Result<()> {
-        let mut link = self.connect(addr, info, deadline)?;
-        let per = if asking { 2 } else { 1 };
-        let mut piece = Vec::new();
-        let out = link.exchange(
-            idx.len() * per,
-            deadline,
-            |w| {
-                idx.iter().try_for_each(|&i| {
-                    if asking {
-                        frame(w, &[b"ASKING"])?;
-                    }
-                    self.frame(w, &cmds[i], &mut piece)
-                })
-            },
-            &mut |p, head, body| match (asking && p % 2 == 0, head) {
-                (true, Head::Simple) => Ok(()),
-                (true, _) => Err(bad("ASKING did not answer OK")),
-                (false, head) => reply(idx[p / per], head, body),
-            },
-            &mut |p, text| (!asking || p % 2 == 1) && error(idx[p / per], text),
-        );
-        if out.is_ok() {
-            self.pool(addr, link);
-        }
         out
     }
 

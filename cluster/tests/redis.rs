@@ -97,16 +97,18 @@ fn store_at(addr: &str) -> (Store, Arc<RedisTier>) {
 
 /// A store whose remote tier is the Redis `url` names, with 800 ms deadlines.
 fn store_url(url: &str) -> (Store, Arc<RedisTier>) {
-    let t = Arc::new(
-        RedisTier::new(RedisConfig {
-            urls: vec![url.to_string()],
-            cluster: false,
-            prefix: "kvtier:".into(),
-            ttl_s: 600,
-            timeout: Duration::from_millis(800),
-        })
-        .unwrap(),
-    );
+    store_on(RedisConfig {
+        urls: vec![url.to_string()],
+        cluster: false,
+        prefix: "kvtier:".into(),
+        ttl_s: 600,
+        timeout: Duration::from_millis(800),
+    })
+}
+
+/// A store whose remote tier is a Redis tier of `cfg`.
+fn store_on(cfg: RedisConfig) -> (Store, Arc<RedisTier>) {
+    let t = Arc::new(RedisTier::new(cfg).unwrap());
     let s = StoreConfig {
         capacity_bytes: 32 << 20,
         segment_bytes: 16 << 20,
@@ -456,30 +458,17 @@ impl RedisCluster {
     /// A store whose remote tier is this cluster (its nodes' URLs as seeds), with deadlines
     /// of `timeout`.
     fn store(&self, timeout: Duration) -> (Store, Arc<RedisTier>) {
-        let t = Arc::new(
-            RedisTier::new(RedisConfig {
-                urls: self
-                    .addrs()
-                    .iter()
-                    .map(|a| format!("redis://{a}/"))
-                    .collect(),
-                cluster: true,
-                prefix: "kvtier:".into(),
-                ttl_s: 0,
-                timeout,
-            })
-            .unwrap(),
-        );
-        let s = StoreConfig {
-            capacity_bytes: 32 << 20,
-            segment_bytes: 16 << 20,
-            remote: Some(kvstore::SharedTier(t.clone())),
-            ..Default::default()
-        }
-        .build()
-        .unwrap();
-        s.register_namespace(&ns()).unwrap();
-        (s, t)
+        store_on(RedisConfig {
+            urls: self
+                .addrs()
+                .iter()
+                .map(|a| format!("redis://{a}/"))
+                .collect(),
+            cluster: true,
+            prefix: "kvtier:".into(),
+            ttl_s: 0,
+            timeout,
+        })
     }
 
     /// The port of the master serving `slot`, as each node says of itself.
