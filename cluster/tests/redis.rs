@@ -121,6 +121,17 @@ fn store_on(cfg: RedisConfig) -> (Store, Arc<RedisTier>) {
     (s, t)
 }
 
+/// `n` blocks of 100 KB, each with a pattern of its own.
+fn patterned(n: usize) -> Vec<Vec<u8>> {
+    (0..n)
+        .map(|i| {
+            (0..100_000usize)
+                .map(|j| (j ^ (i * 7 + j / 251)) as u8)
+                .collect()
+        })
+        .collect()
+}
+
 /// Puts `data` under `keys` into `s` and waits until every block was pushed to Redis (a push
 /// that timed out is tried again 1, 4 and 16 s later).
 fn put_pushed(s: &Store, id: kvstore::NsId, keys: &[kvstore::BlockKey], data: &[Vec<u8>]) {
@@ -389,13 +400,7 @@ fn a_redis_that_trickles_its_replies_costs_a_miss_by_the_deadline() {
     let (a, _) = store(r.1);
     let id = a.register_namespace(&ns()).unwrap();
     let keys = ns().token_keys(&[5; 16 * 2], &[]);
-    let data: Vec<Vec<u8>> = (0..2usize)
-        .map(|i| {
-            (0..100_000usize)
-                .map(|j| (j ^ (i * 7 + j / 251)) as u8)
-                .collect()
-        })
-        .collect();
+    let data = patterned(2);
     put_pushed(&a, id, &keys, &data);
     let proxy = Proxy::start(format!("127.0.0.1:{}", r.1));
     let (b, bt) = store_at(&proxy.addr);
@@ -646,13 +651,7 @@ fn a_cluster_master_that_trickles_costs_its_blocks_a_miss_by_the_deadline() {
     let (a, _) = c.store(Duration::from_millis(800));
     let id = a.register_namespace(&ns()).unwrap();
     let keys = ns().token_keys(&[6; 16 * 12], &[]);
-    let data: Vec<Vec<u8>> = (0..12usize)
-        .map(|i| {
-            (0..100_000usize)
-                .map(|j| (j ^ (i * 7 + j / 251)) as u8)
-                .collect()
-        })
-        .collect();
+    let data = patterned(12);
     put_pushed(&a, id, &keys, &data);
     let slow: Vec<bool> = keys.iter().map(|k| c.owner(k) == c.nodes[0].1).collect();
     assert!(
