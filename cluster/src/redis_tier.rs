@@ -18,7 +18,7 @@
 //! master, a pipeline a master, and a `MOVED` or `ASK` reply sends the command on, all
 //! within the same deadline.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::fmt::Display;
 use std::io::{self, BufRead, BufReader, BufWriter, Read, Write};
 use std::net::TcpStream;
@@ -758,8 +758,13 @@ impl RedisTier {
             if todo.is_empty() {
                 break;
             }
-            // Each master's commands (and those asked after ASKING), in their order.
-            let mut groups: BTreeMap<(String, bool), Vec<usize>> = BTreeMap::new();
+            // Each master's commands (and those asked after ASKING), in their order; the
+            // masters in the order of their first command. A prefix's blocks are asked for
+            // first to last, so a master that trickles its replies (and takes what is left
+            // of the deadline) costs the blocks from its first one on, which a prefix could
+            // not use anyway, and never the blocks before it.
+            todo.sort_unstable_by_key(|t| t.0);
+            let mut groups: Vec<((String, bool), Vec<usize>)> = Vec::new();
             for (i, r) in &todo {
                 let at = match r {
                     Some(Redirect::Moved(_, a)) => (a.clone(), false),
@@ -773,7 +778,10 @@ impl RedisTier {
                         (a.to_string(), false)
                     }
                 };
-                groups.entry(at).or_default().push(*i);
+                match groups.iter_mut().find(|g| g.0 == at) {
+                    Some(g) => g.1.push(*i),
+                    None => groups.push((at, vec![*i])),
+                }
             }
             let mut next = Vec::new();
             for ((addr, asking), idx) in groups {

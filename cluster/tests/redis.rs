@@ -689,6 +689,27 @@ fn a_cluster_master_that_trickles_costs_its_blocks_a_miss_by_the_deadline() {
         bt.stats().read_errors > 0
     });
     assert_eq!(bt.stats().checksum_failures, 0);
+    // A prefix whose first block is on a master at speed and its second on the slow one:
+    // the first loads (its master is asked first), the second misses.
+    let fast = slow.iter().position(|&s| !s).unwrap();
+    let slowest = slow.iter().position(|&s| s).unwrap();
+    let (d, _) = c.store(Duration::from_millis(800));
+    let d = Arc::new(d);
+    let l = answered("a prefix across masters", Duration::from_secs(30), {
+        let (d, keys) = (d.clone(), [keys[fast], keys[slowest]]);
+        move || {
+            let l = d.load(&keys).unwrap();
+            (0..l.len())
+                .map(|i| l.block(i).to_vec())
+                .collect::<Vec<_>>()
+        }
+    });
+    assert_eq!(
+        l.len(),
+        1,
+        "the prefix should end at the slow master's block"
+    );
+    assert!(l[0] == data[fast]);
     // At speed again: the slow master's blocks load whole.
     proxy.set(Fault::None);
     let i = slow.iter().position(|&s| s).unwrap();
