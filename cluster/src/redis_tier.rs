@@ -457,6 +457,9 @@ fn err(e: redis::RedisError) -> io::Error {
 
 /// Idle connections kept a server.
 const POOLED: usize = 4;
+/// Servers with pooled connections or a breaker's count, at most (a cluster's masters, and
+/// the addresses its redirections named).
+const MAX_SERVERS: usize = 1024;
 
 /// How to reach the server of `url` (plain TCP only).
 fn parse_url(url: &str) -> io::Result<redis::ConnectionInfo> {
@@ -545,6 +548,13 @@ impl RedisTier {
             }
             Err(_) if changed => {}
             Err(e) => {
+                // Bounded against servers that redirect to ever new addresses.
+                if breakers.len() >= MAX_SERVERS && !breakers.contains_key(addr) {
+                    breakers.retain(|_, b| b.open_until.is_some());
+                    if breakers.len() >= MAX_SERVERS {
+                        return;
+                    }
+                }
                 let b = breakers.entry(addr.to_string()).or_default();
                 b.failures += 1;
                 if b.failures >= BREAKER_FAILURES {
@@ -558,6 +568,9 @@ impl RedisTier {
     /// Keeps `link` (its exchanges all answered) for the next call.
     fn pool(&self, addr: &str, link: Link) {
         let mut pool = self.pool.lock();
+        if pool.len() >= MAX_SERVERS && !pool.contains_key(addr) {
+            return;
+        }
         let idle = pool.entry(addr.to_string()).or_default();
         if idle.len() < POOLED {
             idle.push(link);
@@ -629,6 +642,13 @@ impl RedisTier {
         reply: &mut OnReply<'_>,
         error: &mut OnError<'_>,
     ) -> io::Result<()> {
+        if Instant::now() >= deadline {
+            // Another server took the call's time: no fault of this one's.
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("redis {addr}: the call's deadline passed before it was asked"),
+            ));
+        }
         if self.paused(addr) {
             return Err(io::Error::other(format!("redis {addr}: breaker open")));
         }
@@ -679,6 +699,10 @@ impl RedisTier {
                 None => (None, Vec::new()),
             }
         };
+        // Reading it failed 3 times in a row less than a second ago: not asked again yet.
+        if self.paused(SLOT_TABLE) {
+            return old.ok_or_else(|| bad("no cluster node answered CLUSTER SLOTS: paused"));
+        }
         addrs.extend(c.seeds.iter().map(addr_of));
         if let Some(last) = c.table.lock().last.clone() {
             addrs.insert(0, last);
@@ -718,6 +742,7 @@ impl RedisTier {
                     self.breakers
                         .lock()
                         .retain(|a, _| a == SLOT_TABLE || kept(a));
+                    self.count(SLOT_TABLE, Ok(()), false);
                     return Ok(t);
                 }
                 Ok(_) => last = Some(bad(format!("{addr}: CLUSTER SLOTS named no slot"))),
@@ -725,6 +750,7 @@ impl RedisTier {
             }
         }
         let e = last.unwrap_or_else(|| bad("no cluster node to ask"));
+        self.count(SLOT_TABLE, Err(&e), false);
         match old {
             Some(t) => {
                 tracing::debug!(error = %e, "redis tier: slot table not read again: the old one stands");
@@ -748,12 +774,7 @@ impl RedisTier {
         let mut todo: Vec<(usize, Option<Redirect>)> = idx.into_iter().map(|i| (i, None)).collect();
         let mut failed = None;
         // Read once: past the first round, every command goes where it was redirected.
-        if self.paused(SLOT_TABLE) {
-            return Err(bad("no cluster node answered CLUSTER SLOTS: paused"));
-        }
-        let table = self.slot_table(c, deadline);
-        self.count(SLOT_TABLE, table.as_ref().map(|_| ()), false);
-        let table = table?;
+        let table = self.slot_table(c, deadline)?;
         for _ in 0..=MAX_REDIRECTS {
             if todo.is_empty() {
                 break;
@@ -765,6 +786,7 @@ impl RedisTier {
             // not use anyway, and never the blocks before it.
             todo.sort_unstable_by_key(|t| t.0);
             let mut groups: Vec<((String, bool), Vec<usize>)> = Vec::new();
+            let mut group_of: HashMap<(String, bool), usize> = HashMap::new();
             for (i, r) in &todo {
                 let at = match r {
                     Some(Redirect::Moved(_, a)) => (a.clone(), false),
@@ -778,9 +800,12 @@ impl RedisTier {
                         (a.to_string(), false)
                     }
                 };
-                match groups.iter_mut().find(|g| g.0 == at) {
-                    Some(g) => g.1.push(*i),
-                    None => groups.push((at, vec![*i])),
+                match group_of.get(&at) {
+                    Some(&g) => groups[g].1.push(*i),
+                    None => {
+                        group_of.insert(at.clone(), groups.len());
+                        groups.push((at, vec![*i]));
+                    }
                 }
             }
             let mut next = Vec::new();
@@ -874,8 +899,9 @@ impl RedisTier {
 
     /// A value's header (`v`, its first [`HEADER`] bytes), found under `key`'s name: its
     /// length, checksum and namespace, if it is kvtier's and `key`'s. A value that names
-    /// another key is counted with the checksum failures, and a miss.
-    fn header(&self, key: &BlockKey, v: &[u8]) -> Option<(u32, u64, u16)> {
+    /// another key is a miss; a read (`read`) counts it with the checksum failures (a
+    /// lookup, which may ask for it again and again, only logs it).
+    fn header(&self, key: &BlockKey, v: &[u8], read: bool) -> Option<(u32, u64, u16)> {
         if v.len() < HEADER || &v[..4] != MAGIC {
             return None;
         }
@@ -884,8 +910,13 @@ impl RedisTier {
         let fp = crate::wire::fingerprint(&v[16..32])?;
         let named = u128::from_le_bytes(v[32..48].try_into().ok()?);
         if named != key.0 {
-            self.stats.checksum_failures.fetch_add(1, Relaxed);
-            tracing::warn!(%key, named = %BlockKey(named), "redis tier: a value under this key's name is another key's: a miss");
+            let named = BlockKey(named);
+            if read {
+                self.stats.checksum_failures.fetch_add(1, Relaxed);
+                tracing::warn!(%key, %named, "redis tier: a value under this key's name is another key's: a miss");
+            } else {
+                tracing::debug!(%key, %named, "redis tier: a value under this key's name is another key's");
+            }
             return None;
         }
         let ns = self.ns.id_of(&fp)?;
@@ -919,14 +950,15 @@ impl LowerTier for RedisTier {
                 let mut h = Vec::with_capacity(HEADER);
                 body.take(HEADER as u64).read_to_end(&mut h)?;
                 out[i] = self
-                    .header(&keys[i], &h)
+                    .header(&keys[i], &h, false)
                     .map(|(len, checksum, ns)| BlockInfo { len, ns, checksum });
             }
             Ok(())
         });
         if let Err(e) = res {
-            tracing::debug!(error = %e, "redis tier: lookup failed (a miss)");
-            return vec![None; keys.len()];
+            // The headers read before the failure stand (each checked against its key; a
+            // read checks the value again): one master down costs only its keys.
+            tracing::debug!(error = %e, "redis tier: lookup failed (misses from there)");
         }
         out
     }
@@ -958,7 +990,7 @@ impl LowerTier for RedisTier {
                 return Ok(());
             }
             body.read_exact(&mut h)?;
-            let Some((len, sum, ns)) = self.header(&it.key, &h) else {
+            let Some((len, sum, ns)) = self.header(&it.key, &h, true) else {
                 return Ok(());
             };
             if n - HEADER != len as usize || len as usize > it.buf.cap() {
