@@ -923,12 +923,19 @@ mod tests {
         for i in 0..2_000u64 {
             let k = MapKey([i, 5]);
             let want = i % 3 != 0 && i % 11 != 0;
-            assert_eq!(h.read_ready(hash(k), &k, &guard), want, "key {i}");
             assert_eq!(t.get(&k).is_some_and(|e| e.ready()), want);
             let cells = t.cells();
-            if let Probe::Hit(b) = probe(cells, hash(k), |c| c.key() == k) {
-                displaced += usize::from(dist(cells, b) > 0);
-            }
+            let from_home = match probe(cells, hash(k), |c| c.key() == k) {
+                Probe::Hit(b) => Some(dist(cells, b)),
+                _ => None,
+            };
+            displaced += usize::from(from_home.is_some_and(|d| d > 0));
+            // Never ready for a key that is not; for one that is, ready unless it sits
+            // HIT_PROBES or more buckets from home (the index's hash has a secret drawn per
+            // process, so rarely, some key does: the caller then asks `read`).
+            let got = h.read_ready(hash(k), &k, &guard);
+            let far = from_home.is_some_and(|d| d >= HIT_PROBES);
+            assert!(got == want || (want && far), "key {i}: {got} {from_home:?}");
         }
         // The keys found were not all in their home bucket: the probe went on past it.
         assert!(displaced > 100, "{displaced} keys away from home");
