@@ -753,11 +753,11 @@ fn replay(args: &RemoteArgs) -> Result<Vec<Row>> {
     ])
 }
 
-/// A redis-server on a free loopback port, killed when dropped.
 /// `FLUSHALL` on the Redis at `port`.
 fn flushall(port: u16) -> Result<()> {
     let mut s = TcpStream::connect(("127.0.0.1", port))?;
     s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    s.set_write_timeout(Some(Duration::from_secs(30)))?;
     s.write_all(b"*1\r\n$8\r\nFLUSHALL\r\n")?;
     let mut line = String::new();
     std::io::BufReader::new(s).read_line(&mut line)?;
@@ -765,6 +765,7 @@ fn flushall(port: u16) -> Result<()> {
     Ok(())
 }
 
+/// A redis-server on a free loopback port, killed when dropped.
 fn start_redis() -> Result<(RedisProc, u16)> {
     let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let child = Command::new("redis-server")

@@ -269,6 +269,21 @@ impl Link {
         Ok(())
     }
 
+    /// Sends one command (`parts`) that answers `+OK`, by `deadline`.
+    fn ok(&mut self, parts: &[&[u8]], deadline: Instant) -> io::Result<()> {
+        let what = String::from_utf8_lossy(parts.first().copied().unwrap_or_default());
+        self.exchange(
+            1,
+            deadline,
+            |w| frame(w, parts),
+            &mut |_, head, _| match head {
+                Head::Simple => Ok(()),
+                _ => Err(bad(format!("{what} did not answer OK"))),
+            },
+            &mut no_errors,
+        )
+    }
+
     /// The cluster's slot table, asked of this node (`host`: its host, which a master that
     /// names no address is) by `deadline`.
     fn cluster_slots(&mut self, host: &str, deadline: Instant) -> io::Result<SlotTable> {
@@ -304,51 +319,23 @@ fn connect_link(info: &redis::ConnectionInfo, deadline: Instant) -> io::Result<L
     crate::wire::keepalive(&s)?;
     let mut link = Link { s };
     let r = &info.redis;
-    let ok = |what: &'static str| {
-        move |_: usize, head: Head, _: &mut dyn Read| match head {
-            Head::Simple => Ok(()),
-            _ => Err(bad(format!("{what} did not answer OK"))),
-        }
-    };
     if let Some(pw) = &r.password {
         let mut auth: Vec<&[u8]> = vec![b"AUTH"];
         if let Some(user) = &r.username {
             auth.push(user.as_bytes());
         }
         auth.push(pw.as_bytes());
-        let sent = link.exchange(
-            1,
-            deadline,
-            |w| frame(w, &auth),
-            &mut ok("AUTH"),
-            &mut no_errors,
-        );
-        match sent {
+        match link.ok(&auth, deadline) {
             // A server older than Redis 6 takes a password only (as the crate did, again
             // without the user).
             Err(e) if auth.len() == 3 && e.to_string().contains("wrong number of arguments") => {
-                let auth: [&[u8]; 2] = [b"AUTH", pw.as_bytes()];
-                link.exchange(
-                    1,
-                    deadline,
-                    |w| frame(w, &auth),
-                    &mut ok("AUTH"),
-                    &mut no_errors,
-                )?;
+                link.ok(&[b"AUTH", pw.as_bytes()], deadline)?;
             }
             other => other?,
         }
     }
     if r.db != 0 {
-        let db = r.db.to_string();
-        let select: [&[u8]; 2] = [b"SELECT", db.as_bytes()];
-        link.exchange(
-            1,
-            deadline,
-            |w| frame(w, &select),
-            &mut ok("SELECT"),
-            &mut no_errors,
-        )?;
+        link.ok(&[b"SELECT", r.db.to_string().as_bytes()], deadline)?;
     }
     Ok(link)
 }
