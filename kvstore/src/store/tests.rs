@@ -251,6 +251,52 @@ fn match_prefix_and_leases() {
     assert_eq!((none.id, none.n), (None, 0));
 }
 
+/// A prefix match in an index larger than the caches (the walk that prefetches ahead and
+/// hashes runs of keys at a time): it stops exactly at the first absent key or the first key
+/// being written, wherever that falls against its runs and its prefetch distance.
+#[test]
+fn a_large_index_matches_prefixes_exactly() {
+    let blocks: u128 = 70_000;
+    let s = StoreConfig {
+        capacity_bytes: (blocks as u64 * 4096).div_ceil(64 << 20) * (64 << 20),
+        segment_bytes: 64 << 20,
+        size_classes: vec![4096],
+        populate: crate::Populate::Lazy,
+        ..Default::default()
+    }
+    .build()
+    .unwrap();
+    let n = s.register_namespace(&ns()).unwrap();
+    for i in 0..blocks {
+        match s.reserve(n, k(i), 4096).unwrap() {
+            Reserve::Slot(r) => assert!(r.commit_with_checksum(0).unwrap()),
+            _ => panic!("key {i} twice"),
+        }
+    }
+    let chain: Vec<BlockKey> = (0..200).map(k).collect();
+    assert_eq!(s.match_prefix(&chain).n, 200);
+    assert_eq!(s.match_prefix(&chain[..1]).n, 1);
+    // Absent keys before, at and after the run boundary (64) and the prefetch distance (24).
+    for gap in [0usize, 1, 23, 24, 25, 63, 64, 65, 127, 128, 199] {
+        let mut keys = chain.clone();
+        keys[gap] = k(blocks + gap as u128);
+        let m = s.match_prefix(&keys);
+        assert_eq!(m.n, gap, "an absent key at {gap}");
+        assert_eq!(m.tiers.len(), gap);
+    }
+    // A key being written ends the ready prefix and counts as pending.
+    let writing = match s.reserve(n, k(blocks + 500), 4096).unwrap() {
+        Reserve::Slot(r) => r,
+        _ => panic!("fresh key"),
+    };
+    let mut keys = chain.clone();
+    keys[70] = k(blocks + 500);
+    let m = s.match_prefix(&keys);
+    assert_eq!((m.n, m.pending), (70, 1));
+    assert!(writing.commit_with_checksum(0).unwrap());
+    assert_eq!(s.match_prefix(&keys).n, 200);
+}
+
 #[test]
 fn clear_namespace_only_touches_its_own() {
     let (s, n1) = small(PolicyKind::Lru);
