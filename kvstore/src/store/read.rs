@@ -79,8 +79,10 @@ const STEP: usize = 8;
 
 /// Keys hashed together by [`Inner::host_prefix_far`] (an engine's lookup is often one run)…
 const FAR_RUN: usize = 64;
-/// …and how many keys ahead of the one it reads it prefetches.
-const FAR_AHEAD: usize = 24;
+/// …how many keys ahead of the one it reads it prefetches…
+const FAR_AHEAD: usize = 20;
+/// …and how many lines of each, from its home bucket's on.
+const FAR_LINES: usize = 5;
 
 /// How far ahead of the key it looks up a walk along a prefix prefetches ([`HostView`]).
 const PREFETCH_AHEAD: usize = 8;
@@ -648,17 +650,19 @@ impl Inner {
     }
 
     /// [`Inner::host_prefix`] in an index larger than the caches: the hashes of up to
-    /// [`FAR_RUN`] keys at a time computed first, then each key's home buckets prefetched
-    /// [`FAR_AHEAD`] keys before the walk reads them, one key's lines at a time, so that its
-    /// misses queue behind no more than that many keys' own.
+    /// [`FAR_RUN`] keys at a time computed first (the first [`FAR_AHEAD`] keys' home buckets
+    /// prefetched as their hashes come), then each key's [`FAR_LINES`] lines from its home
+    /// bucket on prefetched [`FAR_AHEAD`] keys before the walk reads them.
     ///
-    /// How far ahead, measured with `lookupbench` (64-key lookups at random places among
-    /// 10 M blocks, p50, Zen 5, 3 rounds each): 8 keys 2.57–2.63 µs, 12 2.51–2.55, 16
-    /// 2.44–2.52, 24 **2.21–2.25**, 32 2.30–2.36, 48 2.35–2.38, 64 2.44–2.45. Fewer keys
-    /// ahead leave the core waiting on lines it asked for too late; more fill the line fill
-    /// buffers with lines it needs later, and the prefetches themselves wait. (Prefetching a
-    /// whole step of 8 at once, 24 lines, was slower than one key's lines at a time, 8 ahead:
-    /// 2.4–3.1 µs against 2.3–2.8, on a Xeon.)
+    /// Measured at 10 M blocks (Zen 5, `kvtier-bench host --metadata-blocks 10000000`, p50
+    /// of 64-key lookups, against the same at 65,536 blocks; bench/RESULTS.md): 3 lines 8
+    /// keys ahead (the general walk's [`Prefetcher`]) 2.8–3.1 µs; 3 lines 24 ahead 2.5–2.6;
+    /// 5 lines 12 ahead 2.0–2.1, 16 ahead 1.7–1.9, **20 ahead 1.7–1.75**, 24 ahead 1.8–1.9;
+    /// 6–7 lines 16 ahead 1.6–1.9. The fourth and fifth lines are what a deep look-ahead
+    /// buys: at 84% full, one key in eight lies past its home bucket's third line, and its
+    /// probe then waits for DRAM with the probe's exit branch unresolved, so the walk
+    /// stalls there for a whole miss. Fewer keys ahead ask for the lines too late; more keep
+    /// lines in flight that are wanted later, and the prefetches wait for fill buffers.
     #[inline(never)]
     fn host_prefix_far(&self, keys: &[BlockKey], guard: &crossbeam_epoch::Guard) -> usize {
         let mix = KeyMix::new();
@@ -667,16 +671,17 @@ impl Inner {
         let mut n = 0;
         for run in keys.chunks(FAR_RUN) {
             let mut hs = [0u32; FAR_RUN];
-            for (o, k) in hs.iter_mut().zip(run) {
-                *o = table::hash_with(mix, *k);
+            for (j, (o, k)) in hs.iter_mut().zip(run).enumerate() {
+                let h = table::hash_with(mix, *k);
+                *o = h;
+                if j < FAR_AHEAD {
+                    hints[h as usize & mask].prefetch_lines::<FAR_LINES>(h, guard);
+                }
             }
             let hs = &hs[..run.len()];
-            for &h in hs.iter().take(FAR_AHEAD) {
-                hints[h as usize & mask].prefetch(h, guard);
-            }
             for (j, (k, &h)) in run.iter().zip(hs).enumerate() {
                 if let Some(&a) = hs.get(j + FAR_AHEAD) {
-                    hints[a as usize & mask].prefetch(a, guard);
+                    hints[a as usize & mask].prefetch_lines::<FAR_LINES>(a, guard);
                 }
                 if !hints[h as usize & mask].read_ready(h, &MapKey::from(*k), guard) {
                     return n;

@@ -353,22 +353,28 @@ impl Hint {
     /// on average (½(1 + 1/(1 − load)) probes), 48–110 bytes on: with only the next line
     /// prefetched, the keys past it missed in the walk, a third of a 64-key lookup's time at
     /// 10 M blocks (p50 3.7–4.0 → 2.7–3.1 µs with the third line; a fourth was slower: too
-    /// many misses in flight). `guard`: the caller's epoch (see [`Hint::read`]).
+    /// many misses in flight, 8 keys ahead). `guard`: the caller's epoch (see [`Hint::read`]).
     #[inline]
     pub(crate) fn prefetch(&self, h: u32, guard: &Guard) {
+        self.prefetch_lines::<3>(h, guard);
+    }
+
+    /// [`Hint::prefetch`] of `LINES` lines from the home bucket's on.
+    #[inline(always)]
+    pub(crate) fn prefetch_lines<const LINES: usize>(&self, h: u32, guard: &Guard) {
         let cells = self.buckets(guard);
         if cells.is_empty() {
             return;
         }
         let addr = &cells[home(h, cells.len())] as *const Cell;
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `_mm_prefetch` only hints the cache; it never faults (the line after the
-        // last bucket included) and reads nothing the program sees.
-        unsafe {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-            _mm_prefetch::<_MM_HINT_T0>(addr as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>((addr as *const i8).wrapping_add(64));
-            _mm_prefetch::<_MM_HINT_T0>((addr as *const i8).wrapping_add(128));
+        for line in 0..LINES {
+            // SAFETY: `_mm_prefetch` only hints the cache; it never faults (lines past the
+            // last bucket included) and reads nothing the program sees.
+            unsafe {
+                use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+                _mm_prefetch::<_MM_HINT_T0>((addr as *const i8).wrapping_add(64 * line));
+            }
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = addr;
