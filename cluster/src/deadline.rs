@@ -5,6 +5,7 @@
 
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// How far past its deadline a [`Deadlined`] read or write may end: its socket timeout is set
@@ -81,21 +82,61 @@ pub(crate) fn resolve_all(addr: &str, deadline: Instant) -> io::Result<Vec<Socke
     resolve_with(addr, deadline, |a| a.to_socket_addrs().map(|i| i.collect()))
 }
 
+/// Name lookups that may wait on the resolver at once, process-wide. A thread left behind by
+/// [`resolve_all`] lives until `getaddrinfo` gives up (seconds a try against an unreachable
+/// DNS server); while the resolver hangs, each new connection to a named peer or Redis
+/// server would leave one more. Past this many, a lookup fails at once instead (a miss
+/// for the call, as a timeout would have been).
+const MAX_RESOLVING: usize = 32;
+
+/// Lookups on their own threads now ([`MAX_RESOLVING`]).
+static RESOLVING: AtomicUsize = AtomicUsize::new(0);
+
 /// [`resolve_all`] with `lookup` for the resolver.
 pub(crate) fn resolve_with(
     addr: &str,
     deadline: Instant,
     lookup: impl FnOnce(&str) -> io::Result<Vec<SocketAddr>> + Send + 'static,
 ) -> io::Result<Vec<SocketAddr>> {
+    resolve_in(addr, deadline, lookup, &RESOLVING, MAX_RESOLVING)
+}
+
+/// [`resolve_with`], counting the lookups on their own threads in `resolving`, at most `max`.
+fn resolve_in(
+    addr: &str,
+    deadline: Instant,
+    lookup: impl FnOnce(&str) -> io::Result<Vec<SocketAddr>> + Send + 'static,
+    resolving: &'static AtomicUsize,
+    max: usize,
+) -> io::Result<Vec<SocketAddr>> {
     if let Ok(a) = addr.parse::<SocketAddr>() {
         return Ok(vec![a]);
     }
     let left = remaining(deadline)?;
+    if resolving
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n < max).then_some(n + 1)
+        })
+        .is_err()
+    {
+        return Err(io::Error::other(format!(
+            "resolving {addr}: {max} name lookups already wait on the resolver"
+        )));
+    }
+    /// Gives the lookup's place back when its thread ends (or was never started).
+    struct Slot(&'static AtomicUsize);
+    impl Drop for Slot {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+    let slot = Slot(resolving);
     let (tx, rx) = std::sync::mpsc::sync_channel(1);
     let name = addr.to_string();
     std::thread::Builder::new()
         .name("kvtier-resolve".into())
         .spawn(move || {
+            let _slot = slot;
             let _ = tx.send(lookup(&name));
         })?;
     let found = match rx.recv_timeout(left) {
@@ -174,6 +215,71 @@ mod tests {
         assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
         assert!(e.to_string().contains("kv-7.cluster.invalid:7070"), "{e}");
         drop(hold);
+    }
+
+    #[test]
+    fn lookups_left_waiting_on_the_resolver_are_bounded() {
+        // A counter of this test's own: other tests resolve names meanwhile.
+        static RESOLVING: AtomicUsize = AtomicUsize::new(0);
+        let (hold, wait) = std::sync::mpsc::channel::<()>();
+        let wait = std::sync::Arc::new(std::sync::Mutex::new(wait));
+        let hung = |wait: std::sync::Arc<std::sync::Mutex<std::sync::mpsc::Receiver<()>>>| {
+            move |_: &str| {
+                // Blocks until the test lets go (its sender is dropped then).
+                let _ = wait.lock().map(|w| w.recv());
+                Ok(Vec::new())
+            }
+        };
+        // Three lookups that never answer, each given up on at its deadline…
+        for i in 0..3 {
+            let deadline = Instant::now() + Duration::from_millis(20);
+            let e = resolve_in(
+                &format!("kv-{i}.invalid:1"),
+                deadline,
+                hung(wait.clone()),
+                &RESOLVING,
+                3,
+            )
+            .unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        }
+        assert_eq!(RESOLVING.load(Ordering::Acquire), 3);
+        // …so a fourth fails at once, with no thread started and its deadline unspent.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let e = resolve_in(
+            "kv-3.invalid:1",
+            deadline,
+            |_| unreachable!(),
+            &RESOLVING,
+            3,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("3 name lookups already wait"), "{e}");
+        // An address needs no lookup, and still resolves.
+        let a = resolve_in("127.0.0.1:1", deadline, |_| unreachable!(), &RESOLVING, 3).unwrap();
+        assert_eq!(a, vec!["127.0.0.1:1".parse().unwrap()]);
+        // Once the resolver answers, the places come back (each as its thread ends).
+        let settled = || {
+            while RESOLVING.load(Ordering::Acquire) > 0 {
+                assert!(
+                    Instant::now() < deadline,
+                    "the lookups' places never came back"
+                );
+                std::thread::yield_now();
+            }
+        };
+        drop(hold);
+        settled();
+        let local = "127.0.0.1:7".parse().unwrap();
+        let a = resolve_in(
+            "kv-4.invalid:7",
+            deadline,
+            move |_| Ok(vec![local]),
+            &RESOLVING,
+            3,
+        );
+        assert_eq!(a.unwrap(), vec![local]);
+        settled();
     }
 
     #[test]
