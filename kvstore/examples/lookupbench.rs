@@ -53,6 +53,7 @@ fn store(blocks: u64) -> kvstore::Store {
 }
 
 fn lat(s: &kvstore::Store, blocks: u64, n: usize) -> f64 {
+    let load = std::env::var("LOAD").is_ok_and(|v| v == "1");
     let mut x = blocks | 1;
     let mut v = Vec::new();
     for _ in 0..n {
@@ -62,9 +63,15 @@ fn lat(s: &kvstore::Store, blocks: u64, n: usize) -> f64 {
         let start = x % (blocks - 64);
         let keys: Vec<_> = (start..start + 64).map(key).collect();
         let t = Instant::now();
-        let m = s.match_prefix(&keys);
-        v.push(t.elapsed().as_secs_f64() * 1e6);
-        assert_eq!(m.n, 64);
+        if load {
+            let l = s.load(&keys).unwrap();
+            v.push(t.elapsed().as_secs_f64() * 1e6);
+            assert_eq!(l.len(), 64);
+        } else {
+            let m = s.match_prefix(&keys);
+            v.push(t.elapsed().as_secs_f64() * 1e6);
+            assert_eq!(m.n, 64);
+        }
     }
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
