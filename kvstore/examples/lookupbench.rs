@@ -4,7 +4,10 @@
 //! the lookup alone. `cargo run --release -p kvstore --example lookupbench [BLOCKS] [N]`.
 //! `SHARDS=S` builds both stores with S index shards (64 by default): each shard's table is
 //! then as full as its growth steps leave it at BLOCKS / S keys, and a lookup's time at 10 M
-//! blocks follows that fill (79% full at 8 shards, 84% at 64).
+//! blocks follows that fill (79% full at 8 shards, 84% at 64). `PRE=N` builds and drops a
+//! store of N blocks first (as the bench's 1 M case runs before its 10 M one); the process's
+//! RSS and transparent huge pages are printed once both stores are built. `LOAD=1` times
+//! `Store::load` (pins, the policy's access, unpins) in place of `match_prefix`.
 //!
 //! `lookupbench chain [SECONDS]`: `match_prefix` over one chain of 1,000 present keys, again
 //! and again (the index in cache): what the case `match_prefix chain 1000` measures, for
@@ -113,8 +116,19 @@ fn main() {
         .nth(1)
         .map_or(10_000_000, |a| a.parse().unwrap());
     let n: usize = std::env::args().nth(2).map_or(4000, |a| a.parse().unwrap());
+    if let Some(pre) = std::env::var("PRE").ok().and_then(|v| v.parse().ok()) {
+        drop(store(pre));
+    }
     let small = store(65_536);
     let large = store(big);
+    let thp = std::fs::read_to_string("/proc/self/smaps_rollup").unwrap_or_default();
+    println!(
+        "{}",
+        thp.lines()
+            .filter(|l| l.starts_with("AnonHugePages") || l.starts_with("Rss"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
     for _ in 0..3 {
         let a = lat(&small, 65_536, n);
         let b = lat(&large, big, n);
