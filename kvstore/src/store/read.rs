@@ -656,7 +656,7 @@ impl Inner {
     ///
     /// Measured at 10 M blocks (Zen 5, `kvtier-bench host --metadata-blocks 10000000`, p50
     /// of 64-key lookups, against the same at 65,536 blocks; bench/RESULTS.md): 3 lines 8
-    /// keys ahead (the general walk's [`Prefetcher`]) 2.8–3.1 µs; 3 lines 24 ahead 2.5–2.6;
+    /// keys ahead (the general walk's [`Prefetcher`]) 2.7–3.1 µs; 3 lines 24 ahead 2.5–2.6;
     /// 5 lines 12 ahead 2.0–2.1, 16 ahead 1.7–1.9, **20 ahead 1.7–1.75**, 24 ahead 1.8–1.9;
     /// 6–7 lines 16 ahead 1.6–1.9. The fourth and fifth lines are what a deep look-ahead
     /// buys: at 84% full, one key in eight lies past its home bucket's third line, and its

@@ -285,6 +285,9 @@ fn probe(cells: &[Cell], h: u32, hit: impl Fn(&Cell) -> bool) -> Probe {
 /// full (a 10 M-block index) about 1 key in 200 sits 16 or more buckets from home, so with
 /// 16 a quarter of 64-key prefix matches left the fast walk for the general one at such a
 /// key; at 64 hardly any does (`lookupbench`: 4% off the p50 at 65,536 and at 10 M blocks).
+/// The price: the absent key that ends a prefix is scanned up to an empty bucket, at most 64
+/// buckets (~20 on average at 84% full), before [`Hint::read`]'s Robin Hood stop answers
+/// for it; once a lookup.
 const HIT_PROBES: usize = 64;
 
 /// A write section ([`Table::write`]) begins: the sequence number turns odd.
