@@ -85,8 +85,8 @@ pub(crate) fn resolve_all(addr: &str, deadline: Instant) -> io::Result<Vec<Socke
 /// Name lookups that may wait on the resolver at once, process-wide. A thread left behind by
 /// [`resolve_all`] lives until `getaddrinfo` gives up (seconds a try against an unreachable
 /// DNS server); while the resolver hangs, each new connection to a named peer or Redis
-/// server would leave one more. Past this many, a lookup fails at once instead (a miss
-/// for the call, as a timeout would have been).
+/// server would leave one more. Past this many, a lookup fails at once instead, with a
+/// timeout (a miss for the call, as the lookup's own timeout would have been).
 const MAX_RESOLVING: usize = 32;
 
 /// Lookups on their own threads now ([`MAX_RESOLVING`]).
@@ -119,9 +119,13 @@ fn resolve_in(
         })
         .is_err()
     {
-        return Err(io::Error::other(format!(
-            "resolving {addr}: {max} name lookups already wait on the resolver"
-        )));
+        // A timeout, as the lookup would have ended: a caller that leaves a timed-out peer
+        // to a background probe (`RemoteTier::usable_now`) does so here too, rather than
+        // doubling a healthy peer's pause because the resolver hangs.
+        return Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("resolving {addr}: {max} name lookups already wait on the resolver"),
+        ));
     }
     /// Gives the lookup's place back when its thread ends (or was never started).
     struct Slot(&'static AtomicUsize);
@@ -219,33 +223,34 @@ mod tests {
 
     #[test]
     fn lookups_left_waiting_on_the_resolver_are_bounded() {
+        use std::sync::{mpsc, Arc, Mutex};
         // A counter of this test's own: other tests resolve names meanwhile.
         static RESOLVING: AtomicUsize = AtomicUsize::new(0);
-        let (hold, wait) = std::sync::mpsc::channel::<()>();
-        let wait = std::sync::Arc::new(std::sync::Mutex::new(wait));
-        let hung = |wait: std::sync::Arc<std::sync::Mutex<std::sync::mpsc::Receiver<()>>>| {
-            move |_: &str| {
-                // Blocks until the test lets go (its sender is dropped then).
-                let _ = wait.lock().map(|w| w.recv());
-                Ok(Vec::new())
-            }
-        };
-        // Three lookups that never answer, each given up on at its deadline…
-        for i in 0..3 {
-            let deadline = Instant::now() + Duration::from_millis(20);
-            let e = resolve_in(
-                &format!("kv-{i}.invalid:1"),
-                deadline,
-                hung(wait.clone()),
-                &RESOLVING,
-                3,
-            )
-            .unwrap_err();
-            assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let (hold, wait) = mpsc::channel::<()>();
+        let wait = Arc::new(Mutex::new(wait));
+        let (started_tx, started) = mpsc::channel();
+        // Three lookups that hang on the resolver, each asked on a thread of its own…
+        let callers: Vec<_> = (0..3)
+            .map(|i| {
+                let (wait, started_tx) = (wait.clone(), started_tx.clone());
+                std::thread::spawn(move || {
+                    let hung = move |_: &str| {
+                        let _ = started_tx.send(());
+                        // Blocks until the test lets go (its sender is dropped then).
+                        let _ = wait.lock().map(|w| w.recv());
+                        Ok(Vec::new())
+                    };
+                    resolve_in(&format!("kv-{i}.invalid:1"), deadline, hung, &RESOLVING, 3)
+                })
+            })
+            .collect();
+        for _ in 0..3 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            started.recv_timeout(left).expect("a lookup never started");
         }
         assert_eq!(RESOLVING.load(Ordering::Acquire), 3);
-        // …so a fourth fails at once, with no thread started and its deadline unspent.
-        let deadline = Instant::now() + Duration::from_secs(30);
+        // …so a fourth fails at once, as a timeout, with no thread started.
         let e = resolve_in(
             "kv-3.invalid:1",
             deadline,
@@ -254,11 +259,18 @@ mod tests {
             3,
         )
         .unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
         assert!(e.to_string().contains("3 name lookups already wait"), "{e}");
         // An address needs no lookup, and still resolves.
         let a = resolve_in("127.0.0.1:1", deadline, |_| unreachable!(), &RESOLVING, 3).unwrap();
         assert_eq!(a, vec!["127.0.0.1:1".parse().unwrap()]);
-        // Once the resolver answers, the places come back (each as its thread ends).
+        // Once the resolver answers (no address), the callers have their answers…
+        drop(hold);
+        for c in callers {
+            let e = c.join().expect("a caller panicked").unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::NotFound, "{e}");
+        }
+        // …and the places come back as the lookups' threads end, just after.
         let settled = || {
             while RESOLVING.load(Ordering::Acquire) > 0 {
                 assert!(
@@ -268,7 +280,6 @@ mod tests {
                 std::thread::yield_now();
             }
         };
-        drop(hold);
         settled();
         let local = "127.0.0.1:7".parse().unwrap();
         let a = resolve_in(

@@ -313,9 +313,10 @@ pub const CHUNK: usize = 64 << 10;
 /// ([`prime_pages`]): 4 pieces, 64 pages of 4 KiB (an L1 TLB holds more).
 const PRIMED: usize = 4 * CHUNK;
 
-/// Prefetches the first line of each 4 KiB page of a copy's source in the window that piece
-/// `i` of the copy opens (bytes `from..to` of the `len` at `src`: the first [`PRIMED`] bytes
-/// before piece 0, then one piece more before each next one), so that the pages' address
+/// Prefetches one line in each 4 KiB of a copy's source (a page's first line when the
+/// source is page-aligned) in the window that piece `i` of the copy opens (bytes `from..to`
+/// of the `len` at `src`: the first [`PRIMED`] bytes before piece 0, then one piece more
+/// before each next one), so that the pages' address
 /// translations are walked all at once and early, not one by one as the copy's own
 /// prefetches (a few KiB ahead) reach each new page. A block in the arena lies on 4 KiB
 /// pages unless `huge_pages` reserved it hugetlb ones. Measured on a Zen 5 (`kvtier-bench

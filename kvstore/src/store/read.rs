@@ -650,9 +650,11 @@ impl Inner {
     }
 
     /// [`Inner::host_prefix`] in an index larger than the caches: the hashes of up to
-    /// [`FAR_RUN`] keys at a time computed first (the first [`FAR_AHEAD`] keys' home buckets
-    /// prefetched as their hashes come), then each key's [`FAR_LINES`] lines from its home
-    /// bucket on prefetched [`FAR_AHEAD`] keys before the walk reads them.
+    /// [`FAR_RUN`] keys at a time computed first (the run's first [`FAR_AHEAD`] keys'
+    /// [`FAR_LINES`] lines prefetched as their hashes come), then each later key's
+    /// [`FAR_LINES`] lines from its home bucket on prefetched [`FAR_AHEAD`] keys before the
+    /// walk reads it. A run past the first starts its prefetches only once it is hashed, so
+    /// its first keys wait longer (an engine's lookup of up to 64 blocks is one run).
     ///
     /// Measured at 10 M blocks (Zen 5, `kvtier-bench host --metadata-blocks 10000000`, p50
     /// of 64-key lookups, against the same at 65,536 blocks; bench/RESULTS.md): 3 lines 8

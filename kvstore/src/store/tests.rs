@@ -276,8 +276,9 @@ fn a_large_index_matches_prefixes_exactly() {
     let chain: Vec<BlockKey> = (0..200).map(k).collect();
     assert_eq!(s.match_prefix(&chain).n, 200);
     assert_eq!(s.match_prefix(&chain[..1]).n, 1);
-    // Absent keys before, at and after the run boundary (64) and the prefetch distance (24).
-    for gap in [0usize, 1, 23, 24, 25, 63, 64, 65, 127, 128, 199] {
+    // Absent keys before, at and after the prefetch distance (20), the run boundary (64),
+    // the distance into the second run (84) and the second run's end (128).
+    for gap in [0usize, 1, 19, 20, 21, 63, 64, 65, 83, 84, 85, 127, 128, 199] {
         let mut keys = chain.clone();
         keys[gap] = k(blocks + gap as u128);
         let m = s.match_prefix(&keys);
